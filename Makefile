@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine: `make serve` and `make test`.
+# The install picks CPU or GPU by itself (a working `nvidia-smi` means GPU).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+ARGS ?=
+PYTEST_ARGS ?=
+GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+STAMP := $(VENV)/.sgl-kvc-installed
+
+.PHONY: install serve test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/cpu.txt requirements/test.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+ifeq ($(GPU),1)
+	$(PIP) install -e ".[gpu,test]" -r requirements/test.txt
+else
+	# CPU: the offline CPU build of torch, SGLang without its (CUDA) dependency resolution,
+	# then the runtime dependencies it needs on CPU at pinned versions.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -r requirements/cpu.txt -r requirements/test.txt
+	$(PIP) install --no-deps sglang==0.5.23
+	$(PIP) install --no-deps -e .
+	# Import stand-ins for sgl_kernel/torchvision, active only where the real ones cannot load.
+	$(PY) -m sgl_kvc.compat.standins
+endif
+	touch $(STAMP)
+
+serve: install
+	$(PY) -m sgl_kvc.launch $(ARGS)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV)

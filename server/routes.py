@@ -1,0 +1,56 @@
+"""`GET /v1/kvc/stats`: pool, prefix-cache, compression and request counters of the live server.
+
+The numbers come from the scheduler process(es), through SGLang's internal-state request (the
+adapter adds an `sgl_kvc` entry to each scheduler's answer), never from the HTTP process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import JSONResponse
+
+STATS_KEY = "sgl_kvc"  # same key as sgl_kvc.adapter.hooks.STATS_KEY (kept import-free of it)
+
+router = APIRouter()
+
+
+def merge_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sum counters over data-parallel ranks; strings come from the first rank, peaks add up
+    (they are per-rank peaks, so the sum is an upper bound of the global one)."""
+    if len(per_rank) == 1:
+        return per_rank[0]
+
+    def merge(values: list[Any]) -> Any:
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: merge([v[k] for v in values]) for k in first}
+        if isinstance(first, (int, float)) and not isinstance(first, bool):
+            return sum(values)
+        return first
+
+    return merge(per_rank)
+
+
+@router.get("/v1/kvc/stats")
+async def kvc_stats() -> JSONResponse:
+    from sglang.srt.entrypoints.http_server import get_global_state
+
+    states = await get_global_state().tokenizer_manager.get_internal_state()
+    per_rank = [s[STATS_KEY] for s in states if STATS_KEY in s]
+    if not per_rank:
+        from sgl_kvc.server.errors import openai_error
+
+        return openai_error(
+            503, "sgl-kvc is not active in the scheduler", type_="service_unavailable"
+        )
+    return JSONResponse(merge_stats(per_rank))
+
+
+def mount(app: FastAPI) -> None:
+    """Add sgl-kvc's routes and OpenAI-style error handling to SGLang's app (before it starts)."""
+    from sgl_kvc.server import errors
+
+    app.include_router(router)
+    errors.install(app)

@@ -1,0 +1,32 @@
+"""The thin layer that touches SGLang internals (pinned to sglang==0.5.23).
+
+Everything outside this package (policies, kernels, config, the demo model) is plain Python and
+torch. `install()` runs once per SGLang process, from the plugin entry point.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sgl_kvc.config import KvcConfig
+
+logger = logging.getLogger(__name__)
+
+SGLANG_VERSION = "0.5.23"
+RADIX_CACHE_BACKEND = "sgl_kvc"
+
+
+def install(config: KvcConfig) -> None:
+    import sglang
+
+    if sglang.__version__ != SGLANG_VERSION:
+        logger.warning(
+            "sgl-kvc is pinned to sglang==%s but found %s; hooks may not apply",
+            SGLANG_VERSION,
+            sglang.__version__,
+        )
+    from sgl_kvc.adapter import attention, hooks, radix_cache
+
+    radix_cache.register(RADIX_CACHE_BACKEND)
+    attention.register()
+    hooks.register(config)

@@ -1,0 +1,118 @@
+"""`python -m sgl_kvc.launch`: SGLang's server launcher with the sgl-kvc plugin loaded.
+
+Every SGLang server flag works and means what it means in SGLang; the flags of `KvcConfig`
+are added. Per device defaults are filled in only where the user did not give the flag:
+on CPU the torch-native attention and sampling backends, no grammar backend and a modest
+`--max-total-tokens`; on CUDA FlashInfer. Without `--model-path` the built-in demo model is
+served (created on first use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from sgl_kvc.compat import standins
+
+standins.install()  # before anything imports SGLang (also re-run in spawned children)
+
+from sgl_kvc.config import KvcConfig  # noqa: E402
+
+logger = logging.getLogger("sgl_kvc.launch")
+
+CPU_DEFAULTS: dict[str, str] = {
+    "--device": "cpu",
+    "--attention-backend": "torch_native",
+    "--sampling-backend": "pytorch",
+    "--grammar-backend": "none",
+    "--max-total-tokens": "16384",
+}
+GPU_DEFAULTS: dict[str, str] = {"--attention-backend": "flashinfer"}
+
+
+def _has_flag(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def build_sglang_argv(argv: list[str], on_gpu: bool) -> list[str]:
+    """SGLang's argument list: the user's flags plus the defaults they did not override."""
+    from sgl_kvc.adapter import RADIX_CACHE_BACKEND
+
+    out = list(argv)
+    defaults = dict(GPU_DEFAULTS if on_gpu else CPU_DEFAULTS)
+    if not _has_flag(out, "--disable-radix-cache"):
+        defaults["--radix-cache-backend"] = RADIX_CACHE_BACKEND
+    if not _has_flag(out, "--model-path") and not _has_flag(out, "--model"):
+        from sgl_kvc.model import DEMO_MODEL_NAME, ensure_demo_model
+
+        defaults["--model-path"] = str(ensure_demo_model())
+        defaults["--served-model-name"] = DEMO_MODEL_NAME
+    for flag, value in defaults.items():
+        if not _has_flag(out, flag):
+            out += [flag, value]
+    return out
+
+
+def parse_args(argv: list[str]) -> tuple[KvcConfig, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m sgl_kvc.launch",
+        add_help=False,
+        description="SGLang's server with KV-cache compression. All SGLang flags apply.",
+    )
+    KvcConfig.add_cli_args(parser)
+    if "-h" in argv or "--help" in argv:
+        parser.print_help()
+        print("\nSGLang server flags (all accepted):\n")
+        from sglang.srt.server_args import prepare_server_args
+
+        prepare_server_args(["--help"])  # prints SGLang's help and exits
+    ns, rest = parser.parse_known_args(argv)
+    try:
+        return KvcConfig.from_cli_args(ns), rest
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config, rest = parse_args(argv)
+    on_gpu = _cuda_available()
+    if not on_gpu:
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    sglang_argv = build_sglang_argv(rest, on_gpu)
+    config.to_env()  # read by the plugin in this process and in SGLang's worker processes
+
+    from sglang.launch_server import run_server
+    from sglang.srt.entrypoints.http_server import app
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(sglang_argv)
+    from sgl_kvc.server import mount
+
+    mount(app)
+    logger.info(
+        "sgl-kvc: policy=%s, prefix cache backend=%s, attention backend=sgl_kvc(%s)",
+        config.policy,
+        server_args.radix_cache_backend or "SGLang default",
+        server_args.attention_backend,
+    )
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""Engine-agnostic KV-cache eviction policies (plain torch; no SGLang import here).
+
+Importing this package registers every policy; use :func:`get_policy` / :func:`available_policies`.
+"""
+
+from __future__ import annotations
+
+from . import avgattn, h2o, kvcompress, none, rkv, snapkv, streamingllm  # noqa: F401  (register)
+from .avgattn import AvgAttnPolicy
+from .base import LayerView, Policy, PolicyParams
+from .h2o import H2OPolicy
+from .kvcompress import KVCompressPolicy
+from .none import NoPolicy
+from .registry import available_policies, get_policy, register_policy
+from .rkv import RKVPolicy
+from .snapkv import SnapKVPolicy
+from .streamingllm import StreamingLLMPolicy
+
+__all__ = [
+    "AvgAttnPolicy",
+    "H2OPolicy",
+    "KVCompressPolicy",
+    "LayerView",
+    "NoPolicy",
+    "Policy",
+    "PolicyParams",
+    "RKVPolicy",
+    "SnapKVPolicy",
+    "StreamingLLMPolicy",
+    "available_policies",
+    "get_policy",
+    "register_policy",
+]

@@ -1,0 +1,60 @@
+"""Batch-Max average attention (Metel et al. 2025, §3.2 and Algorithm 1).
+
+* Statistic: ``sum_weights`` += attention of every processed query (prefill blocks and decode
+  steps), summed over the query group of the KV head (eq. 9-style GQA aggregation; a constant
+  factor G per KV head, so the ranking is the mean over the group).
+* Score: ``ave_weights = sum_weights / (curr_id + 1 - kv_ids)`` where ``kv_ids`` are the logical
+  positions and ``curr_id`` is the position of the newest cached token (its query was the last
+  one accumulated). This assumes every query since a token existed was accumulated
+  (``accumulate_prefill`` is True).
+* No recency window: the division removes the bias (§3.2), so nothing is protected.
+* Decode (Algorithm 1): once the cache holds ``budget`` tokens (|kv| = ceil(kv)), evict
+  ``evict_chunk`` (p = 64) of them: target = budget - p, with p clamped to budget // 2 (our
+  addition, for budgets the paper never used: it ran ceil(kv) >= 896). The cache then ranges over
+  [budget - p, budget]. After prefill it is trimmed to ``budget`` (the end state of Batch-Max's
+  block-wise prefill).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from ._ops import group_probs
+from .base import LayerView, Policy, pad_stats
+from .registry import register_policy
+
+
+@register_policy
+class AvgAttnPolicy(Policy):
+    name: ClassVar[str] = "avgattn"
+    uses_stats: ClassVar[bool] = True
+    accumulate_prefill: ClassVar[bool] = True
+    compress_after_prefill: ClassVar[bool] = True
+
+    def protected(self, view: LayerView) -> Tensor:
+        return torch.zeros(view.n, dtype=torch.bool, device=view.keys.device)
+
+    def _score(self, view: LayerView) -> Tensor:
+        if view.stats is None:
+            raise ValueError("policy 'avgattn' needs accumulated attention (LayerView.stats)")
+        sums = pad_stats(view.stats, view.n)
+        pos = view.positions.to(torch.float64)
+        seen_by = (pos[-1] + 1.0 - pos).clamp_min(1.0)  # Batch-Max §3.2: curr_id + 1 - kv_ids
+        return (sums.double() / seen_by).float()  # Batch-Max §3.2: ave_weights
+
+    def accumulate(self, stats: Tensor | None, probs: Tensor, n_kv_heads: int) -> Tensor:
+        grouped, base = group_probs(stats, probs, n_kv_heads)
+        return base + grouped.sum(dim=(1, 2))  # Batch-Max §3.2: sum_weights += sum_i attn[i]
+
+    def target_length(self, n: int) -> int | None:
+        p = self.params
+        if n < p.budget:
+            return None
+        # Batch-Max Algorithm 1: if |kv| = ceil(kv), remove p KV pairs. p is clamped to budget // 2
+        # so that a small budget never collapses the cache to a handful of tokens.
+        chunk = min(p.evict_chunk, max(p.budget // 2, 1))
+        target = max(p.budget - chunk, 1)
+        return target if target < n else None

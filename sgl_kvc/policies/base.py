@@ -1,0 +1,262 @@
+"""Engine-agnostic interface of a KV-cache eviction policy.
+
+A policy is plain torch on tensors: it sees, for one layer of one request, the cached keys, the last
+few observation queries, the logical RoPE positions and (for policies that need it) an attention
+statistic it maintains itself through :meth:`Policy.accumulate`; it answers which tokens to keep.
+Nothing here knows SGLang; the adapter layer translates.
+
+Protocol for the caller (the adapter):
+
+* After prefill: ``k = policy.prefill_target_length(n)``; if not None, compress to ``k``.
+* Before every decode step: ``k = policy.target_length(n)``; if not None, compress to ``k``.
+* Before it would have to preempt: compress to ``params.budget`` (or any size) with ``select``.
+* To compress: build one :class:`LayerView` per layer (same ``n`` for all), call
+  ``keep = policy.select(views, k)``, gather the KV of ``keep`` (sorted, so cache order and
+  increasing positions are preserved), and replace each layer's statistic by
+  ``policy.carry_stats(view, keep)``.
+* Statistics (only when ``policy.uses_stats``): after each forward pass, per layer,
+  ``stats = policy.accumulate(stats, probs, n_kv_heads)`` with the softmax probabilities of that
+  pass's queries over all ``n`` cached tokens (causal masking applied). Feed prefill passes too only
+  when ``policy.accumulate_prefill``. ``accumulate`` is additive over query rows, so a long prefill
+  can be fed in row blocks; a statistic narrower than ``n`` (tokens appended since the last call) is
+  zero-padded on the right.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_float(name: str, value: object, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    """Hyper-parameters shared by all policies (each policy reads the ones it needs).
+
+    These defaults are the single source of the command-line defaults.
+    """
+
+    budget: int = 128
+    """B_budget: tokens kept per request after a compression (observation window included)."""
+    buffer: int = 128
+    """B_buffer: tokens allowed to accumulate above the budget before a decode-time compression."""
+    window: int = 8
+    """alpha (R-KV) / w (SnapKV, KV-Compress): number of observation queries, kept as protected."""
+    rkv_lambda: float = 0.1
+    """R-KV lambda of eq. (7) (the paper's 0.1; the public code uses 0.07)."""
+    rkv_threshold: float = 0.5
+    """R-KV similarity threshold T (Alg. 1 line 24); from the public code."""
+    rkv_beta: int = 1
+    """R-KV beta: most recent highly-similar tokens exempted (Alg. 1 lines 25-31)."""
+    pool_kernel: int = 7
+    """Odd 1-D max-pool kernel (SnapKV / KV-Compress eq. 8 p=7, R-KV eq. 4 / Alg. 1 line 16)."""
+    sink_tokens: int = 4
+    """StreamingLLM attention sinks."""
+    evict_chunk: int = 64
+    """Batch-Max p: tokens evicted at once by the average-attention policy (Algorithm 1)."""
+
+    def __post_init__(self) -> None:
+        _check_int("budget", self.budget, 1)
+        _check_int("buffer", self.buffer, 0)
+        _check_int("window", self.window, 1)
+        _check_float("rkv_lambda", self.rkv_lambda, 0.0, 1.0)
+        _check_float("rkv_threshold", self.rkv_threshold, -1.0, 1.0)
+        _check_int("rkv_beta", self.rkv_beta, 0)
+        _check_int("pool_kernel", self.pool_kernel, 1)
+        if self.pool_kernel % 2 != 1:
+            raise ValueError(f"pool_kernel must be odd (centred window), got {self.pool_kernel}")
+        _check_int("sink_tokens", self.sink_tokens, 0)
+        _check_int("evict_chunk", self.evict_chunk, 1)
+
+
+@dataclass
+class LayerView:
+    """What a policy sees for ONE layer of ONE request.
+
+    keys:      [n, H_kv, d] dequantized keys of the cached tokens, in cache order.
+    queries:   [q, H_q, d] or None: the last q (<= window) observation queries; they belong to the
+               LAST q cached tokens. H_q must be a multiple of H_kv; query head h uses KV head
+               h // (H_q // H_kv) (KV-Compress eq. 11).
+    positions: [n] logical RoPE positions, strictly increasing (gaps allowed after compaction);
+               None means 0..n-1.
+    stats:     [H_kv, m] (m <= n) or None: the statistic maintained by ``Policy.accumulate``; same
+               token order as keys; columns m..n-1 (tokens appended since) count as zero.
+    scale:     softmax scale; None means 1/sqrt(d).
+    """
+
+    keys: Tensor
+    queries: Tensor | None = None
+    positions: Tensor | None = None
+    stats: Tensor | None = None
+    scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.keys.dim() != 3:
+            raise ValueError(f"keys must be [n, H_kv, d], got shape {tuple(self.keys.shape)}")
+        n, h_kv, d = self.keys.shape
+        if self.queries is not None:
+            if self.queries.dim() != 3 or self.queries.shape[2] != d:
+                raise ValueError(
+                    f"queries must be [q, H_q, {d}], got shape {tuple(self.queries.shape)}"
+                )
+            if self.queries.shape[1] % h_kv != 0:
+                raise ValueError(
+                    f"H_q={self.queries.shape[1]} is not a multiple of H_kv={h_kv}"
+                )
+            if self.queries.shape[0] > n:
+                raise ValueError(f"{self.queries.shape[0]} queries for only {n} cached tokens")
+        if self.positions is None:
+            self.positions = torch.arange(n, device=self.keys.device)
+        elif tuple(self.positions.shape) != (n,):
+            raise ValueError(f"positions must be [{n}], got shape {tuple(self.positions.shape)}")
+        if self.stats is not None:
+            if self.stats.dim() != 2 or self.stats.shape[0] != h_kv or self.stats.shape[1] > n:
+                raise ValueError(
+                    f"stats must be [{h_kv}, m<={n}], got shape {tuple(self.stats.shape)}"
+                )
+        if self.scale is None:
+            self.scale = 1.0 / math.sqrt(d)
+
+    @property
+    def n(self) -> int:
+        return int(self.keys.shape[0])
+
+    @property
+    def n_kv_heads(self) -> int:
+        return int(self.keys.shape[1])
+
+
+def pad_stats(stats: Tensor, n: int) -> Tensor:
+    """Float32 copy of ``stats`` [H_kv, m] widened with zero columns to [H_kv, n]."""
+    stats = stats.float()
+    m = stats.shape[1]
+    if m > n:
+        raise ValueError(f"stats cover {m} tokens but only {n} are cached")
+    if m == n:
+        return stats
+    return torch.nn.functional.pad(stats, (0, n - m))
+
+
+class Policy(ABC):
+    """One eviction policy. Subclasses implement :meth:`_score` and override rules as needed."""
+
+    name: ClassVar[str]
+    uses_stats: ClassVar[bool] = False
+    """Whether the caller must maintain ``stats`` through :meth:`accumulate`."""
+    accumulate_prefill: ClassVar[bool] = False
+    """Whether prefill queries are fed to :meth:`accumulate` too (else decode queries only)."""
+    compress_after_prefill: ClassVar[bool] = False
+    """Whether the policy compresses right after prefill (see :meth:`prefill_target_length`)."""
+
+    def __init__(self, params: PolicyParams | None = None) -> None:
+        self.params = params if params is not None else PolicyParams()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.params!r})"
+
+    # ---- scoring -------------------------------------------------------------------------------
+    @abstractmethod
+    def _score(self, view: LayerView) -> Tensor:
+        """Raw float32 scores [H_kv, n], higher = keep; values at protected tokens are ignored."""
+
+    def score(self, view: LayerView) -> Tensor:
+        """Float32 scores [H_kv, n] per KV head, higher = keep; protected tokens score +inf."""
+        scores = self._score(view).float().clone()
+        scores[:, self.protected(view)] = math.inf
+        return scores
+
+    def protected(self, view: LayerView) -> Tensor:
+        """Bool [n] tokens always kept. Default: the observation window (last ``window`` tokens)."""
+        mask = torch.zeros(view.n, dtype=torch.bool, device=view.keys.device)
+        mask[max(view.n - self.params.window, 0):] = True
+        return mask
+
+    # ---- statistics ----------------------------------------------------------------------------
+    def accumulate(self, stats: Tensor | None, probs: Tensor, n_kv_heads: int) -> Tensor:
+        """Updated statistic [H_kv, n] from ``probs`` [H_q, q_len, n] of new queries."""
+        raise NotImplementedError(f"policy {self.name!r} does not use attention statistics")
+
+    def carry_stats(self, view: LayerView, keep: Tensor) -> Tensor | None:
+        """Statistic to keep for the next cycle after the cache was compacted to ``keep``."""
+        if view.stats is None:
+            return None
+        return pad_stats(view.stats, view.n)[:, keep]
+
+    # ---- when and to what size -----------------------------------------------------------------
+    def target_length(self, n: int) -> int | None:
+        """Decode-time rule: size to compress to before the next decode step, or None.
+
+        Default (amortised, R-KV §3.1 style): once n >= budget + buffer, trim to budget, so the
+        cache oscillates between budget and budget + buffer and a compression runs every
+        ``buffer`` steps instead of every step.
+        """
+        p = self.params
+        if n >= p.budget + p.buffer and n > p.budget:
+            return p.budget
+        return None
+
+    def prefill_target_length(self, n: int) -> int | None:
+        """Size to compress to right after prefill, or None."""
+        if self.compress_after_prefill and n > self.params.budget:
+            return self.params.budget
+        return None
+
+    # ---- selection -----------------------------------------------------------------------------
+    def combined_score(self, views: Sequence[LayerView]) -> Tensor:
+        """Float32 [n]: mean over KV heads (R-KV Alg. 1 line 44), then mean over layers."""
+        if len(views) == 0:
+            raise ValueError("select needs at least one LayerView")
+        n = views[0].n
+        total: Tensor | None = None
+        for view in views:
+            if view.n != n:
+                raise ValueError(f"all layers must hold the same tokens: {view.n} != {n}")
+            per_layer = self.score(view).mean(dim=0)
+            total = per_layer if total is None else total + per_layer
+        assert total is not None
+        return total / len(views)
+
+    def select(self, views: Sequence[LayerView], keep: int) -> Tensor:
+        """Sorted int64 indices (into 0..n-1) of the ``min(keep, n)`` tokens to keep.
+
+        Protected tokens (union over layers) come first; if there are more of them than ``keep``,
+        the most recent ``keep`` protected tokens are kept. The remaining slots go to the highest
+        combined scores; ties go to the lower index (stable sort). NaN scores rank last.
+        """
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0, got {keep}")
+        combined = self.combined_score(views)
+        n = combined.shape[0]
+        device = combined.device
+        keep = min(keep, n)
+        prot = torch.zeros(n, dtype=torch.bool, device=device)
+        for view in views:
+            prot |= self.protected(view)
+        prot_idx = torch.nonzero(prot).flatten()
+        if prot_idx.numel() >= keep:
+            chosen = prot_idx[prot_idx.numel() - keep:]
+        else:
+            cand_idx = torch.nonzero(~prot).flatten()
+            cand = torch.nan_to_num(combined[cand_idx], nan=-math.inf)
+            order = torch.sort(-cand, stable=True).indices
+            chosen = torch.cat([prot_idx, cand_idx[order[: keep - prot_idx.numel()]]])
+        return torch.sort(chosen).values

@@ -1,0 +1,78 @@
+"""R-KV: redundancy-aware decode-time compression (Cai et al., eq. 1-7 and Algorithm 1).
+
+Choices the paper leaves open (see DESIGN.md, "Policy details the papers leave open"):
+
+* Size: §3.1 keeps B_budget tokens IN TOTAL: the alpha observation tokens plus the top
+  B_budget - alpha candidates. Algorithm 1 (lines 46 and 50) would keep B_budget candidates plus
+  alpha (B_budget + alpha in total). We follow §3.1, so ``select(views, budget)`` returns exactly
+  ``budget`` tokens and the cache oscillates between budget and budget + buffer (Alg. 1 line 2).
+* Attention (Alg. 1 line 12): the softmax runs over the N_c candidate keys only (the observation
+  tokens are not candidates); all candidates precede all observation queries, so no mask is needed.
+  (The public code softmaxes over all keys with a causal mask; ranks can differ slightly.)
+* GQA (eq. 3): max over the query group of the LOGITS, then softmax.
+* Importance (Alg. 1 lines 14-16): mean over the alpha queries first, then 1-D max pooling with the
+  odd kernel ``pool_kernel`` centred on the token (eq. 4's window of half-width W, here W =
+  (kernel - 1) / 2 on both sides), over candidates only.
+* Redundancy (eq. 5-6 / Alg. 1 lines 18-35): per KV head, over candidates; T = 0.5, beta = 1.
+* Head and layer aggregation: mean over KV heads (Alg. 1 line 44), then mean over layers.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from ._ops import gqa_logits, maxpool_tokens, require_queries
+from .base import LayerView, Policy
+from .registry import register_policy
+
+_EPS = 1e-8  # R-KV eq. (5) epsilon
+_SIM_CHUNK_ELEMS = 1 << 24  # bound on the similarity block held at once (elements)
+
+
+def redundancy_scores(keys: Tensor, threshold: float, beta: int) -> Tensor:
+    """R [H_kv, m] of eq. (6) for candidate keys [m, H_kv, d] (rows processed in blocks)."""
+    k = keys.float().transpose(0, 1)  # [H, m, d]
+    h, m, _ = k.shape
+    k_norm = k / (k.norm(dim=-1, keepdim=True) + _EPS)  # R-KV eq. (5) / Alg. 1 line 19
+    s_bar = torch.empty(h, m, dtype=torch.float32, device=k.device)
+    rows = max(1, _SIM_CHUNK_ELEMS // max(1, h * m))
+    for start in range(0, m, rows):  # blocks of rows, not a loop over tokens
+        stop = min(m, start + rows)
+        sim = torch.matmul(k_norm[:, start:stop], k_norm.transpose(1, 2))  # eq. (5): S = K K^T
+        local = torch.arange(stop - start, device=k.device)
+        sim[:, local, local + start] = 0.0  # eq. (5): S_ii <- 0 (Alg. 1 lines 21-23)
+        if beta > 0:
+            similar = sim > threshold  # Alg. 1 line 24: B_uv = [S_uv > T]
+            # number of similar tokens at index >= v in row u; the beta most recent ones have <= beta
+            from_right = similar.flip(-1).cumsum(-1).flip(-1)
+            # Alg. 1 lines 25-31: zero S_uv for the (up to) beta largest similar indices v
+            sim = sim.masked_fill(similar & (from_right <= beta), 0.0)
+        s_bar[:, start:stop] = sim.sum(dim=-1) / m  # eq. (6) / Alg. 1 line 32: mean similarity
+    return torch.softmax(s_bar, dim=-1)  # eq. (6) / Alg. 1 line 34: R = softmax(S_bar)
+
+
+@register_policy
+class RKVPolicy(Policy):
+    name: ClassVar[str] = "rkv"
+    uses_stats: ClassVar[bool] = False
+    compress_after_prefill: ClassVar[bool] = False  # decode-time method (§3.1)
+
+    def _score(self, view: LayerView) -> Tensor:
+        p = self.params
+        n = view.n
+        n_cand = n - min(p.window, n)  # Alg. 1 lines 5-7: last alpha tokens are observations
+        out = torch.zeros(view.n_kv_heads, n, dtype=torch.float32, device=view.keys.device)
+        if n_cand == 0:
+            return out
+        queries = require_queries(view, self.name, p.window)
+        cand_keys = view.keys[:n_cand]
+        logits = gqa_logits(queries, cand_keys, view.scale)  # eq. (2): [H_kv, G, alpha, N_c]
+        attn = torch.softmax(logits.amax(dim=1), dim=-1)  # eq. (3): max over group, softmax
+        importance = maxpool_tokens(attn.mean(dim=1), p.pool_kernel)  # eq. (4), Alg. 1 l. 14-16
+        redundancy = redundancy_scores(cand_keys, p.rkv_threshold, p.rkv_beta)  # eq. (5)-(6)
+        lam = p.rkv_lambda
+        out[:, :n_cand] = lam * importance - (1.0 - lam) * redundancy  # eq. (7): Z
+        return out

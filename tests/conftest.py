@@ -1,0 +1,59 @@
+"""Shared fixtures: live servers on free ports, started once per test session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from serverproc import ServerProcess  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def standin_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("standins") / "standins.log"
+
+
+@pytest.fixture(scope="session")
+def kvc_server(standin_log: Path) -> Iterator[ServerProcess]:
+    """`python -m sgl_kvc.launch` on the built-in model, default flags (policy none)."""
+    env = {"SGLKVC_STANDIN_LOG": str(standin_log)}
+    with ServerProcess.launch([sys.executable, "-m", "sgl_kvc.launch"], env=env) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def demo_model_path() -> str:
+    from sgl_kvc.model import ensure_demo_model
+
+    return str(ensure_demo_model())
+
+
+@pytest.fixture(scope="session")
+def openai_client(kvc_server: ServerProcess):
+    import openai
+
+    return openai.OpenAI(base_url=kvc_server.url + "/v1", api_key="none", max_retries=0)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"sgl-kvc tests; SGLKVC_CACHE={os.environ.get('SGLKVC_CACHE', '(default)')}"

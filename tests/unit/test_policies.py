@@ -1,0 +1,673 @@
+"""Unit tests of the engine-agnostic eviction policies (sgl_kvc.policies).
+
+Each policy's kept set is compared with a dense reference written here with explicit Python loops
+in float64, following the papers' formulas / algorithms step by step (no policy helper is called).
+Each reference also has a deliberately wrong variant (e.g. mean instead of max over the GQA group)
+that must disagree with the policy on at least one case, so the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sgl_kvc.policies import (
+    LayerView,
+    Policy,
+    PolicyParams,
+    available_policies,
+    get_policy,
+    register_policy,
+)
+from sgl_kvc.policies import rkv as rkv_module
+
+ALL_POLICIES = ["avgattn", "h2o", "kvcompress", "none", "rkv", "snapkv", "streamingllm"]
+
+# --------------------------------------------------------------------------------------------------
+# random inputs
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    seed: int
+    n: int
+    h_kv: int
+    group: int  # G = H_q / H_kv
+    d: int
+    q: int  # observation queries given (<= window)
+    outliers: bool = False  # a few key channels 50x larger
+    dup: bool = False  # near-duplicate keys (cosine > T) so R-KV's threshold / beta matter
+
+
+CASES = [
+    Case(seed=1, n=48, h_kv=2, group=1, d=16, q=8),  # MHA
+    Case(seed=2, n=64, h_kv=2, group=4, d=16, q=8),  # GQA, H_q = 4 H_kv
+    Case(seed=3, n=56, h_kv=1, group=4, d=32, q=8, outliers=True),
+    Case(seed=4, n=60, h_kv=2, group=2, d=16, q=8, dup=True),
+    Case(seed=5, n=44, h_kv=2, group=4, d=8, q=5, outliers=True, dup=True),  # q < window
+    Case(seed=6, n=52, h_kv=2, group=4, d=16, q=8, dup=True),
+]
+CASE_IDS = [f"seed{c.seed}-n{c.n}-kv{c.h_kv}-g{c.group}" for c in CASES]
+LAYERS = 2
+WINDOW = 8
+KEEP = 24
+
+
+def make_layer(case: Case, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """keys [n, H_kv, d], queries [q, H_q, d], positions [n] (with gaps)."""
+    g = torch.Generator().manual_seed(1000 * case.seed + layer)
+    keys = torch.randn(case.n, case.h_kv, case.d, generator=g)
+    if case.outliers:
+        channels = torch.randperm(case.d, generator=g)[:2]
+        keys[:, :, channels] *= 50.0
+    if case.dup:
+        # near-duplicates of earlier tokens (small noise so the float32/float64 ranks agree)
+        src = torch.randint(0, case.n // 2, (case.n // 5,), generator=g)
+        dst = torch.randperm(case.n - case.n // 2, generator=g)[: case.n // 5] + case.n // 2
+        keys[dst] = keys[src] + 0.05 * torch.randn(len(dst), case.h_kv, case.d, generator=g)
+    q_scale = 0.08 if case.outliers else 0.7
+    queries = q_scale * torch.randn(case.q, case.h_kv * case.group, case.d, generator=g)
+    gaps = torch.randint(1, 4, (case.n,), generator=g)
+    positions = torch.cumsum(gaps, 0) - gaps[0]
+    return keys, queries, positions
+
+
+def random_probs(gen: torch.Generator, h_q: int, rows: int, n: int, causal_from: int | None) -> torch.Tensor:
+    """Softmax rows [H_q, rows, n]; row r sees keys <= causal_from + r when causal_from is set."""
+    logits = 2.0 * torch.randn(h_q, rows, n, generator=gen)
+    if causal_from is not None:
+        key_idx = torch.arange(n)[None, :]
+        row_idx = torch.arange(rows)[:, None] + causal_from
+        logits = logits.masked_fill(key_idx > row_idx, -math.inf)
+    return torch.softmax(logits, dim=-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# plain-Python float64 reference building blocks
+# --------------------------------------------------------------------------------------------------
+
+
+def dot(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b))
+
+
+def softmax(xs: list[float]) -> list[float]:
+    m = max(xs)
+    e = [math.exp(x - m) for x in xs]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+def maxpool(xs: list[float], kernel: int) -> list[float]:
+    w = kernel // 2
+    return [max(xs[max(0, i - w): i + w + 1]) for i in range(len(xs))]
+
+
+def causal_probs(keys: list, queries: list, h: int, hq: int, scale: float) -> list[list[float]]:
+    """Attention of query head hq (KV head h) of each observation query over all keys, causal."""
+    n, q = len(keys), len(queries)
+    rows = []
+    for j in range(q):
+        visible = n - q + j + 1
+        logits = [dot(queries[j][hq], keys[i][h]) * scale for i in range(visible)]
+        rows.append(softmax(logits) + [0.0] * (n - visible))
+    return rows
+
+
+def ref_select(layer_scores: list, protected: set[int], n: int, keep: int) -> tuple[set[int], float]:
+    """Protected first (most recent if too many), then by score mean over heads then layers.
+
+    Returns (kept set, margin between the last kept and the first dropped candidate score).
+    """
+    keep = min(keep, n)
+    agg = []
+    for i in range(n):
+        per_layer = [sum(heads[h][i] for h in range(len(heads))) / len(heads) for heads in layer_scores]
+        agg.append(sum(per_layer) / len(per_layer))
+    prot = sorted(protected)
+    if len(prot) >= keep:
+        return set(prot[len(prot) - keep:]), math.inf
+    others = sorted((i for i in range(n) if i not in protected), key=lambda i: (-agg[i], i))
+    take = keep - len(prot)
+    margin = math.inf
+    if 0 < take < len(others):
+        margin = agg[others[take - 1]] - agg[others[take]]
+        scale = max(abs(agg[i]) for i in others) + 1e-30
+        # well-conditioned cut: an exact tie (same value in both precisions) or a clear gap
+        assert margin == 0.0 or margin > 1e-6 * scale, f"ill-conditioned test case: {margin}"
+    return set(prot) | set(others[:take]), margin
+
+
+def kept(policy: Policy, views: list[LayerView], keep: int) -> set[int]:
+    idx = policy.select(views, keep)
+    return set(idx.tolist())
+
+
+# --------------------------------------------------------------------------------------------------
+# R-KV reference: eq. (1)-(7), Algorithm 1
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_rkv_layer(keys_t, queries_t, p: PolicyParams, gqa: str = "max", beta: int | None = None):
+    beta = p.rkv_beta if beta is None else beta
+    keys = keys_t.double().tolist()
+    obs = queries_t.double().tolist()[-p.window:]
+    n, h_kv, d = keys_t.shape
+    group = queries_t.shape[1] // h_kv
+    scale = 1.0 / math.sqrt(d)
+    alpha = min(p.window, n)
+    nc = n - alpha  # Alg. 1 line 7
+    scores = []
+    for h in range(h_kv):
+        # eq. (2)-(3): per query of the group, logits over candidates; max over group; softmax
+        attn = []
+        for j in range(len(obs)):
+            row = []
+            for k in range(nc):
+                per_g = [dot(obs[j][h * group + g], keys[k][h]) * scale for g in range(group)]
+                row.append(max(per_g) if gqa == "max" else sum(per_g) / group)
+            attn.append(softmax(row))
+        # Alg. 1 line 14: mean over observation queries; line 16: 1-D (max) pooling
+        imp = maxpool([sum(attn[j][k] for j in range(len(obs))) / len(obs) for k in range(nc)],
+                      p.pool_kernel)
+        # Alg. 1 lines 18-23: cosine similarity, zero diagonal
+        normed = []
+        for k in range(nc):
+            v = keys[k][h]
+            norm = math.sqrt(dot(v, v))
+            normed.append([x / (norm + 1e-8) for x in v])
+        sim = [[dot(normed[u], normed[v]) for v in range(nc)] for u in range(nc)]
+        for k in range(nc):
+            sim[k][k] = 0.0
+        # lines 24-31: for each u, zero the beta largest v with S_uv > T
+        similar = [[sim[u][v] > p.rkv_threshold for v in range(nc)] for u in range(nc)]
+        for u in range(nc):
+            t_u = [v for v in range(nc) if similar[u][v]]
+            for v in (t_u[-beta:] if beta > 0 else []):
+                sim[u][v] = 0.0
+        # lines 32-35 / eq. (6)
+        red = softmax([sum(sim[u]) / nc for u in range(nc)])
+        # eq. (7)
+        lam = p.rkv_lambda
+        scores.append([lam * imp[k] - (1 - lam) * red[k] for k in range(nc)] + [0.0] * alpha)
+    return scores, set(range(nc, n))
+
+
+def rkv_case(case: Case, **variant):
+    p = PolicyParams(budget=KEEP, window=WINDOW)
+    views, layer_scores = [], []
+    for layer in range(LAYERS):
+        keys, queries, positions = make_layer(case, layer)
+        views.append(LayerView(keys=keys, queries=queries, positions=positions))
+        s, prot = ref_rkv_layer(keys, queries, p, **variant)
+        layer_scores.append(s)
+    return p, views, ref_select(layer_scores, prot, case.n, KEEP)[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_rkv_matches_dense_reference(case: Case) -> None:
+    p, views, ref = rkv_case(case)
+    assert kept(get_policy("rkv", p), views, KEEP) == ref
+
+
+def test_rkv_reference_is_discriminative() -> None:
+    """Mean (not max) over the GQA group, or no beta exemption, changes the kept set somewhere."""
+    gqa_cases = [c for c in CASES if c.group > 1]
+    policy_sets, mean_sets = [], []
+    for case in gqa_cases:
+        p, views, _ = rkv_case(case)
+        policy_sets.append(kept(get_policy("rkv", p), views, KEEP))
+        mean_sets.append(rkv_case(case, gqa="mean")[2])
+    assert policy_sets != mean_sets
+    # the redundancy threshold / beta exemption matters on the duplicated-keys cases
+    dup_cases = [c for c in CASES if c.dup]
+    assert any(rkv_case(c)[2] != rkv_case(c, beta=0)[2] for c in dup_cases)
+
+
+def test_rkv_similarity_blocking_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = CASES[3]
+    p, views, ref = rkv_case(case)
+    full = get_policy("rkv", p).score(views[0])
+    monkeypatch.setattr(rkv_module, "_SIM_CHUNK_ELEMS", 7)
+    blocked = get_policy("rkv", p).score(views[0])
+    torch.testing.assert_close(full, blocked)
+    assert kept(get_policy("rkv", p), views, KEEP) == ref
+
+
+def test_rkv_keeps_budget_total_including_observation_window() -> None:
+    case = CASES[1]
+    p, views, _ = rkv_case(case)
+    pol = get_policy("rkv", p)
+    idx = pol.select(views, p.budget)
+    assert idx.numel() == p.budget
+    assert set(range(case.n - p.window, case.n)) <= set(idx.tolist())
+
+
+# --------------------------------------------------------------------------------------------------
+# SnapKV reference
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_snapkv_layer(keys_t, queries_t, p: PolicyParams, gqa: str = "mean", pool: bool = True):
+    keys = keys_t.double().tolist()
+    obs = queries_t.double().tolist()[-p.window:]
+    n, h_kv, d = keys_t.shape
+    group = queries_t.shape[1] // h_kv
+    nc = n - min(p.window, n)
+    scores = []
+    for h in range(h_kv):
+        per_head = []
+        for g in range(group):
+            rows = causal_probs(keys, obs, h, h * group + g, 1.0 / math.sqrt(d))
+            per_head.append([sum(rows[j][i] for j in range(len(obs))) for i in range(nc)])
+        if gqa == "mean":
+            votes = [sum(per_head[g][i] for g in range(group)) / group for i in range(nc)]
+        else:
+            votes = [max(per_head[g][i] for g in range(group)) for i in range(nc)]
+        votes = maxpool(votes, p.pool_kernel) if pool else votes
+        scores.append(votes + [0.0] * (n - nc))
+    return scores, set(range(nc, n))
+
+
+def snapkv_case(case: Case, **variant):
+    p = PolicyParams(budget=KEEP, window=WINDOW)
+    views, layer_scores = [], []
+    for layer in range(LAYERS):
+        keys, queries, positions = make_layer(case, layer)
+        views.append(LayerView(keys=keys, queries=queries, positions=positions))
+        s, prot = ref_snapkv_layer(keys, queries, p, **variant)
+        layer_scores.append(s)
+    return p, views, ref_select(layer_scores, prot, case.n, KEEP)[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_snapkv_matches_dense_reference(case: Case) -> None:
+    p, views, ref = snapkv_case(case)
+    assert kept(get_policy("snapkv", p), views, KEEP) == ref
+
+
+def test_snapkv_reference_is_discriminative() -> None:
+    results = [snapkv_case(c) for c in CASES]
+    ours = [kept(get_policy("snapkv", p), v, KEEP) for p, v, _ in results]
+    assert ours != [snapkv_case(c, gqa="max")[2] for c in CASES]
+    assert ours != [snapkv_case(c, pool=False)[2] for c in CASES]
+
+
+# --------------------------------------------------------------------------------------------------
+# KV-Compress reference: eq. (8), (10) squared (as eq. 19), (20)
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_kvc_prefill_metric(keys_t, queries_t, p: PolicyParams, squared: bool = True):
+    keys = keys_t.double().tolist()
+    obs = queries_t.double().tolist()[-p.window:]
+    n, h_kv, d = keys_t.shape
+    group = queries_t.shape[1] // h_kv
+    metric = []
+    for h in range(h_kv):
+        m = [0.0] * n
+        for g in range(group):  # eq. (10): sum over the query group H_k
+            rows = causal_probs(keys, obs, h, h * group + g, 1.0 / math.sqrt(d))
+            for j in range(len(obs)):  # sum over the observation window i = L-w..L
+                for i in range(n):
+                    m[i] += rows[j][i] ** 2 if squared else rows[j][i]
+        metric.append(maxpool(m, p.pool_kernel))  # eq. (8)
+    return metric
+
+
+def kvc_case(case: Case, squared: bool = True):
+    p = PolicyParams(budget=KEEP, window=WINDOW)
+    views, layer_scores = [], []
+    for layer in range(LAYERS):
+        keys, queries, positions = make_layer(case, layer)
+        views.append(LayerView(keys=keys, queries=queries, positions=positions))
+        layer_scores.append(ref_kvc_prefill_metric(keys, queries, p, squared))
+    prot = set(range(case.n - p.window, case.n))
+    return p, views, layer_scores, ref_select(layer_scores, prot, case.n, KEEP)[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_kvcompress_prefill_matches_dense_reference(case: Case) -> None:
+    p, views, _, ref = kvc_case(case)
+    assert kept(get_policy("kvcompress", p), views, KEEP) == ref
+
+
+def test_kvcompress_reference_is_discriminative() -> None:
+    ours = []
+    for c in CASES:
+        p, views, _, _ = kvc_case(c)
+        ours.append(kept(get_policy("kvcompress", p), views, KEEP))
+    assert ours != [kvc_case(c, squared=False)[3] for c in CASES]
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=CASE_IDS[:4])
+def test_kvcompress_continual_matches_eq20(case: Case) -> None:
+    """Prefill compression seeds M^(pool); decode adds squared group-summed attention (eq. 20)."""
+    p, views, metrics, first = kvc_case(case)
+    pol = get_policy("kvcompress", p)
+    keep_idx = pol.select(views, KEEP)
+    assert set(keep_idx.tolist()) == first
+    order = keep_idx.tolist()
+    gen = torch.Generator().manual_seed(77 + case.seed)
+    new_views, layer_scores = [], []
+    steps = 30
+    h_q = case.h_kv * case.group
+    for layer, view in enumerate(views):
+        stats = pol.carry_stats(view, keep_idx)
+        ref = [[metrics[layer][h][i] for i in order] for h in range(case.h_kv)]
+        keys = view.keys[keep_idx]
+        for _ in range(steps):
+            keys = torch.cat([keys, torch.randn(1, case.h_kv, case.d, generator=gen)])
+            probs = random_probs(gen, h_q, 1, keys.shape[0], None)
+            stats = pol.accumulate(stats, probs, case.h_kv)
+            pl = probs.double().tolist()
+            for h in range(case.h_kv):
+                ref[h].append(0.0)
+                for g in range(case.group):
+                    for i in range(keys.shape[0]):
+                        ref[h][i] += pl[h * case.group + g][0][i] ** 2  # eq. (20)
+        new_views.append(LayerView(keys=keys, stats=stats))
+        layer_scores.append(ref)
+    n = new_views[0].n
+    ref_kept, _ = ref_select(layer_scores, set(range(n - p.window, n)), n, KEEP)
+    assert kept(pol, new_views, KEEP) == ref_kept
+
+
+# --------------------------------------------------------------------------------------------------
+# H2O and Batch-Max average attention: accumulated attention
+# --------------------------------------------------------------------------------------------------
+
+
+def simulate_stats(policy: Policy, case: Case, layer: int, steps: int = 20):
+    """Prefill (causal, in two row blocks) then ``steps`` decode steps; returns view + ref sums."""
+    gen = torch.Generator().manual_seed(500 * case.seed + layer)
+    n0 = case.n - steps
+    h_q = case.h_kv * case.group
+    prefill = random_probs(gen, h_q, n0, n0, causal_from=0)
+    ref = [[0.0] * case.n for _ in range(case.h_kv)]
+    stats = None
+    blocks = [(0, n0 // 3), (n0 // 3, n0)]  # accumulate is additive over query rows
+    for lo, hi in blocks:
+        stats = policy.accumulate(stats, prefill[:, lo:hi], case.h_kv)
+    passes = [prefill]
+    for t in range(steps):
+        probs = random_probs(gen, h_q, 1, n0 + t + 1, None)
+        stats = policy.accumulate(stats, probs, case.h_kv)
+        passes.append(probs)
+    for probs in passes:
+        pl = probs.double().tolist()
+        for hq in range(h_q):
+            for row in pl[hq]:
+                for i, a in enumerate(row):
+                    ref[hq // case.group][i] += a  # sum over queries and the query group
+    keys, _, positions = make_layer(case, layer)
+    return LayerView(keys=keys, positions=positions, stats=stats), ref, positions.tolist()
+
+
+def stats_case(name: str, case: Case, recent: bool = True, average: bool = True):
+    p = PolicyParams(budget=KEEP, window=WINDOW)
+    pol = get_policy(name, p)
+    views, layer_scores = [], []
+    for layer in range(LAYERS):
+        view, sums, pos = simulate_stats(pol, case, layer)
+        views.append(view)
+        if name == "avgattn" and average:
+            # Batch-Max §3.2: ave_weights = sum_weights / (curr_id + 1 - kv_ids)
+            curr = pos[-1]
+            sums = [[s[i] / (curr + 1 - pos[i]) for i in range(case.n)] for s in sums]
+        layer_scores.append(sums)
+    prot = set(range(case.n - KEEP // 2, case.n)) if (name == "h2o" and recent) else set()
+    return pol, views, ref_select(layer_scores, prot, case.n, KEEP)[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("name", ["h2o", "avgattn"])
+def test_accumulated_attention_policies_match_reference(name: str, case: Case) -> None:
+    pol, views, ref = stats_case(name, case)
+    assert kept(pol, views, KEEP) == ref
+
+
+def test_accumulated_attention_references_are_discriminative() -> None:
+    h2o = [stats_case("h2o", c) for c in CASES]
+    ours = [kept(pol, views, KEEP) for pol, views, _ in h2o]
+    assert ours != [stats_case("h2o", c, recent=False)[2] for c in CASES]
+    avg = [stats_case("avgattn", c) for c in CASES]
+    ours = [kept(pol, views, KEEP) for pol, views, _ in avg]
+    assert ours != [stats_case("avgattn", c, average=False)[2] for c in CASES]
+
+
+def test_h2o_half_recent_half_heavy() -> None:
+    pol, views, _ = stats_case("h2o", CASES[0])
+    idx = pol.select(views, KEEP).tolist()
+    n = CASES[0].n
+    assert set(range(n - KEEP // 2, n)) <= set(idx)
+    assert sum(1 for i in idx if i < n - KEEP // 2) == KEEP - KEEP // 2
+
+
+def test_stats_narrower_than_n_are_zero_padded() -> None:
+    pol = get_policy("h2o", PolicyParams(budget=4))
+    probs = torch.softmax(torch.randn(4, 1, 5), dim=-1)
+    stats = pol.accumulate(None, probs, 2)
+    probs2 = torch.softmax(torch.randn(4, 2, 7), dim=-1)
+    out = pol.accumulate(stats, probs2, 2)
+    expect = torch.nn.functional.pad(stats, (0, 2)) + probs2.reshape(2, 2, 2, 7).sum(dim=(1, 2))
+    torch.testing.assert_close(out, expect)
+    view = LayerView(keys=torch.randn(9, 2, 4), stats=out)
+    assert pol.score(view).shape == (2, 9)
+
+
+def test_stats_policies_require_stats() -> None:
+    view = LayerView(keys=torch.randn(20, 2, 4))
+    for name in ["h2o", "avgattn", "kvcompress", "rkv", "snapkv"]:
+        with pytest.raises(ValueError, match=name):
+            get_policy(name, PolicyParams(budget=4)).select([view], 4)
+
+
+# --------------------------------------------------------------------------------------------------
+# StreamingLLM
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_streamingllm_keeps_sinks_and_most_recent(case: Case) -> None:
+    p = PolicyParams(budget=KEEP)
+    views = []
+    for layer in range(LAYERS):
+        keys, queries, positions = make_layer(case, layer)
+        views.append(LayerView(keys=keys, queries=queries, positions=positions))
+    ref = set(range(p.sink_tokens)) | set(range(case.n - (KEEP - p.sink_tokens), case.n))
+    assert kept(get_policy("streamingllm", p), views, KEEP) == ref
+    no_sinks = set(range(case.n - KEEP, case.n))  # the wrong rule: pure sliding window
+    assert ref != no_sinks
+
+
+# --------------------------------------------------------------------------------------------------
+# Interface, registry, parameters, rules
+# --------------------------------------------------------------------------------------------------
+
+
+def test_registry_names() -> None:
+    assert available_policies() == ALL_POLICIES
+    for name in ALL_POLICIES:
+        pol = get_policy(name)
+        assert pol.name == name
+        assert pol.params == PolicyParams()
+        assert isinstance(pol, Policy)
+
+
+def test_unknown_policy_names_the_choices() -> None:
+    with pytest.raises(ValueError) as err:
+        get_policy("lru")
+    msg = str(err.value)
+    assert "lru" in msg
+    for name in ALL_POLICIES:
+        assert name in msg
+
+
+def test_duplicate_registration_rejected() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+
+        @register_policy
+        class Fake(Policy):  # noqa: F841
+            name = "rkv"
+
+            def _score(self, view: LayerView) -> torch.Tensor:
+                return torch.zeros(view.n_kv_heads, view.n)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("budget", 0),
+        ("budget", 1.5),
+        ("buffer", -1),
+        ("window", 0),
+        ("rkv_lambda", -0.1),
+        ("rkv_lambda", 1.5),
+        ("rkv_lambda", math.nan),
+        ("rkv_threshold", 2.0),
+        ("rkv_beta", -1),
+        ("pool_kernel", 0),
+        ("pool_kernel", 6),
+        ("sink_tokens", -1),
+        ("evict_chunk", 0),
+        ("budget", True),
+    ],
+)
+def test_params_validation(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        PolicyParams(**{field: value})
+
+
+def test_params_defaults_and_frozen() -> None:
+    p = PolicyParams()
+    assert (p.budget, p.buffer, p.window, p.rkv_lambda, p.rkv_threshold, p.rkv_beta) == (
+        128, 128, 8, 0.1, 0.5, 1)
+    assert (p.pool_kernel, p.sink_tokens, p.evict_chunk) == (7, 4, 64)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.budget = 3  # type: ignore[misc]
+
+
+def test_layer_view_validation() -> None:
+    with pytest.raises(ValueError):
+        LayerView(keys=torch.randn(5, 2))
+    with pytest.raises(ValueError):
+        LayerView(keys=torch.randn(5, 2, 4), queries=torch.randn(2, 3, 4))  # 3 % 2 != 0
+    with pytest.raises(ValueError):
+        LayerView(keys=torch.randn(5, 2, 4), positions=torch.arange(4))
+    with pytest.raises(ValueError):
+        LayerView(keys=torch.randn(5, 2, 4), stats=torch.zeros(2, 6))
+    view = LayerView(keys=torch.randn(5, 2, 16))
+    assert view.scale == pytest.approx(0.25)
+    assert view.positions.tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("name", ["rkv", "snapkv", "kvcompress", "h2o", "streamingllm"])
+def test_amortised_target_length(name: str) -> None:
+    pol = get_policy(name, PolicyParams(budget=16, buffer=8))
+    assert pol.target_length(10) is None
+    assert pol.target_length(23) is None
+    assert pol.target_length(24) == 16
+    assert pol.target_length(500) == 16
+    pol0 = get_policy(name, PolicyParams(budget=16, buffer=0))
+    assert pol0.target_length(16) is None
+    assert pol0.target_length(17) == 16
+
+
+def test_avgattn_target_length_evicts_chunks() -> None:
+    pol = get_policy("avgattn", PolicyParams(budget=128, evict_chunk=64))
+    assert pol.target_length(127) is None
+    assert pol.target_length(128) == 64
+    assert pol.target_length(1000) == 64
+    small = get_policy("avgattn", PolicyParams(budget=16, evict_chunk=64))
+    assert small.target_length(16) == 8  # chunk clamped to budget // 2
+    tiny = get_policy("avgattn", PolicyParams(budget=1))
+    assert tiny.target_length(1) is None and tiny.target_length(2) == 1
+
+
+def test_prefill_target_length() -> None:
+    p = PolicyParams(budget=16)
+    for name in ["snapkv", "kvcompress", "h2o", "streamingllm", "avgattn"]:
+        pol = get_policy(name, p)
+        assert pol.compress_after_prefill
+        assert pol.prefill_target_length(16) is None
+        assert pol.prefill_target_length(17) == 16
+    assert get_policy("rkv", p).prefill_target_length(1000) is None
+
+
+def test_none_policy_never_compresses() -> None:
+    pol = get_policy("none", PolicyParams(budget=1, buffer=0))
+    assert not pol.uses_stats and not pol.compress_after_prefill
+    for n in [0, 1, 2, 100, 10**6]:
+        assert pol.target_length(n) is None
+        assert pol.prefill_target_length(n) is None
+
+
+def test_score_marks_protected_as_inf_and_bf16_inputs_work() -> None:
+    case = CASES[1]
+    keys, queries, positions = make_layer(case, 0)
+    view = LayerView(keys=keys.bfloat16(), queries=queries.bfloat16(), positions=positions)
+    for name in ["rkv", "snapkv", "kvcompress"]:
+        pol = get_policy(name, PolicyParams(budget=KEEP))
+        s = pol.score(view)
+        assert s.dtype == torch.float32 and s.shape == (case.h_kv, case.n)
+        assert torch.isinf(s[:, -WINDOW:]).all() and torch.isfinite(s[:, :-WINDOW]).all()
+        assert pol.select([view], KEEP).numel() == KEEP
+
+
+def test_select_rejects_mismatched_layers() -> None:
+    pol = get_policy("streamingllm")
+    with pytest.raises(ValueError):
+        pol.select([LayerView(keys=torch.randn(5, 1, 4)), LayerView(keys=torch.randn(6, 1, 4))], 3)
+    with pytest.raises(ValueError):
+        pol.select([], 3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(ALL_POLICIES),
+    n=st.integers(1, 40),
+    keep=st.integers(0, 50),
+    h_kv=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4]),
+    budget=st.integers(1, 24),
+    window=st.integers(1, 10),
+    layers=st.integers(1, 3),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_select_property(name, n, keep, h_kv, group, budget, window, layers, seed) -> None:
+    """select returns exactly min(keep, n) sorted unique indices, all protected ones if they fit."""
+    gen = torch.Generator().manual_seed(seed)
+    pol = get_policy(name, PolicyParams(budget=budget, window=window))
+    d = 4
+    rng = random.Random(seed)
+    positions = torch.tensor(sorted(rng.sample(range(3 * n + 1), n)))
+    views = []
+    for _ in range(layers):
+        keys = torch.randn(n, h_kv, d, generator=gen)
+        queries = torch.randn(min(window, n), h_kv * group, d, generator=gen)
+        stats = None
+        if pol.uses_stats and name != "kvcompress":
+            stats = pol.accumulate(None, random_probs(gen, h_kv * group, 2, n, None), h_kv)
+        views.append(LayerView(keys=keys, queries=queries, positions=positions, stats=stats))
+    idx = pol.select(views, keep)
+    assert idx.dtype == torch.int64
+    lst = idx.tolist()
+    assert len(lst) == min(keep, n)
+    assert lst == sorted(set(lst))
+    assert all(0 <= i < n for i in lst)
+    prot = set(torch.nonzero(pol.protected(views[0])).flatten().tolist())
+    if len(prot) <= min(keep, n):
+        assert prot <= set(lst)
+    else:
+        assert set(lst) <= prot
+    if pol.uses_stats:
+        carried = pol.carry_stats(views[0], idx)
+        assert carried is None or carried.shape == (h_kv, len(lst))
