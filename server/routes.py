@@ -51,6 +51,8 @@ async def kvc_stats() -> JSONResponse:
 def mount(app: FastAPI) -> None:
     """Add sgl-kvc's routes and OpenAI-style error handling to SGLang's app (before it starts)."""
     from sgl_kvc.server import errors
+    from sgl_kvc.server.settings import KvCompressionBody
 
     app.include_router(router)
     errors.install(app)
+    app.add_middleware(KvCompressionBody)

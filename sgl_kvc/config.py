@@ -3,6 +3,7 @@
 The launcher parses these flags, removes them from the argument list it hands to SGLang, and
 passes the resulting `KvcConfig` to SGLang's worker processes through one environment variable
 (they are separate interpreters; SGLang's own `ServerArgs` has no room for foreign fields).
+Policy hyper-parameter defaults come from `PolicyParams` (the policy core) and nowhere else.
 """
 
 from __future__ import annotations
@@ -10,20 +11,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
+from sgl_kvc.policies import PolicyParams, available_policies
+
 ENV_VAR = "SGLKVC_CONFIG"
-
-# What the SGLang adapter can run today. A policy from the registry appears on the command line
-# only once the scheduler hooks drive it: a flag that silently did nothing would be a lie.
-ADAPTER_POLICIES: tuple[str, ...] = ("none",)
+MOMENTS: tuple[str, ...] = ("prefill", "decode", "preempt")
+_P = PolicyParams()
 
 
-def policy_choices() -> list[str]:
-    from sgl_kvc.policies import available_policies
-
-    return [p for p in available_policies() if p in ADAPTER_POLICIES]
+def _flag(help: str, **extra: Any) -> dict[str, Any]:
+    return {"help": help, **extra}
 
 
 @dataclass(frozen=True)
@@ -32,13 +31,58 @@ class KvcConfig:
 
     policy: str = field(
         default="none",
-        metadata={"help": "KV-cache eviction policy ('none' behaves exactly like plain SGLang)."},
+        metadata=_flag("KV-cache eviction policy; 'none' behaves exactly like plain SGLang."),
+    )
+    kv_budget: int = field(
+        default=_P.budget, metadata=_flag("Tokens kept per request after a compression.")
+    )
+    kv_budget_ratio: float | None = field(
+        default=None,
+        metadata=_flag("Instead of --kv-budget: keep this fraction of the request's length."),
+    )
+    kv_buffer: int = field(
+        default=_P.buffer,
+        metadata=_flag("Decode tokens allowed above the budget before compressing again."),
+    )
+    kv_window: int = field(
+        default=_P.window, metadata=_flag("Observation queries (R-KV alpha, SnapKV w).")
+    )
+    rkv_lambda: float = field(
+        default=_P.rkv_lambda, metadata=_flag("R-KV importance/redundancy trade-off (eq. 7).")
+    )
+    sink_tokens: int = field(
+        default=_P.sink_tokens, metadata=_flag("StreamingLLM attention-sink tokens kept.")
+    )
+    compress_on: tuple[str, ...] = field(
+        default=MOMENTS,
+        metadata=_flag("When to compress: any of prefill,decode,preempt (comma separated)."),
     )
 
     def __post_init__(self) -> None:
-        choices = policy_choices()
+        choices = available_policies()
         if self.policy not in choices:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {choices}")
+        object.__setattr__(self, "compress_on", tuple(self.compress_on))
+        bad = [m for m in self.compress_on if m not in MOMENTS]
+        if bad:
+            raise ValueError(f"--compress-on: unknown moment(s) {bad}; choose from {list(MOMENTS)}")
+        if self.kv_budget_ratio is not None and not 0.0 < self.kv_budget_ratio <= 1.0:
+            raise ValueError(f"--kv-budget-ratio must be in (0, 1], got {self.kv_budget_ratio}")
+        self.policy_params()  # validates budget, buffer, window, lambda, sinks
+
+    @property
+    def compressing(self) -> bool:
+        return self.policy != "none"
+
+    def policy_params(self, budget: int | None = None) -> PolicyParams:
+        return replace(
+            _P,
+            budget=self.kv_budget if budget is None else budget,
+            buffer=self.kv_buffer,
+            window=self.kv_window,
+            rkv_lambda=self.rkv_lambda,
+            sink_tokens=self.sink_tokens,
+        )
 
     # --- transport to SGLang's worker processes -------------------------------------------
     def to_env(self) -> None:
@@ -56,13 +100,30 @@ class KvcConfig:
         group = parser.add_argument_group("sgl-kvc")
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help", "")}
+            default = f.default if f.default is not MISSING else None
+            kwargs: dict[str, Any] = {"default": default, "help": f.metadata.get("help", "")}
             if f.name == "policy":
-                kwargs["choices"] = policy_choices()
+                kwargs["choices"] = available_policies()
+            elif f.name == "compress_on":
+                kwargs["type"] = _moments
+                kwargs["default"] = ",".join(MOMENTS)
+            elif f.name == "kv_budget_ratio":
+                kwargs["type"] = float
             else:
-                kwargs["type"] = type(f.default)
+                kwargs["type"] = type(default)
             group.add_argument(flag, dest=f.name, **kwargs)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "KvcConfig":
-        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+        values = {f.name: getattr(ns, f.name) for f in fields(cls)}
+        if isinstance(values["compress_on"], str):
+            values["compress_on"] = _moments(values["compress_on"])
+        return cls(**values)
+
+
+def _moments(text: str) -> tuple[str, ...]:
+    items = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in items if m not in MOMENTS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown moment(s) {bad}; choose from {list(MOMENTS)}")
+    return items

@@ -42,12 +42,16 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def build_sglang_argv(argv: list[str], on_gpu: bool) -> list[str]:
+def build_sglang_argv(argv: list[str], on_gpu: bool, compressing: bool = False) -> list[str]:
     """SGLang's argument list: the user's flags plus the defaults they did not override."""
     from sgl_kvc.adapter import RADIX_CACHE_BACKEND
 
     out = list(argv)
     defaults = dict(GPU_DEFAULTS if on_gpu else CPU_DEFAULTS)
+    if compressing and not _has_flag(out, "--disable-overlap-schedule"):
+        # Compaction rewrites request rows between steps; the overlap scheduler would prepare
+        # the next step while the previous one still reads them.
+        out.append("--disable-overlap-schedule")
     if not _has_flag(out, "--disable-radix-cache"):
         defaults["--radix-cache-backend"] = RADIX_CACHE_BACKEND
     if not _has_flag(out, "--model-path") and not _has_flag(out, "--model"):
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     on_gpu = _cuda_available()
     if not on_gpu:
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    sglang_argv = build_sglang_argv(rest, on_gpu)
+    sglang_argv = build_sglang_argv(rest, on_gpu, config.compressing)
     config.to_env()  # read by the plugin in this process and in SGLang's worker processes
 
     from sglang.launch_server import run_server

@@ -4,7 +4,12 @@ Why wrap instead of registering a new backend name: SGLang 0.5.23 compares the b
 in about eighty places (`"torch_native"` switches off Triton helpers on CPU, `"flashinfer"`
 selects its planners, ...). A new name would silently take the wrong branch in many of them.
 So `register()` re-registers the factories of the backends this project runs on, under their
-own names, to build the same object with `KvcAttentionMixin` mixed into its class.
+own names, to build the same object with `KvcAttentionMixin`'s members added to its class.
+
+The layer itself leaves the attention computation to SGLang (page size 1 over `req_to_token`,
+so a compacted row is just shorter) and, when a compressing policy is active, records what the
+policies need after each call: the last `window` queries of every request and, for policies
+with attention statistics (H2O, Batch-Max, KV-Compress), the softmax attention of new queries.
 """
 
 from __future__ import annotations
@@ -13,6 +18,10 @@ import functools
 import logging
 from typing import Any, Callable
 
+import torch
+
+from sgl_kvc.adapter.state import KvcStore
+
 logger = logging.getLogger(__name__)
 
 # Backend the launcher selects per device (CPU: torch_native; CUDA: flashinfer).
@@ -20,15 +29,75 @@ WRAPPED_BACKENDS: tuple[str, ...] = ("torch_native", "flashinfer")
 
 
 class KvcAttentionMixin:
-    """Marks and extends a SGLang attention backend. Delegates every call for now; the
-    compression work adds the capture of observation-window queries here."""
+    """Members copied into the wrapped backend class (see `_kvc_class`)."""
 
-    __slots__ = ()  # no new instance layout: the backend's class is swapped in place
     kvc_wrapped_name: str = ""
+    kvc_base: type = object
+    kvc_store: KvcStore | None = None
 
     @property
     def kvc_name(self) -> str:
         return f"sgl_kvc({self.kvc_wrapped_name})"
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        out = self.kvc_base.forward_extend(
+            self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs
+        )
+        if self.kvc_store is not None and save_kv_cache:
+            _observe_extend(self.kvc_store, q, layer, forward_batch)
+        return out
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        out = self.kvc_base.forward_decode(
+            self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs
+        )
+        if self.kvc_store is not None and save_kv_cache:
+            _observe_decode(self.kvc_store, q, layer, forward_batch)
+        return out
+
+
+def _layer_keys(store: KvcStore, layer: Any, row: int, n: int) -> torch.Tensor:
+    slots = store.req_to_token[row, :n].long()
+    return store.kv_pool.get_key_buffer(layer.layer_id)[slots]
+
+
+def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> None:
+    h_q, d = layer.tp_q_head_num, layer.qk_head_dim
+    q = q.reshape(-1, h_q, d)
+    rows = fb.req_pool_indices
+    pool_rows = store.req_to_token.shape[0]
+    store.record_decode(layer.layer_id, rows, q, pool_rows)
+    seq_lens = fb.seq_lens_cpu.tolist()
+    for i, row in enumerate(rows.tolist()):
+        state = store.states.get(row)
+        if state is None or not state.policy.uses_stats:
+            continue
+        n = seq_lens[i]
+        keys = _layer_keys(store, layer, row, n)
+        pos = torch.tensor([n - 1], device=keys.device)
+        store.accumulate(row, layer.layer_id, q[i : i + 1], keys, pos, torch.arange(n, device=keys.device), layer.scaling)
+
+
+def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> None:
+    h_q, d = layer.tp_q_head_num, layer.qk_head_dim
+    q = q.reshape(-1, h_q, d)
+    pool_rows = store.req_to_token.shape[0]
+    start = 0
+    for i, row in enumerate(fb.req_pool_indices.tolist()):
+        e, p = fb.extend_seq_lens_cpu[i], fb.extend_prefix_lens_cpu[i]
+        qi = q[start : start + e]
+        start += e
+        if e == 0:
+            continue
+        store.record_extend(layer.layer_id, row, qi, pool_rows)
+        state = store.states.get(row)
+        if state is not None and state.policy.uses_stats and state.policy.accumulate_prefill:
+            keys = _layer_keys(store, layer, row, p + e)
+            dev = keys.device
+            store.accumulate(
+                row, layer.layer_id, qi, keys,
+                torch.arange(p, p + e, device=dev), torch.arange(p + e, device=dev), layer.scaling,
+            )
 
 
 @functools.cache
@@ -39,7 +108,13 @@ def _kvc_class(base: type, wrapped_name: str) -> type:
     return type(
         f"Kvc{base.__name__}",
         (base,),
-        {**members, "__slots__": (), "kvc_wrapped_name": wrapped_name, "__sgl_kvc__": True},
+        {
+            **members,
+            "__slots__": (),
+            "kvc_wrapped_name": wrapped_name,
+            "kvc_base": base,
+            "__sgl_kvc__": True,
+        },
     )
 
 

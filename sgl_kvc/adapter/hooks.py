@@ -1,15 +1,30 @@
-"""Scheduler hooks, through SGLang's `HookRegistry` (applied by `load_plugins()`)."""
+"""Scheduler hooks, through SGLang's `HookRegistry` (applied by `load_plugins()`).
+
+| target (sglang 0.5.23)                          | kind   | what for                               |
+| ----------------------------------------------- | ------ | -------------------------------------- |
+| ForwardBatch.init_new                           | after  | request state at first prefill; logical RoPE positions for compacted requests |
+| Scheduler.process_batch_result                  | after  | compression moment (a), after prefill  |
+| Scheduler.update_running_batch                  | around | moments (b) before decode, (c) before retraction; counts retractions |
+| PrefillAdder.add_one_req / running-token offset | around | admission by compressed footprint      |
+| Req._compute_max_prefix_len                     | around | recompute the observation window on a prefix hit |
+| Scheduler.get_next_batch_to_run                 | after  | peak number of requests in flight      |
+| SchedulerInternalStateController.get_internal_state | after | `/v1/kvc/stats` snapshot          |
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+import torch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_kvc.adapter.runtime import KvcRuntime, collect_stats
+from sgl_kvc.adapter.runtime import KvcRuntime, collect_stats, compressor_of, request_peak_tokens
 from sgl_kvc.config import KvcConfig
 
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
+_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
+_REQ = "sglang.srt.managers.schedule_batch.Req"
 _INTERNAL_STATE = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 )
@@ -17,16 +32,131 @@ STATS_KEY = "sgl_kvc"
 
 
 def register(config: KvcConfig) -> None:
-    def after_next_batch(plan: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    hooks: list[tuple[str, Callable[..., Any], HookType]] = [
+        (f"{_SCHEDULER}.get_next_batch_to_run", _after_next_batch(config), HookType.AFTER),
+        (f"{_INTERNAL_STATE}.get_internal_state", _after_internal_state(config), HookType.AFTER),
+        (f"{_FORWARD_BATCH}.init_new", _after_forward_batch(config), HookType.AFTER),
+        (f"{_SCHEDULER}.process_batch_result", _after_batch_result(config), HookType.AFTER),
+        (f"{_SCHEDULER}.update_running_batch", _around_update_running(config), HookType.AROUND),
+    ]
+    if config.compressing:
+        hooks += [
+            (f"{_REQ}._compute_max_prefix_len", _around_max_prefix(config), HookType.AROUND),
+            (f"{_ADDER}.add_one_req", _around_add_one_req(config), HookType.AROUND),
+            (
+                f"{_ADDER}._get_running_request_total_token_offset",
+                _around_running_offset(config),
+                HookType.AROUND,
+            ),
+        ]
+    for target, fn, kind in hooks:
+        HookRegistry.register(target, fn, kind)
+
+
+def _after_next_batch(config: KvcConfig):
+    def hook(plan: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
         KvcRuntime.of(scheduler, config).observe_plan(plan)
         return plan
 
-    def after_internal_state(result: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:
+    return hook
+
+
+def _after_internal_state(config: KvcConfig):
+    def hook(result: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:
         scheduler = controller.scheduler
         result.internal_state[STATS_KEY] = collect_stats(scheduler, KvcRuntime.of(scheduler, config))
         return result
 
-    HookRegistry.register(f"{_SCHEDULER}.get_next_batch_to_run", after_next_batch, HookType.AFTER)
-    HookRegistry.register(
-        f"{_INTERNAL_STATE}.get_internal_state", after_internal_state, HookType.AFTER
-    )
+    return hook
+
+
+def _after_forward_batch(config: KvcConfig):
+    def hook(fb: Any, cls: Any, batch: Any, model_runner: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(batch, "reqs", None) is None or model_runner.is_draft_worker:
+            return fb
+        compressor = compressor_of(model_runner, config)
+        if fb.forward_mode.is_extend():
+            compressor.begin_extend(batch)
+        elif fb.forward_mode.is_decode():
+            offsets = compressor.decode_position_offsets(batch)
+            if any(offsets):
+                # RoPE positions stay logical: a compacted request's next token sits at the
+                # position it has in the full sequence, not at its (shorter) physical length.
+                fb.positions = fb.positions + torch.tensor(
+                    offsets, dtype=fb.positions.dtype, device=fb.positions.device
+                )
+        return fb
+
+    return hook
+
+
+def _after_batch_result(config: KvcConfig):
+    def hook(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        compressor = compressor_of(scheduler.tp_worker.model_runner, config)
+        if batch.forward_mode.is_extend() and "prefill" in config.compress_on:
+            compressor.after_prefill(batch)
+        return result
+
+    return hook
+
+
+def _around_update_running(config: KvcConfig):
+    def hook(original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any):
+        compressor = compressor_of(scheduler.tp_worker.model_runner, config)
+        if "decode" in config.compress_on:
+            compressor.before_decode(batch)
+        if "preempt" in config.compress_on and not batch.check_decode_mem():
+            compressor.before_retract(batch)
+        before = list(batch.reqs)
+        out = original(scheduler, batch, *args, **kwargs)
+        remaining = {id(r) for r in batch.reqs}
+        retracted = [r for r in before if id(r) not in remaining and not r.finished()]
+        for req in retracted:
+            compressor.forget(req)
+        compressor.stats.retractions += sum(1 for r in retracted if r.is_retracted)
+        return out
+
+    return hook
+
+
+def _around_add_one_req(config: KvcConfig):
+    def hook(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any):
+        peak = request_peak_tokens(config, req)
+        sp = req.sampling_params
+        if peak is None or sp.max_new_tokens is None:
+            return original(adder, req, *args, **kwargs)
+        # Reserve what the request will really hold: SGLang sizes a request by prompt +
+        # max_new_tokens; a compressing one never holds more than about budget + buffer.
+        current = len(req.origin_input_ids) + len(req.output_ids)
+        saved = sp.max_new_tokens
+        sp.max_new_tokens = min(saved, len(req.output_ids) + max(peak - current, 1))
+        try:
+            return original(adder, req, *args, **kwargs)
+        finally:
+            sp.max_new_tokens = saved
+
+    return hook
+
+
+def _around_max_prefix(config: KvcConfig):
+    def hook(original: Callable[..., Any], req: Any, input_len: int, *args: Any, **kwargs: Any):
+        limit = original(req, input_len, *args, **kwargs)
+        if "prefill" in config.compress_on and request_peak_tokens(config, req) is not None:
+            # Recompute the last `window` prompt tokens even on a prefix hit: their queries are
+            # the observation window that scores the prompt right after prefill, so a cached
+            # prefix must not change what a compressing request keeps.
+            limit = min(limit, max(input_len - config.kv_window, 0))
+        return limit
+
+    return hook
+
+
+def _around_running_offset(config: KvcConfig):
+    def hook(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any):
+        offset = original(adder, req, *args, **kwargs)
+        peak = request_peak_tokens(config, req)
+        if peak is None:
+            return offset
+        return min(offset, max(peak - req.kv.kv_committed_len, 0))
+
+    return hook

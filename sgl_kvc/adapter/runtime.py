@@ -1,38 +1,53 @@
-"""Per-scheduler state of this project and the `/v1/kvc/stats` snapshot built from it.
+"""Per-process state of this project and the `/v1/kvc/stats` snapshot built from it.
 
-The state hangs off the live `Scheduler` object (one per scheduler process / DP rank) rather
-than a module global, and every number in the snapshot is read from that scheduler.
+State hangs off live SGLang objects (the scheduler, the model runner) rather than module
+globals, and every number in the snapshot is read from the scheduler process that owns it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
+from sgl_kvc.adapter.compressor import Compressor
 from sgl_kvc.config import KvcConfig
+from sgl_kvc.request_settings import from_custom_params
 
-_ATTR = "_sgl_kvc_runtime"
+_RUNTIME_ATTR = "_sgl_kvc_runtime"
+_COMPRESSOR_ATTR = "_sgl_kvc_compressor"
 
 
-@dataclass
-class CompressionStats:
-    passes: int = 0
-    evicted_tokens: int = 0
-    seconds: float = 0.0
+def compressor_of(model_runner: Any, config: KvcConfig) -> Compressor:
+    compressor = getattr(model_runner, _COMPRESSOR_ATTR, None)
+    if compressor is None:
+        compressor = Compressor(config, model_runner)
+        setattr(model_runner, _COMPRESSOR_ATTR, compressor)
+    return compressor
+
+
+def request_peak_tokens(config: KvcConfig, req: Any) -> int | None:
+    """Most KV slots a compressing request holds at once, or None if it does not compress."""
+    settings = from_custom_params(getattr(req.sampling_params, "custom_params", None))
+    if (settings.policy or config.policy) == "none":
+        return None
+    budget = settings.budget or config.kv_budget
+    if settings.budget is None and config.kv_budget_ratio is not None:
+        max_new = req.sampling_params.max_new_tokens or 0
+        budget = int(config.kv_budget_ratio * (len(req.origin_input_ids) + max_new)) + 1
+    return budget + config.kv_buffer + 1
 
 
 @dataclass
 class KvcRuntime:
     config: KvcConfig
-    compression: CompressionStats = field(default_factory=CompressionStats)
     max_running: int = 0
 
     @classmethod
     def of(cls, scheduler: Any, config: KvcConfig) -> "KvcRuntime":
-        runtime = getattr(scheduler, _ATTR, None)
+        runtime = getattr(scheduler, _RUNTIME_ATTR, None)
         if runtime is None:
             runtime = cls(config)
-            setattr(scheduler, _ATTR, runtime)
+            setattr(scheduler, _RUNTIME_ATTR, runtime)
         return runtime
 
     def observe_plan(self, plan: Any) -> None:
@@ -51,9 +66,11 @@ def _dtype_name(dtype: Any) -> str:
 def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
     tree = scheduler.tree_cache
     prefix = getattr(tree, "prefix_stats", None)
+    model_runner = scheduler.tp_worker.model_runner
+    compression = asdict(compressor_of(model_runner, runtime.config).stats)
     return {
         "policy": runtime.config.policy,
-        "kv_cache_dtype": _dtype_name(scheduler.tp_worker.model_runner.kv_cache_dtype),
+        "kv_cache_dtype": _dtype_name(model_runner.kv_cache_dtype),
         "pool": {
             "total_tokens": int(scheduler.max_total_num_tokens),
             "free_tokens": int(scheduler.token_to_kv_pool_allocator.available_size()),
@@ -64,7 +81,7 @@ def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
             "prompt_tokens": prefix.prompt_tokens if prefix else 0,
             "hit_tokens": prefix.hit_tokens if prefix else 0,
         },
-        "compression": asdict(runtime.compression),
+        "compression": compression,
         "requests": {
             "running": len(scheduler.running_batch.reqs),
             "max_running": runtime.max_running,

@@ -51,7 +51,8 @@ def maxpool_tokens(x: Tensor, kernel: int) -> Tensor:
     """Centred 1-D max pooling along the last (token) axis of [H, m]; edges use what exists."""
     if kernel <= 1 or x.shape[-1] == 0:
         return x
-    return F.max_pool1d(x.unsqueeze(0), kernel_size=kernel, stride=1, padding=kernel // 2).squeeze(0)
+    pooled = F.max_pool1d(x.unsqueeze(0), kernel_size=kernel, stride=1, padding=kernel // 2)
+    return pooled.squeeze(0)
 
 
 def group_probs(stats: Tensor | None, probs: Tensor, n_kv_heads: int) -> tuple[Tensor, Tensor]:

@@ -39,18 +39,21 @@ def redundancy_scores(keys: Tensor, threshold: float, beta: int) -> Tensor:
     k_norm = k / (k.norm(dim=-1, keepdim=True) + _EPS)  # R-KV eq. (5) / Alg. 1 line 19
     s_bar = torch.empty(h, m, dtype=torch.float32, device=k.device)
     rows = max(1, _SIM_CHUNK_ELEMS // max(1, h * m))
+    ramp = torch.arange(1, m + 1, dtype=torch.float32, device=k.device)  # exact below 2**24
     for start in range(0, m, rows):  # blocks of rows, not a loop over tokens
         stop = min(m, start + rows)
         sim = torch.matmul(k_norm[:, start:stop], k_norm.transpose(1, 2))  # eq. (5): S = K K^T
         local = torch.arange(stop - start, device=k.device)
         sim[:, local, local + start] = 0.0  # eq. (5): S_ii <- 0 (Alg. 1 lines 21-23)
+        row_sum = sim.sum(dim=-1)
         if beta > 0:
-            similar = sim > threshold  # Alg. 1 line 24: B_uv = [S_uv > T]
-            # number of similar tokens at index >= v in row u; the beta most recent ones have <= beta
-            from_right = similar.flip(-1).cumsum(-1).flip(-1)
-            # Alg. 1 lines 25-31: zero S_uv for the (up to) beta largest similar indices v
-            sim = sim.masked_fill(similar & (from_right <= beta), 0.0)
-        s_bar[:, start:stop] = sim.sum(dim=-1) / m  # eq. (6) / Alg. 1 line 32: mean similarity
+            # Alg. 1 line 24: B_uv = [S_uv > T]; key v+1 on similar pairs, 0 elsewhere
+            recency = torch.where(sim > threshold, ramp, 0.0)
+            top_key, top_idx = recency.topk(min(beta, m), dim=-1)
+            # Alg. 1 lines 25-31: S_uv <- 0 for the (up to) beta largest similar indices v;
+            # done by removing those entries from the row sum
+            row_sum -= (sim.gather(-1, top_idx) * (top_key > 0)).sum(dim=-1)
+        s_bar[:, start:stop] = row_sum / m  # eq. (6) / Alg. 1 line 32: mean similarity
     return torch.softmax(s_bar, dim=-1)  # eq. (6) / Alg. 1 line 34: R = softmax(S_bar)
 
 

@@ -1,0 +1,135 @@
+"""Seeded prompt generator: the same seed and stream id give the same requests, in order.
+
+Scenarios:
+  short          a short question, a short answer (chat traffic)
+  shared_prefix  one long system prompt shared by every user, then a varied question
+                 (the radix cache computes the prefix once and reuses it)
+  long_gen       a short question, `ignore_eos` and a fixed `max_tokens` (reasoning-style
+                 long outputs, where KV-cache compression matters)
+  mix            a weighted draw of the three above, from the same seeded stream
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+SCENARIOS: tuple[str, ...] = ("short", "shared_prefix", "long_gen", "mix")
+MIX_WEIGHTS: dict[str, float] = {"short": 0.5, "shared_prefix": 0.3, "long_gen": 0.2}
+
+# Words the demo model's tokenizer was trained on, so prompts tokenize compactly.
+_NOUNS = (
+    "cache memory token prompt answer model attention layer river valley bridge school "
+    "library orchestra violin planet fraction equation integer server request policy budget "
+    "window tree branch prefix weather barley honey bread mountain monastery symphony"
+).split()
+_TOPICS = (
+    "the KV cache|a radix tree|eight-bit floating point|attention sinks|the weather in the valley|"
+    "the old stone bridge|a quadratic equation|the sum of the first hundred integers|"
+    "the first notes of the symphony|heavy hitters|a window of recent tokens|good software"
+).split("|")
+_TEMPLATES = (
+    "Explain {topic} in two sentences.",
+    "How does {topic} relate to the {noun}?",
+    "Write a short note about {topic} and the {noun}.",
+    "What would change if the {noun} were twice as large?",
+    "Compare {topic} with the {noun} and the {noun2}.",
+    "Summarise what you know about {topic}.",
+)
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """One chat completion to send: the body fields that vary between requests."""
+
+    scenario: str
+    messages: tuple[dict[str, str], ...]
+    max_tokens: int
+    ignore_eos: bool = False
+
+    def body(self, model: str) -> dict[str, Any]:
+        """The JSON body of a streaming `/v1/chat/completions` request."""
+        out: dict[str, Any] = {
+            "model": model,
+            "messages": list(self.messages),
+            "max_tokens": self.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0.0,
+        }
+        if self.ignore_eos:
+            out["ignore_eos"] = True  # SGLang extension: generate exactly max_tokens tokens
+        return out
+
+
+@dataclass(frozen=True)
+class PromptSettings:
+    """Shapes of the generated requests (lengths in words or tokens)."""
+
+    seed: int = 0
+    short_max_tokens: int = 48
+    system_prompt_words: int = 400
+    shared_max_tokens: int = 32
+    long_max_tokens: int = 256
+    mix_weights: dict[str, float] = field(default_factory=lambda: dict(MIX_WEIGHTS))
+
+
+def _sentence(rng: random.Random) -> str:
+    return rng.choice(_TEMPLATES).format(
+        topic=rng.choice(_TOPICS), noun=rng.choice(_NOUNS), noun2=rng.choice(_NOUNS)
+    )
+
+
+def system_prompt(seed: int, words: int) -> str:
+    """The long system prompt of the shared_prefix scenario: fixed by the seed alone."""
+    rng = random.Random(f"system:{seed}")
+    out: list[str] = ["You are a careful assistant. Background notes follow."]
+    count = len(out[0].split())
+    while count < words:
+        s = _sentence(rng)
+        out.append(s)
+        count += len(s.split())
+    return " ".join(out)
+
+
+class PromptGenerator:
+    """An endless, repeatable stream of `ChatRequest`s for one scenario and one stream id."""
+
+    def __init__(self, scenario: str, settings: PromptSettings, stream_id: int = 0) -> None:
+        if scenario not in SCENARIOS:
+            raise ValueError(f"unknown scenario {scenario!r}; choose one of {SCENARIOS}")
+        self.scenario = scenario
+        self.settings = settings
+        self._rng = random.Random(f"stream:{settings.seed}:{stream_id}")
+        self._system = system_prompt(settings.seed, settings.system_prompt_words)
+
+    def __iter__(self) -> "PromptGenerator":
+        return self
+
+    def __next__(self) -> ChatRequest:
+        kind = self.scenario
+        if kind == "mix":
+            names = list(self.settings.mix_weights)
+            kind = self._rng.choices(names, weights=[self.settings.mix_weights[n] for n in names])[0]
+        return getattr(self, "_" + kind)()
+
+    def _question(self, sentences: int) -> str:
+        return " ".join(_sentence(self._rng) for _ in range(sentences))
+
+    def _short(self) -> ChatRequest:
+        q = self._question(self._rng.randint(1, 2))
+        return ChatRequest("short", ({"role": "user", "content": q},), self.settings.short_max_tokens)
+
+    def _shared_prefix(self) -> ChatRequest:
+        messages = (
+            {"role": "system", "content": self._system},
+            {"role": "user", "content": self._question(1)},
+        )
+        return ChatRequest("shared_prefix", messages, self.settings.shared_max_tokens)
+
+    def _long_gen(self) -> ChatRequest:
+        q = self._question(1) + " Think step by step."
+        return ChatRequest(
+            "long_gen", ({"role": "user", "content": q},), self.settings.long_max_tokens, True
+        )

@@ -1,0 +1,206 @@
+"""The three compression moments, run by the scheduler between forward steps.
+
+(a) right after prefill: policies that compress after prefill (SnapKV, KV-Compress, H2O, ...)
+    and any request whose prompt is over its budget;
+(b) before a decode step: when a request's cache reaches its policy's trigger (R-KV: budget +
+    buffer, §3.1), compress it back to the budget;
+(c) when SGLang's decode memory check fails: compress running requests that are over their
+    budget (largest first) until the step fits; SGLang retracts only if memory is still short.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sgl_kvc.adapter.compaction import CompactionSkipped, compact_request
+from sgl_kvc.adapter.state import KvcStore, ReqKvState
+from sgl_kvc.config import KvcConfig
+from sgl_kvc.policies import LayerView, Policy, get_policy
+from sgl_kvc.request_settings import from_custom_params
+
+logger = logging.getLogger(__name__)
+
+STATE_ATTR = "_sgl_kvc_state"
+TRACE_ENV = "SGLKVC_TRACE"  # a file: one JSON line per compaction (tests and debugging)
+
+
+@dataclass
+class CompressionStats:
+    passes: int = 0
+    evicted_tokens: int = 0
+    seconds: float = 0.0
+    prefill_passes: int = 0
+    decode_passes: int = 0
+    preempt_passes: int = 0
+    avoided_retractions: int = 0
+    retractions: int = 0
+    skipped: int = 0
+
+
+class Compressor:
+    """One per scheduler process. Owns the policies, the store and the counters."""
+
+    def __init__(self, config: KvcConfig, model_runner: Any) -> None:
+        self.config = config
+        self.stats = CompressionStats()
+        pool = model_runner.token_to_kv_pool
+        self.num_layers = int(getattr(pool, "start_layer", 0)) + int(pool.layer_num)
+        self.first_layer = int(getattr(pool, "start_layer", 0))
+        self.store = KvcStore(
+            self.num_layers, config.kv_window, model_runner.req_to_token_pool.req_to_token, pool
+        )
+        self._policies: dict[tuple[str, int], Policy] = {}
+        self._trace_path = os.environ.get(TRACE_ENV)
+        backend = model_runner.attn_backend
+        if hasattr(backend, "kvc_store"):
+            backend.kvc_store = self.store
+
+    # --- per request --------------------------------------------------------------------------
+    def policy(self, name: str, budget: int) -> Policy:
+        key = (name, budget)
+        if key not in self._policies:
+            self._policies[key] = get_policy(name, self.config.policy_params(budget))
+        return self._policies[key]
+
+    def new_state(self, req: Any) -> ReqKvState:
+        settings = from_custom_params(getattr(req.sampling_params, "custom_params", None))
+        name = settings.policy or self.config.policy
+        budget = settings.budget or self.config.kv_budget
+        ratio = None if settings.budget else self.config.kv_budget_ratio
+        return ReqKvState(policy=self.policy(name, budget), budget=budget, budget_ratio=ratio)
+
+    def state(self, req: Any) -> ReqKvState | None:
+        return getattr(req, STATE_ATTR, None)
+
+    def begin_extend(self, batch: Any) -> None:
+        """Before a prefill (chunk): give requests seen for the first time their state."""
+        for req in batch.reqs:
+            if getattr(req, STATE_ATTR, None) is None:
+                state = self.new_state(req)
+                setattr(req, STATE_ATTR, state)
+                self.store.begin(req.kv.req_pool_idx, state)
+
+    def forget(self, req: Any) -> None:
+        """A retracted request restarts from its tokens: fresh, uncompressed state."""
+        if getattr(req, STATE_ATTR, None) is not None:
+            setattr(req, STATE_ATTR, None)
+
+    def decode_position_offsets(self, batch: Any) -> list[int]:
+        return [(s.offset if (s := self.state(r)) is not None else 0) for r in batch.reqs]
+
+    # --- the three moments ----------------------------------------------------------------------
+    def after_prefill(self, batch: Any) -> None:
+        for i, req in enumerate(batch.reqs):
+            if req.finished() or req.inflight_middle_chunks > 0:
+                continue
+            state = self.state(req)
+            if state is None or state.policy.name == "none":
+                continue
+            n = int(batch.seq_lens_cpu[i])
+            budget = state.effective_budget(n)
+            target = state.policy.prefill_target_length(n)
+            if target is None and n > budget:
+                target = budget  # any policy, with a prompt over budget
+            if target is not None and target < n:
+                self._compress(batch, i, state, target, "prefill")
+
+    def before_decode(self, batch: Any) -> None:
+        for i, req in enumerate(batch.reqs):
+            state = self.state(req)
+            if state is None or state.policy.name == "none" or req.finished():
+                continue
+            n = int(batch.seq_lens_cpu[i])
+            target = self.policy(state.policy.name, state.effective_budget(n)).target_length(n)
+            if target is not None and target < n:
+                self._compress(batch, i, state, target, "decode")
+
+    def before_retract(self, batch: Any) -> bool:
+        """Compress over-budget requests until the next decode step fits. True if it fits."""
+        order = sorted(range(len(batch.reqs)), key=lambda j: -int(batch.seq_lens_cpu[j]))
+        compressed = False
+        for i in order:
+            req = batch.reqs[i]
+            state = self.state(req)
+            if state is None or state.policy.name == "none" or req.finished():
+                continue
+            n = int(batch.seq_lens_cpu[i])
+            budget = state.effective_budget(n)
+            if n > budget:
+                compressed |= self._compress(batch, i, state, budget, "preempt")
+                if batch.check_decode_mem():
+                    if compressed:
+                        self.stats.avoided_retractions += 1
+                    return True
+        return batch.check_decode_mem()
+
+    # --- one compression ------------------------------------------------------------------------
+    def _compress(self, batch: Any, i: int, state: ReqKvState, target: int, moment: str) -> bool:
+        t0 = time.perf_counter()
+        req = batch.reqs[i]
+        row = req.kv.req_pool_idx
+        n = int(batch.seq_lens_cpu[i])
+        policy = self.policy(state.policy.name, state.effective_budget(n))
+        positions = state.positions(n)
+        views = [self._view(batch, row, layer, n, positions, state) for layer in self._layers()]
+        keep = policy.select(views, target).cpu()
+        try:
+            result = compact_request(batch, i, keep)
+        except CompactionSkipped as e:
+            logger.debug("compression of %s skipped: %s", req.rid, e)
+            self.stats.skipped += 1
+            return False
+        if policy.uses_stats:
+            state.stats = [
+                policy.carry_stats(v, keep.to(v.keys.device)) if v is not None else None
+                for v in self._with_gaps(views)
+            ]
+        state.kept_positions = positions[keep]
+        if self._trace_path:
+            self._trace(req, moment, policy.name, n, positions, state.kept_positions)
+        state.offset = int(positions[-1]) + 1 - result.kept if n else 0
+        state.passes += 1
+        self.store.trim_queries(row, result.kept)
+        self.stats.passes += 1
+        self.stats.evicted_tokens += n - result.kept
+        setattr(self.stats, f"{moment}_passes", getattr(self.stats, f"{moment}_passes") + 1)
+        self.stats.seconds += time.perf_counter() - t0
+        return True
+
+    def _trace(self, req: Any, moment: str, policy: str, n: int, positions, kept) -> None:
+        event = {
+            "rid": req.rid,
+            "moment": moment,
+            "policy": policy,
+            "logical_len": int(positions[-1]) + 1,
+            "physical_len": n,
+            "kept_positions": kept.tolist(),
+        }
+        with open(self._trace_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(event) + "\n")
+
+    def _layers(self) -> range:
+        return range(self.first_layer, self.num_layers)
+
+    def _with_gaps(self, views: list[LayerView]) -> list[LayerView | None]:
+        return [None] * self.first_layer + list(views)
+
+    def _view(
+        self, batch: Any, row: int, layer: int, n: int, positions: torch.Tensor, state: ReqKvState
+    ) -> LayerView:
+        pool = batch.token_to_kv_pool_allocator.get_kvcache()
+        slots = batch.req_to_token_pool.req_to_token[row, :n].long()
+        keys = pool.get_key_buffer(layer)[slots]
+        stats = state.stats[layer] if layer < len(state.stats) else None
+        return LayerView(
+            keys=keys,
+            queries=self.store.queries(row, layer, n),
+            positions=positions.to(keys.device),
+            stats=stats,
+        )
