@@ -23,7 +23,7 @@ def _pct(value: float | None) -> str:
 
 
 ROWS: list[Row] = [
-    ("server flags", lambda s: f"`{s.flags}`" if s.flags else "(defaults)"),
+    ("server flags or URL", lambda s: f"`{s.flags}`" if s.flags else "(defaults)"),
     ("successful requests", lambda s: s.requests),
     ("failures", lambda s: s.failures),
     ("requests/s", lambda s: _num(s.requests_per_s, 2)),
@@ -66,7 +66,7 @@ def write_markdown(summaries: list[Summary], path: Path, preamble: str = "") -> 
 
 PLOTS: list[tuple[str, list[tuple[str, Callable[[Summary], float | None]]]]] = [
     ("output tokens/s", [("tokens/s", lambda s: s.output_tokens_per_s)]),
-    ("goodput (req/s)", [("all", lambda s: s.requests_per_s), ("good", lambda s: s.goodput_rps)]),
+    ("requests/s", [("all", lambda s: s.requests_per_s), ("goodput", lambda s: s.goodput_rps)]),
     ("TTFT (ms)", [("p50", lambda s: s.ttft_p50_ms), ("p90", lambda s: s.ttft_p90_ms),
                    ("p99", lambda s: s.ttft_p99_ms)]),
     ("TPOT / ITL (ms)", [("TPOT p50", lambda s: s.tpot_p50_ms), ("TPOT p99", lambda s: s.tpot_p99_ms),
