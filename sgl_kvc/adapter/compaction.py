@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sgl_kvc.adapter import invariants
+
 
 @dataclass(frozen=True)
 class CompactionResult:
@@ -33,8 +35,11 @@ class CompactionSkipped(RuntimeError):
     """Not enough free slots to privatise the kept tree-owned tokens; nothing was changed."""
 
 
-def compact_request(batch: Any, i: int, keep: Tensor) -> CompactionResult:
-    """Keep physical indices `keep` (sorted, unique) of request `batch.reqs[i]`."""
+def compact_request(
+    batch: Any, i: int, keep: Tensor, other_batches: tuple[Any, ...] = ()
+) -> CompactionResult:
+    """Keep physical indices `keep` (sorted, unique) of request `batch.reqs[i]`.
+    `other_batches` hold the other running requests (only read by the invariant check)."""
     from sglang.srt.mem_cache.common import evict_from_tree_cache
 
     req = batch.reqs[i]
@@ -78,6 +83,8 @@ def compact_request(batch: Any, i: int, keep: Tensor) -> CompactionResult:
     kv.kv_allocated_len = k
     req.skip_radix_cache_insert = True
     _set_len(batch, i, k)
+    if invariants.enabled():
+        invariants.check_after_compaction([batch, *other_batches], req, evicted_owned)
     return CompactionResult(kept=k, freed=freed, copied=shared)
 
 

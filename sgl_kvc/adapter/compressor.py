@@ -58,6 +58,7 @@ class Compressor:
         )
         self._policies: dict[tuple[str, int], Policy] = {}
         self._trace_path = os.environ.get(TRACE_ENV)
+        self.scheduler: Any = None  # set by the scheduler hooks; read for the other running batch
         backend = model_runner.attn_backend
         if hasattr(backend, "kvc_store"):
             backend.kvc_store = self.store
@@ -151,7 +152,9 @@ class Compressor:
         views = [self._view(batch, row, layer, n, positions, state) for layer in self._layers()]
         keep = policy.select(views, target).cpu()
         try:
-            result = compact_request(batch, i, keep)
+            running = getattr(self.scheduler, "running_batch", None)
+            others = (running,) if running is not None and running is not batch else ()
+            result = compact_request(batch, i, keep, others)
         except CompactionSkipped as e:
             logger.debug("compression of %s skipped: %s", req.rid, e)
             self.stats.skipped += 1

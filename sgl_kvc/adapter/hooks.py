@@ -93,6 +93,7 @@ def _after_forward_batch(config: KvcConfig):
 def _after_batch_result(config: KvcConfig):
     def hook(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         compressor = compressor_of(scheduler.tp_worker.model_runner, config)
+        compressor.scheduler = scheduler
         if batch.forward_mode.is_extend() and "prefill" in config.compress_on:
             compressor.after_prefill(batch)
         return result
@@ -103,6 +104,7 @@ def _after_batch_result(config: KvcConfig):
 def _around_update_running(config: KvcConfig):
     def hook(original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any):
         compressor = compressor_of(scheduler.tp_worker.model_runner, config)
+        compressor.scheduler = scheduler
         if "decode" in config.compress_on:
             compressor.before_decode(batch)
         if "preempt" in config.compress_on and not batch.check_decode_mem():

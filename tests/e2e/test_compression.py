@@ -36,7 +36,7 @@ def rkv_server(trace: Path):
         sys.executable, "-m", "sgl_kvc.launch", "--policy", "rkv",
         "--kv-budget", str(BUDGET), "--kv-buffer", str(BUFFER), "--kv-window", str(WINDOW),
     ]
-    with ServerProcess.launch(cmd, env={"SGLKVC_TRACE": str(trace)}) as server:
+    with ServerProcess.launch(cmd, env={"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1"}) as server:
         yield server
 
 

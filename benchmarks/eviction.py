@@ -1,0 +1,224 @@
+"""Side-by-side serving benchmark: plain SGLang (`--policy none`) against each eviction policy,
+at one fixed KV pool size, in one run.
+
+    python -m benchmarks.eviction                      # the README's table (CPU, demo model)
+    python -m benchmarks.eviction --configs none rkv --requests 16 --output-len 256
+
+Every configuration gets a fresh server (`python -m sgl_kvc.launch`, built-in model unless
+`--model-path`), the same `--max-total-tokens`, the same seeded prompts (random token ids of a
+fixed length), and all requests at once, streamed, with `ignore_eos` and a fixed `max_tokens`.
+Recorded per configuration: the peak number of requests running at once (from
+`/v1/kvc/stats`), output tokens/s over the whole run, TTFT and TPOT percentiles, and the share
+of the run the scheduler spent compressing. Writes `<out>/eviction.json`, `<out>/eviction.md`
+and `<out>/eviction.png`. A configuration is `NAME` (a policy at `--kv-budget`) or
+`NAME=FLAGS` (any launcher flags, e.g. `rkv-fp8=--policy rkv --kv-cache-dtype fp8_e4m3`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from serverproc import ServerProcess  # noqa: E402
+
+DEFAULT_CONFIGS = ["none", "rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress"]
+
+
+@dataclass
+class RequestResult:
+    ttft_s: float
+    tpot_s: float
+    output_tokens: int
+
+
+@dataclass
+class ConfigResult:
+    name: str
+    flags: list[str]
+    requests: int
+    failures: int
+    wall_s: float
+    output_tokens: int
+    output_tokens_per_s: float
+    max_running: int
+    ttft_s: dict[str, float] = field(default_factory=dict)
+    tpot_ms: dict[str, float] = field(default_factory=dict)
+    compression_passes: int = 0
+    compression_share: float = 0.0
+    retractions: int = 0
+    total_tokens: int = 0
+
+
+def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float]:
+    if not values:
+        return {}
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return {"p50": q[49] * scale, "p90": q[89] * scale, "p99": q[98] * scale}
+
+
+async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> RequestResult:
+    body = {
+        "model": "m", "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                last = time.perf_counter()
+                first = first or last
+    if first is None or tokens == 0:
+        raise RuntimeError("no tokens streamed")
+    return RequestResult(first - start, (last - first) / max(tokens - 1, 1), tokens)
+
+
+async def drive(url: str, prompts: list[list[int]], output_len: int) -> tuple[list, float]:
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(
+            *(one_request(client, p, output_len) for p in prompts), return_exceptions=True
+        )
+        return results, time.perf_counter() - t0
+
+
+def run_config(name: str, flags: list[str], args: argparse.Namespace) -> ConfigResult:
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(10, 2000) for _ in range(args.input_len)] for _ in range(args.requests)]
+    cmd = [sys.executable, "-m", "sgl_kvc.launch", "--max-total-tokens", str(args.max_total_tokens),
+           *flags, *args.server_args]
+    with ServerProcess.launch(cmd) as server:
+        results, wall = asyncio.run(drive(server.url, prompts, args.output_len))
+        stats = server.stats()
+    ok = [r for r in results if isinstance(r, RequestResult)]
+    tokens = sum(r.output_tokens for r in ok)
+    comp = stats["compression"]
+    return ConfigResult(
+        name=name, flags=flags, requests=len(prompts), failures=len(prompts) - len(ok),
+        wall_s=wall, output_tokens=tokens, output_tokens_per_s=tokens / wall,
+        max_running=stats["requests"]["max_running"],
+        ttft_s=percentiles([r.ttft_s for r in ok]),
+        tpot_ms=percentiles([r.tpot_s for r in ok], scale=1000.0),
+        compression_passes=comp["passes"], compression_share=comp["seconds"] / wall,
+        retractions=comp.get("retractions", 0), total_tokens=stats["pool"]["total_tokens"],
+    )
+
+
+def markdown(results: list[ConfigResult]) -> str:
+    base = next((r for r in results if r.name == "none"), results[0])
+    rows = [
+        "| config | max running | output tok/s | vs none | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
+        "| compressing | passes | failures |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        rows.append(
+            f"| {r.name} | {r.max_running} ({r.max_running / max(base.max_running, 1):.1f}x) "
+            f"| {r.output_tokens_per_s:.0f} | {r.output_tokens_per_s / base.output_tokens_per_s:.2f}x "
+            f"| {r.ttft_s.get('p50', 0):.2f} / {r.ttft_s.get('p99', 0):.2f} "
+            f"| {r.tpot_ms.get('p50', 0):.1f} / {r.tpot_ms.get('p99', 0):.1f} "
+            f"| {100 * r.compression_share:.1f}% | {r.compression_passes} | {r.failures} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def plot(results: list[ConfigResult], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.name for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    panels = [
+        ("max running requests", [r.max_running for r in results]),
+        ("output tokens/s", [r.output_tokens_per_s for r in results]),
+        ("TPOT p50 (ms)", [r.tpot_ms.get("p50", 0) for r in results]),
+    ]
+    for ax, (label, values) in zip(axes, panels):
+        ax.bar(names, values, color=["#888"] + ["#2a7"] * (len(names) - 1))
+        ax.set_title(label)
+        ax.tick_params(axis="x", rotation=45)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def machine() -> str:
+    try:
+        cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = next(l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name"))
+    except Exception:
+        model = platform.processor()
+    import os
+
+    return f"{model}, {os.cpu_count()} cores, {platform.system()} (no GPU)"
+
+
+def parse_config(text: str, budget: int) -> tuple[str, list[str]]:
+    if "=" in text:
+        name, flags = text.split("=", 1)
+        return name, shlex.split(flags)
+    return text, ["--policy", text] + ([] if text == "none" else ["--kv-budget", str(budget)])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--kv-budget", type=int, default=128)
+    p.add_argument("--max-total-tokens", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--server-args", default="", help="extra flags for every server")
+    args = p.parse_args(argv)
+    args.server_args = shlex.split(args.server_args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for text in args.configs:
+        name, flags = parse_config(text, args.kv_budget)
+        print(f"== {name}: {' '.join(flags)}", flush=True)
+        results.append(run_config(name, flags, args))
+        print(markdown(results[-1:]), flush=True)
+    setup = {
+        "machine": machine(), "requests": args.requests, "input_len": args.input_len,
+        "output_len": args.output_len, "max_total_tokens": args.max_total_tokens,
+        "kv_budget": args.kv_budget, "model": "built-in demo model" if "--model-path" not in args.server_args else "see server_args",
+        "server_args": args.server_args, "date": time.strftime("%Y-%m-%d"),
+    }
+    (args.out / "eviction.json").write_text(
+        json.dumps({"setup": setup, "results": [asdict(r) for r in results]}, indent=2)
+    )
+    table = markdown(results)
+    title = (f"{args.requests} requests, {args.input_len}-token prompts, {args.output_len} output tokens, "
+             f"--max-total-tokens {args.max_total_tokens}, --kv-budget {args.kv_budget}; {setup['machine']}")
+    (args.out / "eviction.md").write_text(f"{title}\n\n{table}")
+    plot(results, args.out / "eviction.png", title)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

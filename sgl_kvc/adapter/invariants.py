@@ -1,0 +1,64 @@
+"""Pool and radix-tree invariants around a compaction, checked when `SGLKVC_CHECK=1`.
+
+Costly (it walks the whole tree), so off in production; the end-to-end tests turn it on, and a
+violation raises inside the scheduler, which stops the server and fails the test.
+- a freed slot is held by neither the radix tree nor any running request;
+- a compacted request holds no tree-owned slot (it copied the ones it kept);
+- accounting: free + tree + slots owned by running requests == pool size.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch import Tensor
+
+CHECK_ENV = "SGLKVC_CHECK"
+
+
+class InvariantViolation(AssertionError):
+    pass
+
+
+def enabled() -> bool:
+    return os.environ.get(CHECK_ENV, "") not in ("", "0")
+
+
+def _rows(batches: list[Any]) -> list[tuple[Any, set[int], int]]:
+    """(req, slots of its row, slots it owns) for every request of the given batches, once."""
+    seen, out = set(), []
+    for batch in batches:
+        for j, req in enumerate(batch.reqs):
+            if id(req) in seen or req.kv.req_pool_idx is None:
+                continue
+            seen.add(id(req))
+            n = int(batch.seq_lens_cpu[j])
+            row = set(batch.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].tolist())
+            out.append((req, row, n - int(req.kv.cache_protected_len)))
+    return out
+
+
+def check_after_compaction(batches: list[Any], req: Any, freed: Tensor) -> None:
+    """`batches`: every batch holding running requests (the compacted one first)."""
+    batch = batches[0]
+    tree = batch.tree_cache
+    tree_slots = set(tree.all_values_flatten().tolist()) if tree.total_size() else set()
+    freed_set = set(freed.tolist())
+    if freed_set & tree_slots:
+        raise InvariantViolation(f"freed {len(freed_set & tree_slots)} slot(s) the radix tree holds")
+    owned = 0
+    for other, row, n_owned in _rows(batches):
+        owned += n_owned
+        if other is not req and freed_set & row:
+            raise InvariantViolation(f"freed slot(s) still used by request {other.rid}")
+        if other is req and row & tree_slots:
+            raise InvariantViolation("a compacted request still references tree-owned slots")
+    allocator = batch.token_to_kv_pool_allocator
+    total = allocator.size
+    accounted = allocator.available_size() + len(tree_slots) + owned
+    if accounted != total:
+        raise InvariantViolation(
+            f"pool accounting: free {allocator.available_size()} + tree {len(tree_slots)} "
+            f"+ owned by running requests {owned} = {accounted} != {total}"
+        )

@@ -1,0 +1,57 @@
+"""Compression just before a preemption, and admission by compressed footprint.
+
+A deliberately small pool: eight generations of ~170 tokens need ~1400 slots, the pool has 600.
+Plain SGLang admits three at a time (prompt + max_tokens each). With R-KV the scheduler admits
+by what a request will really hold (budget + buffer), so all eight run at once; with only the
+`preempt` moment on, they grow until the decode memory check fails, then get compressed
+instead of retracted.
+"""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from serverproc import ServerProcess
+
+pytestmark = pytest.mark.e2e
+
+N_REQ, NEW_TOKENS, POOL = 8, 150, 600
+
+
+@pytest.fixture(scope="module")
+def preempt_server():
+    cmd = [
+        sys.executable, "-m", "sgl_kvc.launch", "--policy", "rkv",
+        "--kv-budget", "32", "--kv-buffer", "16", "--compress-on", "preempt",
+        "--max-total-tokens", str(POOL),
+    ]
+    with ServerProcess.launch(cmd, env={"SGLKVC_CHECK": "1"}) as server:
+        yield server
+
+
+def test_compress_before_preempt_and_admit_by_footprint(preempt_server) -> None:
+    def one(i: int) -> int:
+        r = preempt_server.post(
+            "/v1/completions",
+            json={
+                "model": "m", "prompt": f"Request {i}: the weather was mild in the valley.",
+                "max_tokens": NEW_TOKENS, "ignore_eos": True,
+            },
+        )
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    with ThreadPoolExecutor(N_REQ) as pool:
+        assert list(pool.map(one, range(N_REQ))) == [NEW_TOKENS] * N_REQ
+    s = preempt_server.stats()
+    c = s["compression"]
+    assert c["preempt_passes"] > 0 and c["avoided_retractions"] > 0, c
+    assert c["decode_passes"] == 0 and c["prefill_passes"] == 0  # only the preempt moment is on
+    assert c["retractions"] == 0, c
+    # Plain SGLang would run POOL // (prompt + max_tokens) = 3 at a time.
+    assert s["requests"]["max_running"] >= 6, s["requests"]
+    pool = s["pool"]
+    assert pool["free_tokens"] + pool["cached_tokens"] == pool["total_tokens"]
