@@ -18,6 +18,7 @@ from sgl_kvc.policies import PolicyParams, available_policies
 
 ENV_VAR = "SGLKVC_CONFIG"
 MOMENTS: tuple[str, ...] = ("prefill", "decode", "preempt")
+FP8_KV_DTYPES: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2")  # served by sgl-kvc's FP8 pool
 _P = PolicyParams()
 
 
@@ -57,6 +58,20 @@ class KvcConfig:
         default=MOMENTS,
         metadata=_flag("When to compress: any of prefill,decode,preempt (comma separated)."),
     )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_flag(
+            "KV cache storage (SGLang's flag): fp8_e4m3 / fp8_e5m2 select sgl-kvc's FP8 pool with "
+            "one scale per (token, KV head); any other value is passed to SGLang as it is."
+        ),
+    )
+    kv_cache_memory_gb: float | None = field(
+        default=None,
+        metadata=_flag(
+            "Fixed KV pool budget in GB (codes and scales), instead of profiling free memory; "
+            "without --max-total-tokens the pool holds as many tokens as fit."
+        ),
+    )
 
     def __post_init__(self) -> None:
         choices = available_policies()
@@ -68,11 +83,18 @@ class KvcConfig:
             raise ValueError(f"--compress-on: unknown moment(s) {bad}; choose from {list(MOMENTS)}")
         if self.kv_budget_ratio is not None and not 0.0 < self.kv_budget_ratio <= 1.0:
             raise ValueError(f"--kv-budget-ratio must be in (0, 1], got {self.kv_budget_ratio}")
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"--kv-cache-memory-gb must be > 0, got {self.kv_cache_memory_gb}")
         self.policy_params()  # validates budget, buffer, window, lambda, sinks
 
     @property
     def compressing(self) -> bool:
         return self.policy != "none"
+
+    @property
+    def fp8_kv(self) -> str | None:
+        """The FP8 format of sgl-kvc's KV pool, or None (SGLang's own pool)."""
+        return self.kv_cache_dtype if self.kv_cache_dtype in FP8_KV_DTYPES else None
 
     def policy_params(self, budget: int | None = None) -> PolicyParams:
         return replace(
@@ -107,7 +129,7 @@ class KvcConfig:
             elif f.name == "compress_on":
                 kwargs["type"] = _moments
                 kwargs["default"] = ",".join(MOMENTS)
-            elif f.name == "kv_budget_ratio":
+            elif f.name in ("kv_budget_ratio", "kv_cache_memory_gb"):
                 kwargs["type"] = float
             else:
                 kwargs["type"] = type(default)

@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import replace
 
 from sgl_kvc.compat import standins
 
@@ -42,12 +43,22 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def build_sglang_argv(argv: list[str], on_gpu: bool, compressing: bool = False) -> list[str]:
+def build_sglang_argv(
+    argv: list[str], on_gpu: bool, compressing: bool = False, fp8_kv: bool = False,
+    kv_memory_budget: bool = False,
+) -> list[str]:
     """SGLang's argument list: the user's flags plus the defaults they did not override."""
     from sgl_kvc.adapter import RADIX_CACHE_BACKEND
 
     out = list(argv)
     defaults = dict(GPU_DEFAULTS if on_gpu else CPU_DEFAULTS)
+    if fp8_kv:
+        # sgl-kvc's FP8 pool is read by indexing (dequantizing the rows read): torch-native
+        # attention, also on CUDA. SGLang itself keeps the model's dtype (`auto`), so its
+        # AMX-only CPU FP8 path is never entered.
+        defaults["--attention-backend"] = "torch_native"
+    if kv_memory_budget:
+        defaults.pop("--max-total-tokens", None)  # the byte budget decides the pool's size
     if compressing and not _has_flag(out, "--disable-overlap-schedule"):
         # Compaction rewrites request rows between steps; the overlap scheduler would prepare
         # the next step while the previous one still reads them.
@@ -80,10 +91,30 @@ def parse_args(argv: list[str]) -> tuple[KvcConfig, list[str]]:
         prepare_server_args(["--help"])  # prints SGLang's help and exits
     ns, rest = parser.parse_known_args(argv)
     try:
-        return KvcConfig.from_cli_args(ns), rest
+        config = KvcConfig.from_cli_args(ns)
     except ValueError as e:
         parser.error(str(e))
         raise  # unreachable: parser.error exits
+    if config.fp8_kv is None and config.kv_cache_dtype != "auto":
+        # `--kv-cache-dtype` is SGLang's flag; values other than our FP8 ones are SGLang's.
+        rest = [*rest, "--kv-cache-dtype", config.kv_cache_dtype]
+        config = replace(config, kv_cache_dtype="auto")
+    backend = _flag_value(rest, "--attention-backend")
+    if config.fp8_kv and backend not in (None, "torch_native"):
+        parser.error(
+            f"--kv-cache-dtype {config.fp8_kv} needs --attention-backend torch_native (sgl-kvc's "
+            f"FP8 pool dequantizes the rows attention reads); got {backend}"
+        )
+    return config, rest
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,7 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     on_gpu = _cuda_available()
     if not on_gpu:
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    sglang_argv = build_sglang_argv(rest, on_gpu, config.compressing)
+    sglang_argv = build_sglang_argv(
+        rest, on_gpu, config.compressing, fp8_kv=config.fp8_kv is not None,
+        kv_memory_budget=config.kv_cache_memory_gb is not None,
+    )
     config.to_env()  # read by the plugin in this process and in SGLang's worker processes
 
     from sglang.launch_server import run_server
@@ -107,8 +141,9 @@ def main(argv: list[str] | None = None) -> None:
 
     mount(app)
     logger.info(
-        "sgl-kvc: policy=%s, prefix cache backend=%s, attention backend=sgl_kvc(%s)",
+        "sgl-kvc: policy=%s, kv cache=%s, prefix cache backend=%s, attention backend=sgl_kvc(%s)",
         config.policy,
+        config.fp8_kv or getattr(server_args, "kv_cache_dtype", "auto"),
         server_args.radix_cache_backend or "SGLang default",
         server_args.attention_backend,
     )

@@ -25,8 +25,9 @@ def install(config: KvcConfig) -> None:
             SGLANG_VERSION,
             sglang.__version__,
         )
-    from sgl_kvc.adapter import attention, hooks, radix_cache
+    from sgl_kvc.adapter import attention, fp8_pool, hooks, radix_cache
 
     radix_cache.register(RADIX_CACHE_BACKEND)
     attention.register()
+    fp8_pool.register(config)
     hooks.register(config)

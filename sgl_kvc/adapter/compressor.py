@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from sgl_kvc.adapter.compaction import CompactionSkipped, compact_request
+from sgl_kvc.adapter.metrics import maybe_metrics
 from sgl_kvc.adapter.state import KvcStore, ReqKvState
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.policies import LayerView, Policy, get_policy
@@ -59,6 +60,7 @@ class Compressor:
         self._policies: dict[tuple[str, int], Policy] = {}
         self._trace_path = os.environ.get(TRACE_ENV)
         self.scheduler: Any = None  # set by the scheduler hooks; read for the other running batch
+        self.metrics = maybe_metrics(model_runner, config.policy)
         backend = model_runner.attn_backend
         if hasattr(backend, "kvc_store"):
             backend.kvc_store = self.store
@@ -138,6 +140,8 @@ class Compressor:
                 if batch.check_decode_mem():
                     if compressed:
                         self.stats.avoided_retractions += 1
+                        if self.metrics:
+                            self.metrics.avoided_retraction()
                     return True
         return batch.check_decode_mem()
 
@@ -173,8 +177,16 @@ class Compressor:
         self.stats.passes += 1
         self.stats.evicted_tokens += n - result.kept
         setattr(self.stats, f"{moment}_passes", getattr(self.stats, f"{moment}_passes") + 1)
-        self.stats.seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.stats.seconds += seconds
+        if self.metrics:
+            self.metrics.compressed(moment, n - result.kept, seconds)
         return True
+
+    def retracted(self, n: int) -> None:
+        self.stats.retractions += n
+        if self.metrics:
+            self.metrics.retracted(n)
 
     def _trace(self, req: Any, moment: str, policy: str, n: int, positions, kept) -> None:
         event = {

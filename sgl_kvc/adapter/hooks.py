@@ -115,7 +115,7 @@ def _around_update_running(config: KvcConfig):
         retracted = [r for r in before if id(r) not in remaining and not r.finished()]
         for req in retracted:
             compressor.forget(req)
-        compressor.stats.retractions += sum(1 for r in retracted if r.is_retracted)
+        compressor.retracted(sum(1 for r in retracted if r.is_retracted))
         return out
 
     return hook

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from sgl_kvc.adapter.compressor import Compressor
+from sgl_kvc.adapter.fp8_pool import pool_bytes
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.request_settings import from_custom_params
 
@@ -68,11 +69,16 @@ def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
     prefix = getattr(tree, "prefix_stats", None)
     model_runner = scheduler.tp_worker.model_runner
     compression = asdict(compressor_of(model_runner, runtime.config).stats)
+    kv_pool = model_runner.token_to_kv_pool
     return {
         "policy": runtime.config.policy,
-        "kv_cache_dtype": _dtype_name(model_runner.kv_cache_dtype),
+        # sgl-kvc's FP8 pool names its format; SGLang's pools store model_runner.kv_cache_dtype
+        "kv_cache_dtype": getattr(kv_pool, "kvc_dtype_name", None)
+        or _dtype_name(model_runner.kv_cache_dtype),
+        "kv_cache_scales": getattr(kv_pool, "kvc_scale_description", None),
         "pool": {
             "total_tokens": int(scheduler.max_total_num_tokens),
+            "bytes": pool_bytes(kv_pool),  # K and V buffers, scales included
             "free_tokens": int(scheduler.token_to_kv_pool_allocator.available_size()),
             "cached_tokens": int(tree.evictable_size()),
         },

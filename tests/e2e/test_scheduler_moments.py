@@ -26,7 +26,7 @@ def preempt_server():
     cmd = [
         sys.executable, "-m", "sgl_kvc.launch", "--policy", "rkv",
         "--kv-budget", "32", "--kv-buffer", "16", "--compress-on", "preempt",
-        "--max-total-tokens", str(POOL),
+        "--max-total-tokens", str(POOL), "--enable-metrics",
     ]
     with ServerProcess.launch(cmd, env={"SGLKVC_CHECK": "1"}) as server:
         yield server
@@ -55,3 +55,11 @@ def test_compress_before_preempt_and_admit_by_footprint(preempt_server) -> None:
     assert s["requests"]["max_running"] >= 6, s["requests"]
     pool = s["pool"]
     assert pool["free_tokens"] + pool["cached_tokens"] == pool["total_tokens"]
+
+
+def test_prometheus_metrics(preempt_server) -> None:
+    text = preempt_server.get("/metrics").text
+    passes = [l for l in text.splitlines() if l.startswith("sgl_kvc:compression_passes_total{")]
+    assert any('moment="preempt"' in l and float(l.rsplit(" ", 1)[1]) > 0 for l in passes), passes
+    for name in ("evicted_tokens_total", "compression_seconds_total", "avoided_retractions_total"):
+        assert f"sgl_kvc:{name}" in text

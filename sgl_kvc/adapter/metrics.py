@@ -1,0 +1,54 @@
+"""Prometheus metrics of the compressor, exported when SGLang runs with `--enable-metrics`.
+
+SGLang serves `/metrics` from the HTTP process in prometheus_client's multi-process mode
+(`PROMETHEUS_MULTIPROC_DIR`, set before the scheduler starts), so counters created here in the
+scheduler process appear there next to SGLang's own `sglang:*` metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CompressionMetrics:
+    def __init__(self, labels: dict[str, str]) -> None:
+        from prometheus_client import Counter
+
+        names = list(labels)
+        self._labels = labels
+        self.passes = Counter(
+            "sgl_kvc:compression_passes_total", "KV-cache compressions, by moment",
+            names + ["moment"],
+        )
+        self.evicted = Counter(
+            "sgl_kvc:evicted_tokens_total", "KV tokens evicted by compression", names
+        )
+        self.seconds = Counter(
+            "sgl_kvc:compression_seconds_total", "Seconds spent compressing", names
+        )
+        self.avoided = Counter(
+            "sgl_kvc:avoided_retractions_total",
+            "Decode steps where compression made room and no request was retracted", names,
+        )
+        self.retractions = Counter(
+            "sgl_kvc:retractions_total", "Requests retracted (preempted) by the scheduler", names
+        )
+
+    def compressed(self, moment: str, evicted: int, seconds: float) -> None:
+        self.passes.labels(**self._labels, moment=moment).inc()
+        self.evicted.labels(**self._labels).inc(evicted)
+        self.seconds.labels(**self._labels).inc(seconds)
+
+    def avoided_retraction(self) -> None:
+        self.avoided.labels(**self._labels).inc()
+
+    def retracted(self, n: int) -> None:
+        if n:
+            self.retractions.labels(**self._labels).inc(n)
+
+
+def maybe_metrics(model_runner: Any, policy: str) -> CompressionMetrics | None:
+    server_args = getattr(model_runner, "server_args", None)
+    if not getattr(server_args, "enable_metrics", False):
+        return None
+    return CompressionMetrics({"policy": policy, "tp_rank": str(getattr(model_runner, "tp_rank", 0))})
