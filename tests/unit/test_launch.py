@@ -83,3 +83,47 @@ def test_help_lists_our_flags() -> None:
     ours, _, sglang_part = r.stdout.partition("SGLang server flags")
     assert "--policy" in ours and "sgl-kvc" in ours
     assert "--model-path" in sglang_part and "--radix-cache-backend" in sglang_part
+
+
+def test_compressing_policy_disables_overlap_schedule() -> None:
+    argv = build_sglang_argv(["--model-path", "/m"], on_gpu=False, compressing=True)
+    assert "--disable-overlap-schedule" in argv
+    assert "--disable-overlap-schedule" not in build_sglang_argv(["--model-path", "/m"], on_gpu=False)
+
+
+def test_compression_flags_parse_into_config() -> None:
+    config, rest = parse_args(
+        ["--policy", "rkv", "--kv-budget", "64", "--kv-buffer", "32", "--kv-window", "4",
+         "--rkv-lambda", "0.2", "--sink-tokens", "2", "--compress-on", "decode,preempt", "--port", "1"]
+    )
+    assert rest == ["--port", "1"]
+    assert (config.policy, config.kv_budget, config.kv_buffer, config.kv_window) == ("rkv", 64, 32, 4)
+    assert config.compress_on == ("decode", "preempt") and config.compressing
+    params = config.policy_params()
+    assert (params.budget, params.rkv_lambda, params.sink_tokens) == (64, 0.2, 2)
+
+
+def test_flag_defaults_come_from_policy_params() -> None:
+    from sgl_kvc.policies import PolicyParams
+
+    config, _ = parse_args([])
+    p = PolicyParams()
+    assert (config.kv_budget, config.kv_buffer, config.kv_window, config.rkv_lambda) == (
+        p.budget, p.buffer, p.window, p.rkv_lambda)
+    assert config.compress_on == ("prefill", "decode", "preempt")
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--compress-on", "prefill,later"], "--compress-on"),
+        (["--kv-budget", "0"], "budget"),
+        (["--kv-budget-ratio", "1.5"], "--kv-budget-ratio"),
+        (["--rkv-lambda", "2"], "rkv_lambda"),
+    ],
+)
+def test_bad_flag_values_are_usage_errors(argv: list[str], needle: str, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err

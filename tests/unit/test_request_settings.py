@@ -1,0 +1,34 @@
+import pytest
+
+from sgl_kvc.request_settings import (
+    CUSTOM_PARAMS_KEY,
+    RequestCompression,
+    RequestSettingError,
+    from_custom_params,
+    parse_kv_compression,
+)
+
+
+def test_valid_settings_roundtrip_through_custom_params() -> None:
+    s = parse_kv_compression({"policy": "snapkv", "budget": 64})
+    assert s == RequestCompression("snapkv", 64)
+    assert from_custom_params({CUSTOM_PARAMS_KEY: s.to_custom_params(), "other": 1}) == s
+    assert from_custom_params(None) == RequestCompression()
+
+
+@pytest.mark.parametrize(
+    "obj, param",
+    [
+        ({"policy": "nope"}, "kv_compression.policy"),
+        ({"budget": 0}, "kv_compression.budget"),
+        ({"budget": True}, "kv_compression.budget"),
+        ({"budget": "8"}, "kv_compression.budget"),
+        ({"budget": 1 << 40}, "kv_compression.budget"),
+        ({"ratio": 0.5}, "kv_compression.ratio"),
+        ([1, 2], "kv_compression"),
+    ],
+)
+def test_invalid_settings_name_the_field(obj, param: str) -> None:
+    with pytest.raises(RequestSettingError) as info:
+        parse_kv_compression(obj)
+    assert info.value.param == param
