@@ -12,15 +12,15 @@ STAMP := $(VENV)/.sgl-kvc-installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/cpu.txt requirements/test.txt
+$(STAMP): pyproject.toml requirements/cpu.txt requirements/test.txt requirements/loadtest.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 ifeq ($(GPU),1)
-	$(PIP) install -e ".[gpu,test]" -r requirements/test.txt
+	$(PIP) install -e ".[gpu,test]" -r requirements/test.txt -r requirements/loadtest.txt
 else
 	# CPU: the offline CPU build of torch, SGLang without its (CUDA) dependency resolution,
 	# then the runtime dependencies it needs on CPU at pinned versions.
 	$(PIP) install torch==2.13.0
-	$(PIP) install -r requirements/cpu.txt -r requirements/test.txt
+	$(PIP) install -r requirements/cpu.txt -r requirements/test.txt -r requirements/loadtest.txt
 	$(PIP) install --no-deps sglang==0.5.23
 	$(PIP) install --no-deps -e .
 	# Import stand-ins for sgl_kernel/torchvision, active only where the real ones cannot load.

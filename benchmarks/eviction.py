@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from serverproc import ServerProcess  # noqa: E402
+from loadtest.server import ServerProcess
 
 DEFAULT_CONFIGS = ["none", "rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress"]
 

@@ -17,8 +17,8 @@ Name column = the `--scenario` of the run, response_time in milliseconds):
 
 Output tokens are the server's `usage.completion_tokens`; chunks are not counted (a chunk can
 carry several tokens or none, e.g. while a byte-level BPE character is incomplete).
-With `--requests-csv PATH` one row per request is also written there (fields of `loadtest.metrics.RequestRecord`);
-the runner computes throughput and goodput from it.
+With `--requests-csv PATH` one row per request is also written there (the fields of
+`loadtest.metrics.RequestRecord`); the runner computes throughput and goodput from it.
 
 Options added to locust's: --scenario {short,shared_prefix,long_gen,mix} (default mix),
 --prompt-seed, --long-max-tokens, --model (default: the first of GET /v1/models),

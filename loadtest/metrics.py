@@ -104,10 +104,13 @@ def read_requests(path: str | Path) -> list[RequestRecord]:
 
 
 def _pct(rows: dict[str, dict[str, str]], metric: str, pct: str) -> float | None:
+    """A percentile column of one metric's row; None where locust has no value ("N/A")."""
     value = rows.get(metric, {}).get(pct)
+    if value is None:
+        return None
     try:
-        return float(value) if value not in (None, "", "N/A") else None
-    except ValueError:
+        return float(value)
+    except ValueError:  # "N/A"
         return None
 
 
@@ -136,7 +139,8 @@ def summarize(
     rows = read_locust_stats(stats_csv)
     records = read_requests(requests_csv) if Path(requests_csv).exists() else []
     ok = [r for r in records if r.ok]
-    window = max((r.t_end for r in records), default=0.0) - min((r.t_start for r in records), default=0.0)
+    start = min((r.t_start for r in records), default=0.0)
+    window = max((r.t_end for r in records), default=0.0) - start
     per_s = (lambda n: n / window) if window > 0 else (lambda n: 0.0)
     tokens = sum(r.output_tokens for r in ok)
     good = sum(1 for r in records if limits.met_by(r))

@@ -72,6 +72,7 @@ class PromptSettings:
     system_prompt_words: int = 400
     shared_max_tokens: int = 32
     long_max_tokens: int = 256
+    long_prompt_words: int = 0  # long_gen: pad the question with distinct sentences to this length
     mix_weights: dict[str, float] = field(default_factory=lambda: dict(MIX_WEIGHTS))
 
 
@@ -111,7 +112,8 @@ class PromptGenerator:
         kind = self.scenario
         if kind == "mix":
             names = list(self.settings.mix_weights)
-            kind = self._rng.choices(names, weights=[self.settings.mix_weights[n] for n in names])[0]
+            weights = [self.settings.mix_weights[n] for n in names]
+            kind = self._rng.choices(names, weights=weights)[0]
         return getattr(self, "_" + kind)()
 
     def _question(self, sentences: int) -> str:
@@ -119,7 +121,8 @@ class PromptGenerator:
 
     def _short(self) -> ChatRequest:
         q = self._question(self._rng.randint(1, 2))
-        return ChatRequest("short", ({"role": "user", "content": q},), self.settings.short_max_tokens)
+        messages = ({"role": "user", "content": q},)
+        return ChatRequest("short", messages, self.settings.short_max_tokens)
 
     def _shared_prefix(self) -> ChatRequest:
         messages = (
@@ -129,7 +132,10 @@ class PromptGenerator:
         return ChatRequest("shared_prefix", messages, self.settings.shared_max_tokens)
 
     def _long_gen(self) -> ChatRequest:
-        q = self._question(1) + " Think step by step."
+        q = self._question(1)
+        while len(q.split()) < self.settings.long_prompt_words:
+            q += " " + self._question(1)
+        q += " Think step by step."
         return ChatRequest(
             "long_gen", ({"role": "user", "content": q},), self.settings.long_max_tokens, True
         )

@@ -47,7 +47,8 @@ ROWS: list[Row] = [
 def markdown_table(summaries: list[Summary]) -> str:
     head = "| metric | " + " | ".join(s.config for s in summaries) + " |"
     rule = "|---|" + "---:|" * len(summaries)
-    body = [f"| {label} | " + " | ".join(str(get(s)) for s in summaries) + " |" for label, get in ROWS]
+    body = [f"| {label} | " + " | ".join(str(get(s)) for s in summaries) + " |"
+            for label, get in ROWS]  # fmt: skip
     return "\n".join([head, rule, *body])
 
 
@@ -69,7 +70,8 @@ PLOTS: list[tuple[str, list[tuple[str, Callable[[Summary], float | None]]]]] = [
     ("requests/s", [("all", lambda s: s.requests_per_s), ("goodput", lambda s: s.goodput_rps)]),
     ("TTFT (ms)", [("p50", lambda s: s.ttft_p50_ms), ("p90", lambda s: s.ttft_p90_ms),
                    ("p99", lambda s: s.ttft_p99_ms)]),
-    ("TPOT / ITL (ms)", [("TPOT p50", lambda s: s.tpot_p50_ms), ("TPOT p99", lambda s: s.tpot_p99_ms),
+    ("TPOT / ITL (ms)", [("TPOT p50", lambda s: s.tpot_p50_ms),
+                         ("TPOT p99", lambda s: s.tpot_p99_ms),
                          ("ITL p99", lambda s: s.itl_p99_ms)]),
     ("max running requests", [("max", lambda s: s.max_running)]),
 ]

@@ -73,7 +73,7 @@ class ServerConfig:
         name, _, flags = spec.partition("=")
         name = name.strip()
         if not _NAME.match(name):
-            raise ValueError(f"bad configuration name {name!r} in {spec!r} (use letters, digits, _.-)")
+            raise ValueError(f"bad configuration name {name!r} in {spec!r}; use [A-Za-z0-9_.-]")
         return cls(name, tuple(shlex.split(flags)))
 
 
@@ -95,7 +95,8 @@ class RunningPeak:
     """Polls `/v1/kvc/stats` in a thread while the load runs; keeps the peak of `running`."""
 
     def __init__(self, url: str, interval_s: float = 0.5) -> None:
-        self.url, self.interval_s, self.peak = url, interval_s, None
+        self.url, self.interval_s = url, interval_s
+        self.peak: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -127,7 +128,9 @@ def locust_command(url: str, load: LoadSettings, out: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def run_load(config: ServerConfig, url: str, load: LoadSettings, limits: Limits, out: Path) -> Summary:
+def run_load(
+    config: ServerConfig, url: str, load: LoadSettings, limits: Limits, out: Path
+) -> Summary:
     """Load one healthy server and summarize the run into OUT/summary.json."""
     out.mkdir(parents=True, exist_ok=True)
     before = kvc_stats(url)
@@ -181,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", action="append", default=[], metavar="NAME[=FLAGS]",
                    help="start a server with these launcher flags (repeatable)")
     p.add_argument("--users", type=int, default=d.users, help="concurrent users")
-    p.add_argument("--spawn-rate", type=float, default=d.spawn_rate, help="users started per second")
-    p.add_argument("--duration", type=int, default=d.duration_s, help="load seconds per configuration")
+    p.add_argument("--spawn-rate", type=float, default=d.spawn_rate, help="users started per s")
+    p.add_argument("--duration", type=int, default=d.duration_s, help="load seconds per config")
     p.add_argument("--scenario", choices=SCENARIOS, default=d.scenario)
     p.add_argument("--seed", type=int, default=d.seed, help="prompt generator seed")
     p.add_argument("--long-max-tokens", type=int, default=d.long_max_tokens,
@@ -193,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-request read timeout, seconds")
     p.add_argument("--ttft-limit-ms", type=float, default=lim.ttft_ms, help="goodput TTFT limit")
     p.add_argument("--tpot-limit-ms", type=float, default=lim.tpot_ms, help="goodput TPOT limit")
-    p.add_argument("--server-timeout", type=float, default=300.0, help="seconds to wait for /health")
+    p.add_argument("--server-timeout", type=float, default=300.0, help="max wait for /health, s")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
     return p  # fmt: skip
 
@@ -225,8 +228,9 @@ def main(argv: list[str] | None = None) -> list[Summary]:
               flush=True)  # fmt: skip
         summaries.append(run_config(config, load, limits, out, args.server_timeout))
         s = summaries[-1]
+        took = time.monotonic() - t0
         print(f"[loadtest] {config.name}: {s.requests} ok, {s.failures} failed, "
-              f"{s.output_tokens_per_s:.1f} tok/s ({time.monotonic() - t0:.0f} s)", flush=True)  # fmt: skip
+              f"{s.output_tokens_per_s:.1f} tok/s ({took:.0f} s)", flush=True)  # fmt: skip
     command = "python -m loadtest.run " + shlex.join(sys.argv[1:] if argv is None else argv)
     write_markdown(summaries, out / "results.md", preamble=f"Command: `{command}`")
     write_plot(summaries, out / "results.png")

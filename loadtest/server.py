@@ -1,4 +1,7 @@
-"""Start `python -m sgl_kvc.launch <flags>` on a free loopback port; always stop it afterwards."""
+"""Start a server on a free loopback port, wait until it is healthy, and always stop it.
+
+One implementation for the load-test runner, the benchmarks and the test suite.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +10,16 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import requests
+
+START_TIMEOUT_S = 300.0
 
 
 def free_port() -> int:
@@ -30,7 +37,10 @@ def kvc_stats(url: str) -> dict[str, Any] | None:
     return r.json() if r.status_code == 200 else None
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, log: Path | None) -> None:
+def wait_healthy(
+    url: str, proc: subprocess.Popen | None, timeout_s: float, log: Path | None
+) -> None:
+    """Poll GET /health until 200; fail early if `proc` (the server, when we started it) exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -45,32 +55,75 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float, log:
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s (log: {log})")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        if proc.poll() is not None:
-            return
+@dataclass
+class ServerProcess:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, n: int = 60) -> str:
+        return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-n:])
+
+    def get(self, path: str, **kw: Any) -> requests.Response:
+        return requests.get(self.url + path, timeout=60, **kw)
+
+    def post(self, path: str, json: object, **kw: Any) -> requests.Response:
+        return requests.post(self.url + path, json=json, timeout=300, **kw)
+
+    def stats(self) -> dict:
+        r = self.get("/v1/kvc/stats")
+        r.raise_for_status()
+        return r.json()
+
+    @classmethod
+    @contextmanager
+    def launch(
+        cls,
+        cmd: list[str],
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+        timeout_s: float = START_TIMEOUT_S,
+    ) -> Iterator["ServerProcess"]:
+        """Run `cmd --host 127.0.0.1 --port <free port>`; stop it (and its children) on exit."""
+        port = free_port()
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"server-{port}-", suffix=".log")
+            os.close(fd)
+            log_path = Path(name)
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                [*cmd, "--host", "127.0.0.1", "--port", str(port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,  # its own process group: stop() reaches every child
+            )
+        server = cls(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
         try:
-            os.killpg(proc.pid, sig)  # the whole group: SGLang's scheduler/detokenizer children too
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
-            continue
+            wait_healthy(server.url, proc, timeout_s, log_path)
+            yield server
+        finally:
+            server.stop()
+
+    def stop(self) -> None:
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            if self.proc.poll() is not None:
+                return
+            try:
+                os.killpg(self.proc.pid, sig)  # SGLang's scheduler/detokenizer children too
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
 
 
 @contextmanager
-def launched(flags: list[str], log_path: Path, timeout_s: float = 300.0) -> Iterator[str]:
+def launched(flags: list[str], log_path: Path, timeout_s: float = START_TIMEOUT_S) -> Iterator[str]:
     """Run the sgl-kvc launcher with `flags` on 127.0.0.1:<free port>; yield its base URL."""
     if any(f in ("--host", "--port") or f.startswith(("--host=", "--port=")) for f in flags):
         raise ValueError("--host/--port are chosen by the runner; leave them out of the flags")
-    port = free_port()
-    cmd = [sys.executable, "-m", "sgl_kvc.launch", *flags, "--host", "127.0.0.1", "--port", str(port)]
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_healthy(url, proc, timeout_s, log_path)
-        yield url
-    finally:
-        _stop(proc)
+    cmd = [sys.executable, "-m", "sgl_kvc.launch", *flags]
+    with ServerProcess.launch(cmd, log_path=log_path, timeout_s=timeout_s) as server:
+        yield server.url

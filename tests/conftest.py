@@ -9,9 +9,7 @@ from typing import Iterator
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from serverproc import ServerProcess  # noqa: E402
+from loadtest.server import ServerProcess
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -67,10 +67,11 @@ def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> No
     rows = fb.req_pool_indices
     pool_rows = store.req_to_token.shape[0]
     store.record_decode(layer.layer_id, rows, q, pool_rows)
+    if not store.stats_rows:
+        return
     seq_lens = fb.seq_lens_cpu.tolist()
     for i, row in enumerate(rows.tolist()):
-        state = store.states.get(row)
-        if state is None or not state.policy.uses_stats:
+        if row not in store.stats_rows:
             continue
         n = seq_lens[i]
         keys = _layer_keys(store, layer, row, n)

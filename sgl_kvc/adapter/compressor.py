@@ -62,7 +62,9 @@ class Compressor:
         self.scheduler: Any = None  # set by the scheduler hooks; read for the other running batch
         self.metrics = maybe_metrics(model_runner, config.policy)
         backend = model_runner.attn_backend
-        if hasattr(backend, "kvc_store"):
+        if config.compressing and hasattr(backend, "kvc_store"):
+            # Only a compressing server observes attention: with --policy none the backend does
+            # exactly what SGLang's does (per-request compression is refused on such a server).
             backend.kvc_store = self.store
 
     # --- per request --------------------------------------------------------------------------

@@ -59,6 +59,7 @@ class KvcStore:
         self.kv_pool = kv_pool  # SGLang's KV pool (get_key_buffer(layer_id) -> [slots, H_kv, d])
         self.window = window
         self.states: dict[int, ReqKvState] = {}
+        self.stats_rows: set[int] = set()  # rows whose policy accumulates attention statistics
         self._queries: Tensor | None = None  # [rows, layers, window, H_q, d]
         self._count: dict[int, int] = {}
 
@@ -67,10 +68,10 @@ class KvcStore:
         state.stats = [None] * self.num_layers
         self.states[row] = state
         self._count[row] = 0
-
-    def end(self, row: int) -> None:
-        self.states.pop(row, None)
-        self._count.pop(row, None)
+        if state.policy.uses_stats:
+            self.stats_rows.add(row)
+        else:
+            self.stats_rows.discard(row)
 
     # --- observation-window queries -----------------------------------------------------------
     def _buffer(self, rows: int, q: Tensor) -> Tensor:

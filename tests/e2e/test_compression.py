@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serverproc import ServerProcess
+from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
 

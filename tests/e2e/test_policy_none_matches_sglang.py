@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from serverproc import ServerProcess
+from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serverproc import ServerProcess
+from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
 
