@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-ARGS ?=
+ARGS ?= --policy rkv
 PYTEST_ARGS ?=
 GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP := $(VENV)/.sgl-kvc-installed

@@ -23,14 +23,17 @@ from sgl_kvc.config import KvcConfig  # noqa: E402
 
 logger = logging.getLogger("sgl_kvc.launch")
 
-CPU_DEFAULTS: dict[str, str] = {
+# A value of None is a switch (store_true flag).
+CPU_DEFAULTS: dict[str, str | None] = {
     "--device": "cpu",
     "--attention-backend": "torch_native",
     "--sampling-backend": "pytorch",
     "--grammar-backend": "none",
     "--max-total-tokens": "16384",
+    # An idle scheduler otherwise polls at 40-70% of a core: much of a small CPU machine.
+    "--sleep-on-idle": None,
 }
-GPU_DEFAULTS: dict[str, str] = {"--attention-backend": "flashinfer"}
+GPU_DEFAULTS: dict[str, str | None] = {"--attention-backend": "flashinfer"}
 
 
 def _has_flag(argv: list[str], flag: str) -> bool:
@@ -72,7 +75,7 @@ def build_sglang_argv(
         defaults["--served-model-name"] = DEMO_MODEL_NAME
     for flag, value in defaults.items():
         if not _has_flag(out, flag):
-            out += [flag, value]
+            out += [flag] if value is None else [flag, value]
     return out
 
 

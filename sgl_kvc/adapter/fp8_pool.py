@@ -100,6 +100,14 @@ class KvcFp8TokenToKVPool(MHATokenToKVPool):
         self._kv_buffer_descs = self._build_kv_buffer_descs()
         self._init_data_ptrs_and_strides()
 
+    def _finalize_allocation_log(self, num_tokens: int) -> None:
+        super()._finalize_allocation_log(num_tokens)  # SGLang's line names the model dtype
+        logger.info(
+            "sgl-kvc FP8 KV cache: %s codes + %s scales per (token, kv head), %d tokens, "
+            "%d bytes per token, %.4f GB", self.kvc_fp8, self.kvc_scale_format, num_tokens,
+            self.kvc_bytes_per_token, pool_bytes(self) / _GB,
+        )
+
     # --- reads: lazily dequantizing views -------------------------------------------------
     def _get_key_buffer(self, layer_id: int) -> Fp8Rows:  # type: ignore[override]
         return self._kvc_k[layer_id - self.start_layer]
