@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import random
 import shlex
 import statistics
-import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from benchmarks.common import machine
 from loadtest.server import ServerProcess
 
 DEFAULT_CONFIGS = ["none", "rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress"]
@@ -160,20 +160,9 @@ def plot(results: list[ConfigResult], path: Path, title: str) -> None:
         ax.bar(names, values, color=["#888"] + ["#2a7"] * (len(names) - 1))
         ax.set_title(label)
         ax.tick_params(axis="x", rotation=45)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 160), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def machine() -> str:
-    try:
-        cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name"))
-    except Exception:
-        model = platform.processor()
-    import os
-
-    return f"{model}, {os.cpu_count()} cores, {platform.system()} (no GPU)"
 
 
 def parse_config(text: str, budget: int) -> tuple[str, list[str]]:
@@ -206,18 +195,33 @@ def main(argv: list[str] | None = None) -> None:
     setup = {
         "machine": machine(), "requests": args.requests, "input_len": args.input_len,
         "output_len": args.output_len, "max_total_tokens": args.max_total_tokens,
-        "kv_budget": args.kv_budget, "model": "built-in demo model" if "--model-path" not in args.server_args else "see server_args",
-        "server_args": args.server_args, "date": time.strftime("%Y-%m-%d"),
+        "kv_budget": args.kv_budget, "server_args": args.server_args,
+        "model": "see server_args" if "--model-path" in args.server_args else "built-in demo model",
+        "date": time.strftime("%Y-%m-%d"),
     }
-    (args.out / "eviction.json").write_text(
+    print(report(results, setup, args.out))
+
+
+def report(results: list[ConfigResult], setup: dict, out: Path) -> str:
+    """Write eviction.json, eviction.md and eviction.png; return the markdown table."""
+    (out / "eviction.json").write_text(
         json.dumps({"setup": setup, "results": [asdict(r) for r in results]}, indent=2)
     )
+    pool = " ".join(["--max-total-tokens", str(setup["max_total_tokens"]), *setup["server_args"]])
+    title = (
+        f"{setup['requests']} requests, {setup['input_len']}-token prompts, "
+        f"{setup['output_len']} output tokens (ignore_eos), all at once; every server: {pool}; "
+        f"policies at --kv-budget {setup['kv_budget']}; {setup['model']}; {setup['machine']}"
+    )
     table = markdown(results)
-    title = (f"{args.requests} requests, {args.input_len}-token prompts, {args.output_len} output tokens, "
-             f"--max-total-tokens {args.max_total_tokens}, --kv-budget {args.kv_budget}; {setup['machine']}")
-    (args.out / "eviction.md").write_text(f"{title}\n\n{table}")
-    plot(results, args.out / "eviction.png", title)
-    print(table)
+    (out / "eviction.md").write_text(f"{title}\n\n{table}")
+    plot(results, out / "eviction.png", title)
+    return table
+
+
+def load(path: Path) -> tuple[list[ConfigResult], dict]:
+    data = json.loads(path.read_text())
+    return [ConfigResult(**r) for r in data["results"]], data["setup"]
 
 
 if __name__ == "__main__":

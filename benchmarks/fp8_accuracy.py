@@ -37,8 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +45,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from benchmarks.common import machine
 from sgl_kvc.kernels import fp8 as F
 
 PROMPTS = [
@@ -317,18 +316,6 @@ def measure_setting(setting: str, args: argparse.Namespace) -> dict:
               f"free {rows[-1]['greedy_match_free_running']:.3f}", flush=True)
     return {"setting": setting, "reparametrization": SETTINGS[setting],
             "kv_magnitudes": kv_magnitudes(refs[0][3]), "schemes": rows}
-
-
-def machine() -> str:
-    try:
-        cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name"))
-    except Exception:
-        model = platform.processor()
-    import os
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{model}, {os.cpu_count()} cores, {platform.system()} ({gpu})"
 
 
 def markdown(results: list[dict]) -> str:

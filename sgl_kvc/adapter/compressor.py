@@ -110,7 +110,7 @@ class Compressor:
                 continue
             n = int(batch.seq_lens_cpu[i])
             budget = state.effective_budget(n)
-            target = state.policy.prefill_target_length(n)
+            target = self.policy(state.policy.name, budget).prefill_target_length(n)
             if target is None and n > budget:
                 target = budget  # any policy, with a prompt over budget
             if target is not None and target < n:

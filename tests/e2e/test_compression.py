@@ -6,7 +6,6 @@ requests compress, a trace file that records every compaction's kept logical pos
 
 from __future__ import annotations
 
-import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvc_reference import generate as _generate
+from kvc_reference import reference_logprobs, trace_events as _events
 from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -40,58 +41,6 @@ def rkv_server(trace: Path):
         yield server
 
 
-def _generate(server: ServerProcess, input_ids: list[int], n: int, **extra) -> dict:
-    r = server.post(
-        "/generate",
-        json={
-            "input_ids": input_ids,
-            "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
-            "return_logprob": True,
-            **extra,
-        },
-    )
-    r.raise_for_status()
-    return r.json()
-
-
-def _events(trace: Path, rid: str) -> list[dict]:
-    lines = trace.read_text().splitlines() if trace.exists() else []
-    return [e for e in map(json.loads, lines) if e["rid"] == rid]
-
-
-def _reference_logprobs(
-    model_path: str, ids: list[int], events: list[dict], *, evict: bool = True, logical: bool = True
-) -> torch.Tensor:
-    """Dense reference: one transformers forward over the whole sequence, where each query
-    row sees exactly the keys that were in the server's cache when that token was processed
-    (a compaction at logical length L removes keys for every query at position >= L), and
-    RoPE positions are the tokens' logical positions (or, for `logical=False`, the physical
-    index a token was written at, which is what ignoring the offset would give)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, torch_dtype=torch.float32, attn_implementation="eager"
-    )
-    t = len(ids)
-    allowed = torch.ones(t, t, dtype=torch.bool).tril()
-    positions = torch.arange(t)
-    for e in sorted(events, key=lambda e: e["logical_len"]):
-        length = e["logical_len"]
-        present = torch.zeros(t, dtype=torch.bool)
-        present[e["kept_positions"]] = True
-        present[length:] = True
-        if evict:
-            allowed[length:] &= present[None, :]
-        if not logical:
-            positions[length:] = torch.arange(length, t) - (length - len(e["kept_positions"]))
-    mask = torch.zeros(t, t).masked_fill(~allowed, float("-inf"))[None, None]
-    with torch.no_grad():
-        logits = model(
-            input_ids=torch.tensor([ids]), attention_mask=mask, position_ids=positions[None]
-        ).logits[0]
-    return torch.log_softmax(logits.float(), dim=-1)
-
-
 def test_logits_after_compaction_match_dense_reference(rkv_server, trace, demo_model_path) -> None:
     from transformers import AutoTokenizer
 
@@ -113,7 +62,7 @@ def test_logits_after_compaction_match_dense_reference(rkv_server, trace, demo_m
     targets = torch.tensor(output_ids)
 
     def error(**kw) -> float:
-        ref = _reference_logprobs(demo_model_path, seq, events, **kw)[rows, targets]
+        ref = reference_logprobs(demo_model_path, seq, events, **kw)[rows, targets]
         return float((ref - served).abs().max())
 
     err = error()

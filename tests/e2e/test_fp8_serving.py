@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvc_reference import generate as _generate
+from kvc_reference import reference_logprobs, trace_events
 from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -61,17 +63,6 @@ def servers(trace: Path):
             for name, (cmd, env) in specs.items()
         }
         yield {name: f.result() for name, f in futures.items()}
-
-
-def _generate(server: ServerProcess, input_ids: list[int], n: int, **extra) -> dict:
-    r = server.post("/generate", json={
-        "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True,
-                            **extra.pop("sampling", {})},
-        **extra,
-    })
-    r.raise_for_status()
-    return r.json()
 
 
 def _idle(server: ServerProcess) -> dict:
@@ -212,37 +203,13 @@ def _fp8_attention(fp8: str | None):
     return name
 
 
-def _reference_logprobs(model_path: str, ids: list[int], events: list[dict], fp8: str | None,
-                        evict: bool = True) -> torch.Tensor:
-    """Dense float32 reference where each query sees the keys the server's cache held when it
-    was processed (kept positions from the compaction trace) at their logical positions, and
-    K/V are rounded as the FP8 pool rounds them (`fp8=None`: not rounded)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                 attn_implementation=_fp8_attention(fp8))
-    t = len(ids)
-    allowed = torch.ones(t, t, dtype=torch.bool).tril()
-    for e in sorted(events, key=lambda e: e["logical_len"]):
-        present = torch.zeros(t, dtype=torch.bool)
-        present[e["kept_positions"]] = True
-        present[e["logical_len"]:] = True
-        if evict:
-            allowed[e["logical_len"]:] &= present[None, :]
-    mask = torch.zeros(t, t).masked_fill(~allowed, float("-inf"))[None, None]
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids]), attention_mask=mask,
-                       position_ids=torch.arange(t)[None]).logits[0]
-    return torch.log_softmax(logits.float(), dim=-1)
-
-
 def test_fp8_rkv_logits_match_a_dense_fp8_reference(servers, trace, tokenizer, demo_model_path) -> None:
     """Eviction and FP8 storage together give exactly what they should: the served log-probs
     equal a dense reference that drops the evicted tokens and rounds K/V like the pool."""
     server = servers["e4m3_rkv"]
     prompt = tokenizer(LONG_PROMPT).input_ids
     out = _generate(server, prompt, 48, return_logprob=True)
-    events = [e for e in map(json.loads, trace.read_text().splitlines()) if e["rid"] == out["meta_info"]["id"]]
+    events = trace_events(trace, out["meta_info"]["id"])
     assert len(events) >= 3 and all(len(e["kept_positions"]) == BUDGET for e in events)
     served = torch.tensor([lp[0] for lp in out["meta_info"]["output_token_logprobs"]])
     seq = prompt + out["output_ids"][:-1]
@@ -250,7 +217,9 @@ def test_fp8_rkv_logits_match_a_dense_fp8_reference(servers, trace, tokenizer, d
     targets = torch.tensor(out["output_ids"])
 
     def error(fp8: str | None = "fp8_e4m3", evict: bool = True) -> float:
-        ref = _reference_logprobs(demo_model_path, seq, events, fp8, evict)[rows, targets]
+        ref = reference_logprobs(
+            demo_model_path, seq, events, evict=evict, attn_implementation=_fp8_attention(fp8)
+        )[rows, targets]
         return float((ref - served).abs().mean())
 
     err, err_no_fp8, err_no_evict = error(), error(None), error(evict=False)

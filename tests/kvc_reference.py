@@ -1,0 +1,74 @@
+"""Helpers shared by the end-to-end compression tests: native generation, the compaction trace
+(`SGLKVC_TRACE`) and the dense transformers reference that replays what the cache held."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loadtest.server import ServerProcess
+
+
+def generate(server: ServerProcess, input_ids: list[int], n: int, **extra: Any) -> dict:
+    """Greedy `/generate` of exactly n tokens with log-probs; `sampling={...}` adds params."""
+    r = server.post(
+        "/generate",
+        json={
+            "input_ids": input_ids,
+            "sampling_params": {
+                "max_new_tokens": n, "temperature": 0.0, "ignore_eos": True,
+                **extra.pop("sampling", {}),
+            },
+            "return_logprob": True,
+            **extra,
+        },
+    )
+    r.raise_for_status()
+    return r.json()
+
+
+def trace_events(trace: Path, rid: str) -> list[dict]:
+    lines = trace.read_text().splitlines() if trace.exists() else []
+    return [e for e in map(json.loads, lines) if e["rid"] == rid]
+
+
+def reference_logprobs(
+    model_path: str,
+    ids: list[int],
+    events: list[dict],
+    *,
+    evict: bool = True,
+    logical: bool = True,
+    attn_implementation: str = "eager",
+) -> torch.Tensor:
+    """Dense reference: one float32 transformers forward over the whole sequence, where each
+    query row sees exactly the keys that were in the server's cache when that token was
+    processed (a compaction at logical length L removes keys for every query at position >= L),
+    and RoPE positions are the tokens' logical positions (or, for `logical=False`, the physical
+    index a token was written at, which is what ignoring the offset would give)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32, attn_implementation=attn_implementation
+    )
+    t = len(ids)
+    allowed = torch.ones(t, t, dtype=torch.bool).tril()
+    positions = torch.arange(t)
+    for e in sorted(events, key=lambda e: e["logical_len"]):
+        length = e["logical_len"]
+        present = torch.zeros(t, dtype=torch.bool)
+        present[e["kept_positions"]] = True
+        present[length:] = True
+        if evict:
+            allowed[length:] &= present[None, :]
+        if not logical:
+            positions[length:] = torch.arange(length, t) - (length - len(e["kept_positions"]))
+    mask = torch.zeros(t, t).masked_fill(~allowed, float("-inf"))[None, None]
+    with torch.no_grad():
+        logits = model(
+            input_ids=torch.tensor([ids]), attention_mask=mask, position_ids=positions[None]
+        ).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
