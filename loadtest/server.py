@@ -75,6 +75,15 @@ class ServerProcess:
         r.raise_for_status()
         return r.json()
 
+    def wait_idle(self, timeout_s: float = 60.0) -> dict:
+        """Poll `/v1/kvc/stats` until no request runs (or the timeout); return the last stats."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            if stats["requests"]["running"] == 0 or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.1)
+
     @classmethod
     @contextmanager
     def launch(

@@ -39,6 +39,12 @@ def kvc_server(standin_log: Path) -> Iterator[ServerProcess]:
         yield server
 
 
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A compaction trace file (`SGLKVC_TRACE`) for the module's compressing server."""
+    return tmp_path_factory.mktemp("trace") / "compactions.jsonl"
+
+
 @pytest.fixture(scope="session")
 def demo_model_path() -> str:
     from sgl_kvc.model import ensure_demo_model

@@ -11,6 +11,12 @@ import torch
 
 from loadtest.server import ServerProcess
 
+# A prompt longer than the small budgets the compression tests use.
+REASONING_PROMPT = (
+    "Reasoning models think aloud for thousands of tokens. Much of that text repeats itself: "
+    "the same intermediate result restated, the same check performed twice."
+)
+
 
 def generate(server: ServerProcess, input_ids: list[int], n: int, **extra: Any) -> dict:
     """Greedy `/generate` of exactly n tokens with log-probs; `sampling={...}` adds params."""

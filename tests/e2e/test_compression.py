@@ -14,21 +14,13 @@ import pytest
 import torch
 
 from kvc_reference import generate as _generate
+from kvc_reference import REASONING_PROMPT as PROMPT
 from kvc_reference import reference_logprobs, trace_events as _events
 from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
 
 BUDGET, BUFFER, WINDOW = 24, 8, 4
-PROMPT = (
-    "Reasoning models think aloud for thousands of tokens. Much of that text repeats itself: "
-    "the same intermediate result restated, the same check performed twice."
-)
-
-
-@pytest.fixture(scope="module")
-def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("trace") / "compactions.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -75,17 +67,6 @@ def test_logits_after_compaction_match_dense_reference(rkv_server, trace, demo_m
     assert error(logical=False) > 3 * max(err, 0.05)
 
 
-def _idle_pool(server: ServerProcess) -> dict:
-    import time
-
-    for _ in range(100):
-        s = server.stats()
-        if s["requests"]["running"] == 0:
-            return s
-        time.sleep(0.1)
-    return s
-
-
 def test_shared_prefix_hits_while_compressing(rkv_server, demo_model_path) -> None:
     """A compressed request gives up its hold on the tree but the tree keeps the full prompt:
     a later request with the same prompt is served from it."""
@@ -97,7 +78,7 @@ def test_shared_prefix_hits_while_compressing(rkv_server, demo_model_path) -> No
     mid = rkv_server.stats()
     assert mid["compression"]["prefill_passes"] > before["compression"]["prefill_passes"]
     second = _generate(rkv_server, prompt, 40)
-    after = _idle_pool(rkv_server)
+    after = rkv_server.wait_idle()
     # All but the observation window, which a compressing request recomputes for its queries.
     assert second["meta_info"]["cached_tokens"] == len(prompt) - WINDOW
     assert after["prefix_cache"]["hit_tokens"] - mid["prefix_cache"]["hit_tokens"] == len(prompt) - WINDOW
@@ -149,7 +130,7 @@ def test_concurrent_compressing_requests_complete_and_free_everything(rkv_server
 
     with ThreadPoolExecutor(8) as pool:
         assert list(pool.map(one, range(8))) == [80] * 8
-    s = _idle_pool(rkv_server)
+    s = rkv_server.wait_idle()
     assert s["pool"]["free_tokens"] + s["pool"]["cached_tokens"] == s["pool"]["total_tokens"]
     assert s["compression"]["decode_passes"] > 0
 

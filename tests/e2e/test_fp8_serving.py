@@ -10,7 +10,6 @@ same fixed KV memory budget (`--kv-cache-memory-gb`, no token cap):
 
 from __future__ import annotations
 
-import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from kvc_reference import generate as _generate
+from kvc_reference import REASONING_PROMPT as LONG_PROMPT
 from kvc_reference import reference_logprobs, trace_events
 from loadtest.server import ServerProcess
 
@@ -34,15 +34,6 @@ PROMPTS = [
     "Good software is small, tested and honest about what it does not do. Each module has",
 ]
 NEW_TOKENS = 160
-LONG_PROMPT = (
-    "Reasoning models think aloud for thousands of tokens. Much of that text repeats itself: "
-    "the same intermediate result restated, the same check performed twice."
-)
-
-
-@pytest.fixture(scope="module")
-def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("fp8trace") / "compactions.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +54,6 @@ def servers(trace: Path):
             for name, (cmd, env) in specs.items()
         }
         yield {name: f.result() for name, f in futures.items()}
-
-
-def _idle(server: ServerProcess) -> dict:
-    import time
-
-    for _ in range(100):
-        s = server.stats()
-        if s["requests"]["running"] == 0:
-            return s
-        time.sleep(0.1)
-    return s
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +148,7 @@ def test_fp8_with_rkv_compresses_and_frees_everything(servers) -> None:
 
     with ThreadPoolExecutor(6) as ex:
         assert list(ex.map(one, range(6))) == [64] * 6
-    s = _idle(server)
+    s = server.wait_idle()
     assert s["compression"]["passes"] > before["passes"]
     assert s["compression"]["evicted_tokens"] > before["evicted_tokens"]
     assert s["pool"]["free_tokens"] + s["pool"]["cached_tokens"] == s["pool"]["total_tokens"]

@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.e2e
-
-
-def _idle_stats(server, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = server.stats()
-        if stats["requests"]["running"] == 0 or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.2)
 
 
 def test_stats_shape(kvc_server) -> None:
@@ -38,7 +28,7 @@ def test_pool_accounting_when_idle(kvc_server, openai_client) -> None:
     openai_client.completions.create(
         model=openai_client.models.list().data[0].id, prompt="The weather was mild", max_tokens=12
     )
-    s = _idle_stats(kvc_server)
+    s = kvc_server.wait_idle()
     pool = s["pool"]
     assert s["requests"]["running"] == 0
     assert pool["cached_tokens"] > 0  # the finished request's KV stays in the tree

@@ -145,16 +145,6 @@ def small_pool_server() -> Iterator[ServerProcess]:
         yield server
 
 
-def _wait_idle(server: ServerProcess, timeout_s: float = 60.0) -> tuple[dict, float]:
-    """Poll /v1/kvc/stats until nothing runs; return the stats and the seconds it took."""
-    t0 = time.monotonic()
-    while True:
-        stats = server.stats()
-        if stats["requests"]["running"] == 0 or time.monotonic() - t0 > timeout_s:
-            return stats, time.monotonic() - t0
-        time.sleep(0.1)
-
-
 def _assert_pool_whole(stats: dict) -> None:
     pool = stats["pool"]
     assert stats["requests"]["running"] == 0, stats
@@ -180,7 +170,7 @@ def test_short_load_through_runner(small_pool_server: ServerProcess, tmp_path: P
     assert all(r.output_tokens == 64 for r in records if r.scenario == "long_gen")
     for name in ("results.md", "results.png", "summaries.json", "live/summary.json"):
         assert (tmp_path / name).is_file(), name
-    stats, _ = _wait_idle(small_pool_server)
+    stats = small_pool_server.wait_idle()
     _assert_pool_whole(stats)
 
 
@@ -210,7 +200,9 @@ def test_disconnected_streams_are_aborted(small_pool_server: ServerProcess) -> N
     assert small_pool_server.stats()["requests"]["running"] == n_streams
     for stream in streams:
         stream.close()
-    stats, drained_s = _wait_idle(small_pool_server)
+    t0 = time.monotonic()
+    stats = small_pool_server.wait_idle()
+    drained_s = time.monotonic() - t0
     # Had they not been aborted: the rest of the generation at stream 0's pace (measured while it
     # ran alone; halved, as a chunk can carry two tokens) would take this long.
     remaining_s = (max_tokens - n_read) * paces[0] / 2
@@ -250,6 +242,6 @@ def test_more_users_than_the_pool_holds(small_pool_server: ServerProcess) -> Non
     assert all(done == max_tokens and finish == "length" for _, done, finish in results), results
     demand = sum(p + c for p, c, _ in results)
     assert demand > POOL_TOKENS, demand  # the pool could not hold them all at once
-    stats, _ = _wait_idle(small_pool_server)
+    stats = small_pool_server.wait_idle()
     assert stats["requests"]["max_running"] < users, stats["requests"]  # so some waited
     _assert_pool_whole(stats)
