@@ -35,12 +35,13 @@ def register(config: KvcConfig) -> None:
     hooks: list[tuple[str, Callable[..., Any], HookType]] = [
         (f"{_SCHEDULER}.get_next_batch_to_run", _after_next_batch(config), HookType.AFTER),
         (f"{_INTERNAL_STATE}.get_internal_state", _after_internal_state(config), HookType.AFTER),
-        (f"{_FORWARD_BATCH}.init_new", _after_forward_batch(config), HookType.AFTER),
-        (f"{_SCHEDULER}.process_batch_result", _after_batch_result(config), HookType.AFTER),
         (f"{_SCHEDULER}.update_running_batch", _around_update_running(config), HookType.AROUND),
     ]
     if config.compressing:
+        # With --policy none nothing below may touch SGLang's per-step path.
         hooks += [
+            (f"{_FORWARD_BATCH}.init_new", _after_forward_batch(config), HookType.AFTER),
+            (f"{_SCHEDULER}.process_batch_result", _after_batch_result(config), HookType.AFTER),
             (f"{_REQ}._compute_max_prefix_len", _around_max_prefix(config), HookType.AROUND),
             (f"{_ADDER}.add_one_req", _around_add_one_req(config), HookType.AROUND),
             (
@@ -105,9 +106,9 @@ def _around_update_running(config: KvcConfig):
     def hook(original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any):
         compressor = compressor_of(scheduler.tp_worker.model_runner, config)
         compressor.scheduler = scheduler
-        if "decode" in config.compress_on:
+        if config.compressing and "decode" in config.compress_on:
             compressor.before_decode(batch)
-        if "preempt" in config.compress_on and not batch.check_decode_mem():
+        if config.compressing and "preempt" in config.compress_on and not batch.check_decode_mem():
             compressor.before_retract(batch)
         before = list(batch.reqs)
         out = original(scheduler, batch, *args, **kwargs)
