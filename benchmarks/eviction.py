@@ -4,9 +4,10 @@ at one fixed KV pool size, in one run.
     python -m benchmarks.eviction                      # the README's table (CPU, demo model)
     python -m benchmarks.eviction --configs none rkv --requests 16 --output-len 256
 
-Every configuration gets a fresh server (`python -m sgl_kvc.launch`, built-in model unless
-`--model-path`), the same `--max-total-tokens`, the same seeded prompts (random token ids of a
-fixed length), and all requests at once, streamed, with `ignore_eos` and a fixed `max_tokens`.
+Every configuration gets a fresh server (`python -m sgl_kvc.launch`, the demo model unless
+`--server-args` names a `--model-path`), the same `--max-total-tokens`, the same seeded
+prompts (random token ids of a fixed length), and all requests at once, streamed, with
+`ignore_eos` and a fixed `max_tokens`.
 Recorded per configuration: the peak number of requests running at once (from
 `/v1/kvc/stats`), output tokens/s over the whole run, TTFT and TPOT percentiles, and the share
 of the run the scheduler spent compressing. Writes `<out>/eviction.json`, `<out>/eviction.md`
@@ -58,6 +59,8 @@ class ConfigResult:
     tpot_ms: dict[str, float] = field(default_factory=dict)
     compression_passes: int = 0
     compression_share: float = 0.0
+    compression_s_per_pass: float = 0.0
+    compression_max_pass_s: float = 0.0  # the longest single pass: the worst scheduler stall
     retractions: int = 0
     total_tokens: int = 0
 
@@ -107,6 +110,7 @@ def run_config(name: str, flags: list[str], args: argparse.Namespace) -> ConfigR
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, 2000) for _ in range(args.input_len)] for _ in range(args.requests)]
     cmd = [sys.executable, "-m", "sgl_kvc.launch", "--max-total-tokens", str(args.max_total_tokens),
+           *([] if "--model-path" in args.server_args else ["--model-path", "demo"]),
            *flags, *args.server_args]
     with ServerProcess.launch(cmd) as server:
         results, wall = asyncio.run(drive(server.url, prompts, args.output_len))
@@ -121,6 +125,8 @@ def run_config(name: str, flags: list[str], args: argparse.Namespace) -> ConfigR
         ttft_s=percentiles([r.ttft_s for r in ok]),
         tpot_ms=percentiles([r.tpot_s for r in ok], scale=1000.0),
         compression_passes=comp["passes"], compression_share=comp["seconds"] / wall,
+        compression_s_per_pass=comp["seconds"] / max(comp["passes"], 1),
+        compression_max_pass_s=comp.get("max_pass_seconds", 0.0),
         retractions=comp.get("retractions", 0), total_tokens=stats["pool"]["total_tokens"],
     )
 
@@ -129,8 +135,8 @@ def markdown(results: list[ConfigResult]) -> str:
     base = next((r for r in results if r.name == "none"), results[0])
     rows = [
         "| config | max running | output tok/s | vs none | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
-        "| compressing | passes | failures |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| compressing | passes | s/pass mean / max | failures |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         rows.append(
@@ -138,7 +144,8 @@ def markdown(results: list[ConfigResult]) -> str:
             f"| {r.output_tokens_per_s:.0f} | {r.output_tokens_per_s / base.output_tokens_per_s:.2f}x "
             f"| {r.ttft_s.get('p50', 0):.2f} / {r.ttft_s.get('p99', 0):.2f} "
             f"| {r.tpot_ms.get('p50', 0):.1f} / {r.tpot_ms.get('p99', 0):.1f} "
-            f"| {100 * r.compression_share:.1f}% | {r.compression_passes} | {r.failures} |"
+            f"| {100 * r.compression_share:.1f}% | {r.compression_passes} "
+            f"| {r.compression_s_per_pass:.3f} / {r.compression_max_pass_s:.3f} | {r.failures} |"
         )
     return "\n".join(rows) + "\n"
 
@@ -183,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--server-args", default="", help="extra flags for every server")
+    p.add_argument("--tag", default="", help="result files are eviction-<tag>.* (default eviction.*)")
     args = p.parse_args(argv)
     args.server_args = shlex.split(args.server_args)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -199,12 +207,12 @@ def main(argv: list[str] | None = None) -> None:
         "model": "see server_args" if "--model-path" in args.server_args else "built-in demo model",
         "date": time.strftime("%Y-%m-%d"),
     }
-    print(report(results, setup, args.out))
+    print(report(results, setup, args.out, "eviction" + (f"-{args.tag}" if args.tag else "")))
 
 
-def report(results: list[ConfigResult], setup: dict, out: Path) -> str:
-    """Write eviction.json, eviction.md and eviction.png; return the markdown table."""
-    (out / "eviction.json").write_text(
+def report(results: list[ConfigResult], setup: dict, out: Path, stem: str = "eviction") -> str:
+    """Write <stem>.json, <stem>.md and <stem>.png; return the markdown table."""
+    (out / f"{stem}.json").write_text(
         json.dumps({"setup": setup, "results": [asdict(r) for r in results]}, indent=2)
     )
     pool = " ".join(["--max-total-tokens", str(setup["max_total_tokens"]), *setup["server_args"]])
@@ -214,8 +222,8 @@ def report(results: list[ConfigResult], setup: dict, out: Path) -> str:
         f"policies at --kv-budget {setup['kv_budget']}; {setup['model']}; {setup['machine']}"
     )
     table = markdown(results)
-    (out / "eviction.md").write_text(f"{title}\n\n{table}")
-    plot(results, out / "eviction.png", title)
+    (out / f"{stem}.md").write_text(f"{title}\n\n{table}")
+    plot(results, out / f"{stem}.png", title)
     return table
 
 

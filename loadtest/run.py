@@ -15,7 +15,7 @@ Configurations:
                         another, each on a fresh server, in the order given.
   --url URL             also (or only) load a server that is already running; it is listed as
                         the configuration --name (default "server"), first.
-  Neither given: one configuration "default" (a server with default flags).
+  Neither given: one configuration "default" (a server on the demo model: --model-path demo).
 
 Per configuration, under OUT/NAME/: locust_stats.csv, locust_stats_history.csv,
 locust_failures.csv, locust_exceptions.csv (locust's CSV; Type = E2E/TTFT/TPOT/ITL),
@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> list[Summary]:
         build_parser().error(str(e))
     if args.url:
         configs.insert(0, ServerConfig(args.name, url=args.url))
-    configs = configs or [ServerConfig("default")]
+    # Default: the fast demo model (the built-in default, SmolLM2, is for quality, not load).
+    configs = configs or [ServerConfig("default", ("--model-path", "demo"))]
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
         build_parser().error(f"configuration names must be unique: {names}")

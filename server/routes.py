@@ -51,8 +51,9 @@ async def kvc_stats() -> JSONResponse:
 def mount(app: FastAPI) -> None:
     """Add sgl-kvc's routes and OpenAI-style error handling to SGLang's app (before it starts)."""
     from sgl_kvc.server import errors
-    from sgl_kvc.server.settings import KvCompressionBody
+    from sgl_kvc.server.body_guard import RequestBodyGuard
 
     app.include_router(router)
     errors.install(app)
-    app.add_middleware(KvCompressionBody)
+    # Added last, so outermost: a rejected body never reaches SGLang's handlers.
+    app.add_middleware(RequestBodyGuard)

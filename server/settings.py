@@ -1,85 +1,84 @@
-"""Read the `kv_compression` object of OpenAI request bodies (see `sgl_kvc.request_settings`).
+"""Per-request compression settings in request bodies (see `sgl_kvc.request_settings`).
 
-An ASGI middleware on the chat and completions routes: it validates the object, answers a bad
-one with an OpenAI-style 400 naming the field, and forwards a good one to the scheduler inside
-SGLang's `custom_params`. Bodies without the field pass through unchanged.
+Two ways a client can ask for them:
+- `kv_compression: {...}` on the OpenAI chat/completions routes: validated here and forwarded
+  to the scheduler inside SGLang's `custom_params` under `CUSTOM_PARAMS_KEY`;
+- `custom_params: {"sgl_kvc": {...}}` directly (or, on the native `/generate`,
+  `sampling_params.custom_params`): SGLang forwards it as it is, so it is validated here too and
+  a bad one is a 400 naming the field, before it can reach the scheduler.
+These functions work on the parsed body; `sgl_kvc.server.body_guard` calls them.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, Callable
+from typing import Any
 
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.request_settings import (
     CUSTOM_PARAMS_KEY,
     FIELD,
+    RequestCompression,
     RequestSettingError,
     parse_kv_compression,
 )
-from sgl_kvc.server.errors import openai_error
+from sgl_kvc.server.errors import format_param, json_type_name
 
-ROUTES = ("/v1/chat/completions", "/v1/completions")
-
-
-class KvCompressionBody:
-    def __init__(self, app: Callable[..., Any], config: KvcConfig | None = None) -> None:
-        self.app = app
-        self.config = config if config is not None else KvcConfig.from_env()
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or scope["path"] not in ROUTES:
-            await self.app(scope, receive, send)
-            return
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                await self.app(scope, _replay(b"", receive, message), send)
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        body = b"".join(chunks)
-        try:
-            data = json.loads(body)
-        except ValueError:
-            data = None
-        if isinstance(data, dict) and FIELD in data:
-            try:
-                body = self._rewrite(data)
-            except RequestSettingError as e:
-                await openai_error(400, str(e), param=e.param)(scope, receive, send)
-                return
-            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-            scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
-        await self.app(scope, _replay(body, receive), send)
-
-    def _rewrite(self, data: dict) -> bytes:
-        settings = parse_kv_compression(data.pop(FIELD))
-        wants = settings.policy not in (None, "none") or settings.budget is not None
-        if wants and (self.config is None or not self.config.compressing):
-            raise RequestSettingError(
-                f"{FIELD}.policy" if settings.policy else f"{FIELD}.budget",
-                "this server was started with --policy none: per-request compression needs a "
-                "server started with a compressing policy (e.g. --policy rkv)",
-            )
-        custom = data.get("custom_params") or {}
-        if not isinstance(custom, dict):
-            raise RequestSettingError("custom_params", "custom_params must be an object")
-        data["custom_params"] = {**custom, CUSTOM_PARAMS_KEY: settings.to_custom_params()}
-        return json.dumps(data).encode()
+CUSTOM_FIELD = f"custom_params.{CUSTOM_PARAMS_KEY}"
 
 
-def _replay(body: bytes, receive: Callable, first: dict | None = None) -> Callable:
-    """A `receive` that yields the (rewritten) body once, then defers to the client's."""
-    pending = [first] if first is not None else [
-        {"type": "http.request", "body": body, "more_body": False}
-    ]
+def _require_compressing_server(
+    settings: RequestCompression, field: str, config: KvcConfig | None
+) -> None:
+    wants = settings.policy not in (None, "none") or settings.budget is not None
+    if wants and (config is None or not config.compressing):
+        raise RequestSettingError(
+            f"{field}.policy" if settings.policy else f"{field}.budget",
+            "this server was started with --policy none: per-request compression needs a "
+            "server started with a compressing policy (e.g. --policy rkv)",
+        )
 
-    async def replay() -> dict:
-        if pending:
-            return pending.pop()
-        return await receive()
 
-    return replay
+def check_settings_object(obj: Any, field: str, config: KvcConfig | None) -> RequestCompression:
+    """Validate one settings object the client knows by `field`; raise `RequestSettingError`."""
+    if not isinstance(obj, dict):
+        # parse_kv_compression would say so too, but with a Python class name ("NoneType").
+        raise RequestSettingError(field, f"{field} must be an object, got {json_type_name(obj)}")
+    settings = parse_kv_compression(obj, field=field)
+    _require_compressing_server(settings, field, config)
+    return settings
+
+
+def check_custom_params(custom: Any, prefix: str, config: KvcConfig | None) -> None:
+    """Validate the `sgl_kvc` entry of a `custom_params` value found at `prefix` (the field
+    path the client used); other entries are SGLang's or other plugins' business."""
+    if custom is None:
+        return
+    field = f"{prefix}.custom_params" if prefix else "custom_params"
+    if not isinstance(custom, dict):
+        raise RequestSettingError(field, f"{field} must be an object, got {json_type_name(custom)}")
+    if CUSTOM_PARAMS_KEY in custom:
+        check_settings_object(custom[CUSTOM_PARAMS_KEY], f"{field}.{CUSTOM_PARAMS_KEY}", config)
+
+
+def check_generate_body(data: dict, config: KvcConfig | None) -> None:
+    """`/generate`: `sampling_params` is one object or one per prompt of a batch."""
+    params = data.get("sampling_params")
+    if isinstance(params, dict):
+        check_custom_params(params.get("custom_params"), "sampling_params", config)
+    elif isinstance(params, list):
+        for i, one in enumerate(params):
+            if isinstance(one, dict):  # other shapes are left to SGLang's own validation
+                prefix = format_param(["sampling_params", i]) or "sampling_params"
+                check_custom_params(one.get("custom_params"), prefix, config)
+
+
+def apply_openai_settings(data: dict, config: KvcConfig | None) -> bool:
+    """Chat/completions body: validate `custom_params.sgl_kvc`, then move a `kv_compression`
+    object into `custom_params` (it wins over a direct one). True when `data` was changed."""
+    check_custom_params(data.get("custom_params"), "", config)
+    if FIELD not in data:
+        return False
+    settings = check_settings_object(data.pop(FIELD), FIELD, config)
+    custom = data.get("custom_params") or {}
+    data["custom_params"] = {**custom, CUSTOM_PARAMS_KEY: settings.to_custom_params()}
+    return True

@@ -34,6 +34,8 @@ CPU_DEFAULTS: dict[str, str | None] = {
     "--sleep-on-idle": None,
 }
 GPU_DEFAULTS: dict[str, str | None] = {"--attention-backend": "flashinfer"}
+# `--model-path demo`: the tiny random-weight Llama (fast tests; its answers are noise).
+DEMO_ALIAS = "demo"
 
 
 def _has_flag(argv: list[str], flag: str) -> bool:
@@ -66,11 +68,25 @@ def build_sglang_argv(
         # Compaction rewrites request rows between steps; the overlap scheduler would prepare
         # the next step while the previous one still reads them.
         out.append("--disable-overlap-schedule")
+    if compressing and on_gpu and not _has_flag(out, "--disable-cuda-graph"):
+        # Decode CUDA graphs are captured before sgl-kvc's observation store is attached and
+        # replay no Python: R-KV would score with stale queries. Off for compressing policies.
+        logger.warning("sgl-kvc: decode CUDA graphs disabled (--disable-cuda-graph) for a "
+                       "compressing policy: observation runs in Python each step")
+        out.append("--disable-cuda-graph")
     if not _has_flag(out, "--disable-radix-cache"):
         defaults["--radix-cache-backend"] = RADIX_CACHE_BACKEND
-    if not _has_flag(out, "--model-path") and not _has_flag(out, "--model"):
+    model = _flag_value(out, "--model-path") or _flag_value(out, "--model")
+    if model is None:
+        # The built-in default: a real pretrained model that works offline (converted on first use).
+        from sgl_kvc.model import SMOLLM2_MODEL_NAME, ensure_smollm2
+
+        defaults["--model-path"] = str(ensure_smollm2())
+        defaults["--served-model-name"] = SMOLLM2_MODEL_NAME
+    elif model == DEMO_ALIAS:
         from sgl_kvc.model import DEMO_MODEL_NAME, ensure_demo_model
 
+        out = _drop_flag(_drop_flag(out, "--model-path"), "--model")
         defaults["--model-path"] = str(ensure_demo_model())
         defaults["--served-model-name"] = DEMO_MODEL_NAME
     for flag, value in defaults.items():
@@ -108,7 +124,50 @@ def parse_args(argv: list[str]) -> tuple[KvcConfig, list[str]]:
             f"--kv-cache-dtype {config.fp8_kv} needs --attention-backend torch_native (sgl-kvc's "
             f"FP8 pool dequantizes the rows attention reads); got {backend}"
         )
+    problem = unsupported(config, rest)
+    if problem:
+        parser.error(problem)
     return config, rest
+
+
+def unsupported(config: KvcConfig, argv: list[str]) -> str | None:
+    """Why SGLang flags `argv` cannot run with `config`, in one line; None if they can."""
+    from sgl_kvc.adapter.attention import WRAPPED_BACKENDS
+
+    needs_kvc_layout = config.compressing or config.fp8_kv is not None
+    page_size = _flag_value(argv, "--page-size")
+    if needs_kvc_layout and page_size not in (None, "1"):
+        what = f"--policy {config.policy}" if config.compressing else f"--kv-cache-dtype {config.fp8_kv}"
+        return (f"{what} needs --page-size 1 (compaction rewrites single-token slots); "
+                f"got --page-size {page_size}")
+    if not config.compressing:
+        return None
+    for flag in ("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend"):
+        value = _flag_value(argv, flag)
+        if value is not None and value not in WRAPPED_BACKENDS:
+            return (f"--policy {config.policy} observes attention through the "
+                    f"{' or '.join(WRAPPED_BACKENDS)} backend; {flag} {value} is not supported "
+                    "with a compressing policy (use --policy none with it)")
+    if _flag_value(argv, "--speculative-algorithm") not in (None, "None", "none"):
+        return (f"--policy {config.policy} does not support speculative decoding "
+                "(--speculative-algorithm): draft batches would see physical positions")
+    if _has_flag(argv, "--enable-mixed-chunk"):
+        return (f"--policy {config.policy} does not support --enable-mixed-chunk: mixed "
+                "prefill+decode batches would give compacted requests physical positions")
+    return None
+
+
+def _drop_flag(argv: list[str], flag: str) -> list[str]:
+    """argv without `flag VALUE` / `flag=VALUE`."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:
@@ -131,6 +190,14 @@ def main(argv: list[str] | None = None) -> None:
         kv_memory_budget=config.kv_cache_memory_gb is not None,
     )
     config.to_env()  # read by the plugin in this process and in SGLang's worker processes
+    from sgl_kvc.adapter.hooks import hook_table, missing_targets
+
+    missing = missing_targets([target for target, _, _ in hook_table(config)])
+    if missing:
+        sys.exit(
+            f"python -m sgl_kvc.launch: error: the installed SGLang lacks {', '.join(missing)}; "
+            "sgl-kvc is pinned to sglang==0.5.23"
+        )
 
     from sglang.launch_server import run_server
     from sglang.srt.entrypoints.http_server import app
@@ -139,6 +206,12 @@ def main(argv: list[str] | None = None) -> None:
     from sglang.srt.utils import kill_process_tree
 
     load_plugins()
+    from sgl_kvc.adapter import verify_applied
+
+    unpatched = verify_applied(config)
+    if unpatched:
+        sys.exit(f"python -m sgl_kvc.launch: error: SGLang did not apply sgl-kvc's hooks on "
+                 f"{', '.join(unpatched)} (see the log above)")
     server_args = prepare_server_args(sglang_argv)
     from sgl_kvc.server import mount
 

@@ -22,4 +22,10 @@ def load() -> None:
         return
     from sgl_kvc.adapter import install
 
-    install(config)
+    try:
+        install(config)
+    except Exception as e:
+        # SGLang's plugin loader logs and swallows exceptions, which would serve with sgl-kvc
+        # half applied. The user asked for sgl-kvc (the launcher exported its config): stop.
+        logger.exception("sgl-kvc failed to install into SGLang")
+        raise SystemExit(f"sgl-kvc failed to install into SGLang: {e}") from e

@@ -33,33 +33,56 @@ class RequestCompression:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-def parse_kv_compression(obj: Any) -> RequestCompression:
-    """Validate a `kv_compression` object; raise `RequestSettingError` naming the bad field."""
+def parse_kv_compression(obj: Any, field: str = FIELD) -> RequestCompression:
+    """Validate a `kv_compression` object; raise `RequestSettingError` naming the bad field
+    (`field` is the name the caller knows the object by)."""
     if not isinstance(obj, dict):
-        raise RequestSettingError(FIELD, f"{FIELD} must be an object, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - {"policy", "budget"})
+        raise RequestSettingError(field, f"{field} must be an object, got {_json_kind(obj)}")
+    unknown = sorted(str(k) for k in set(obj) - {"policy", "budget"})
     if unknown:
         raise RequestSettingError(
-            f"{FIELD}.{unknown[0]}", f"unknown field(s) {unknown} in {FIELD}; allowed: policy, budget"
+            f"{field}.{unknown[0]}",
+            f"unknown field(s) {', '.join(unknown)} in {field}; allowed: policy, budget",
         )
     policy = obj.get("policy")
-    if policy is not None and policy not in available_policies():
+    if policy is not None and (not isinstance(policy, str) or policy not in available_policies()):
+        shown = f'"{policy}"' if isinstance(policy, str) else _json_kind(policy)
         raise RequestSettingError(
-            f"{FIELD}.policy",
-            f"unknown policy {policy!r}; choose one of {available_policies()}",
+            f"{field}.policy",
+            f"unknown policy {shown}; choose one of {', '.join(available_policies())}",
         )
     budget = obj.get("budget")
     if budget is not None and (
         isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET
     ):
+        shown = str(budget) if isinstance(budget, (int, float)) and not isinstance(budget, bool) else _json_kind(budget)
         raise RequestSettingError(
-            f"{FIELD}.budget", f"budget must be an integer in [1, {MAX_BUDGET}], got {budget!r}"
+            f"{field}.budget", f"budget must be an integer from 1 to {MAX_BUDGET}, got {shown}"
         )
     return RequestCompression(policy=policy, budget=budget)
 
 
 def from_custom_params(custom_params: Any) -> RequestCompression:
-    """The settings the HTTP layer forwarded (already validated), or the empty default."""
-    if isinstance(custom_params, dict) and isinstance(custom_params.get(CUSTOM_PARAMS_KEY), dict):
-        return RequestCompression(**custom_params[CUSTOM_PARAMS_KEY])
-    return RequestCompression()
+    """The settings carried in SGLang's `custom_params` under `CUSTOM_PARAMS_KEY`, validated
+    again (a client can send `custom_params` itself, past the HTTP layer's `kv_compression`
+    check). Raises `RequestSettingError`; the scheduler turns that into a per-request abort."""
+    if not isinstance(custom_params, dict) or CUSTOM_PARAMS_KEY not in custom_params:
+        return RequestCompression()
+    return parse_kv_compression(
+        custom_params[CUSTOM_PARAMS_KEY], field=f"custom_params.{CUSTOM_PARAMS_KEY}"
+    )
+
+
+def _json_kind(value: Any) -> str:
+    """How a JSON client would name a value's type (not Python's name for it)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"

@@ -33,9 +33,11 @@ def standin_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def kvc_server(standin_log: Path) -> Iterator[ServerProcess]:
-    """`python -m sgl_kvc.launch` on the built-in model, default flags (policy none)."""
+    """`python -m sgl_kvc.launch` on the demo model, default flags (policy none)."""
     env = {"SGLKVC_STANDIN_LOG": str(standin_log)}
-    with ServerProcess.launch([sys.executable, "-m", "sgl_kvc.launch"], env=env) as server:
+    with ServerProcess.launch(
+        [sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo"], env=env
+    ) as server:
         yield server
 
 

@@ -25,9 +25,21 @@ def install(config: KvcConfig) -> None:
             SGLANG_VERSION,
             sglang.__version__,
         )
-    from sgl_kvc.adapter import attention, fp8_pool, hooks, radix_cache
+    from sgl_kvc.adapter import attention, fp8_pool, hooks, radix_cache, request_guard
 
     radix_cache.register(RADIX_CACHE_BACKEND)
     attention.register()
     fp8_pool.register(config)
     hooks.register(config)
+    request_guard.register()  # HTTP process: out-of-vocabulary prompt token ids are a 400
+
+
+def verify_applied(config: KvcConfig) -> list[str]:
+    """Hook targets SGLang did not patch (its registry only logs a failed patch); call after
+    `load_plugins()`. Every process loads the same code, so the launcher's check stands for all."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sgl_kvc.adapter import hooks, request_guard
+
+    wanted = [target for target, _, _ in hooks.hook_table(config)] + [request_guard.TARGET]
+    return [t for t in wanted if t not in HookRegistry._patched]

@@ -44,7 +44,7 @@ class KvcAttentionMixin:
             self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs
         )
         if self.kvc_store is not None and save_kv_cache:
-            _observe_extend(self.kvc_store, q, layer, forward_batch)
+            _observe(_observe_extend, self.kvc_store, q, layer, forward_batch)
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -52,8 +52,18 @@ class KvcAttentionMixin:
             self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs
         )
         if self.kvc_store is not None and save_kv_cache:
-            _observe_decode(self.kvc_store, q, layer, forward_batch)
+            _observe(_observe_decode, self.kvc_store, q, layer, forward_batch)
         return out
+
+
+def _observe(fn: Callable[..., None], store: KvcStore, q, layer, fb) -> None:
+    """Observation is bookkeeping for later compressions: a failure here must not fail the
+    forward pass of the whole batch. A request whose observations are missing fails (alone)
+    when it is compressed."""
+    try:
+        fn(store, q, layer, fb)
+    except Exception:  # noqa: BLE001
+        logger.exception("sgl-kvc: attention observation failed in layer %s", layer.layer_id)
 
 
 def _layer_keys(store: KvcStore, layer: Any, row: int, n: int) -> torch.Tensor:
@@ -64,19 +74,22 @@ def _layer_keys(store: KvcStore, layer: Any, row: int, n: int) -> torch.Tensor:
 def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> None:
     h_q, d = layer.tp_q_head_num, layer.qk_head_dim
     q = q.reshape(-1, h_q, d)
-    rows = fb.req_pool_indices
     pool_rows = store.req_to_token.shape[0]
-    store.record_decode(layer.layer_id, rows, q, pool_rows)
+    store.record_decode(layer.layer_id, fb.req_pool_indices, q, pool_rows)
     if not store.stats_rows:
         return
-    seq_lens = fb.seq_lens_cpu.tolist()
-    for i, row in enumerate(rows.tolist()):
-        if row not in store.stats_rows:
-            continue
-        n = seq_lens[i]
-        keys = _layer_keys(store, layer, row, n)
-        pos = torch.tensor([n - 1], device=keys.device)
-        store.accumulate(row, layer.layer_id, q[i : i + 1], keys, pos, torch.arange(n, device=keys.device), layer.scaling)
+    if layer.layer_id == store.first_layer or store.decode_selection is None:
+        # Which requests of this step keep statistics: read once per step, not per layer.
+        rows = fb.req_pool_indices.tolist()
+        lens = fb.seq_lens_cpu.tolist()
+        picked = [i for i, row in enumerate(rows) if row in store.stats_rows]
+        store.decode_selection = (picked, [rows[i] for i in picked], [lens[i] for i in picked])
+    picked, rows, lens = store.decode_selection
+    if picked:
+        store.accumulate_decode(
+            layer.layer_id, picked, rows, lens, q,
+            store.kv_pool.get_key_buffer(layer.layer_id), layer.scaling,
+        )
 
 
 def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sgl_kvc.adapter import invariants
+from sgl_kvc.adapter import failpoints, invariants
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,8 @@ def compact_request(
         evict_from_tree_cache(tree, shared)
         if allocator.available_size() + int(evicted_owned.numel()) < shared:
             raise CompactionSkipped(f"no {shared} free slots to privatise the kept prefix")
+    if failpoints.active("leak_slot") and evicted_owned.numel():
+        evicted_owned = evicted_owned[1:]  # planted accounting error (tests of SGLKVC_CHECK)
     freed = int(evicted_owned.numel())
     if freed:
         allocator.free(evicted_owned)

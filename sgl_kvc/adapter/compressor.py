@@ -14,22 +14,29 @@ import json
 import logging
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from sgl_kvc.adapter import failpoints
 from sgl_kvc.adapter.compaction import CompactionSkipped, compact_request
+from sgl_kvc.adapter.invariants import InvariantViolation
 from sgl_kvc.adapter.metrics import maybe_metrics
+from sgl_kvc.adapter.requests import abort_running, is_middle_chunk, request_settings
 from sgl_kvc.adapter.state import KvcStore, ReqKvState
+from sgl_kvc.adapter.tp import ScoreReducer, tp_rank
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.policies import LayerView, Policy, get_policy
-from sgl_kvc.request_settings import from_custom_params
 
 logger = logging.getLogger(__name__)
 
 STATE_ATTR = "_sgl_kvc_state"
 TRACE_ENV = "SGLKVC_TRACE"  # a file: one JSON line per compaction (tests and debugging)
+# Policies are cached per (name, budget); under --kv-budget-ratio every length gives a new
+# budget, so the cache is an LRU of this many entries rather than unbounded.
+POLICY_CACHE_SIZE = 64
 
 
 @dataclass
@@ -43,6 +50,8 @@ class CompressionStats:
     avoided_retractions: int = 0
     retractions: int = 0
     skipped: int = 0
+    failed_requests: int = 0  # requests aborted because sgl-kvc raised while handling them
+    max_pass_seconds: float = 0.0  # the longest single compression: the worst scheduler stall
 
 
 class Compressor:
@@ -55,9 +64,16 @@ class Compressor:
         self.num_layers = int(getattr(pool, "start_layer", 0)) + int(pool.layer_num)
         self.first_layer = int(getattr(pool, "start_layer", 0))
         self.store = KvcStore(
-            self.num_layers, config.kv_window, model_runner.req_to_token_pool.req_to_token, pool
+            self.num_layers, config.kv_window, model_runner.req_to_token_pool.req_to_token, pool,
+            first_layer=self.first_layer,
         )
-        self._policies: dict[tuple[str, int], Policy] = {}
+        self._policies: OrderedDict[tuple[str, int], Policy] = OrderedDict()
+        # With tensor parallelism each rank sees only its own KV heads: scores are averaged over
+        # the TP group before choosing, so every rank keeps the same tokens (same row layout).
+        self.reduce_scores = ScoreReducer.for_model_runner(model_runner)
+        if failpoints.active("tp_local_scores"):
+            self.reduce_scores = None  # planted: each rank chooses from its own heads
+        self.tp_rank = tp_rank()
         self._trace_path = os.environ.get(TRACE_ENV)
         self.scheduler: Any = None  # set by the scheduler hooks; read for the other running batch
         self.metrics = maybe_metrics(model_runner, config.policy)
@@ -70,12 +86,17 @@ class Compressor:
     # --- per request --------------------------------------------------------------------------
     def policy(self, name: str, budget: int) -> Policy:
         key = (name, budget)
-        if key not in self._policies:
-            self._policies[key] = get_policy(name, self.config.policy_params(budget))
-        return self._policies[key]
+        policy = self._policies.get(key)
+        if policy is None:
+            policy = self._policies[key] = get_policy(name, self.config.policy_params(budget))
+            if len(self._policies) > POLICY_CACHE_SIZE:
+                self._policies.popitem(last=False)
+        else:
+            self._policies.move_to_end(key)
+        return policy
 
     def new_state(self, req: Any) -> ReqKvState:
-        settings = from_custom_params(getattr(req.sampling_params, "custom_params", None))
+        settings = request_settings(req)
         name = settings.policy or self.config.policy
         budget = settings.budget or self.config.kv_budget
         ratio = None if settings.budget else self.config.kv_budget_ratio
@@ -87,44 +108,58 @@ class Compressor:
     def begin_extend(self, batch: Any) -> None:
         """Before a prefill (chunk): give requests seen for the first time their state."""
         for req in batch.reqs:
-            if getattr(req, STATE_ATTR, None) is None:
-                state = self.new_state(req)
-                setattr(req, STATE_ATTR, state)
-                self.store.begin(req.kv.req_pool_idx, state)
+            if getattr(req, STATE_ATTR, None) is None and not req.finished():
+                self._guarded(req, "start", self._begin, req)
+
+    def _begin(self, req: Any) -> None:
+        state = self.new_state(req)
+        self.store.begin(req.kv.req_pool_idx, state)
+        setattr(req, STATE_ATTR, state)
 
     def forget(self, req: Any) -> None:
         """A retracted request restarts from its tokens: fresh, uncompressed state."""
         if getattr(req, STATE_ATTR, None) is not None:
             setattr(req, STATE_ATTR, None)
 
-    def decode_position_offsets(self, batch: Any) -> list[int]:
-        return [(s.offset if (s := self.state(r)) is not None else 0) for r in batch.reqs]
+    def decode_position_offsets(self, req_pool_indices: torch.Tensor) -> torch.Tensor | None:
+        """Per-request RoPE offsets of a decode batch (on the device), or None if all are 0."""
+        if not self.store.offset_rows:
+            return None
+        return self.store.offsets[req_pool_indices]
 
     # --- the three moments ----------------------------------------------------------------------
     def after_prefill(self, batch: Any) -> None:
         for i, req in enumerate(batch.reqs):
-            if req.finished() or req.inflight_middle_chunks > 0:
+            # A request between two chunks of its prompt is never compacted: its earlier chunks
+            # are in the radix tree as exact KV and the next chunk extends exactly them.
+            if req.finished() or is_middle_chunk(batch, req):
                 continue
             state = self.state(req)
             if state is None or state.policy.name == "none":
                 continue
-            n = int(batch.seq_lens_cpu[i])
-            budget = state.effective_budget(n)
-            target = self.policy(state.policy.name, budget).prefill_target_length(n)
-            if target is None and n > budget:
-                target = budget  # any policy, with a prompt over budget
-            if target is not None and target < n:
-                self._compress(batch, i, state, target, "prefill")
+            self._guarded(req, "compress", self._after_prefill_one, batch, i, state)
+
+    def _after_prefill_one(self, batch: Any, i: int, state: ReqKvState) -> None:
+        n = int(batch.seq_lens_cpu[i])
+        budget = state.effective_budget(n)
+        target = self.policy(state.policy.name, budget).prefill_target_length(n)
+        if target is None and n > budget:
+            target = budget  # any policy, with a prompt over budget
+        if target is not None and target < n:
+            self._compress(batch, i, state, target, "prefill")
 
     def before_decode(self, batch: Any) -> None:
         for i, req in enumerate(batch.reqs):
             state = self.state(req)
             if state is None or state.policy.name == "none" or req.finished():
                 continue
-            n = int(batch.seq_lens_cpu[i])
-            target = self.policy(state.policy.name, state.effective_budget(n)).target_length(n)
-            if target is not None and target < n:
-                self._compress(batch, i, state, target, "decode")
+            self._guarded(req, "compress", self._before_decode_one, batch, i, state)
+
+    def _before_decode_one(self, batch: Any, i: int, state: ReqKvState) -> None:
+        n = int(batch.seq_lens_cpu[i])
+        target = self.policy(state.policy.name, state.effective_budget(n)).target_length(n)
+        if target is not None and target < n:
+            self._compress(batch, i, state, target, "decode")
 
     def before_retract(self, batch: Any) -> bool:
         """Compress over-budget requests until the next decode step fits. True if it fits."""
@@ -138,7 +173,8 @@ class Compressor:
             n = int(batch.seq_lens_cpu[i])
             budget = state.effective_budget(n)
             if n > budget:
-                compressed |= self._compress(batch, i, state, budget, "preempt")
+                done = self._guarded(req, "compress", self._compress, batch, i, state, budget, "preempt")
+                compressed |= bool(done)
                 if batch.check_decode_mem():
                     if compressed:
                         self.stats.avoided_retractions += 1
@@ -147,16 +183,37 @@ class Compressor:
                     return True
         return batch.check_decode_mem()
 
+    # --- failure isolation ----------------------------------------------------------------------
+    def _guarded(self, req: Any, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run sgl-kvc work for ONE request. An exception aborts that request (with a message
+        the client sees) instead of propagating into SGLang's event loop, where it would stop
+        every request of the server."""
+        try:
+            return fn(*args)
+        except InvariantViolation:
+            raise  # SGLKVC_CHECK=1 exists to stop the server on a broken pool or tree
+        except Exception as e:  # noqa: BLE001 - the point is to contain anything
+            logger.exception("sgl-kvc failed to %s request %s; aborting it", what, req.rid)
+            self.stats.failed_requests += 1
+            setattr(req, STATE_ATTR, None)  # never touched by sgl-kvc again
+            if getattr(req.kv, "req_pool_idx", None) is not None:
+                self.store.set_offset(req.kv.req_pool_idx, 0)
+            abort_running(req, f"sgl-kvc could not {what} this request ({type(e).__name__}); "
+                          "the server log has details")
+            return None
+
     # --- one compression ------------------------------------------------------------------------
     def _compress(self, batch: Any, i: int, state: ReqKvState, target: int, moment: str) -> bool:
         t0 = time.perf_counter()
         req = batch.reqs[i]
+        if failpoints.active("compress_raise") and str(req.rid).startswith(failpoints.RID_PREFIX):
+            raise failpoints.PlantedFault(f"planted fault compressing {req.rid}")
         row = req.kv.req_pool_idx
         n = int(batch.seq_lens_cpu[i])
         policy = self.policy(state.policy.name, state.effective_budget(n))
         positions = state.positions(n)
         views = [self._view(batch, row, layer, n, positions, state) for layer in self._layers()]
-        keep = policy.select(views, target).cpu()
+        keep = policy.select(views, target, reduce=self.reduce_scores).cpu()
         try:
             running = getattr(self.scheduler, "running_batch", None)
             others = (running,) if running is not None and running is not batch else ()
@@ -174,6 +231,7 @@ class Compressor:
         if self._trace_path:
             self._trace(req, moment, policy.name, n, positions, state.kept_positions)
         state.offset = int(positions[-1]) + 1 - result.kept if n else 0
+        self.store.set_offset(row, state.offset)
         state.passes += 1
         self.store.trim_queries(row, result.kept)
         self.stats.passes += 1
@@ -181,6 +239,7 @@ class Compressor:
         setattr(self.stats, f"{moment}_passes", getattr(self.stats, f"{moment}_passes") + 1)
         seconds = time.perf_counter() - t0
         self.stats.seconds += seconds
+        self.stats.max_pass_seconds = max(self.stats.max_pass_seconds, seconds)
         if self.metrics:
             self.metrics.compressed(moment, n - result.kept, seconds)
         return True
@@ -193,6 +252,7 @@ class Compressor:
     def _trace(self, req: Any, moment: str, policy: str, n: int, positions, kept) -> None:
         event = {
             "rid": req.rid,
+            "tp_rank": self.tp_rank,
             "moment": moment,
             "policy": policy,
             "logical_len": int(positions[-1]) + 1,

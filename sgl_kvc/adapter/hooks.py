@@ -8,18 +8,23 @@
 | PrefillAdder.add_one_req / running-token offset | around | admission by compressed footprint      |
 | Req._compute_max_prefix_len                     | around | recompute the observation window on a prefix hit |
 | Scheduler.get_next_batch_to_run                 | after  | peak number of requests in flight      |
+| Scheduler._add_request_to_queue                 | around | validate per-request settings (400)    |
 | SchedulerInternalStateController.get_internal_state | after | `/v1/kvc/stats` snapshot          |
 """
 
 from __future__ import annotations
 
+import logging
+import pkgutil
 from typing import Any, Callable
 
-import torch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from sgl_kvc.adapter.requests import reject_invalid
 from sgl_kvc.adapter.runtime import KvcRuntime, collect_stats, compressor_of, request_peak_tokens
 from sgl_kvc.config import KvcConfig
+
+logger = logging.getLogger(__name__)
 
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
@@ -31,8 +36,43 @@ _INTERNAL_STATE = (
 STATS_KEY = "sgl_kvc"
 
 
+Hook = tuple[str, Callable[..., Any], HookType]
+
+
+class HookTargetMissing(RuntimeError):
+    """A function sgl-kvc hooks does not exist in the installed SGLang (another version?)."""
+
+
 def register(config: KvcConfig) -> None:
-    hooks: list[tuple[str, Callable[..., Any], HookType]] = [
+    """Register every hook with SGLang's registry; refuse if any target is missing, rather
+    than serve with a hook silently not applied (SGLang only logs a failed patch)."""
+    hooks = hook_table(config)
+    missing = missing_targets([target for target, _, _ in hooks])
+    if missing:
+        raise HookTargetMissing(
+            f"sgl-kvc cannot hook {', '.join(missing)} in this SGLang; it is pinned to "
+            "sglang==0.5.23"
+        )
+    for target, fn, kind in hooks:
+        HookRegistry.register(target, fn, kind)
+
+
+def missing_targets(targets: list[str]) -> list[str]:
+    """The dotted targets that do not resolve (same resolution as `HookRegistry`)."""
+    missing = []
+    for target in targets:
+        owner, _, attr = target.rpartition(".")
+        try:
+            if not hasattr(pkgutil.resolve_name(owner), attr):
+                missing.append(target)
+        except (ImportError, AttributeError, ValueError):
+            missing.append(target)
+    return missing
+
+
+def hook_table(config: KvcConfig) -> list[Hook]:
+    """(target, hook, kind) for this config."""
+    hooks: list[Hook] = [
         (f"{_SCHEDULER}.get_next_batch_to_run", _after_next_batch(config), HookType.AFTER),
         (f"{_INTERNAL_STATE}.get_internal_state", _after_internal_state(config), HookType.AFTER),
         (f"{_SCHEDULER}.update_running_batch", _around_update_running(config), HookType.AROUND),
@@ -43,6 +83,7 @@ def register(config: KvcConfig) -> None:
             (f"{_FORWARD_BATCH}.init_new", _after_forward_batch(config), HookType.AFTER),
             (f"{_SCHEDULER}.process_batch_result", _after_batch_result(config), HookType.AFTER),
             (f"{_REQ}._compute_max_prefix_len", _around_max_prefix(config), HookType.AROUND),
+            (f"{_SCHEDULER}._add_request_to_queue", _around_add_to_queue, HookType.AROUND),
             (f"{_ADDER}.add_one_req", _around_add_one_req(config), HookType.AROUND),
             (
                 f"{_ADDER}._get_running_request_total_token_offset",
@@ -50,8 +91,7 @@ def register(config: KvcConfig) -> None:
                 HookType.AROUND,
             ),
         ]
-    for target, fn, kind in hooks:
-        HookRegistry.register(target, fn, kind)
+    return hooks
 
 
 def _after_next_batch(config: KvcConfig):
@@ -77,15 +117,13 @@ def _after_forward_batch(config: KvcConfig):
             return fb
         compressor = compressor_of(model_runner, config)
         if fb.forward_mode.is_extend():
-            compressor.begin_extend(batch)
+            compressor.begin_extend(batch)  # per-request failures abort that request only
         elif fb.forward_mode.is_decode():
-            offsets = compressor.decode_position_offsets(batch)
-            if any(offsets):
+            offsets = compressor.decode_position_offsets(fb.req_pool_indices)
+            if offsets is not None:
                 # RoPE positions stay logical: a compacted request's next token sits at the
                 # position it has in the full sequence, not at its (shorter) physical length.
-                fb.positions = fb.positions + torch.tensor(
-                    offsets, dtype=fb.positions.dtype, device=fb.positions.device
-                )
+                fb.positions = fb.positions + offsets.to(fb.positions.dtype)
         return fb
 
     return hook
@@ -120,6 +158,14 @@ def _around_update_running(config: KvcConfig):
         return out
 
     return hook
+
+
+def _around_add_to_queue(original: Callable[..., Any], scheduler: Any, req: Any, *a: Any, **kw: Any):
+    # The one place every new (and retracted) request passes: settings a client put in
+    # `custom_params` are checked here, so a bad one is a 400 for that request and is never
+    # read again by the hooks below.
+    reject_invalid(req)
+    return original(scheduler, req, *a, **kw)
 
 
 def _around_add_one_req(config: KvcConfig):

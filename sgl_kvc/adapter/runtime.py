@@ -11,8 +11,8 @@ from typing import Any
 
 from sgl_kvc.adapter.compressor import Compressor
 from sgl_kvc.adapter.fp8_pool import pool_bytes
+from sgl_kvc.adapter.requests import request_settings
 from sgl_kvc.config import KvcConfig
-from sgl_kvc.request_settings import from_custom_params
 
 _RUNTIME_ATTR = "_sgl_kvc_runtime"
 _COMPRESSOR_ATTR = "_sgl_kvc_compressor"
@@ -28,7 +28,7 @@ def compressor_of(model_runner: Any, config: KvcConfig) -> Compressor:
 
 def request_peak_tokens(config: KvcConfig, req: Any) -> int | None:
     """Most KV slots a compressing request holds at once, or None if it does not compress."""
-    settings = from_custom_params(getattr(req.sampling_params, "custom_params", None))
+    settings = request_settings(req)
     if (settings.policy or config.policy) == "none":
         return None
     budget = settings.budget or config.kv_budget
@@ -68,7 +68,8 @@ def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
     tree = scheduler.tree_cache
     prefix = getattr(tree, "prefix_stats", None)
     model_runner = scheduler.tp_worker.model_runner
-    compression = asdict(compressor_of(model_runner, runtime.config).stats)
+    compressor = compressor_of(model_runner, runtime.config)
+    compression = asdict(compressor.stats)
     kv_pool = model_runner.token_to_kv_pool
     return {
         "policy": runtime.config.policy,
@@ -81,6 +82,8 @@ def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
             "bytes": pool_bytes(kv_pool),  # K and V buffers, scales included
             "free_tokens": int(scheduler.token_to_kv_pool_allocator.available_size()),
             "cached_tokens": int(tree.evictable_size()),
+            # sgl-kvc's own buffer (observation queries), outside the KV pool
+            "observation_bytes": compressor.store.query_buffer_bytes,
         },
         "prefix_cache": {
             "backend": type(tree).__name__,

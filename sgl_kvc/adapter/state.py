@@ -16,6 +16,7 @@ from torch import Tensor
 from sgl_kvc.policies import Policy
 
 STATS_BLOCK = 256  # query rows per block when accumulating prefill attention statistics
+DECODE_STATS_ELEMS = 1 << 24  # bound on the padded key block of a batched decode statistic
 
 
 @dataclass
@@ -51,66 +52,108 @@ class ReqKvState:
 
 
 class KvcStore:
-    """Observation-window queries and attention statistics, per `req_to_token` row."""
+    """Observation-window queries and attention statistics, per `req_to_token` row.
 
-    def __init__(self, num_layers: int, window: int, req_to_token: Tensor, kv_pool: object) -> None:
+    Per-step work stays on the device and never syncs with the host: queries go into a ring
+    buffer (a write index per row, no shifting), query counts and RoPE position offsets are
+    device tensors indexed by the batch's rows.
+    """
+
+    def __init__(
+        self, num_layers: int, window: int, req_to_token: Tensor, kv_pool: object, first_layer: int = 0
+    ) -> None:
         self.num_layers = num_layers
+        self.first_layer = first_layer  # the layer whose call advances the per-row counters
         self.req_to_token = req_to_token  # SGLang's [rows, max_len] slot table
         self.kv_pool = kv_pool  # SGLang's KV pool (get_key_buffer(layer_id) -> [slots, H_kv, d])
         self.window = window
         self.states: dict[int, ReqKvState] = {}
         self.stats_rows: set[int] = set()  # rows whose policy accumulates attention statistics
-        self._queries: Tensor | None = None  # [rows, layers, window, H_q, d]
-        self._count: dict[int, int] = {}
+        rows, device = req_to_token.shape[0], req_to_token.device
+        # Ring buffer [capacity, layers, window, H_q, d] indexed by `_top - row`: SGLang hands out
+        # request rows from the top of its free list and reuses freed ones first, so the
+        # capacity needed follows the peak number of requests, not the row count SGLang reserves
+        # (2048 rows of a 30-layer model's queries would outweigh a small KV pool).
+        self._queries: Tensor | None = None
+        self._top = rows - 1
+        self._need = 1  # capacity the begun rows need
+        self._head = torch.zeros(rows, dtype=torch.int64, device=device)  # slot of the newest
+        self._count = torch.zeros(rows, dtype=torch.int64, device=device)
+        # logical minus physical position of tokens appended since a row's last compaction
+        self.offsets = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.offset_rows: set[int] = set()  # rows with a non-zero offset (host-side, no sync)
+        # (batch indices, rows, lengths) of this decode step's requests that keep statistics
+        self.decode_selection: tuple[list[int], list[int], list[int]] | None = None
 
     # --- request lifecycle --------------------------------------------------------------------
     def begin(self, row: int, state: ReqKvState) -> None:
+        self._need = max(self._need, self._top - row + 1)
         state.stats = [None] * self.num_layers
         self.states[row] = state
         self._count[row] = 0
+        self.set_offset(row, 0)
         if state.policy.uses_stats:
             self.stats_rows.add(row)
         else:
             self.stats_rows.discard(row)
 
+    def set_offset(self, row: int, offset: int) -> None:
+        self.offsets[row] = offset
+        if offset:
+            self.offset_rows.add(row)
+        else:
+            self.offset_rows.discard(row)
+
     # --- observation-window queries -----------------------------------------------------------
     def _buffer(self, rows: int, q: Tensor) -> Tensor:
-        if self._queries is None:
-            self._queries = q.new_zeros(
-                (rows, self.num_layers, self.window, q.shape[1], q.shape[2])
-            )
+        have = 0 if self._queries is None else self._queries.shape[0]
+        if have < self._need:  # grow by doubling, up to SGLang's row count
+            capacity = min(max(self._need, 2 * have), rows)
+            grown = q.new_zeros((capacity, self.num_layers, self.window, q.shape[1], q.shape[2]))
+            if self._queries is not None:
+                grown[:have] = self._queries
+            self._queries = grown
         return self._queries
+
+    @property
+    def query_buffer_bytes(self) -> int:
+        q = self._queries
+        return 0 if q is None else q.numel() * q.element_size()
 
     def record_decode(self, layer: int, rows: Tensor, q: Tensor, pool_rows: int) -> None:
         """q: [B, H_q, d], one new query per row."""
         buf = self._buffer(pool_rows, q)
-        if self.window > 1:
-            buf[rows, layer, :-1] = buf[rows, layer, 1:].clone()
-        buf[rows, layer, -1] = q.to(buf.dtype)
-        if layer == 0:
-            for r in rows.tolist():
-                self._count[r] = min(self._count.get(r, 0) + 1, self.window)
+        if layer == self.first_layer:
+            self._head[rows] = (self._head[rows] + 1) % self.window
+            self._count[rows] = (self._count[rows] + 1).clamp_(max=self.window)
+        buf[self._top - rows, layer, self._head[rows]] = q.to(buf.dtype)
 
     def record_extend(self, layer: int, row: int, q: Tensor, pool_rows: int) -> None:
         """q: [e, H_q, d], the queries of one request's extend (chunk), in order."""
         buf = self._buffer(pool_rows, q)
         m = min(q.shape[0], self.window)
-        if m < self.window:
-            buf[row, layer, :-m] = buf[row, layer, m:].clone()
-        buf[row, layer, -m:] = q[-m:].to(buf.dtype)
-        if layer == 0:
-            self._count[row] = min(self._count.get(row, 0) + m, self.window)
+        if layer == self.first_layer:
+            self._head[row] = (self._head[row] + m) % self.window
+            self._count[row] = (self._count[row] + m).clamp_(max=self.window)
+        buf[self._top - row, layer, self._ring(row, m)] = q[-m:].to(buf.dtype)
+
+    def _ring(self, row: int, m: int) -> Tensor:
+        """Ring indices of a row's last m queries, oldest first."""
+        steps = torch.arange(1 - m, 1, device=self._head.device)
+        return (self._head[row] + steps) % self.window
 
     def queries(self, row: int, layer: int, n: int) -> Tensor | None:
         """The last min(count, window, n) queries of a row, oldest first."""
-        m = min(self._count.get(row, 0), n)
-        if self._queries is None or m == 0:
+        if self._queries is None:
             return None
-        return self._queries[row, layer, self.window - m :]
+        m = min(int(self._count[row]), n)
+        if m == 0:
+            return None
+        return self._queries[self._top - row, layer, self._ring(row, m)]
 
     def trim_queries(self, row: int, n: int) -> None:
         """After compaction to n tokens, fewer queries than tokens may remain valid."""
-        self._count[row] = min(self._count.get(row, 0), n)
+        self._count[row] = self._count[row].clamp(max=n)
 
     # --- attention statistics ------------------------------------------------------------------
     def accumulate(
@@ -131,3 +174,33 @@ class KvcStore:
             logits.masked_fill_(causal[None], -math.inf)
             probs = torch.softmax(logits, dim=-1)
             state.stats[layer] = state.policy.accumulate(state.stats[layer], probs, h_kv)
+
+    def accumulate_decode(
+        self, layer: int, batch_idx: list[int], rows: list[int], lens: list[int], q: Tensor,
+        key_buffer: Tensor, scale: float,
+    ) -> None:
+        """One decode query per request (q: [B_all, H_q, d]; `batch_idx` picks the requests whose
+        policy keeps statistics, at `rows` with `lens` cached tokens): their attention over their
+        own keys in one padded batched computation per block of requests, not a loop."""
+        h_q, d = q.shape[1], q.shape[2]
+        h_kv = key_buffer.shape[1]
+        block = max(1, DECODE_STATS_ELEMS // max(1, max(lens) * h_q * d))
+        for start in range(0, len(rows), block):
+            b_rows, b_lens = rows[start : start + block], lens[start : start + block]
+            b_idx = batch_idx[start : start + block]
+            n_max = max(b_lens)
+            device = key_buffer.device
+            row_t = torch.tensor(b_rows, device=self.req_to_token.device)
+            slots = self.req_to_token[row_t, :n_max].long().to(device)  # [b, n_max]
+            keys = key_buffer[slots].float()  # [b, n_max, H_kv, d]
+            qb = q[torch.tensor(b_idx, device=q.device)].float().reshape(len(b_rows), h_kv, -1, d)
+            logits = torch.einsum("bkgd,bnkd->bkgn", qb, keys) * scale
+            pad = torch.arange(n_max, device=device)[None, :] >= torch.tensor(b_lens, device=device)[:, None]
+            logits.masked_fill_(pad[:, None, None, :], -math.inf)
+            probs = torch.softmax(logits, dim=-1).unsqueeze(3)  # [b, H_kv, G, 1, n_max]
+            for j, (row, n) in enumerate(zip(b_rows, b_lens)):
+                state = self.states.get(row)
+                if state is None or not state.policy.uses_stats:
+                    continue
+                grouped = probs[j, :, :, :, :n].reshape(h_q, 1, n)
+                state.stats[layer] = state.policy.accumulate(state.stats[layer], grouped, h_kv)

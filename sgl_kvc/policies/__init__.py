@@ -11,6 +11,12 @@ from .base import LayerView, Policy, PolicyParams
 from .h2o import H2OPolicy
 from .kvcompress import KVCompressPolicy
 from .none import NoPolicy
+from .per_head import (
+    HeadSelection,
+    carry_stats_per_head,
+    select_from_scores,
+    select_per_head,
+)
 from .registry import available_policies, get_policy, register_policy
 from .rkv import RKVPolicy
 from .snapkv import SnapKVPolicy
@@ -19,6 +25,7 @@ from .streamingllm import StreamingLLMPolicy
 __all__ = [
     "AvgAttnPolicy",
     "H2OPolicy",
+    "HeadSelection",
     "KVCompressPolicy",
     "LayerView",
     "NoPolicy",
@@ -28,6 +35,9 @@ __all__ = [
     "SnapKVPolicy",
     "StreamingLLMPolicy",
     "available_policies",
+    "carry_stats_per_head",
     "get_policy",
     "register_policy",
+    "select_from_scores",
+    "select_per_head",
 ]

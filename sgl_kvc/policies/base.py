@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -67,6 +67,10 @@ class PolicyParams:
     """R-KV similarity threshold T (Alg. 1 line 24); from the public code."""
     rkv_beta: int = 1
     """R-KV beta: most recent highly-similar tokens exempted (Alg. 1 lines 25-31)."""
+    rkv_reference_keys: int = 1024
+    """R-KV redundancy (eq. 6) is exact up to this many candidates; above, each candidate's mean
+    similarity is estimated against this many evenly spaced candidates, so a long prompt costs
+    n x this instead of n^2 (decode-time passes, budget + buffer tokens, stay exact)."""
     pool_kernel: int = 7
     """Odd 1-D max-pool kernel (SnapKV / KV-Compress eq. 8 p=7, R-KV eq. 4 / Alg. 1 line 16)."""
     sink_tokens: int = 4
@@ -81,6 +85,7 @@ class PolicyParams:
         _check_float("rkv_lambda", self.rkv_lambda, 0.0, 1.0)
         _check_float("rkv_threshold", self.rkv_threshold, -1.0, 1.0)
         _check_int("rkv_beta", self.rkv_beta, 0)
+        _check_int("rkv_reference_keys", self.rkv_reference_keys, 1)
         _check_int("pool_kernel", self.pool_kernel, 1)
         if self.pool_kernel % 2 != 1:
             raise ValueError(f"pool_kernel must be odd (centred window), got {self.pool_kernel}")
@@ -235,16 +240,25 @@ class Policy(ABC):
         assert total is not None
         return total / len(views)
 
-    def select(self, views: Sequence[LayerView], keep: int) -> Tensor:
+    def select(
+        self,
+        views: Sequence[LayerView],
+        keep: int,
+        reduce: Callable[[Tensor], Tensor] | None = None,
+    ) -> Tensor:
         """Sorted int64 indices (into 0..n-1) of the ``min(keep, n)`` tokens to keep.
 
         Protected tokens (union over layers) come first; if there are more of them than ``keep``,
         the most recent ``keep`` protected tokens are kept. The remaining slots go to the highest
         combined scores; ties go to the lower index (stable sort). NaN scores rank last.
+        ``reduce`` maps the combined [n] score before choosing: with tensor parallelism, the mean
+        over the ranks' head shards, so that all ranks choose the same tokens.
         """
         if keep < 0:
             raise ValueError(f"keep must be >= 0, got {keep}")
         combined = self.combined_score(views)
+        if reduce is not None:
+            combined = reduce(combined)
         n = combined.shape[0]
         device = combined.device
         keep = min(keep, n)

@@ -14,6 +14,8 @@ Choices the paper leaves open (see DESIGN.md, "Policy details the papers leave o
   odd kernel ``pool_kernel`` centred on the token (eq. 4's window of half-width W, here W =
   (kernel - 1) / 2 on both sides), over candidates only.
 * Redundancy (eq. 5-6 / Alg. 1 lines 18-35): per KV head, over candidates; T = 0.5, beta = 1.
+  Exact up to ``rkv_reference_keys`` (1024) candidates; a longer prompt's mean similarity is
+  estimated against 1024 evenly spaced candidates (linear, not quadratic, in the prompt).
 * Head and layer aggregation: mean over KV heads (Alg. 1 line 44), then mean over layers.
 """
 
@@ -32,28 +34,41 @@ _EPS = 1e-8  # R-KV eq. (5) epsilon
 _SIM_CHUNK_ELEMS = 1 << 24  # bound on the similarity block held at once (elements)
 
 
-def redundancy_scores(keys: Tensor, threshold: float, beta: int) -> Tensor:
-    """R [H_kv, m] of eq. (6) for candidate keys [m, H_kv, d] (rows processed in blocks)."""
+def redundancy_scores(
+    keys: Tensor, threshold: float, beta: int, reference_keys: int | None = None
+) -> Tensor:
+    """R [H_kv, m] of eq. (6) for candidate keys [m, H_kv, d] (rows processed in blocks).
+
+    With ``reference_keys`` < m, each candidate is compared with that many evenly spaced
+    candidates only: eq. (6)'s mean similarity estimated from a sample, O(m x reference_keys)
+    instead of O(m^2). The beta exemption then applies within the sample.
+    """
     k = keys.float().transpose(0, 1)  # [H, m, d]
     h, m, _ = k.shape
     k_norm = k / (k.norm(dim=-1, keepdim=True) + _EPS)  # R-KV eq. (5) / Alg. 1 line 19
+    if reference_keys is not None and reference_keys < m:
+        ref = torch.linspace(0, m - 1, reference_keys, device=k.device).round().long().unique()
+    else:
+        ref = torch.arange(m, device=k.device)
+    k_ref = k_norm[:, ref]  # [H, r, d]
+    r = int(ref.numel())
     s_bar = torch.empty(h, m, dtype=torch.float32, device=k.device)
-    rows = max(1, _SIM_CHUNK_ELEMS // max(1, h * m))
-    ramp = torch.arange(1, m + 1, dtype=torch.float32, device=k.device)  # exact below 2**24
+    rows = max(1, _SIM_CHUNK_ELEMS // max(1, h * r))
+    order = torch.arange(1, r + 1, dtype=torch.float32, device=k.device)  # recency among refs
     for start in range(0, m, rows):  # blocks of rows, not a loop over tokens
         stop = min(m, start + rows)
-        sim = torch.matmul(k_norm[:, start:stop], k_norm.transpose(1, 2))  # eq. (5): S = K K^T
-        local = torch.arange(stop - start, device=k.device)
-        sim[:, local, local + start] = 0.0  # eq. (5): S_ii <- 0 (Alg. 1 lines 21-23)
+        sim = torch.matmul(k_norm[:, start:stop], k_ref.transpose(1, 2))  # eq. (5): S = K K^T
+        own = ref[None, :] == torch.arange(start, stop, device=k.device)[:, None]  # [rows, r]
+        sim.masked_fill_(own[None], 0.0)  # eq. (5): S_ii <- 0 (Alg. 1 lines 21-23)
         row_sum = sim.sum(dim=-1)
         if beta > 0:
             # Alg. 1 line 24: B_uv = [S_uv > T]; key v+1 on similar pairs, 0 elsewhere
-            recency = torch.where(sim > threshold, ramp, 0.0)
-            top_key, top_idx = recency.topk(min(beta, m), dim=-1)
+            recency = torch.where(sim > threshold, order, 0.0)
+            top_key, top_idx = recency.topk(min(beta, r), dim=-1)
             # Alg. 1 lines 25-31: S_uv <- 0 for the (up to) beta largest similar indices v;
             # done by removing those entries from the row sum
             row_sum -= (sim.gather(-1, top_idx) * (top_key > 0)).sum(dim=-1)
-        s_bar[:, start:stop] = row_sum / m  # eq. (6) / Alg. 1 line 32: mean similarity
+        s_bar[:, start:stop] = row_sum / r  # eq. (6) / Alg. 1 line 32: mean similarity
     return torch.softmax(s_bar, dim=-1)  # eq. (6) / Alg. 1 line 34: R = softmax(S_bar)
 
 
@@ -75,7 +90,9 @@ class RKVPolicy(Policy):
         logits = gqa_logits(queries, cand_keys, view.scale)  # eq. (2): [H_kv, G, alpha, N_c]
         attn = torch.softmax(logits.amax(dim=1), dim=-1)  # eq. (3): max over group, softmax
         importance = maxpool_tokens(attn.mean(dim=1), p.pool_kernel)  # eq. (4), Alg. 1 l. 14-16
-        redundancy = redundancy_scores(cand_keys, p.rkv_threshold, p.rkv_beta)  # eq. (5)-(6)
+        redundancy = redundancy_scores(  # eq. (5)-(6)
+            cand_keys, p.rkv_threshold, p.rkv_beta, p.rkv_reference_keys
+        )
         lam = p.rkv_lambda
         out[:, :n_cand] = lam * importance - (1.0 - lam) * redundancy  # eq. (7): Z
         return out

@@ -26,7 +26,7 @@ BUDGET, BUFFER, WINDOW = 24, 8, 4
 @pytest.fixture(scope="module")
 def rkv_server(trace: Path):
     cmd = [
-        sys.executable, "-m", "sgl_kvc.launch", "--policy", "rkv",
+        sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv",
         "--kv-budget", str(BUDGET), "--kv-buffer", str(BUFFER), "--kv-window", str(WINDOW),
     ]
     with ServerProcess.launch(cmd, env={"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1"}) as server:

@@ -38,7 +38,10 @@ NEW_TOKENS = 160
 
 @pytest.fixture(scope="module")
 def servers(trace: Path):
-    launch = [sys.executable, "-m", "sgl_kvc.launch", "--kv-cache-memory-gb", str(MEMORY_GB)]
+    launch = [
+        sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo",
+        "--kv-cache-memory-gb", str(MEMORY_GB),
+    ]
     specs = {
         "bf16": (launch, {}),
         "e5m2": ([*launch, "--kv-cache-dtype", "fp8_e5m2"], {}),

@@ -140,7 +140,10 @@ def test_runner_config_syntax() -> None:
 
 @pytest.fixture(scope="module")
 def small_pool_server() -> Iterator[ServerProcess]:
-    cmd = [sys.executable, "-m", "sgl_kvc.launch", "--max-total-tokens", str(POOL_TOKENS)]
+    cmd = [
+        sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo",
+        "--max-total-tokens", str(POOL_TOKENS),
+    ]
     with ServerProcess.launch(cmd) as server:
         yield server
 

@@ -24,7 +24,7 @@ N_REQ, NEW_TOKENS, POOL = 8, 150, 600
 @pytest.fixture(scope="module")
 def preempt_server():
     cmd = [
-        sys.executable, "-m", "sgl_kvc.launch", "--policy", "rkv",
+        sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv",
         "--kv-budget", "32", "--kv-buffer", "16", "--compress-on", "preempt",
         "--max-total-tokens", str(POOL), "--enable-metrics",
     ]

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from sgl_kvc.kernels import fp8 as F
@@ -124,9 +124,14 @@ def test_property_error_bounded_by_row_amax(fp8, scale_format, rows, d, log_mag,
     x = torch.randn(rows, d, generator=g) * (10.0 ** log_mag)
     x[:, 0] *= outlier
     x = x.to(torch.bfloat16).float()  # what the model hands the cache
-    y = F.fake_quantize_rows(x, fp8, scale_format)
     spec = F.fp8_spec(fp8)
     amax = x.abs().amax(-1, keepdim=True)
+    if scale_format == "float16":
+        # A scale (amax / fp8 max) below float16's smallest normal loses its own precision: the
+        # bound is a claim about rows whose scale float16 represents (bf16 scales, the default,
+        # cover float32's exponent range). Hypothesis found rows with amax ~1e-6 at log_mag -5.
+        assume(bool((amax / spec.max >= torch.finfo(torch.float16).tiny).all()))
+    y = F.fake_quantize_rows(x, fp8, scale_format)
     assert bool(((y - x).abs() <= spec.rel_error * amax * (1 + 1e-6)).all())
 
 

@@ -16,13 +16,27 @@ def _flag_value(argv: list[str], flag: str) -> str:
 
 
 def test_cpu_defaults_filled_in(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("SGLKVC_CACHE", str(tmp_path))
+    import sgl_kvc.model
+
+    # No --model-path: SmolLM2 under its real name (the conversion itself is tested elsewhere).
+    monkeypatch.setattr(sgl_kvc.model, "ensure_smollm2", lambda: tmp_path / "smollm2")
     argv = build_sglang_argv([], on_gpu=False)
     for flag, value in CPU_DEFAULTS.items():
         assert flag in argv and (value is None or _flag_value(argv, flag) == value)
     assert _flag_value(argv, "--radix-cache-backend") == "sgl_kvc"
+    assert _flag_value(argv, "--served-model-name") == "SmolLM2-135M-Instruct"
+    assert _flag_value(argv, "--model-path") == str(tmp_path / "smollm2")
+
+
+@pytest.mark.parametrize("given", [["--model-path", "demo"], ["--model-path=demo"], ["--model", "demo"]])
+def test_demo_alias_serves_the_random_model(given: list[str], tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("SGLKVC_CACHE", str(tmp_path))
+    argv = build_sglang_argv([*given, "--port", "1"], on_gpu=False)
     assert "demo" in _flag_value(argv, "--served-model-name")
+    assert argv.count("--model-path") == 1 and "--model" not in argv
+    assert not any(a.endswith("=demo") for a in argv)
     assert _flag_value(argv, "--model-path").startswith(str(tmp_path))
+    assert _flag_value(argv, "--port") == "1"
 
 
 def test_user_flags_win_over_defaults() -> None:

@@ -686,3 +686,19 @@ def test_select_property(name, n, keep, h_kv, group, budget, window, layers, see
     if pol.uses_stats:
         carried = pol.carry_stats(views[0], idx)
         assert carried is None or carried.shape == (h_kv, len(lst))
+
+
+def test_rkv_sampled_redundancy_is_exact_below_and_close_above_the_reference_count() -> None:
+    """Long prompts: eq. (6)'s mean similarity estimated from evenly spaced reference keys."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(40, 2, 16, generator=g)
+    keys = base[torch.randint(0, 40, (1500,), generator=g)] + 0.3 * torch.randn(1500, 2, 16, generator=g)
+    exact = rkv_module.redundancy_scores(keys, 0.5, 1)
+    assert torch.equal(rkv_module.redundancy_scores(keys, 0.5, 1, reference_keys=1500), exact)
+    approx = rkv_module.redundancy_scores(keys, 0.5, 1, reference_keys=512)
+    corr = torch.corrcoef(torch.stack([exact.flatten(), approx.flatten()]))[0, 1]
+    assert corr > 0.95, corr
+    # R-KV keeps the LEAST redundant tokens (eq. 7 subtracts R): compare those
+    least_exact = set((-exact[0]).topk(200).indices.tolist())
+    least_approx = set((-approx[0]).topk(200).indices.tolist())
+    assert len(least_exact & least_approx) / 200 > 0.8

@@ -44,3 +44,62 @@ def test_query_window_keeps_the_last_queries_in_order() -> None:
     assert store.queries(1, 0, n=2)[:, 0, 0].tolist() == [3.0, 4.0]  # never more than n tokens
     store.begin(1, _state())  # the row is reused by a new request: no stale queries
     assert store.queries(1, 0, n=10) is None
+
+
+def test_query_ring_survives_many_wraps_and_trims() -> None:
+    store = KvcStore(num_layers=1, window=4, req_to_token=torch.zeros(3, 8, dtype=torch.int32), kv_pool=None)
+    store.begin(0, _state())
+    store.begin(2, _state())
+    q = lambda *vs: torch.tensor(vs, dtype=torch.float32)[:, None, None].expand(-1, 1, 2)  # noqa: E731
+    store.record_extend(0, 0, q(1, 2, 3, 4, 5, 6), pool_rows=3)
+    for v in range(7, 20):
+        store.record_decode(0, torch.tensor([0, 2]), q(v, 100 + v), pool_rows=3)
+    assert store.queries(0, 0, n=99)[:, 0, 0].tolist() == [16, 17, 18, 19]
+    assert store.queries(2, 0, n=99)[:, 0, 0].tolist() == [116, 117, 118, 119]
+    store.trim_queries(0, 2)
+    assert store.queries(0, 0, n=99)[:, 0, 0].tolist() == [18, 19]
+
+
+class _Pool:
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys = keys
+
+    def get_key_buffer(self, layer: int) -> torch.Tensor:
+        return self.keys
+
+
+def test_batched_decode_statistics_equal_the_per_request_ones() -> None:
+    """`accumulate_decode` (one padded computation) == `accumulate` request by request."""
+    g = torch.Generator().manual_seed(0)
+    h_kv, group, d, rows = 2, 3, 8, 4
+    keys = torch.randn(64, h_kv, d, generator=g)
+    r2t = torch.randperm(64, generator=g)[: rows * 16].reshape(rows, 16).to(torch.int32)
+    lens = [5, 16, 9]
+    picked_rows = [3, 0, 2]
+    q = torch.randn(4, h_kv * group, d, generator=g)  # batch of 4; batch index 1 keeps no stats
+    batch_idx = [0, 2, 3]
+    for name in ("h2o", "avgattn", "kvcompress"):
+        batched = KvcStore(1, 4, r2t, _Pool(keys))
+        looped = KvcStore(1, 4, r2t, _Pool(keys))
+        for store in (batched, looped):
+            for row in range(rows):
+                store.begin(row, ReqKvState(policy=get_policy(name), budget=8))
+        batched.accumulate_decode(0, batch_idx, picked_rows, lens, q, keys, 0.3)
+        for i, row, n in zip(batch_idx, picked_rows, lens):
+            k = keys[r2t[row, :n].long()]
+            looped.accumulate(row, 0, q[i : i + 1], k, torch.tensor([n - 1]), torch.arange(n), 0.3)
+        for row in picked_rows:
+            assert torch.allclose(batched.states[row].stats[0], looped.states[row].stats[0], atol=1e-6), name
+        assert batched.states[1].stats[0] is None
+
+
+def test_query_buffer_grows_with_the_rows_in_use_not_the_row_count() -> None:
+    store = KvcStore(num_layers=2, window=2, req_to_token=torch.zeros(1000, 4, dtype=torch.int32), kv_pool=None)
+    q = lambda v: torch.full((1, 3, 4), float(v))  # noqa: E731
+    for k, row in enumerate((999, 998, 997)):  # SGLang hands out rows from the top
+        store.begin(row, _state())
+        store.record_extend(0, row, q(k), pool_rows=1000)
+    assert store.query_buffer_bytes == 4 * 2 * 2 * 3 * 4 * 4  # capacity 4 of 1000 rows
+    store.begin(5, _state())  # a low row (rare) grows the buffer, keeping earlier queries
+    store.record_extend(0, 5, q(9), pool_rows=1000)
+    assert [store.queries(r, 0, 9)[0, 0, 0].item() for r in (999, 998, 997, 5)] == [0, 1, 2, 9]

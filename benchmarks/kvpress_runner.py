@@ -1,0 +1,199 @@
+"""NVIDIA kvpress on the quality benchmark's samples; run with the python of kvpress's own venv.
+
+    /path/to/kvpress-venv/bin/python benchmarks/kvpress_runner.py IN.json OUT.json
+
+kvpress pins its own transformers, so it lives in a separate venv (README, "Quality"); this
+script imports nothing from sgl-kvc. IN.json (written by `benchmarks.quality`): the converted
+checkpoint folder, budgets, press names and samples as token ids. OUT.json: one outcome per
+sample and configuration (`kvpress:full`, `kvpress:<press>@<budget>`), in the main benchmark's
+`Outcome` shape.
+
+How a prompt is run, the way kvpress's own pipeline does it: all prompt tokens but the last are
+pre-filled with the press active (a press compresses each layer's cache right after that
+layer's attention, so the prompt's hidden states never see the pruning); then the last prompt
+token and the greedy answer are decoded on the compressed cache with logical positions. The
+budget is kvpress's `compression_ratio = 1 - budget / prefilled_len` (kept = that budget).
+One pre-fill serves every press and budget: a recording press calls each press's own
+`compress` (kvpress's scoring and top-k per layer and KV head) on the layer's full keys and
+values and keeps the results, which is exactly what each press would have left in the cache,
+at a third of the pre-fill cost on a slow CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+def make_presses(names: list[str]) -> dict[str, Any]:
+    from kvpress import ExpectedAttentionPress, SnapKVPress, StreamingLLMPress, TOVAPress
+
+    factories = {
+        # SnapKV with sgl-kvc's window and pooling kernel (kvpress defaults: 64 and 5), so that
+        # the difference left is the granularity: kvpress keeps a set per (layer, KV head).
+        "snapkv": lambda: SnapKVPress(window_size=8, kernel_size=7),
+        "streamingllm": lambda: StreamingLLMPress(n_sink=4),
+        "tova": lambda: TOVAPress(),
+        "expected_attention": lambda: ExpectedAttentionPress(),
+    }
+    return {n: factories[n]() for n in names}
+
+
+def recording_press_class():
+    from kvpress.presses.base_press import BasePress
+
+    @dataclass
+    class RecordingPress(BasePress):
+        """Leaves the cache whole and records, per layer, what each (press, ratio) would keep."""
+
+        presses: dict[str, Any] = field(default_factory=dict)
+        ratios: dict[int, float] = field(default_factory=dict)  # budget -> compression ratio
+        kept: dict[tuple[str, int], dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(
+            default_factory=dict
+        )
+
+        def post_init_from_model(self, model: Any) -> None:
+            for p in self.presses.values():
+                p.post_init_from_model(model)
+
+        def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+            for name, press in self.presses.items():
+                for budget, ratio in self.ratios.items():
+                    press.compression_ratio = ratio
+                    k, v = press.compress(module, hidden_states, keys, values, attentions, kwargs)
+                    self.kept.setdefault((name, budget), {})[module.layer_idx] = (k, v)
+            return keys, values
+
+    return RecordingPress
+
+
+def greedy(
+    model: Any, cache: Any, first: int, position: int, max_tokens: int, eos: set[int],
+    tok: Any = None, answer: str = "",
+) -> list[int]:
+    """Decode `first` at logical `position`, then greedily (kvpress pipeline's generate_answer).
+    Stops early once `answer` is in the text: scoring only asks whether it appears, and decoding
+    on this CPU costs far more than the pre-fill."""
+    ids: list[int] = []
+    token = first
+    for i in range(max_tokens):
+        out = model(
+            input_ids=torch.tensor([[token]]), past_key_values=cache,
+            position_ids=torch.tensor([[position + i]]),
+        )  # fmt: skip
+        token = int(out.logits[0, -1].argmax())
+        ids.append(token)
+        if token in eos or (answer and answer in tok.decode(ids, skip_special_tokens=True)):
+            break
+    return ids
+
+
+def cache_from(layers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for layer in sorted(layers):
+        k, v = layers[layer]
+        cache.update(k.clone(), v.clone(), layer)
+    return cache
+
+
+def cache_path(spec: dict[str, Any]) -> Path:
+    """Results are deterministic for one input, kvpress version and runner: a rerun of the
+    benchmark (e.g. after a server-side fix) reuses them instead of spending minutes of CPU."""
+    key = hashlib.sha256(
+        json.dumps(spec, sort_keys=True).encode() + _version().encode() + Path(__file__).read_bytes()
+    ).hexdigest()[:16]
+    root = os.environ.get("SGLKVC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "sgl_kvc"
+    )
+    return Path(root) / "kvpress-runs" / f"{key}.json"
+
+
+def main(inp: str, outp: str) -> None:
+    spec = json.loads(open(inp).read())
+    cached = cache_path(spec)
+    if cached.exists():
+        print(f"[kvpress] reusing {cached}", flush=True)
+        shutil.copyfile(cached, outp)
+        return
+    run(spec, outp)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(".tmp")
+    shutil.copyfile(outp, tmp)
+    os.replace(tmp, cached)
+
+
+def run(spec: dict[str, Any], outp: str) -> None:
+    import kvpress
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16).eval()
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    presses = make_presses(spec["presses"])
+    Recording = recording_press_class()
+    results: list[dict[str, Any]] = []
+    t_all = time.perf_counter()
+    for n, s in enumerate(spec["samples"]):
+        t0 = time.perf_counter()
+        context, last = s["prompt_ids"][:-1], s["prompt_ids"][-1]
+        ratios = {b: 1 - b / len(context) for b in spec["budgets"] if b < len(context)}
+        rec = Recording(presses=presses, ratios=ratios)
+        try:
+            with torch.no_grad():
+                from transformers import DynamicCache
+
+                full = DynamicCache()
+                with rec(model):
+                    model.model(input_ids=torch.tensor([context]), past_key_values=full)
+                full_layers = {i: (full.layers[i].keys, full.layers[i].values) for i in range(len(full.layers))}
+                ref = tok.decode(greedy(model, cache_from(full_layers), last, len(context), s["max_tokens"], eos,
+                                        tok, s["answer"]),
+                                 skip_special_tokens=True)  # fmt: skip
+                results.append({"sample": s["id"], "config": "kvpress:full", "text": ref})
+                for name in presses:
+                    for b in spec["budgets"]:
+                        if b >= len(context):  # nothing to compress: the full cache's answer
+                            text = ref
+                        else:
+                            ids = greedy(model, cache_from(rec.kept[(name, b)]), last, len(context),
+                                         s["max_tokens"], eos, tok, s["answer"])  # fmt: skip
+                            text = tok.decode(ids, skip_special_tokens=True)
+                        results.append({"sample": s["id"], "config": f"kvpress:{name}@{b}", "text": text})
+        except Exception as e:  # noqa: BLE001 - record and go on with the next sample
+            err = f"{type(e).__name__}: {e!s:.300}"
+            done = {r["config"] for r in results if r["sample"] == s["id"]}
+            for cfg in ["kvpress:full", *(f"kvpress:{p}@{b}" for p in presses for b in spec["budgets"])]:
+                if cfg not in done:
+                    results.append({"sample": s["id"], "config": cfg, "text": None, "error": err})
+        print(f"[kvpress] {n + 1}/{len(spec['samples'])} {s['id']}: {time.perf_counter() - t0:.0f} s",
+              flush=True)  # fmt: skip
+    press_params = {n: {k: v for k, v in vars(p).items() if isinstance(v, (int, float, str))}
+                    for n, p in presses.items()}  # fmt: skip
+    json.dump({
+        "version": kvpress.__version__ if hasattr(kvpress, "__version__") else _version(),
+        "presses": list(presses), "press_params": press_params, "dtype": "bfloat16",
+        "seconds": time.perf_counter() - t_all, "results": results,
+    }, open(outp, "w"))  # fmt: skip
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("kvpress")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,617 @@
+"""What compression costs in answer quality, on the real default model (SmolLM2-135M-Instruct).
+
+    python -m benchmarks.quality                      # the README's table (~40 min on 2 CPU cores)
+    python -m benchmarks.quality --quick              # a few samples, to check the set-up
+    python -m benchmarks.quality --policies snapkv rkv --budgets 128 512 --passkey 1024:2
+
+Two servers, one after the other, both `python -m sgl_kvc.launch` on the built-in model:
+- the full cache (`--policy none`): the reference;
+- one compressing server (`--policy rkv`) that serves every policy x budget through the
+  per-request `kv_compression` setting, so one start-up covers all combinations. Each prompt is
+  first sent uncompressed (budget above its length: the `uncompressed` row, a noise floor against
+  the reference), which also puts it in the radix cache: the policy x budget requests then reuse
+  its KV and recompute only the last `--kv-window` tokens, whose queries score the prompt.
+
+Scores, all greedy (temperature 0): pass-key retrieval (5-digit key at 10/50/90% depth of
+~1K/2K/4K-token prompts), multi-key fact lookup (one of several codes), and long-generation
+fidelity (`--longgen-tokens` tokens with `ignore_eos` against the full cache's: common prefix in
+tokens, ROUGE-L F1 on words, share of generations stuck in a loop). Retrieval accuracy is reported
+as the share of the samples the full cache answers correctly that a configuration still answers.
+Then compression seconds per pass at 1K/4K/8K-token prompts (from `/v1/kvc/stats` deltas around
+single requests). Then, when its venv exists (`--kvpress-python`), NVIDIA kvpress's presses on the
+same samples (`benchmarks/kvpress_runner.py`). A failed request, or a server that dies, is
+recorded as a failure and the benchmark goes on (a dead server is started again).
+Writes `<out>/quality.json`, `<out>/quality.md` and `<out>/quality.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from benchmarks.common import machine
+from benchmarks.quality_samples import (
+    Sample, is_correct, longgen_samples, multikey_samples, passkey_samples, sentence,
+)
+from loadtest.server import ServerProcess
+
+POLICIES = ["rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress"]
+BUDGETS = [128, 256, 512, 1024]
+UNCOMPRESSED = 1 << 20  # a per-request budget above any prompt: nothing is evicted
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_KVPRESS_PYTHON = REPO.parent / "kvpress-venv" / "bin" / "python"
+RETRIEVAL = ("passkey", "multikey")
+
+
+@dataclass
+class Outcome:
+    """One request: a sample under one configuration."""
+
+    sample: str
+    config: str  # "full" (reference server), "uncompressed", "<policy>@<budget>", "kvpress:<press>@<budget>"
+    text: str | None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class RetrievalScore:
+    task: str
+    config: str
+    samples: int
+    failures: int
+    correct: int
+    reference_correct: int  # samples the full cache answers
+    kept: int  # of those, answered correctly here
+    relative: float | None  # kept / reference_correct
+    by_length: dict[str, float | None] = field(default_factory=dict)
+
+
+@dataclass
+class LongGenScore:
+    config: str
+    samples: int
+    failures: int
+    common_prefix_tokens: float
+    rouge_l: float
+    loop_rate: float
+
+
+@dataclass
+class TimingResult:
+    policy: str
+    prompt_tokens: int
+    budget: int
+    seconds_per_pass: float | None
+    passes: int
+    error: str | None = None
+
+
+# --- servers ------------------------------------------------------------------------------------
+
+
+class ManagedServer:
+    """A launcher server that is started again when it dies; requests never raise."""
+
+    def __init__(self, name: str, flags: list[str], log_dir: Path, timeout_s: float,
+                 max_restarts: int = 3) -> None:
+        self.name, self.flags, self.log_dir = name, flags, log_dir
+        self.timeout_s, self.max_restarts = timeout_s, max_restarts
+        self.starts = 0
+        self._stack: ExitStack | None = None
+        self.server: ServerProcess | None = None
+        self._lock = threading.Lock()
+
+    def _alive(self) -> bool:
+        return self.server is not None and self.server.proc.poll() is None
+
+    def ensure(self) -> bool:
+        """Start (or restart) the server unless it runs; False when it cannot be started."""
+        with self._lock:
+            if self._alive():
+                return True
+            self.close_unlocked()
+            if self.starts > self.max_restarts:
+                return False
+            self.starts += 1
+            cmd = [sys.executable, "-m", "sgl_kvc.launch", *self.flags]
+            log = self.log_dir / f"{self.name}-{self.starts}.log"
+            print(f"[quality] start {self.name} ({self.starts}): {' '.join(self.flags)}", flush=True)
+            self._stack = ExitStack()
+            try:
+                self.server = self._stack.enter_context(ServerProcess.launch(cmd, log_path=log))
+            except Exception as e:  # noqa: BLE001 - a server that cannot start is a recorded failure
+                print(f"[quality] {self.name} did not start: {e!s:.500}", flush=True)
+                self.close_unlocked()
+                return False
+            return True
+
+    def complete(self, sample: Sample, config: str, kvc: dict | None, timeout_s: float) -> Outcome:
+        if not self.ensure():
+            return Outcome(sample.id, config, None, "server could not be started")
+        assert self.server is not None
+        body: dict[str, Any] = {
+            "model": "m", "prompt": sample.prompt_ids, "max_tokens": sample.max_tokens,
+            "temperature": 0.0, "ignore_eos": sample.ignore_eos,
+        }
+        if kvc:
+            body["kv_compression"] = kvc
+        t0 = time.perf_counter()
+        try:
+            r = requests.post(self.server.url + "/v1/completions", json=body, timeout=timeout_s)
+            if r.status_code != 200:
+                return Outcome(sample.id, config, None, f"HTTP {r.status_code}: {r.text[:300]}",
+                               time.perf_counter() - t0)
+            text = r.json()["choices"][0]["text"]
+            return Outcome(sample.id, config, text, None, time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - record and go on; ensure() restarts a dead server
+            return Outcome(sample.id, config, None, f"{type(e).__name__}: {e!s:.300}",
+                           time.perf_counter() - t0)
+
+    def stats(self) -> dict | None:
+        try:
+            return self.server.stats() if self._alive() and self.server else None
+        except Exception:  # noqa: BLE001
+            return None
+
+    def close_unlocked(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+        self._stack, self.server = None, None
+
+    def close(self) -> None:
+        with self._lock:
+            self.close_unlocked()
+
+
+# --- runs ---------------------------------------------------------------------------------------
+
+
+def combos(policies: list[str], budgets: list[int]) -> list[tuple[str, dict]]:
+    return [(f"{p}@{b}", {"policy": p, "budget": b}) for p in policies for b in budgets]
+
+
+def run_reference(server: ManagedServer, samples: list[Sample], args: argparse.Namespace) -> list[Outcome]:
+    short = [s for s in samples if s.task != "longgen"]
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        out = list(pool.map(lambda s: server.complete(s, "full", None, args.request_timeout), short))
+    # Long generations alone, so no other request's prefill interleaves with them.
+    return out + [server.complete(s, "full", None, args.request_timeout)
+                  for s in samples if s.task == "longgen"]  # fmt: skip
+
+
+def run_compressed(server: ManagedServer, samples: list[Sample], args: argparse.Namespace) -> list[Outcome]:
+    out: list[Outcome] = []
+    todo = combos(args.policies, args.budgets)
+    with ThreadPoolExecutor(max(args.concurrency, len(todo))) as pool:
+        for i, s in enumerate(samples):
+            t0 = time.perf_counter()
+            # Alone first: the prompt's prefill, once; the combinations below hit the radix cache.
+            warm = server.complete(s, "uncompressed", {"budget": UNCOMPRESSED}, args.request_timeout)
+            # A budget that holds prompt and output never compresses: it is the uncompressed run.
+            live = [c for c in todo if c[1]["budget"] < s.prompt_len + s.max_tokens]
+            same = [Outcome(s.id, c[0], warm.text, warm.error, warm.seconds)
+                    for c in todo if c not in live]  # fmt: skip
+            # Long generations all at once (one decode batch), retrieval `--concurrency` at a time.
+            width = len(live) if s.task == "longgen" else args.concurrency
+            chunks = [live[j : j + width] for j in range(0, len(live), max(width, 1))]
+            rest = []
+            for chunk in chunks:
+                rest += list(pool.map(
+                    lambda c: server.complete(s, c[0], c[1], args.request_timeout), chunk
+                ))  # fmt: skip
+            rest += same
+            out += [warm, *rest]
+            bad = sum(o.text is None for o in [warm, *rest])
+            print(f"[quality] {i + 1}/{len(samples)} {s.id} ({s.prompt_len} tokens): "
+                  f"{time.perf_counter() - t0:.0f} s, {bad} failed", flush=True)  # fmt: skip
+    return out
+
+
+def run_timing(server: ManagedServer, tok: Any, args: argparse.Namespace) -> list[TimingResult]:
+    """Compression seconds per pass: one request per policy and prompt length, nothing else
+    running, `/v1/kvc/stats` read before and after. The prompt is cached first, so the request
+    costs its last `--kv-window` tokens, one compression and one decode step."""
+    import random
+
+    results = []
+    for length in args.timing_lengths:
+        rng = random.Random(f"timing-{length}")
+        words: list[int] = []
+        while len(words) < length:
+            words += tok.encode(" " + sentence(rng), add_special_tokens=False)
+        # Two tokens: a request that ends at its prefill is not compressed.
+        s = Sample(f"timing-{length}", "timing", words[:length], max_tokens=2)
+        warm = server.complete(s, "uncompressed", {"budget": UNCOMPRESSED}, args.request_timeout)
+        for policy in args.policies:
+            before = server.stats()
+            o = server.complete(s, policy, {"policy": policy, "budget": args.timing_budget},
+                                args.request_timeout)  # fmt: skip
+            after = server.stats()
+            err = warm.error or o.error or (None if before and after else "no stats")
+            passes = (after["compression"]["passes"] - before["compression"]["passes"]) if not err else 0
+            secs = (after["compression"]["seconds"] - before["compression"]["seconds"]) if not err else 0.0
+            results.append(TimingResult(
+                policy, length, args.timing_budget, secs / passes if passes else None, passes, err,
+            ))  # fmt: skip
+            print(f"[quality] timing {policy} @ {length}: {results[-1]}", flush=True)
+    return results
+
+
+def run_kvpress(samples: list[Sample], args: argparse.Namespace, workdir: Path) -> dict | None:
+    """The kvpress runner in its own venv; None (and a note) when the venv is absent or fails."""
+    py = Path(args.kvpress_python)
+    if not py.exists():
+        print(f"[quality] kvpress venv not found ({py}); kvpress rows omitted", flush=True)
+        return None
+    inp, outp = workdir / "kvpress_in.json", workdir / "kvpress_out.json"
+    retrieval = [s for s in samples if s.task in RETRIEVAL]
+    inp.write_text(json.dumps({
+        "model": str(args.model_dir), "budgets": args.budgets, "presses": args.kvpress_presses,
+        "samples": [s.to_json() for s in retrieval],
+    }))  # fmt: skip
+    cmd = [str(py), str(REPO / "benchmarks" / "kvpress_runner.py"), str(inp), str(outp)]
+    print(f"[quality] kvpress: {' '.join(cmd)}", flush=True)
+    try:
+        env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        subprocess.run(cmd, check=True, timeout=args.kvpress_timeout, env=env)
+        return json.loads(outp.read_text())
+    except (subprocess.SubprocessError, OSError, ValueError) as e:
+        print(f"[quality] kvpress run failed: {e}", flush=True)
+        return {"error": str(e)[:500]}
+
+
+# --- scores -------------------------------------------------------------------------------------
+
+
+def lcs_len(a: list[str], b: list[str]) -> int:
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def rouge_l(candidate: str, reference: str) -> float:
+    c, r = candidate.split(), reference.split()
+    if not c or not r:
+        return float(c == r)
+    lcs = lcs_len(c, r)
+    if lcs == 0:
+        return 0.0
+    p, rec = lcs / len(c), lcs / len(r)
+    return 2 * p * rec / (p + rec)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def is_looping(ids: list[int], n: int = 8, threshold: float = 0.5) -> bool:
+    """Stuck in a loop: over half of the second half's n-grams already occurred in it."""
+    half = ids[len(ids) // 2 :]
+    grams = [tuple(half[i : i + n]) for i in range(len(half) - n + 1)]
+    return bool(grams) and 1 - len(set(grams)) / len(grams) > threshold
+
+
+def score_retrieval(
+    task: str, config: str, samples: list[Sample], texts: dict[str, str | None],
+    reference: dict[str, str | None],
+) -> RetrievalScore:
+    mine = [s for s in samples if s.task == task]
+    ok_ref = {s.id for s in mine if reference.get(s.id) is not None and is_correct(s, reference[s.id])}
+    correct = {s.id for s in mine if texts.get(s.id) is not None and is_correct(s, texts[s.id])}
+    by_length: dict[str, float | None] = {}
+    for length in sorted({s.meta["length"] for s in mine}):
+        ref_l = {s.id for s in mine if s.meta["length"] == length} & ok_ref
+        by_length[str(length)] = len(ref_l & correct) / len(ref_l) if ref_l else None
+    return RetrievalScore(
+        task=task, config=config, samples=len(mine),
+        failures=sum(texts.get(s.id) is None for s in mine), correct=len(correct),
+        reference_correct=len(ok_ref), kept=len(ok_ref & correct),
+        relative=len(ok_ref & correct) / len(ok_ref) if ok_ref else None, by_length=by_length,
+    )  # fmt: skip
+
+
+def score_longgen(
+    config: str, samples: list[Sample], texts: dict[str, str | None],
+    reference: dict[str, str | None], tok: Any,
+) -> LongGenScore:
+    mine = [s for s in samples if s.task == "longgen" and reference.get(s.id) is not None]
+    done = [s for s in mine if texts.get(s.id) is not None]
+    pre, rl, loops = [], [], []
+    for s in done:
+        a = tok.encode(texts[s.id], add_special_tokens=False)
+        b = tok.encode(reference[s.id], add_special_tokens=False)
+        pre.append(common_prefix(a, b))
+        rl.append(rouge_l(texts[s.id], reference[s.id]))
+        loops.append(is_looping(a))
+    mean = lambda v: sum(v) / len(v) if v else float("nan")  # noqa: E731
+    return LongGenScore(config, len(mine), len(mine) - len(done), mean(pre), mean(rl), mean(loops))
+
+
+# --- report -------------------------------------------------------------------------------------
+
+
+def _cell(x: float | None, pct: bool = True) -> str:
+    if x is None or x != x:
+        return "–"
+    return f"{100 * x:.0f}%" if pct else f"{x:.2f}"
+
+
+def markdown(data: dict) -> str:
+    budgets = data["setup"]["budgets"]
+    rows_by = {(r["task"], r["config"]): r for r in data["retrieval"]}
+    lg_by = {r["config"]: r for r in data["longgen"]}
+    names = [p for p in data["setup"]["policies"]] + [
+        f"kvpress:{p}" for p in (data.get("kvpress") or {}).get("presses", [])
+    ]
+    ref = {t: rows_by.get((t, "full")) for t in RETRIEVAL}
+    out = []
+    head = " | ".join(f"pass key @{b}" for b in budgets) + " | " + " | ".join(
+        f"multi-key @{b}" for b in budgets)
+    out.append(
+        f"Retrieval: share of the full cache's correct answers kept (full cache: pass key "
+        f"{_ref_txt(ref['passkey'])}, multi-key {_ref_txt(ref['multikey'])}).\n"
+    )
+    out.append(f"| policy | {head} |")
+    out.append("| --- |" + " ---: |" * (2 * len(budgets)))
+    for name in ["uncompressed", *names]:
+        cells = []
+        for task in RETRIEVAL:
+            for b in budgets:
+                key = name if name == "uncompressed" else f"{name}@{b}"
+                r = rows_by.get((task, key))
+                cells.append(_cell(r["relative"]) if r else "–")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    if data["longgen"]:
+        n = lg_by.get("uncompressed", {}).get("samples", 0)
+        out.append(
+            f"\nLong generation ({n} prompts, {data['setup']['longgen_tokens']} greedy tokens, "
+            f"ignore_eos) against the full cache: common prefix (tokens) / ROUGE-L F1 / loop rate "
+            f"(full cache's own loop rate: {_cell(lg_by.get('full', {}).get('loop_rate'))}).\n"
+        )
+        out.append("| policy | " + " | ".join(f"@{b}" for b in budgets) + " |")
+        out.append("| --- |" + " ---: |" * len(budgets))
+        for name in ["uncompressed", *data["setup"]["policies"]]:
+            cells = []
+            for b in budgets:
+                r = lg_by.get(name if name == "uncompressed" else f"{name}@{b}")
+                cells.append(
+                    f"{r['common_prefix_tokens']:.0f} / {r['rouge_l']:.2f} / {_cell(r['loop_rate'])}"
+                    if r and r["samples"] > r["failures"] else "–"
+                )
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+    if data["timing"]:
+        lengths = sorted({t["prompt_tokens"] for t in data["timing"]})
+        tb = {(t["policy"], t["prompt_tokens"]): t for t in data["timing"]}
+        out.append(
+            f"\nCompression seconds per pass (one request, prompt of N tokens compressed to "
+            f"{data['setup']['timing_budget']}):\n"
+        )
+        out.append("| policy | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
+        out.append("| --- |" + " ---: |" * len(lengths))
+        for p in data["setup"]["policies"]:
+            cells = []
+            for n in lengths:
+                t = tb.get((p, n))
+                cells.append(f"{t['seconds_per_pass']:.2f}" if t and t["seconds_per_pass"] is not None
+                             else "failed" if t else "–")  # fmt: skip
+            out.append(f"| {p} | " + " | ".join(cells) + " |")
+    fails = data.get("failures", 0)
+    out.append(f"\nFailed requests: {fails}. {data.get('kvpress_note', '')}".rstrip())
+    return "\n".join(out) + "\n"
+
+
+def _ref_txt(r: dict | None) -> str:
+    return f"{r['kept']}/{r['samples']} correct" if r else "not run"
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = data["setup"]["budgets"]
+    rows = {(r["task"], r["config"]): r for r in data["retrieval"]}
+    lg = {r["config"]: r for r in data["longgen"]}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    presses = (data.get("kvpress") or {}).get("presses", [])
+    for name in [*data["setup"]["policies"], *(f"kvpress:{p}" for p in presses)]:
+        ys = []
+        for b in budgets:  # pass key and multi-key pooled: kept / reference-correct
+            kept = sum((rows.get((t, f"{name}@{b}")) or {}).get("kept", 0) for t in RETRIEVAL)
+            ref = sum((rows.get((t, f"{name}@{b}")) or {}).get("reference_correct", 0) for t in RETRIEVAL)
+            ys.append(kept / ref if ref else float("nan"))
+        style = "--" if name.startswith("kvpress") else "-"
+        axes[0].plot(budgets, ys, style, marker="o", label=name)
+        if not name.startswith("kvpress") and lg:
+            axes[1].plot(budgets, [(lg.get(f"{name}@{b}") or {}).get("rouge_l", float("nan"))
+                                   for b in budgets], marker="o", label=name)  # fmt: skip
+    axes[0].set_title("retrieval (pass key + multi-key): share of full-cache answers kept", fontsize=9)
+    axes[1].set_title(f"long generation: ROUGE-L vs full cache ({data['setup']['longgen_tokens']} tokens)",
+                      fontsize=9)  # fmt: skip
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_xlabel("KV budget (tokens)")
+        ax.set_ylim(-0.05, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{data['setup']['model']}; {data['setup']['machine']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+
+def parse_lengths(text: str) -> dict[int, int]:
+    """'1024:3,2048:3,4096:1' -> {1024: 3, 2048: 3, 4096: 1} (prompt tokens: samples per depth)."""
+    out = {}
+    for part in text.split(","):
+        length, _, n = part.partition(":")
+        out[int(length)] = int(n or 1)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policies", nargs="+", default=POLICIES)
+    p.add_argument("--budgets", nargs="+", type=int, default=BUDGETS)
+    p.add_argument("--passkey", type=parse_lengths, default=parse_lengths("1024:2,2048:1,4096:1"),
+                   help="prompt length:samples per depth, comma separated")
+    p.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
+    p.add_argument("--multikey", type=int, default=3, help="multi-key samples")
+    p.add_argument("--multikey-len", type=int, default=1536)
+    p.add_argument("--multikey-facts", type=int, default=5)
+    p.add_argument("--longgen", type=int, default=1, help="long-generation samples")
+    p.add_argument("--longgen-len", type=int, default=384, help="long-generation prompt tokens")
+    p.add_argument("--longgen-tokens", type=int, default=512)
+    p.add_argument("--timing-lengths", nargs="*", type=int, default=[1024, 4096, 8000],
+                   help="prompt tokens for compression timing (8000: the 8192 context less room)")
+    p.add_argument("--timing-budget", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=12, help="retrieval requests in flight")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-total-tokens", type=int, default=65536)
+    p.add_argument("--kv-buffer", type=int, default=128)
+    p.add_argument("--request-timeout", type=float, default=900)
+    p.add_argument("--server-timeout", type=float, default=600)
+    p.add_argument("--kvpress-python", default=os.environ.get("KVPRESS_PYTHON", str(DEFAULT_KVPRESS_PYTHON)))
+    p.add_argument("--kvpress-presses", nargs="+", default=["snapkv", "streamingllm", "tova"])
+    p.add_argument("--kvpress-timeout", type=float, default=1800)
+    p.add_argument("--no-kvpress", action="store_true")
+    p.add_argument("--quick", action="store_true", help="a handful of samples (checks the set-up)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    return p  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.passkey, args.multikey, args.longgen, args.longgen_tokens = {1024: 1}, 1, 1, 128
+        args.depths, args.timing_lengths = [0.5], [1024]
+    from transformers import AutoTokenizer
+
+    from sgl_kvc.model import SMOLLM2_MODEL_NAME, ensure_smollm2
+
+    t_start = time.perf_counter()
+    args.model_dir = ensure_smollm2()
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    samples = [
+        *passkey_samples(tok, args.passkey, args.depths, args.seed),
+        *multikey_samples(tok, args.multikey, args.multikey_len, args.multikey_facts, args.seed),
+        *longgen_samples(tok, args.longgen, args.longgen_len, args.longgen_tokens, args.seed),
+    ]
+    print(f"[quality] {len(samples)} samples; {len(args.policies)} policies x {len(args.budgets)} "
+          f"budgets", flush=True)  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="quality-logs-"))
+    common = ["--max-total-tokens", str(args.max_total_tokens)]
+    phases: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    ref_server = ManagedServer("full", ["--policy", "none", *common], logs, args.server_timeout)
+    try:
+        outcomes = run_reference(ref_server, samples, args)
+    finally:
+        ref_server.close()
+    phases["full cache"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    comp_flags = ["--policy", "rkv", "--kv-buffer", str(args.kv_buffer), *common]
+    comp_server = ManagedServer("compressing", comp_flags, logs, args.server_timeout)
+    try:
+        outcomes += run_compressed(comp_server, samples, args)
+        phases["compressing"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        timing = run_timing(comp_server, tok, args) if args.timing_lengths else []
+        phases["timing"] = time.perf_counter() - t0
+    finally:
+        comp_server.close()
+
+    kvpress, t0 = None, time.perf_counter()
+    if not args.no_kvpress:
+        kvpress = run_kvpress(samples, args, logs)
+    phases["kvpress"] = time.perf_counter() - t0
+    if kvpress and "results" in kvpress:
+        outcomes += [Outcome(**o) for o in kvpress["results"]]
+
+    texts: dict[str, dict[str, str | None]] = {}
+    for o in outcomes:
+        texts.setdefault(o.config, {})[o.sample] = o.text
+    kv_ref = texts.get("kvpress:full", {})
+    retrieval, longgen = [], []
+    for config, by_sample in texts.items():
+        # kvpress rows against kvpress's own full cache (same model under transformers).
+        ref = kv_ref if config.startswith("kvpress") else texts["full"]
+        for task in RETRIEVAL:
+            if any(s.task == task and s.id in by_sample for s in samples):
+                retrieval.append(score_retrieval(task, config, samples, by_sample, ref))
+        if not config.startswith("kvpress") and any(s.task == "longgen" for s in samples):
+            longgen.append(score_longgen(config, samples, by_sample, texts["full"], tok))
+    note = ("kvpress: not run (no venv at --kvpress-python)." if kvpress is None else
+            f"kvpress: failed ({kvpress['error']})." if "error" in kvpress else
+            f"kvpress {kvpress.get('version')} rows: its presses on the same token ids, scored against "
+            "its own full-cache run under transformers.")  # fmt: skip
+    data = {
+        "setup": {
+            "model": SMOLLM2_MODEL_NAME, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+            "policies": args.policies, "budgets": args.budgets,
+            "passkey": {str(k): v for k, v in args.passkey.items()}, "depths": args.depths,
+            "multikey": args.multikey, "multikey_len": args.multikey_len,
+            "multikey_facts": args.multikey_facts, "longgen": args.longgen,
+            "longgen_len": args.longgen_len, "longgen_tokens": args.longgen_tokens,
+            "timing_budget": args.timing_budget, "seed": args.seed,
+            "servers": {"full": ref_server.flags, "compressing": comp_flags},
+            "server_starts": {"full": ref_server.starts, "compressing": comp_server.starts},
+            "samples": [{"id": s.id, "task": s.task, "prompt_tokens": s.prompt_len,
+                         "answer": s.answer, **s.meta} for s in samples],
+            "phase_seconds": phases, "total_seconds": time.perf_counter() - t_start,
+        },
+        "retrieval": [asdict(r) for r in retrieval],
+        "longgen": [asdict(r) for r in longgen],
+        "timing": [asdict(t) for t in timing],
+        "kvpress": {k: v for k, v in (kvpress or {}).items() if k != "results"} or None,
+        "kvpress_note": note,
+        "failures": sum(o.text is None for o in outcomes),
+        "outcomes": [asdict(o) for o in outcomes],
+    }  # fmt: skip
+    write(data, args.out)
+    return data
+
+
+def write(data: dict, out: Path) -> None:
+    table = markdown(data)
+    s = data["setup"]
+    title = (f"{s['model']} on `python -m sgl_kvc.launch` (CPU), greedy; {s['machine']}; "
+             f"{s['date']}; total {s['total_seconds'] / 60:.0f} min.\n\n")  # fmt: skip
+    (out / "quality.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / "quality.md").write_text(title + table)
+    plot(data, out / "quality.png")
+    print(title + table, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Attention over head-flattened KV tables (installed as `sgl_kvc.kernels.per_head_attention`).
+
+Layout (KV-Compress §4.2.1, eq. 12, with page size 1): per layer, ONE flat pool of slots, each
+slot holding the key (and, in a second pool, the value) of one token for ONE KV head: K [S, d],
+V [S, d_v]. A request is B x H_kv independent sequences, one per (request, KV head), each with its
+own slot list and length (:class:`HeadTables`). After a per-head compaction each head keeps its own
+tokens, so lengths differ between heads; the evicted (token, head) slots go back to the pool.
+
+Attention then treats every (request, KV head) as a sequence with ONE KV head and G = H_q / H_kv
+query heads (its GQA group: query head h reads KV head h // G, KV-Compress eq. 11). RoPE is applied
+before keys are written, so a kept key carries its logical position; the causal mask of an extend
+compares LOGICAL positions (:attr:`HeadTables.positions`), never slot or table indices.
+
+This module is the batched torch implementation (CPU, and a CUDA fallback): requests and heads are
+padded to the longest table and masked, with no Python loop over requests (only over blocks of
+query rows of a long extend, to bound memory). Softmax runs in float32; outputs have the queries'
+dtype; a sequence with no visible key yields zeros.
+
+How a CUDA path plugs in (not implemented here): FlashInfer's paged kernels already take ragged
+sequences, so the flattened tables drive them directly. Decode:
+``BatchDecodeWithPagedKVCacheWrapper.plan(indptr, indices, last_page_len=ones, num_qo_heads=G,
+num_kv_heads=1, head_dim=d, page_size=1)`` with ``indptr, indices`` from
+:meth:`HeadTables.flatten` (B x H_kv sequences), queries viewed as [B x H_kv, G, d] (a free
+reshape of [B, H_q, d]), and the pool viewed as pages of one token and one head ([S, 1, 1, d],
+NHD). Extend: ``BatchPrefillWithPagedKVCacheWrapper`` with the same KV tables, ``qo_indptr``
+repeating each request's query block once per KV head, and ``causal=True``: FlashInfer aligns the
+last query with the last key, which equals causality by logical position as long as every head's
+table ends with the extend's new tokens (they are appended to every head, and evicted tokens are
+always older), which the integration guarantees. FP8 pools need a dequantizing kernel (scales
+per (token, head) are per slot here) or the torch path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+Q_BLOCK = 256  # query rows per block in `per_head_extend` (bounds the [.., q, N] logits)
+
+
+@dataclass(frozen=True)
+class HeadTables:
+    """Index tables of B requests x H_kv KV heads over one layer's flat pool.
+
+    slots:     int64 [B, H_kv, N]: slot of the j-th kept token of (request b, head h), in cache
+               order (increasing logical position); entries at j >= lengths[b, h] are ignored.
+    lengths:   int64 [B, H_kv]: tokens held by each (request, head); may be 0.
+    positions: int64 [B, H_kv, N] or None: logical (RoPE) position of each entry. Needed by
+               :func:`per_head_extend` only (decode queries see every cached token).
+    """
+
+    slots: Tensor
+    lengths: Tensor
+    positions: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.slots.dim() != 3:
+            raise ValueError(f"slots must be [B, H_kv, N], got {tuple(self.slots.shape)}")
+        if tuple(self.lengths.shape) != tuple(self.slots.shape[:2]):
+            raise ValueError(
+                f"lengths must be {tuple(self.slots.shape[:2])}, got {tuple(self.lengths.shape)}"
+            )
+        if self.positions is not None and self.positions.shape != self.slots.shape:
+            raise ValueError(
+                f"positions must be {tuple(self.slots.shape)}, got {tuple(self.positions.shape)}"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.slots.shape[0])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.slots.shape[1])
+
+    def valid(self) -> Tensor:
+        """Bool [B, H_kv, N]: which table entries are real."""
+        cols = torch.arange(self.slots.shape[2], device=self.slots.device)
+        return cols < self.lengths.unsqueeze(-1)
+
+    def flatten(self) -> tuple[Tensor, Tensor]:
+        """CSR form of the B x H_kv sequences, in (request, head) order: (indptr [B*H_kv + 1],
+        indices [sum(lengths)]), as paged kernels with page size 1 take them."""
+        lens = self.lengths.reshape(-1).to(torch.int64)
+        indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
+        indptr[1:] = torch.cumsum(lens, 0)
+        indices = self.slots.reshape(-1, self.slots.shape[2])[
+            self.valid().reshape(-1, self.slots.shape[2])
+        ]
+        return indptr, indices.to(torch.int64)
+
+
+def _gather(pool: Any, slots: Tensor, valid: Tensor) -> Tensor:
+    """pool rows at slots [B, H, N] -> float32 [B, H, N, dim] (padding reads slot 0).
+
+    ``pool`` is a [S, dim] tensor, or anything whose ``pool[idx]`` returns [len(idx), dim] or
+    [len(idx), 1, dim] (e.g. an FP8 ``Fp8Rows`` with one head per slot, dequantizing on read).
+    """
+    safe = torch.where(valid, slots, 0).reshape(-1)
+    rows = pool[safe.to(pool.device)]
+    return rows.reshape(*slots.shape, -1).to(device=slots.device, dtype=torch.float32)
+
+
+def _masked_attention(logits: Tensor, visible: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax over the last axis of ``logits`` where ``visible``, then weights @ values.
+
+    Rows with no visible key get zero weights (no NaN). Returns (output, probabilities).
+    """
+    logits = logits.masked_fill(~visible, -math.inf)
+    row_max = logits.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    weights = torch.exp(logits - row_max)  # exp(-inf) = 0 at masked keys
+    denom = weights.sum(dim=-1, keepdim=True)
+    probs = weights / denom.clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.matmul(probs, values), probs
+
+
+def per_head_decode(
+    q: Tensor,
+    k_pool: Any,
+    v_pool: Any,
+    tables: HeadTables,
+    scale: float | None = None,
+    *,
+    return_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """One decode query per request over its per-head tables.
+
+    q: [B, H_q, d] (H_q a multiple of H_kv); k_pool [S, d]; v_pool [S, d_v]; ``scale`` defaults to
+    1/sqrt(d). Each query sees every token its KV head holds. Returns [B, H_q, d_v] in q's dtype,
+    and with ``return_probs`` also the float32 attention [B, H_kv, G, N] over table entries (for
+    policies that accumulate attention statistics; zero at padding).
+    """
+    b, h_q, d = q.shape
+    h_kv = tables.num_kv_heads
+    if tables.batch_size != b or h_q % h_kv:
+        raise ValueError(f"q {tuple(q.shape)} does not match tables of {b} x {h_kv} heads")
+    group = h_q // h_kv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    valid = tables.valid()
+    keys = _gather(k_pool, tables.slots, valid)  # [B, H_kv, N, d]
+    values = _gather(v_pool, tables.slots, valid)  # [B, H_kv, N, d_v]
+    qg = q.float().reshape(b, h_kv, group, d)  # query head h -> KV head h // G (eq. 11)
+    logits = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [B, H_kv, G, N]
+    out, probs = _masked_attention(logits, valid.unsqueeze(2), values)
+    out = out.reshape(b, h_q, -1).to(q.dtype)
+    return (out, probs) if return_probs else out
+
+
+def per_head_extend(
+    q: Tensor,
+    q_indptr: Tensor,
+    q_positions: Tensor,
+    k_pool: Any,
+    v_pool: Any,
+    tables: HeadTables,
+    scale: float | None = None,
+    *,
+    q_block: int = Q_BLOCK,
+) -> Tensor:
+    """A block of new queries per request (prefill or extend) over its per-head tables.
+
+    q: [T, H_q, d], the requests' queries packed in order (request b owns rows
+    q_indptr[b]:q_indptr[b+1]); q_positions [T]: their logical positions. The new tokens' KV must
+    already be in the pool and in every head's table. Key j of (b, h) is visible to a query of b
+    at position p iff j < lengths[b, h] and positions[b, h, j] <= p (causal by LOGICAL position).
+    Returns [T, H_q, d_v] in q's dtype.
+    """
+    if tables.positions is None:
+        raise ValueError("per_head_extend needs HeadTables.positions (logical positions)")
+    t, h_q, d = q.shape
+    b, h_kv = tables.batch_size, tables.num_kv_heads
+    if q_indptr.numel() != b + 1 or h_q % h_kv:
+        raise ValueError(f"q_indptr of {q_indptr.numel()} for {b} requests / q {tuple(q.shape)}")
+    group = h_q // h_kv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    device = q.device
+    q_indptr = q_indptr.to(device=device, dtype=torch.int64)
+    q_lens = q_indptr[1:] - q_indptr[:-1]
+    q_max = int(q_lens.max()) if b else 0
+    # Pack -> pad without a loop: row i of q belongs to request req[i], column col[i].
+    req = torch.repeat_interleave(torch.arange(b, device=device), q_lens)
+    col = torch.arange(t, device=device) - q_indptr[req]
+    qp = q.new_zeros((b, q_max, h_q, d), dtype=torch.float32)
+    qp[req, col] = q.float()
+    pos = torch.full((b, q_max), -1, dtype=torch.int64, device=device)
+    pos[req, col] = q_positions.to(device=device, dtype=torch.int64)
+    qg = qp.reshape(b, q_max, h_kv, group, d).permute(0, 2, 3, 1, 4)  # [B, H_kv, G, Q, d]
+
+    valid = tables.valid()
+    keys = _gather(k_pool, tables.slots, valid)  # [B, H_kv, N, d]
+    values = _gather(v_pool, tables.slots, valid)
+    kv_pos = tables.positions.to(device=device, dtype=torch.int64)
+    out = torch.zeros(b, h_kv, group, q_max, values.shape[-1], device=device)
+    for start in range(0, q_max, q_block):  # blocks of query rows, never a loop over requests
+        stop = min(q_max, start + q_block)
+        logits = torch.matmul(qg[:, :, :, start:stop], keys.unsqueeze(2).transpose(-1, -2))
+        causal = kv_pos[:, :, None, :] <= pos[:, None, start:stop, None]  # [B, H_kv, q, N]
+        visible = (valid[:, :, None, :] & causal).unsqueeze(2)  # [B, H_kv, 1, q, N]
+        out[:, :, :, start:stop], _ = _masked_attention(
+            logits * scale, visible, values.unsqueeze(2)
+        )
+    out = out.permute(0, 3, 1, 2, 4).reshape(b, q_max, h_q, -1)  # back to [B, Q, H_q, d_v]
+    return out[req, col].to(q.dtype)

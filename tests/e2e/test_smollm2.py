@@ -1,0 +1,121 @@
+"""The built-in real model (SmolLM2-135M-Instruct) served by `python -m sgl_kvc.launch`.
+
+- `--policy none` gives the same greedy tokens as plain `python -m sglang.launch_server`;
+- a compressing request whose prompt and output fit its budget answers exactly as the full cache;
+- retrieval: SnapKV at a generous budget keeps a pass key that StreamingLLM at 64 tokens loses
+  (fixed seeded ~1K-token samples, a count threshold; `benchmarks.quality` measures the rest).
+Three servers, started together once for the module; requests are sent one at a time, because
+greedy decoding in bfloat16 on CPU is not batch-invariant.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+
+import pytest
+
+from benchmarks.quality_samples import Sample, is_correct, passkey_samples
+from loadtest.server import ServerProcess
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write two sentences about the sea.",
+    "List three colours of the rainbow.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_path() -> str:
+    from sgl_kvc.model import ensure_smollm2
+
+    return str(ensure_smollm2())
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2_path: str):
+    plain_env = {k: v for k, v in os.environ.items() if not k.startswith("SGLKVC_")}
+    # Same CPU settings the launcher uses, and no plugins at all: this is SGLang alone.
+    plain_env.update({"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_PLUGINS": "__no_plugin__"})
+    plain = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", smollm2_path,
+        "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+        "--grammar-backend", "none", "--max-total-tokens", "16384",
+    ]  # fmt: skip
+    launch = [sys.executable, "-m", "sgl_kvc.launch"]  # no --model-path: the default, SmolLM2
+    specs = {
+        "plain": (plain, plain_env),
+        "none": ([*launch, "--policy", "none"], None),
+        "rkv": ([*launch, "--policy", "rkv"], None),
+    }
+    with ExitStack() as stack, ThreadPoolExecutor(len(specs)) as pool:
+        futures = {
+            name: pool.submit(stack.enter_context, ServerProcess.launch(cmd, env))
+            for name, (cmd, env) in specs.items()
+        }
+        yield {name: f.result() for name, f in futures.items()}
+
+
+def _chat_ids(smollm2_path: str, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _complete(server: ServerProcess, prompt: list[int], max_tokens: int, kvc: dict | None = None) -> str:
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    if kvc:
+        body["kv_compression"] = kvc
+    r = server.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_default_model_is_smollm2(servers) -> None:
+    models = servers["none"].get("/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["SmolLM2-135M-Instruct"]
+
+
+def test_policy_none_same_greedy_tokens_as_plain_sglang(servers, smollm2_path: str) -> None:
+    answers = []
+    for text in PROMPTS:
+        ids = _chat_ids(smollm2_path, text)
+        ours, plain = _complete(servers["none"], ids, 48), _complete(servers["plain"], ids, 48)
+        assert ours == plain, text
+        answers.append(ours)
+    assert "Paris" in answers[0]  # a real model: it knows the capital of France
+
+
+def test_under_budget_request_answers_as_the_full_cache(servers, smollm2_path: str) -> None:
+    # A prompt this server has not seen (no prefix hit), budget above prompt + output.
+    ids = _chat_ids(smollm2_path, "Explain in a few sentences why the sky is blue.")
+    before = servers["rkv"].stats()["compression"]["passes"]
+    got = _complete(servers["rkv"], ids, 48, {"policy": "snapkv", "budget": 1024})
+    assert servers["rkv"].stats()["compression"]["passes"] == before  # nothing was compressed
+    assert got == _complete(servers["none"], ids, 48)
+
+
+def test_snapkv_keeps_the_pass_key_where_streamingllm_at_64_loses_it(servers, smollm2_path: str) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    samples: list[Sample] = passkey_samples(tok, {1024: 1}, [0.2, 0.4, 0.6, 0.8], seed=1)
+    full = sum(is_correct(s, _complete(servers["none"], s.prompt_ids, s.max_tokens)) for s in samples)
+    snap = sum(
+        is_correct(s, _complete(servers["rkv"], s.prompt_ids, s.max_tokens,
+                                {"policy": "snapkv", "budget": 1024}))  # fmt: skip
+        for s in samples
+    )
+    stream = sum(
+        is_correct(s, _complete(servers["rkv"], s.prompt_ids, s.max_tokens,
+                                {"policy": "streamingllm", "budget": 64}))  # fmt: skip
+        for s in samples
+    )
+    assert full >= 3, f"the full cache itself found {full}/4 pass keys"
+    assert snap >= 3 and stream <= 1, (full, snap, stream)

@@ -1,0 +1,696 @@
+"""Per-(layer, KV head) eviction foundations: head-flattened attention and per-head selection.
+
+(a) `sgl_kvc.kernels.per_head_attention` against dense float64 attention in which each KV head's
+    evicted keys are masked out (GQA, ragged lengths, logical positions with gaps, float32/bf16).
+(b) `select_per_head`: budgets, protected tokens, the variable mode's total and floor, and that the
+    per-head selection differs from the shared one (and equals it when all heads agree).
+(c) Dense references written here with explicit loops of the papers' per-head rules: SnapKV per
+    KV head (uniform) and KV-Compress eq. 10 (squared) + eq. 8 with one sort over layer x head x
+    token (§4.2, variable).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode, per_head_extend
+from sgl_kvc.policies import LayerView, PolicyParams, get_policy
+from sgl_kvc.policies.per_head import (
+    HeadSelection,
+    carry_stats_per_head,
+    select_from_scores,
+    select_per_head,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny tensors on a shared machine: intra-op threads only add latency."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+# ==================================================================================================
+# (a) attention over head-flattened tables
+# ==================================================================================================
+
+
+def make_requests(
+    gen: torch.Generator, n_list: list[int], h_kv: int, d: int, dv: int, dtype: torch.dtype,
+    keep_prob: float, must_keep_last: int,
+) -> list[dict]:
+    """Per request: dense K [n, H_kv, d], V, logical positions (gaps), keep mask [H_kv, n].
+
+    The last ``must_keep_last`` tokens (an extend's new tokens) are kept in every head."""
+    reqs = []
+    for n in n_list:
+        gaps = torch.randint(1, 4, (n,), generator=gen)
+        keep = torch.rand(h_kv, n, generator=gen) < keep_prob
+        if must_keep_last:
+            keep[:, n - must_keep_last:] = True
+        reqs.append({
+            "k": torch.randn(n, h_kv, d, generator=gen).to(dtype),
+            "v": torch.randn(n, h_kv, dv, generator=gen).to(dtype),
+            "pos": torch.cumsum(gaps, 0) + int(torch.randint(0, 50, (1,), generator=gen)),
+            "keep": keep,
+        })
+    return reqs
+
+
+def build_tables(
+    gen: torch.Generator, reqs: list[dict], h_kv: int, spare: int = 7
+) -> tuple[torch.Tensor, torch.Tensor, HeadTables]:
+    """Write every kept (token, head) of every request into a flat pool at shuffled slots."""
+    count = sum(int(r["keep"].sum()) for r in reqs)
+    slots_total = count + spare
+    perm = torch.randperm(slots_total, generator=gen)
+    d, dv, dtype = reqs[0]["k"].shape[2], reqs[0]["v"].shape[2], reqs[0]["k"].dtype
+    k_pool = torch.randn(slots_total, d, generator=gen).to(dtype) * 100  # garbage where unused
+    v_pool = torch.randn(slots_total, dv, generator=gen).to(dtype) * 100
+    n_max = max([int(r["keep"].sum(dim=1).max()) for r in reqs] + [1])
+    b = len(reqs)
+    slots = torch.full((b, h_kv, n_max), 10**6, dtype=torch.int64)  # padding: out of range
+    positions = torch.full((b, h_kv, n_max), -7, dtype=torch.int64)
+    lengths = torch.zeros(b, h_kv, dtype=torch.int64)
+    nxt = 0
+    for i, r in enumerate(reqs):
+        for h in range(h_kv):
+            kept = torch.nonzero(r["keep"][h]).flatten()
+            m = kept.numel()
+            s = perm[nxt: nxt + m]
+            nxt += m
+            k_pool[s] = r["k"][kept, h]
+            v_pool[s] = r["v"][kept, h]
+            slots[i, h, :m] = s
+            positions[i, h, :m] = r["pos"][kept]
+            lengths[i, h] = m
+    return k_pool, v_pool, HeadTables(slots=slots, lengths=lengths, positions=positions)
+
+
+def dense_reference(
+    r: dict, q: torch.Tensor, q_pos: torch.Tensor, scale: float, mask_evicted: bool = True
+) -> torch.Tensor:
+    """float64 attention of queries q [m, H_q, d] (logical positions q_pos) over the request's
+    dense keys, each KV head's evicted keys masked out; causal by logical position."""
+    k, v = r["k"].double(), r["v"].double()
+    h_kv = k.shape[1]
+    group = q.shape[1] // h_kv
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
+    for i in range(q.shape[0]):
+        for hq in range(q.shape[1]):
+            h = hq // group  # GQA: query head hq reads KV head hq // G
+            visible = r["pos"] <= q_pos[i]
+            if mask_evicted:
+                visible = visible & r["keep"][h]
+            if not bool(visible.any()):
+                continue  # no key: zero output, as the kernel defines it
+            logits = (k[visible, h] @ q[i, hq].double()) * scale
+            out[i, hq] = torch.softmax(logits, dim=0) @ v[visible, h]
+    return out
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    return {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+
+
+def run_decode_case(
+    seed: int, n_list: list[int], h_kv: int, group: int, d: int, dv: int, dtype: torch.dtype,
+    keep_prob: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    reqs = make_requests(gen, n_list, h_kv, d, dv, dtype, keep_prob, must_keep_last=0)
+    k_pool, v_pool, tables = build_tables(gen, reqs, h_kv)
+    q = torch.randn(len(reqs), h_kv * group, d, generator=gen).to(dtype)
+    scale = 1.0 / math.sqrt(d)
+    out = per_head_decode(q, k_pool, v_pool, tables)
+    ref = torch.stack([
+        dense_reference(r, q[i: i + 1], r["pos"][-1:], scale)[0] for i, r in enumerate(reqs)
+    ])
+    unmasked = torch.stack([
+        dense_reference(r, q[i: i + 1], r["pos"][-1:], scale, mask_evicted=False)[0]
+        for i, r in enumerate(reqs)
+    ])
+    return out, ref, unmasked
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "h_kv,group", [(1, 1), (2, 1), (2, 4), (3, 3)], ids=["mha1", "mha2", "gqa4", "gqa3"]
+)
+def test_decode_matches_dense_masked_attention(dtype: torch.dtype, h_kv: int, group: int) -> None:
+    out, ref, unmasked = run_decode_case(
+        seed=h_kv * 10 + group, n_list=[5, 37, 1, 20], h_kv=h_kv, group=group, d=16, dv=12,
+        dtype=dtype, keep_prob=0.6,
+    )
+    assert out.dtype == dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
+    # the masks matter: ignoring the per-head evictions gives a clearly different answer
+    assert (out.double() - unmasked).abs().max() > 0.05
+
+
+def test_decode_empty_head_gives_zeros_and_probs_sum_to_one() -> None:
+    gen = torch.Generator().manual_seed(3)
+    reqs = make_requests(gen, [9, 4], 2, 8, 8, torch.float32, 0.7, must_keep_last=0)
+    reqs[1]["keep"][1] = False  # request 1, head 1 holds nothing
+    k_pool, v_pool, tables = build_tables(gen, reqs, 2)
+    q = torch.randn(2, 4, 8, generator=gen)
+    out, probs = per_head_decode(q, k_pool, v_pool, tables, return_probs=True)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[1, 2:], torch.zeros(2, 8))  # query heads 2, 3 read KV head 1
+    sums = probs.sum(dim=-1)  # [B, H_kv, G]
+    assert torch.allclose(sums[0], torch.ones_like(sums[0]))
+    assert torch.allclose(sums[1, 0], torch.ones(2)) and torch.equal(sums[1, 1], torch.zeros(2))
+    assert torch.equal(probs[~tables.valid().unsqueeze(2).expand_as(probs)],
+                       torch.zeros(int((~tables.valid()).sum()) * 2))
+
+
+def run_extend_case(
+    seed: int, n_list: list[int], new_list: list[int], h_kv: int, group: int, d: int, dv: int,
+    dtype: torch.dtype, keep_prob: float, q_block: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's last new_list[b] tokens are its extend queries (kept in every head)."""
+    gen = torch.Generator().manual_seed(seed)
+    reqs = []
+    for n, e in zip(n_list, new_list):
+        reqs += make_requests(gen, [n], h_kv, d, dv, dtype, keep_prob, must_keep_last=e)
+    k_pool, v_pool, tables = build_tables(gen, reqs, h_kv)
+    q = torch.randn(sum(new_list), h_kv * group, d, generator=gen).to(dtype)
+    indptr = torch.tensor([0] + new_list).cumsum(0)
+    q_pos = torch.cat([r["pos"][r["pos"].numel() - e:] for r, e in zip(reqs, new_list)])
+    out = per_head_extend(q, indptr, q_pos, k_pool, v_pool, tables, q_block=q_block)
+    scale = 1.0 / math.sqrt(d)
+    ref = torch.cat([
+        dense_reference(r, q[indptr[i]: indptr[i + 1]], q_pos[indptr[i]: indptr[i + 1]], scale)
+        for i, r in enumerate(reqs)
+    ])
+    return out, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("q_block", [3, 256])
+def test_extend_matches_dense_masked_causal_attention(dtype: torch.dtype, q_block: int) -> None:
+    out, ref = run_extend_case(
+        seed=11, n_list=[30, 12, 25, 8], new_list=[7, 12, 1, 3], h_kv=2, group=3, d=16, dv=8,
+        dtype=dtype, keep_prob=0.5, q_block=q_block,
+    )
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
+
+
+def test_extend_causal_mask_uses_logical_positions() -> None:
+    """Permuting a head's table (slots with their positions) changes nothing; a table whose
+    positions were replaced by table indices (physical order) gives a different answer."""
+    gen = torch.Generator().manual_seed(5)
+    reqs = make_requests(gen, [20], 1, 8, 8, torch.float32, 0.6, must_keep_last=4)
+    k_pool, v_pool, t = build_tables(gen, reqs, 1)
+    q = torch.randn(4, 2, 8, generator=gen)
+    q_pos = reqs[0]["pos"][-4:]
+    indptr = torch.tensor([0, 4])
+    base = per_head_extend(q, indptr, q_pos, k_pool, v_pool, t)
+    m = int(t.lengths[0, 0])
+    perm = torch.randperm(m, generator=gen)
+    shuffled = HeadTables(
+        slots=t.slots[:, :, perm], lengths=t.lengths, positions=t.positions[:, :, perm]
+    )
+    torch.testing.assert_close(per_head_extend(q, indptr, q_pos, k_pool, v_pool, shuffled), base)
+    physical = HeadTables(slots=t.slots, lengths=t.lengths,
+                          positions=torch.arange(m).reshape(1, 1, m))
+    assert not torch.allclose(per_head_extend(q, indptr, q_pos, k_pool, v_pool, physical), base)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    h_kv=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4]),
+    d=st.sampled_from([4, 8, 16]),
+    n_list=st.lists(st.integers(1, 24), min_size=1, max_size=4),
+    keep_prob=st.floats(0.2, 1.0),
+    bf16=st.booleans(),
+)
+def test_decode_property(seed, h_kv, group, d, n_list, keep_prob, bf16) -> None:
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    out, ref, _ = run_decode_case(seed, n_list, h_kv, group, d, d, dtype, keep_prob)
+    torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    h_kv=st.integers(1, 3),
+    group=st.sampled_from([1, 2]),
+    sizes=st.lists(
+        st.tuples(st.integers(1, 20), st.integers(1, 6)), min_size=1, max_size=3
+    ),
+    keep_prob=st.floats(0.2, 1.0),
+    q_block=st.integers(1, 8),
+    bf16=st.booleans(),
+)
+def test_extend_property(seed, h_kv, group, sizes, keep_prob, q_block, bf16) -> None:
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    n_list = [n + e for n, e in sizes]
+    new_list = [e for _, e in sizes]
+    out, ref = run_extend_case(
+        seed, n_list, new_list, h_kv, group, 8, 8, dtype, keep_prob, q_block
+    )
+    torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
+
+
+def test_flatten_is_csr_of_the_per_head_sequences() -> None:
+    gen = torch.Generator().manual_seed(8)
+    reqs = make_requests(gen, [6, 11, 3], 2, 4, 4, torch.float32, 0.5, must_keep_last=0)
+    _, _, t = build_tables(gen, reqs, 2)
+    indptr, indices = t.flatten()
+    assert indptr.tolist()[-1] == int(t.lengths.sum()) == indices.numel()
+    for b in range(3):
+        for h in range(2):
+            s = b * 2 + h
+            expect = t.slots[b, h, : t.lengths[b, h]].tolist()
+            assert indices[indptr[s]: indptr[s + 1]].tolist() == expect
+
+
+def test_decode_reads_one_head_fp8_rows_pool() -> None:
+    """A head-flattened FP8 pool (Fp8Rows with one head per slot) plugs in as k/v pool."""
+    from sgl_kvc.kernels.fp8 import Fp8Rows
+
+    gen = torch.Generator().manual_seed(4)
+    reqs = make_requests(gen, [10, 7], 2, 8, 8, torch.float32, 0.7, must_keep_last=0)
+    k_pool, v_pool, t = build_tables(gen, reqs, 2)
+    k8 = Fp8Rows.empty(k_pool.shape[0], 1, 8, dtype=torch.float32)
+    v8 = Fp8Rows.empty(v_pool.shape[0], 1, 8, dtype=torch.float32)
+    all_slots = torch.arange(k_pool.shape[0])
+    k8[all_slots] = k_pool[:, None, :]
+    v8[all_slots] = v_pool[:, None, :]
+    q = torch.randn(2, 4, 8, generator=gen)
+    expect = per_head_decode(q, k8[all_slots][:, 0], v8[all_slots][:, 0], t)
+    torch.testing.assert_close(per_head_decode(q, k8, v8, t), expect)
+
+
+# ==================================================================================================
+# (b) per-head selection
+# ==================================================================================================
+
+LAYERS = 2
+WINDOW = 6
+BUDGET = 16
+
+
+def make_views(
+    seed: int, n: int, h_kv: int, group: int, d: int, layers: int = LAYERS,
+    identical_heads: bool = False, with_stats: bool = False,
+) -> list[LayerView]:
+    gen = torch.Generator().manual_seed(seed)
+    views = []
+    base_k = torch.randn(n, 1, d, generator=gen)
+    base_q = torch.randn(WINDOW, 1, d, generator=gen)
+    positions = torch.cumsum(torch.randint(1, 3, (n,), generator=gen), 0)  # shared by layers
+    for _ in range(layers):
+        if identical_heads:  # every head and every layer sees the same keys and queries
+            keys = base_k.expand(n, h_kv, d).clone()
+            queries = base_q.expand(WINDOW, h_kv * group, d).clone()
+        else:
+            keys = torch.randn(n, h_kv, d, generator=gen)
+            queries = torch.randn(WINDOW, h_kv * group, d, generator=gen)
+        stats = None
+        if with_stats:
+            stats = torch.rand(h_kv, n, generator=gen) if not identical_heads else (
+                torch.rand(1, n, generator=torch.Generator().manual_seed(seed)).expand(h_kv, n)
+            )
+        views.append(LayerView(keys=keys, queries=queries, positions=positions, stats=stats))
+    return views
+
+
+POLICIES = ["snapkv", "kvcompress", "rkv", "h2o", "avgattn", "streamingllm"]
+STATS = {"h2o", "avgattn"}
+
+
+def policy_and_views(name: str, seed: int, n: int = 40, h_kv: int = 3, group: int = 2, **kw):
+    p = PolicyParams(budget=BUDGET, window=WINDOW, sink_tokens=3)
+    views = make_views(seed, n, h_kv, group, 8, with_stats=name in STATS, **kw)
+    return get_policy(name, p), views
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_uniform_keeps_budget_per_head_and_protected(name: str) -> None:
+    policy, views = policy_and_views(name, seed=1)
+    sel = select_per_head(policy, views, BUDGET)
+    assert sel.indices.shape == (LAYERS, 3, BUDGET)
+    assert torch.equal(sel.lengths, torch.full((LAYERS, 3), BUDGET))
+    mask = sel.mask()
+    assert torch.equal(mask.sum(-1), sel.lengths)
+    for layer, view in enumerate(views):
+        prot = policy.protected(view)
+        assert mask[layer][:, prot].all()
+        for h in range(3):
+            kept = sel.kept(layer, h)
+            assert torch.equal(kept, torch.sort(kept).values) and kept.unique().numel() == BUDGET
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_variable_total_floor_and_protected(name: str) -> None:
+    policy, views = policy_and_views(name, seed=2)
+    for floor in (1, 5, BUDGET):
+        sel = select_per_head(policy, views, BUDGET, mode="variable", min_per_head=floor)
+        assert sel.total == BUDGET * LAYERS * 3
+        mask = sel.mask()
+        assert torch.equal(mask.sum(-1), sel.lengths)
+        for layer, view in enumerate(views):
+            prot = policy.protected(view)
+            assert mask[layer][:, prot].all()
+            assert (sel.lengths[layer] >= max(floor, int(prot.sum()))).all()
+        assert (sel.indices[~sel.valid()] == HeadSelection.PAD).all()
+    # with the floor at the budget there is nothing left to move: uniform
+    uni = select_per_head(policy, views, BUDGET)
+    full = select_per_head(policy, views, BUDGET, mode="variable", min_per_head=BUDGET)
+    assert torch.equal(full.mask(), uni.mask())
+
+
+@pytest.mark.parametrize("name", ["snapkv", "kvcompress", "rkv", "h2o"])
+def test_variable_is_one_global_sort(name: str) -> None:
+    """Every dropped candidate scores at most as high as every kept non-mandatory one, over all
+    layers and heads (eq. 18 with block size 1), and the lengths really vary between heads."""
+    policy, views = policy_and_views(name, seed=3)
+    sel = select_per_head(policy, views, BUDGET, mode="variable", min_per_head=1)
+    scores = torch.stack([policy.score(v) for v in views])  # protected = +inf
+    mask = sel.mask()
+    prot = torch.stack([policy.protected(v) for v in views]).unsqueeze(1).expand_as(mask)
+    dropped_max = scores[~mask].max()
+    # a head's kept candidates beyond its floor: all of them when the floor is only protected
+    kept_cands = scores[mask & ~prot]
+    assert kept_cands.numel() > 0
+    # the head's own floor could keep a worse one only if it had fewer than min_per_head
+    assert kept_cands.min() >= dropped_max
+    assert len(set(sel.lengths.flatten().tolist())) > 1
+
+
+def test_variable_handles_no_protected_tokens_with_floor() -> None:
+    """avgattn protects nothing; a strongly skewed head gets most of the budget but never all."""
+    policy, views = policy_and_views("avgattn", seed=4)
+    for v in views:
+        v.stats[1:] *= 1e-3  # heads 1, 2 score far lower than head 0
+    sel = select_per_head(policy, views, BUDGET, mode="variable", min_per_head=2)
+    assert sel.total == BUDGET * LAYERS * 3
+    assert (sel.lengths[:, 0] == 40).all()  # head 0 of both layers keeps everything
+    assert (sel.lengths[:, 1:] >= 2).all() and int(sel.lengths[:, 1:].sum()) == 96 - 80
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_per_head_differs_from_shared_selection_on_random_data(name: str) -> None:
+    policy, views = policy_and_views(name, seed=5)
+    shared = HeadSelection.broadcast(policy.select(views, BUDGET), LAYERS, 3, views[0].n)
+    sel = select_per_head(policy, views, BUDGET)
+    if name == "streamingllm":  # recency is the same in every head: per head == shared
+        assert torch.equal(sel.mask(), shared.mask())
+    else:
+        assert not torch.equal(sel.mask(), shared.mask())
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_identical_heads_give_the_shared_selection(name: str) -> None:
+    policy, views = policy_and_views(name, seed=6, identical_heads=True)
+    shared = HeadSelection.broadcast(policy.select(views, BUDGET), LAYERS, 3, views[0].n)
+    for mode in ("uniform", "variable"):
+        sel = select_per_head(policy, views, BUDGET, mode=mode)
+        assert torch.equal(sel.mask(), shared.mask()), mode
+        assert torch.equal(sel.indices, shared.indices), mode
+
+
+def test_protected_overflow_keeps_newest_like_select() -> None:
+    p = PolicyParams(budget=4, window=6)
+    policy = get_policy("snapkv", p)
+    views = make_views(7, 20, 2, 2, 8)
+    shared = policy.select(views, 4)
+    for mode in ("uniform", "variable"):
+        sel = select_per_head(policy, views, 4, mode=mode)
+        assert torch.equal(sel.mask(), HeadSelection.broadcast(shared, LAYERS, 2, 20).mask())
+
+
+def test_short_cache_keeps_everything() -> None:
+    policy, views = policy_and_views("snapkv", seed=8, n=10)
+    for mode in ("uniform", "variable"):
+        sel = select_per_head(policy, views, BUDGET, mode=mode)
+        assert sel.total == 10 * LAYERS * 3 and sel.mask().all()
+
+
+def test_select_per_head_rejects_bad_arguments() -> None:
+    policy, views = policy_and_views("snapkv", seed=9)
+    with pytest.raises(ValueError, match="mode"):
+        select_per_head(policy, views, BUDGET, mode="pyramid")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_per_head"):
+        select_per_head(policy, views, BUDGET, mode="variable", min_per_head=BUDGET + 1)
+    with pytest.raises(ValueError, match="min_per_head"):
+        select_per_head(policy, views, BUDGET, mode="variable", min_per_head=0)
+    with pytest.raises(ValueError, match="budget"):
+        select_per_head(policy, views, 0)
+    short = make_views(9, 30, 3, 2, 8)[:1]
+    with pytest.raises(ValueError, match="same tokens"):
+        select_per_head(policy, [views[0], short[0]], BUDGET)
+
+
+def test_gather_and_carry_stats_per_head() -> None:
+    policy, views = policy_and_views("kvcompress", seed=10)
+    sel = select_per_head(policy, views, BUDGET, mode="variable")
+    carried = carry_stats_per_head(policy, views, sel)
+    for layer, view in enumerate(views):
+        metric = policy.prefill_metric(view)  # eq. (8)/(10): what seeds eq. (20)
+        got = carried[layer]
+        assert got is not None and got.shape == (3, sel.max_keep)
+        for h in range(3):
+            m = int(sel.lengths[layer, h])
+            assert torch.equal(got[h, :m], metric[h, sel.kept(layer, h)])
+            assert (got[h, m:] == 0).all()
+    snap = get_policy("snapkv", PolicyParams(budget=BUDGET, window=WINDOW))
+    assert carry_stats_per_head(snap, views, sel) == [None, None]
+
+
+@pytest.mark.parametrize("mode", ["uniform", "variable"])
+def test_ragged_tables_never_keep_padding(mode: str) -> None:
+    """After a first per-head compaction heads hold different lengths: selection over padded
+    [L, H, N] scores must ignore the padding whatever it contains, and equal the selection over
+    each head's real entries."""
+    gen = torch.Generator().manual_seed(12)
+    layers, heads, n = 2, 3, 30
+    lengths = torch.tensor([[30, 12, 5], [20, 30, 1]])
+    scores = torch.rand(layers, heads, n, generator=gen)
+    real = torch.arange(n) < lengths.unsqueeze(-1)
+    protected = torch.zeros(layers, heads, n, dtype=torch.bool)
+    for l in range(layers):  # the last 3 real entries of each head are its observation window
+        for h in range(heads):
+            m = int(lengths[l, h])
+            protected[l, h, max(0, m - 3): m] = True
+    budget = 8
+    base = select_from_scores(scores, protected, budget, lengths=lengths, mode=mode)
+    for garbage in (math.inf, -math.inf, math.nan, 1e9):
+        noisy = torch.where(real, scores, garbage)
+        noisy_prot = protected | ~real  # padding claims to be protected: ignored too
+        sel = select_from_scores(noisy, noisy_prot, budget, lengths=lengths, mode=mode)
+        assert torch.equal(sel.indices, base.indices) and torch.equal(sel.lengths, base.lengths)
+    assert not (base.mask() & ~real).any()
+    assert (base.mask() | ~protected).all()  # protected always kept
+    if mode == "uniform":
+        assert torch.equal(base.lengths, lengths.clamp(max=budget))
+        for l in range(layers):
+            for h in range(heads):
+                m = int(lengths[l, h])
+                one = select_from_scores(
+                    scores[l:l + 1, h:h + 1, :m], protected[l:l + 1, h:h + 1, :m], budget
+                )
+                assert torch.equal(one.kept(0, 0), base.kept(l, h))
+    else:
+        assert base.total == min(budget * layers * heads, int(lengths.sum()))
+        assert (base.lengths >= torch.minimum(lengths, torch.full_like(lengths, 3))).all()
+        assert (base.lengths <= lengths).all()
+
+
+def test_ragged_variable_small_heads_lend_their_budget() -> None:
+    """Heads shorter than the budget keep everything; the rest of the total goes elsewhere."""
+    scores = torch.rand(1, 2, 10, generator=torch.Generator().manual_seed(13))
+    protected = torch.zeros(1, 2, 10, dtype=torch.bool)
+    sel = select_from_scores(
+        scores, protected, 6, lengths=torch.tensor([[10, 2]]), mode="variable"
+    )
+    assert sel.lengths.tolist() == [[10, 2]]  # total min(6 x 2, 12) = 12
+
+
+# ==================================================================================================
+# (c) dense references of the papers' per-head rules (explicit loops, float64)
+# ==================================================================================================
+
+
+def softmax(xs: list[float]) -> list[float]:
+    m = max(xs)
+    e = [math.exp(x - m) for x in xs]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+def maxpool(xs: list[float], kernel: int) -> list[float]:
+    w = kernel // 2
+    return [max(xs[max(0, i - w): i + w + 1]) for i in range(len(xs))]
+
+
+def window_probs(keys: list, obs: list, h: int, hq: int, scale: float) -> list[list[float]]:
+    """Observation query j (at cache index n - q + j) of query head hq over keys of KV head h."""
+    n, q = len(keys), len(obs)
+    rows = []
+    for j in range(q):
+        visible = n - q + j + 1
+        logits = [
+            sum(a * b for a, b in zip(obs[j][hq], keys[i][h])) * scale for i in range(visible)
+        ]
+        rows.append(softmax(logits) + [0.0] * (n - visible))
+    return rows
+
+
+def ref_snapkv_head_scores(
+    view: LayerView, p: PolicyParams, gqa: str = "mean"
+) -> list[list[float]]:
+    """SnapKV per KV head: votes of the window summed over queries, GQA group mean, pooled over
+    the candidates (the window itself is protected)."""
+    keys = view.keys.double().tolist()
+    obs = view.queries.double().tolist()[-p.window:]
+    n, h_kv, d = view.keys.shape
+    group = view.queries.shape[1] // h_kv
+    nc = n - p.window
+    out = []
+    for h in range(h_kv):
+        per_q = []
+        for g in range(group):
+            rows = window_probs(keys, obs, h, h * group + g, 1.0 / math.sqrt(d))
+            per_q.append([sum(rows[j][i] for j in range(len(obs))) for i in range(nc)])
+        agg = (lambda xs: sum(xs) / group) if gqa == "mean" else max
+        votes = [agg([per_q[g][i] for g in range(group)]) for i in range(nc)]
+        out.append(maxpool(votes, p.pool_kernel))
+    return out
+
+
+def ref_kvc_head_metric(view: LayerView, p: PolicyParams) -> list[list[float]]:
+    """KV-Compress eq. (10) with squared attention (§4.3) then eq. (8) pooling, per KV head."""
+    keys = view.keys.double().tolist()
+    obs = view.queries.double().tolist()[-p.window:]
+    n, h_kv, d = view.keys.shape
+    group = view.queries.shape[1] // h_kv
+    out = []
+    for h in range(h_kv):
+        m = [0.0] * n
+        for g in range(group):  # h in H_k (eq. 11)
+            rows = window_probs(keys, obs, h, h * group + g, 1.0 / math.sqrt(d))
+            for j in range(len(obs)):
+                for i in range(n):
+                    m[i] += rows[j][i] ** 2
+        out.append(maxpool(m, p.pool_kernel))
+    return out
+
+
+def assert_clear_cut(values: list[float], take: int) -> None:
+    """The cut between kept and dropped must be an exact tie or a clear gap (float32 vs 64)."""
+    if 0 < take < len(values):
+        gap = values[take - 1] - values[take]
+        scale = max(abs(v) for v in values) + 1e-30
+        assert gap == 0.0 or gap > 1e-5 * scale, f"ill-conditioned test case: {gap}"
+
+
+def ref_uniform(head_scores: list[list[list[float]]], n: int, window: int, budget: int):
+    """Per (layer, head): the window, then the top budget - window candidates (ties: low index)."""
+    kept = []
+    for layer_scores in head_scores:
+        per_layer = []
+        for s in layer_scores:
+            s = s[: n - window]  # candidates only; the window is protected
+            order = sorted(range(len(s)), key=lambda i: (-s[i], i))
+            assert_clear_cut([s[i] for i in order], budget - window)
+            per_layer.append(set(order[: budget - window]) | set(range(n - window, n)))
+        kept.append(per_layer)
+    return kept
+
+
+def ref_variable(metric: list[list[list[float]]], n: int, window: int, budget: int):
+    """KV-Compress §4.2: window kept in every head; then ONE sort of all (layer, head, token)
+    candidates; keep the budget x L x H - (mandatory) largest. Ties: per-head rank, then (l, h)."""
+    layers, heads = len(metric), len(metric[0])
+    cands = []
+    for l in range(layers):
+        for h in range(heads):
+            m = metric[l][h][: n - window]
+            order = sorted(range(len(m)), key=lambda i: (-m[i], i))
+            cands += [(m[i], rank, l, h, i) for rank, i in enumerate(order)]
+    cands.sort(key=lambda c: (-c[0], c[1], c[2], c[3]))
+    take = budget * layers * heads - window * layers * heads
+    assert_clear_cut([c[0] for c in cands], take)
+    kept = [[set(range(n - window, n)) for _ in range(heads)] for _ in range(layers)]
+    for _, _, l, h, i in cands[:take]:
+        kept[l][h].add(i)
+    return kept
+
+
+def as_sets(sel: HeadSelection) -> list[list[set[int]]]:
+    return [[set(sel.kept(l, h).tolist()) for h in range(sel.num_heads)]
+            for l in range(sel.num_layers)]
+
+
+REF_CASES = [(11, 40, 2, 1), (12, 48, 2, 4), (13, 36, 1, 3), (14, 44, 3, 2)]  # seed, n, H_kv, G
+
+
+@pytest.mark.parametrize("seed,n,h_kv,group", REF_CASES)
+def test_snapkv_per_head_matches_dense_reference(
+    seed: int, n: int, h_kv: int, group: int
+) -> None:
+    p = PolicyParams(budget=BUDGET, window=WINDOW)
+    views = make_views(seed, n, h_kv, group, 8)
+    sel = select_per_head(get_policy("snapkv", p), views, BUDGET)
+    ref = ref_uniform([ref_snapkv_head_scores(v, p) for v in views], n, WINDOW, BUDGET)
+    assert as_sets(sel) == ref
+
+
+def test_snapkv_per_head_reference_is_discriminative() -> None:
+    """The per-head reference with the wrong GQA rule (max), and the shared selection, differ."""
+    p = PolicyParams(budget=BUDGET, window=WINDOW)
+    policy = get_policy("snapkv", p)
+    ours, wrong, shared = [], [], []
+    for seed, n, h_kv, group in REF_CASES:
+        views = make_views(seed, n, h_kv, group, 8)
+        sel = select_per_head(policy, views, BUDGET)
+        ours.append(as_sets(sel))
+        wrong_scores = [ref_snapkv_head_scores(v, p, "max") for v in views]
+        wrong.append(ref_uniform(wrong_scores, n, WINDOW, BUDGET))
+        keep = set(policy.select(views, BUDGET).tolist())
+        shared.append([[keep] * h_kv for _ in views])
+    assert ours != wrong
+    assert ours != shared
+
+
+@pytest.mark.parametrize("seed,n,h_kv,group", REF_CASES)
+def test_kvcompress_variable_matches_dense_reference(
+    seed: int, n: int, h_kv: int, group: int
+) -> None:
+    p = PolicyParams(budget=BUDGET, window=WINDOW)
+    views = make_views(seed, n, h_kv, group, 8)
+    policy = get_policy("kvcompress", p)
+    metric = [ref_kvc_head_metric(v, p) for v in views]
+    sel = select_per_head(policy, views, BUDGET, mode="variable", min_per_head=1)
+    assert as_sets(sel) == ref_variable(metric, n, WINDOW, BUDGET)
+    uni = select_per_head(policy, views, BUDGET, mode="uniform")
+    assert as_sets(uni) == ref_uniform(metric, n, WINDOW, BUDGET)
+
+
+def test_kvcompress_variable_reference_is_discriminative() -> None:
+    """Variable differs from uniform allocation, and from a per-layer (not cross-layer) sort."""
+    p = PolicyParams(budget=BUDGET, window=WINDOW)
+    policy = get_policy("kvcompress", p)
+    ours, uniform, per_layer = [], [], []
+    for seed, n, h_kv, group in REF_CASES:
+        views = make_views(seed, n, h_kv, group, 8)
+        metric = [ref_kvc_head_metric(v, p) for v in views]
+        ours.append(as_sets(select_per_head(policy, views, BUDGET, mode="variable")))
+        uniform.append(ref_uniform(metric, n, WINDOW, BUDGET))
+        # Ada-SnapKV: one sort per layer (heads only), not across layers
+        per_layer.append([ref_variable([m], n, WINDOW, BUDGET)[0] for m in metric])
+    assert ours != uniform
+    assert ours != per_layer
