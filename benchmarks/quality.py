@@ -205,8 +205,10 @@ def run_compressed(server: ManagedServer, samples: list[Sample], args: argparse.
             live = [c for c in todo if c[1]["budget"] < s.prompt_len + s.max_tokens]
             same = [Outcome(s.id, c[0], warm.text, warm.error, warm.seconds)
                     for c in todo if c not in live]  # fmt: skip
-            # Long generations all at once (one decode batch), retrieval `--concurrency` at a time.
-            width = len(live) if s.task == "longgen" else args.concurrency
+            # Long generations one at a time: greedy decoding in bfloat16 on CPU is not
+            # batch-invariant (run in one batch of 18 they all left the full cache's tokens after
+            # ~110, compressed or not). Retrieval answers are short: `--concurrency` at a time.
+            width = 1 if s.task == "longgen" else args.concurrency
             chunks = [live[j : j + width] for j in range(0, len(live), max(width, 1))]
             rest = []
             for chunk in chunks:
@@ -259,6 +261,8 @@ def run_kvpress(samples: list[Sample], args: argparse.Namespace, workdir: Path) 
         return None
     inp, outp = workdir / "kvpress_in.json", workdir / "kvpress_out.json"
     retrieval = [s for s in samples if s.task in RETRIEVAL]
+    if not retrieval:
+        return None
     inp.write_text(json.dumps({
         "model": str(args.model_dir), "budgets": args.budgets, "presses": args.kvpress_presses,
         "samples": [s.to_json() for s in retrieval],
@@ -502,6 +506,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvpress-presses", nargs="+", default=["snapkv", "streamingllm", "tova"])
     p.add_argument("--kvpress-timeout", type=float, default=1800)
     p.add_argument("--no-kvpress", action="store_true")
+    p.add_argument("--tasks", nargs="+", default=["passkey", "multikey", "longgen"],
+                   help="tasks to run (the others' samples are still built, for --merge)")
+    p.add_argument("--merge", type=Path, default=None,
+                   help="a previous quality.json: keep its outcomes (and timing) for what is not run now")
     p.add_argument("--quick", action="store_true", help="a handful of samples (checks the set-up)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     return p  # fmt: skip
@@ -524,6 +532,7 @@ def main(argv: list[str] | None = None) -> dict:
         *multikey_samples(tok, args.multikey, args.multikey_len, args.multikey_facts, args.seed),
         *longgen_samples(tok, args.longgen, args.longgen_len, args.longgen_tokens, args.seed),
     ]
+    all_samples, samples = samples, [s for s in samples if s.task in args.tasks]
     print(f"[quality] {len(samples)} samples; {len(args.policies)} policies x {len(args.budgets)} "
           f"budgets", flush=True)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
@@ -557,6 +566,15 @@ def main(argv: list[str] | None = None) -> dict:
     phases["kvpress"] = time.perf_counter() - t0
     if kvpress and "results" in kvpress:
         outcomes += [Outcome(**o) for o in kvpress["results"]]
+    prev = json.loads(args.merge.read_text()) if args.merge else None
+    if prev:
+        run_now = {(o.sample, o.config) for o in outcomes}
+        outcomes += [Outcome(**o) for o in prev["outcomes"]
+                     if (o["sample"], o["config"]) not in run_now]  # fmt: skip
+        timing = timing or [TimingResult(**t) for t in prev["timing"]]
+        kvpress = kvpress or ({**prev["kvpress"], "results": []} if prev.get("kvpress") else None)
+        phases = {**{f"{k} (merged run)": v for k, v in prev["setup"]["phase_seconds"].items()}, **phases}
+    samples = all_samples
 
     texts: dict[str, dict[str, str | None]] = {}
     for o in outcomes:
@@ -588,7 +606,9 @@ def main(argv: list[str] | None = None) -> dict:
             "server_starts": {"full": ref_server.starts, "compressing": comp_server.starts},
             "samples": [{"id": s.id, "task": s.task, "prompt_tokens": s.prompt_len,
                          "answer": s.answer, **s.meta} for s in samples],
-            "phase_seconds": phases, "total_seconds": time.perf_counter() - t_start,
+            "phase_seconds": phases,
+            "total_seconds": time.perf_counter() - t_start + (prev["setup"]["total_seconds"] if prev else 0),
+            "merged_from_previous_run": bool(prev), "tasks_run_last": args.tasks,
         },
         "retrieval": [asdict(r) for r in retrieval],
         "longgen": [asdict(r) for r in longgen],

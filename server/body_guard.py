@@ -27,7 +27,8 @@ import orjson
 
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.request_settings import RequestSettingError
-from sgl_kvc.server.errors import describe_validation_errors, json_type_name, openai_error
+from sgl_kvc.request_settings import json_type_name
+from sgl_kvc.server.errors import describe_validation_errors, openai_error
 from sgl_kvc.server.settings import apply_openai_settings, check_generate_body
 
 CHAT = "/v1/chat/completions"

@@ -28,6 +28,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sgl_kvc.request_settings import json_type_name
+
 logger = logging.getLogger(__name__)
 
 OPENAI_PREFIXES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/embeddings")
@@ -104,25 +106,6 @@ _EXPECTED = {
     "none_required": "null",
 }
 _TYPE_ERROR = re.compile(r"^(?P<kind>[a-z_]+?)_(type|parsing|from_float)$")
-
-
-def json_type_name(value: Any) -> str:
-    """The JSON name of a parsed value's type (never a Python class name)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, (list, tuple)):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return "a value of another type"
 
 
 def format_param(path: Sequence[str | int]) -> str | None:

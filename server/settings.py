@@ -21,7 +21,8 @@ from sgl_kvc.request_settings import (
     RequestSettingError,
     parse_kv_compression,
 )
-from sgl_kvc.server.errors import format_param, json_type_name
+from sgl_kvc.request_settings import json_type_name
+from sgl_kvc.server.errors import format_param
 
 CUSTOM_FIELD = f"custom_params.{CUSTOM_PARAMS_KEY}"
 

@@ -37,7 +37,7 @@ def parse_kv_compression(obj: Any, field: str = FIELD) -> RequestCompression:
     """Validate a `kv_compression` object; raise `RequestSettingError` naming the bad field
     (`field` is the name the caller knows the object by)."""
     if not isinstance(obj, dict):
-        raise RequestSettingError(field, f"{field} must be an object, got {_json_kind(obj)}")
+        raise RequestSettingError(field, f"{field} must be an object, got {json_type_name(obj)}")
     unknown = sorted(str(k) for k in set(obj) - {"policy", "budget"})
     if unknown:
         raise RequestSettingError(
@@ -46,7 +46,7 @@ def parse_kv_compression(obj: Any, field: str = FIELD) -> RequestCompression:
         )
     policy = obj.get("policy")
     if policy is not None and (not isinstance(policy, str) or policy not in available_policies()):
-        shown = f'"{policy}"' if isinstance(policy, str) else _json_kind(policy)
+        shown = f'"{policy}"' if isinstance(policy, str) else json_type_name(policy)
         raise RequestSettingError(
             f"{field}.policy",
             f"unknown policy {shown}; choose one of {', '.join(available_policies())}",
@@ -55,7 +55,7 @@ def parse_kv_compression(obj: Any, field: str = FIELD) -> RequestCompression:
     if budget is not None and (
         isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_BUDGET
     ):
-        shown = str(budget) if isinstance(budget, (int, float)) and not isinstance(budget, bool) else _json_kind(budget)
+        shown = str(budget) if isinstance(budget, (int, float)) and not isinstance(budget, bool) else json_type_name(budget)
         raise RequestSettingError(
             f"{field}.budget", f"budget must be an integer from 1 to {MAX_BUDGET}, got {shown}"
         )
@@ -73,16 +73,20 @@ def from_custom_params(custom_params: Any) -> RequestCompression:
     )
 
 
-def _json_kind(value: Any) -> str:
-    """How a JSON client would name a value's type (not Python's name for it)."""
+def json_type_name(value: Any) -> str:
+    """How a JSON client names a parsed value's type (never a Python class name)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
         return "a boolean"
-    if isinstance(value, (int, float)):
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
         return "a number"
     if isinstance(value, str):
         return "a string"
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return "an array"
-    return "an object"
+    if isinstance(value, dict):
+        return "an object"
+    return "a value of another type"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +79,21 @@ def reference_logprobs(
             input_ids=torch.tensor([ids]), attention_mask=mask, position_ids=positions[None]
         ).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+# --- plain-Python math for the policies' dense references (loops, float64) -----------------------
+def dot(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b))
+
+
+def softmax(xs: list[float]) -> list[float]:
+    m = max(xs)
+    e = [math.exp(x - m) for x in xs]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+def maxpool(xs: list[float], kernel: int) -> list[float]:
+    """Centred 1-D max pooling; edges use what exists."""
+    w = kernel // 2
+    return [max(xs[max(0, i - w): i + w + 1]) for i in range(len(xs))]

@@ -20,9 +20,10 @@ from typing import Any, Callable
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_kvc.adapter.requests import reject_invalid
+from sgl_kvc.adapter.requests import reject_invalid, request_settings
 from sgl_kvc.adapter.runtime import KvcRuntime, collect_stats, compressor_of, request_peak_tokens
 from sgl_kvc.config import KvcConfig
+from sgl_kvc.policies import policy_class
 
 logger = logging.getLogger(__name__)
 
@@ -190,12 +191,18 @@ def _around_add_one_req(config: KvcConfig):
 def _around_max_prefix(config: KvcConfig):
     def hook(original: Callable[..., Any], req: Any, input_len: int, *args: Any, **kwargs: Any):
         limit = original(req, input_len, *args, **kwargs)
-        if "prefill" in config.compress_on and request_peak_tokens(config, req) is not None:
-            # Recompute the last `window` prompt tokens even on a prefix hit: their queries are
-            # the observation window that scores the prompt right after prefill, so a cached
-            # prefix must not change what a compressing request keeps.
-            limit = min(limit, max(input_len - config.kv_window, 0))
-        return limit
+        if "prefill" not in config.compress_on or request_peak_tokens(config, req) is None:
+            return limit
+        policy = policy_class(request_settings(req).policy or config.policy)
+        if policy.accumulate_prefill and not getattr(req.kv, "holds_kv", False):
+            # H2O / Batch-Max score by the attention every prompt query paid each token; a prefix
+            # served from the tree was never attended by this request's queries. Such a request
+            # computes its whole prompt (its own earlier chunks, held in its row, still count).
+            return 0
+        # Recompute the last `window` prompt tokens even on a prefix hit: their queries are
+        # the observation window that scores the prompt right after prefill, so a cached
+        # prefix must not change what a compressing request keeps.
+        return min(limit, max(input_len - config.kv_window, 0))
 
     return hook
 

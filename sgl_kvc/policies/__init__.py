@@ -17,7 +17,7 @@ from .per_head import (
     select_from_scores,
     select_per_head,
 )
-from .registry import available_policies, get_policy, register_policy
+from .registry import available_policies, get_policy, policy_class, register_policy
 from .rkv import RKVPolicy
 from .snapkv import SnapKVPolicy
 from .streamingllm import StreamingLLMPolicy
@@ -37,6 +37,7 @@ __all__ = [
     "available_policies",
     "carry_stats_per_head",
     "get_policy",
+    "policy_class",
     "register_policy",
     "select_from_scores",
     "select_per_head",

@@ -28,11 +28,16 @@ def available_policies() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_policy(name: str, params: PolicyParams | None = None) -> Policy:
-    """Instantiate the policy registered as ``name``; ValueError naming the choices otherwise."""
+def policy_class(name: str) -> type[Policy]:
+    """The class registered as ``name``; ValueError naming the choices otherwise."""
     cls = _REGISTRY.get(name)
     if cls is None:
         raise ValueError(
             f"unknown KV-cache policy {name!r}; choose one of: {', '.join(available_policies())}"
         )
-    return cls(params if params is not None else PolicyParams())
+    return cls
+
+
+def get_policy(name: str, params: PolicyParams | None = None) -> Policy:
+    """Instantiate the policy registered as ``name``; ValueError naming the choices otherwise."""
+    return policy_class(name)(params if params is not None else PolicyParams())

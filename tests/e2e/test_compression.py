@@ -88,6 +88,20 @@ def test_shared_prefix_hits_while_compressing(rkv_server, demo_model_path) -> No
     assert pool["free_tokens"] + pool["cached_tokens"] == pool["total_tokens"]
 
 
+@pytest.mark.parametrize("policy", ["h2o", "avgattn"])
+def test_prefill_statistics_policies_compute_their_whole_prompt(rkv_server, trace, policy) -> None:
+    """H2O and Batch-Max score tokens by the attention of every prompt query, which a prefix
+    served from the tree never paid: such requests take no prefix hit, so a repeated prompt
+    gets the same kept set and the same answer."""
+    prompt = [(31 * i) % 1900 + 10 for i in range(120)]
+    settings = {"custom_params": {"sgl_kvc": {"policy": policy}}}
+    outs = [_generate(rkv_server, prompt, 24, sampling=settings) for _ in range(2)]
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, 0]
+    assert outs[0]["output_ids"] == outs[1]["output_ids"]
+    first, second = (_events(trace, o["meta_info"]["id"]) for o in outs)
+    assert first and [e["kept_positions"] for e in first] == [e["kept_positions"] for e in second]
+
+
 @pytest.mark.parametrize("policy", ["rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress"])
 def test_every_policy_compresses_per_request(rkv_server, trace, policy: str) -> None:
     r = rkv_server.post(

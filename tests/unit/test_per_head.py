@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvc_reference import maxpool, softmax
 from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode, per_head_extend
 from sgl_kvc.policies import LayerView, PolicyParams, get_policy
 from sgl_kvc.policies.per_head import (
@@ -524,16 +525,8 @@ def test_ragged_variable_small_heads_lend_their_budget() -> None:
 # ==================================================================================================
 
 
-def softmax(xs: list[float]) -> list[float]:
-    m = max(xs)
-    e = [math.exp(x - m) for x in xs]
-    s = sum(e)
-    return [x / s for x in e]
 
 
-def maxpool(xs: list[float], kernel: int) -> list[float]:
-    w = kernel // 2
-    return [max(xs[max(0, i - w): i + w + 1]) for i in range(len(xs))]
 
 
 def window_probs(keys: list, obs: list, h: int, hq: int, scale: float) -> list[list[float]]:

@@ -17,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvc_reference import dot, maxpool, softmax
 from sgl_kvc.policies import (
     LayerView,
     Policy,
@@ -105,20 +106,10 @@ def random_probs(
 # --------------------------------------------------------------------------------------------------
 
 
-def dot(a: list[float], b: list[float]) -> float:
-    return sum(x * y for x, y in zip(a, b))
 
 
-def softmax(xs: list[float]) -> list[float]:
-    m = max(xs)
-    e = [math.exp(x - m) for x in xs]
-    s = sum(e)
-    return [x / s for x in e]
 
 
-def maxpool(xs: list[float], kernel: int) -> list[float]:
-    w = kernel // 2
-    return [max(xs[max(0, i - w): i + w + 1]) for i in range(len(xs))]
 
 
 def causal_probs(keys: list, queries: list, h: int, hq: int, scale: float) -> list[list[float]]:
