@@ -27,15 +27,20 @@ import os
 import shutil
 import sys
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 
 def make_presses(names: list[str]) -> dict[str, Any]:
-    from kvpress import ExpectedAttentionPress, SnapKVPress, StreamingLLMPress, TOVAPress
+    from kvpress import (
+        ExpectedAttentionPress,
+        SnapKVPress,
+        StreamingLLMPress,
+        TOVAPress,
+    )
 
     factories = {
         # SnapKV with sgl-kvc's window and pooling kernel (kvpress defaults: 64 and 5), so that
@@ -120,7 +125,7 @@ def cache_path(spec: dict[str, Any]) -> Path:
 
 
 def main(inp: str, outp: str) -> None:
-    spec = json.loads(open(inp).read())
+    spec = json.loads(Path(inp).read_text())
     cached = cache_path(spec)
     if cached.exists():
         print(f"[kvpress] reusing {cached}", flush=True)
@@ -182,11 +187,11 @@ def run(spec: dict[str, Any], outp: str) -> None:
               flush=True)  # fmt: skip
     press_params = {n: {k: v for k, v in vars(p).items() if isinstance(v, (int, float, str))}
                     for n, p in presses.items()}  # fmt: skip
-    json.dump({
+    Path(outp).write_text(json.dumps({
         "version": kvpress.__version__ if hasattr(kvpress, "__version__") else _version(),
         "presses": list(presses), "press_params": press_params, "dtype": "bfloat16",
         "seconds": time.perf_counter() - t_all, "results": results,
-    }, open(outp, "w"))  # fmt: skip
+    }))  # fmt: skip
 
 
 def _version() -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -44,7 +45,12 @@ import requests
 
 from benchmarks.common import machine
 from benchmarks.quality_samples import (
-    Sample, is_correct, longgen_samples, multikey_samples, passkey_samples, sentence,
+    Sample,
+    is_correct,
+    longgen_samples,
+    multikey_samples,
+    passkey_samples,
+    sentence,
 )
 from loadtest.server import ServerProcess
 
@@ -213,7 +219,7 @@ def run_compressed(server: ManagedServer, samples: list[Sample], args: argparse.
             rest = []
             for chunk in chunks:
                 rest += list(pool.map(
-                    lambda c: server.complete(s, c[0], c[1], args.request_timeout), chunk
+                    lambda c, s=s: server.complete(s, c[0], c[1], args.request_timeout), chunk
                 ))  # fmt: skip
             rest += same
             out += [warm, *rest]
@@ -350,7 +356,7 @@ def score_longgen(
         pre.append(common_prefix(a, b))
         rl.append(rouge_l(texts[s.id], reference[s.id]))
         loops.append(is_looping(a))
-    mean = lambda v: sum(v) / len(v) if v else float("nan")  # noqa: E731
+    mean = lambda v: sum(v) / len(v) if v else float("nan")
     return LongGenScore(config, len(mine), len(mine) - len(done), mean(pre), mean(rl), mean(loops))
 
 
@@ -358,7 +364,7 @@ def score_longgen(
 
 
 def _cell(x: float | None, pct: bool = True) -> str:
-    if x is None or x != x:
+    if x is None or math.isnan(x):
         return "–"
     return f"{100 * x:.0f}%" if pct else f"{x:.2f}"
 
@@ -574,6 +580,8 @@ def main(argv: list[str] | None = None) -> dict:
         timing = timing or [TimingResult(**t) for t in prev["timing"]]
         kvpress = kvpress or ({**prev["kvpress"], "results": []} if prev.get("kvpress") else None)
         phases = {**{f"{k} (merged run)": v for k, v in prev["setup"]["phase_seconds"].items()}, **phases}
+        # The report lists every policy of either run (a merge may rerun only some).
+        args.policies = list(dict.fromkeys([*prev["setup"]["policies"], *args.policies]))
     samples = all_samples
 
     texts: dict[str, dict[str, str | None]] = {}
@@ -589,7 +597,7 @@ def main(argv: list[str] | None = None) -> dict:
                 retrieval.append(score_retrieval(task, config, samples, by_sample, ref))
         if not config.startswith("kvpress") and any(s.task == "longgen" for s in samples):
             longgen.append(score_longgen(config, samples, by_sample, texts["full"], tok))
-    note = ("kvpress: not run (no venv at --kvpress-python)." if kvpress is None else
+    note = ("kvpress: not run (--no-kvpress, or no venv at --kvpress-python)." if kvpress is None else
             f"kvpress: failed ({kvpress['error']})." if "error" in kvpress else
             f"kvpress {kvpress.get('version')} rows: its presses on the same token ids, scored against "
             "its own full-cache run under transformers.")  # fmt: skip

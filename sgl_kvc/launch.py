@@ -3,8 +3,10 @@
 Every SGLang server flag works and means what it means in SGLang; the flags of `KvcConfig`
 are added. Per device defaults are filled in only where the user did not give the flag:
 on CPU the torch-native attention and sampling backends, no grammar backend and a modest
-`--max-total-tokens`; on CUDA FlashInfer. Without `--model-path` the built-in demo model is
-served (created on first use).
+`--max-total-tokens`; on CUDA FlashInfer. Without `--model-path` the built-in real model,
+SmolLM2-135M-Instruct, is served (converted from its packaged GGUF file on first use);
+`--model-path demo` serves the tiny random-weight model the fast tests use. Set-ups sgl-kvc
+cannot serve correctly are refused with one line (`unsupported`).
 """
 
 from __future__ import annotations

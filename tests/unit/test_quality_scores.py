@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from benchmarks.quality import common_prefix, is_looping, parse_lengths, rouge_l, score_retrieval
+from benchmarks.quality import (
+    common_prefix,
+    is_looping,
+    parse_lengths,
+    rouge_l,
+    score_retrieval,
+)
 from benchmarks.quality_samples import Sample, sentence
 
 
