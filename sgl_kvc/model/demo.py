@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from sgl_kvc.model.cache import build_once, default_cache_dir
 
 DEMO_MODEL_NAME = "sgl-kvc-demo-llama-random-weights"
 
@@ -103,30 +102,10 @@ class DemoModelSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def default_cache_dir() -> Path:
-    root = os.environ.get("SGLKVC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "sgl_kvc"
-    )
-    return Path(root)
-
-
 def ensure_demo_model(cache_dir: Path | None = None, spec: DemoModelSpec = DemoModelSpec()) -> Path:
     """Return the folder of the demo checkpoint, creating it on first use."""
     target = (cache_dir or default_cache_dir()) / f"demo-llama-{spec.digest()}"
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
-    try:
-        _write_model(tmp, spec)
-        try:
-            os.rename(tmp, target)  # atomic: a concurrent creator may have won, which is fine
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_once(target, lambda folder: _write_model(folder, spec))
 
 
 def _train_tokenizer(spec: DemoModelSpec):

