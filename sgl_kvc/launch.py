@@ -192,14 +192,6 @@ def main(argv: list[str] | None = None) -> None:
         kv_memory_budget=config.kv_cache_memory_gb is not None,
     )
     config.to_env()  # read by the plugin in this process and in SGLang's worker processes
-    from sgl_kvc.adapter.hooks import hook_table, missing_targets
-
-    missing = missing_targets([target for target, _, _ in hook_table(config)])
-    if missing:
-        sys.exit(
-            f"python -m sgl_kvc.launch: error: the installed SGLang lacks {', '.join(missing)}; "
-            "sgl-kvc is pinned to sglang==0.5.23"
-        )
 
     from sglang.launch_server import run_server
     from sglang.srt.entrypoints.http_server import app

@@ -70,7 +70,7 @@ class Compressor:
         self._policies: OrderedDict[tuple[str, int], Policy] = OrderedDict()
         # With tensor parallelism each rank sees only its own KV heads: scores are averaged over
         # the TP group before choosing, so every rank keeps the same tokens (same row layout).
-        self.reduce_scores = ScoreReducer.for_model_runner(model_runner)
+        self.reduce_scores = ScoreReducer.for_sglang_tp_group()
         if failpoints.active("tp_local_scores"):
             self.reduce_scores = None  # planted: each rank chooses from its own heads
         self.tp_rank = tp_rank()

@@ -11,7 +11,7 @@ rank the single-GPU decision.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -36,9 +36,9 @@ class ScoreReducer:
         return out
 
     @classmethod
-    def for_model_runner(cls, model_runner: Any) -> "ScoreReducer | None":
-        """The reducer for SGLang's TP group, or None with a single rank (`model_runner` is
-        unused: SGLang 0.5.23 publishes the parallel layout process-wide)."""
+    def for_sglang_tp_group(cls) -> "ScoreReducer | None":
+        """The reducer for SGLang's TP group (published process-wide by SGLang 0.5.23), or None
+        with a single rank."""
         import torch.distributed as dist
         from sglang.srt.runtime_context import get_parallel
 

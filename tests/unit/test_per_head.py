@@ -29,13 +29,7 @@ from sgl_kvc.policies.per_head import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors on a shared machine: intra-op threads only add latency."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # ==================================================================================================

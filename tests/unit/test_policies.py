@@ -28,13 +28,7 @@ from sgl_kvc.policies import (
 )
 from sgl_kvc.policies import rkv as rkv_module
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """The tensors here are tiny: intra-op threads only add wake-up latency on a busy machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 ALL_POLICIES = ["avgattn", "h2o", "kvcompress", "none", "rkv", "snapkv", "streamingllm"]
