@@ -60,7 +60,7 @@ class ConfigResult:
     compression_passes: int = 0
     compression_share: float = 0.0
     compression_s_per_pass: float = 0.0
-    compression_max_pass_s: float = 0.0  # the longest single pass: the worst scheduler stall
+    compression_max_pass_s: float = 0.0  # the longest compression work in one step: the worst stall
     retractions: int = 0
     total_tokens: int = 0
 

@@ -54,7 +54,7 @@ from benchmarks.quality_samples import (
 )
 from loadtest.server import ServerProcess
 
-POLICIES = ["rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress"]
+POLICIES = ["rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress", "rkv/shared", "snapkv/shared"]
 BUDGETS = [128, 256, 512, 1024]
 UNCOMPRESSED = 1 << 20  # a per-request budget above any prompt: nothing is evicted
 REPO = Path(__file__).resolve().parents[1]
@@ -186,8 +186,15 @@ class ManagedServer:
 # --- runs ---------------------------------------------------------------------------------------
 
 
+def policy_settings(name: str) -> dict:
+    """`kv_compression` of a policy row: "snapkv" selects per head (the server's default),
+    "snapkv/shared" keeps one set per request (`selection: shared`)."""
+    policy, _, selection = name.partition("/")
+    return {"policy": policy, **({"selection": selection} if selection else {})}
+
+
 def combos(policies: list[str], budgets: list[int]) -> list[tuple[str, dict]]:
-    return [(f"{p}@{b}", {"policy": p, "budget": b}) for p in policies for b in budgets]
+    return [(f"{p}@{b}", {**policy_settings(p), "budget": b}) for p in policies for b in budgets]
 
 
 def run_reference(server: ManagedServer, samples: list[Sample], args: argparse.Namespace) -> list[Outcome]:
@@ -246,7 +253,7 @@ def run_timing(server: ManagedServer, tok: Any, args: argparse.Namespace) -> lis
         warm = server.complete(s, "uncompressed", {"budget": UNCOMPRESSED}, args.request_timeout)
         for policy in args.policies:
             before = server.stats()
-            o = server.complete(s, policy, {"policy": policy, "budget": args.timing_budget},
+            o = server.complete(s, policy, {**policy_settings(policy), "budget": args.timing_budget},
                                 args.request_timeout)  # fmt: skip
             after = server.stats()
             err = warm.error or o.error or (None if before and after else "no stats")
@@ -488,7 +495,8 @@ def parse_lengths(text: str) -> dict[int, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--policies", nargs="+", default=POLICIES)
+    p.add_argument("--policies", nargs="+", default=POLICIES,
+                   help="policy rows; NAME selects per head (default), NAME/shared one set per request")
     p.add_argument("--budgets", nargs="+", type=int, default=BUDGETS)
     p.add_argument("--passkey", type=parse_lengths, default=parse_lengths("1024:2,2048:1,4096:1"),
                    help="prompt length:samples per depth, comma separated")
@@ -555,7 +563,9 @@ def main(argv: list[str] | None = None) -> dict:
     phases["full cache"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    comp_flags = ["--policy", "rkv", "--kv-buffer", str(args.kv_buffer), *common]
+    # Every pass in the step it is due (no staging over later steps): a short answer must be
+    # generated from the compressed cache, not from the full one while a pass is under way.
+    comp_flags = ["--policy", "rkv", "--kv-buffer", str(args.kv_buffer), "--kv-pass-work", "0", *common]
     comp_server = ManagedServer("compressing", comp_flags, logs, args.server_timeout)
     try:
         outcomes += run_compressed(comp_server, samples, args)

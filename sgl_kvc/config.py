@@ -14,7 +14,7 @@ import os
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
-from sgl_kvc.policies import PolicyParams, available_policies
+from sgl_kvc.policies import DEFAULT_SELECTION, SELECTIONS, PolicyParams, available_policies
 
 ENV_VAR = "SGLKVC_CONFIG"
 MOMENTS: tuple[str, ...] = ("prefill", "decode", "preempt")
@@ -36,6 +36,22 @@ class KvcConfig:
     )
     kv_budget: int = field(
         default=_P.budget, metadata=_flag("Tokens kept per request after a compression.")
+    )
+    kv_selection: str = field(
+        default=DEFAULT_SELECTION,
+        metadata=_flag(
+            "per-head: every (layer, KV head) keeps its own best tokens, as the papers do; "
+            "shared: one kept set per request (scores averaged over heads and layers)."
+        ),
+    )
+    kv_pass_work: int = field(
+        default=1 << 18,  # ~0.1 s of work on a 2-core CPU (see README, "Cost")
+        metadata=_flag(
+            "Compression work per scheduler step (cost units: one cached token scored in one "
+            "layer by a linear-cost policy; R-KV's redundancy costs more per token). A per-head "
+            "pass over more is spread over several steps, which bounds the stall a long prompt "
+            "causes; 0 runs every pass in the step it is due."
+        ),
     )
     kv_budget_ratio: float | None = field(
         default=None,
@@ -77,10 +93,14 @@ class KvcConfig:
         choices = available_policies()
         if self.policy not in choices:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {choices}")
+        if self.kv_selection not in SELECTIONS:
+            raise ValueError(f"--kv-selection must be one of {list(SELECTIONS)}, got {self.kv_selection!r}")
         object.__setattr__(self, "compress_on", tuple(self.compress_on))
         bad = [m for m in self.compress_on if m not in MOMENTS]
         if bad:
             raise ValueError(f"--compress-on: unknown moment(s) {bad}; choose from {list(MOMENTS)}")
+        if isinstance(self.kv_pass_work, bool) or not isinstance(self.kv_pass_work, int) or self.kv_pass_work < 0:
+            raise ValueError(f"--kv-pass-work must be an integer >= 0, got {self.kv_pass_work!r}")
         if self.kv_budget_ratio is not None and not 0.0 < self.kv_budget_ratio <= 1.0:
             raise ValueError(f"--kv-budget-ratio must be in (0, 1], got {self.kv_budget_ratio}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
@@ -126,6 +146,9 @@ class KvcConfig:
             kwargs: dict[str, Any] = {"default": default, "help": f.metadata.get("help", "")}
             if f.name == "policy":
                 kwargs["choices"] = available_policies()
+            elif f.name == "kv_selection":
+                kwargs["choices"] = SELECTIONS
+                kwargs["type"] = str
             elif f.name == "compress_on":
                 kwargs["type"] = _moments
                 kwargs["default"] = ",".join(MOMENTS)

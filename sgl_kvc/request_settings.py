@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sgl_kvc.policies import available_policies
+from sgl_kvc.policies import SELECTIONS, available_policies
 
 FIELD = "kv_compression"
 CUSTOM_PARAMS_KEY = "sgl_kvc"
@@ -28,6 +28,7 @@ class RequestSettingError(ValueError):
 class RequestCompression:
     policy: str | None = None
     budget: int | None = None
+    selection: str | None = None  # "per-head" or "shared" (see --kv-selection)
 
     def to_custom_params(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -38,11 +39,11 @@ def parse_kv_compression(obj: Any, field: str = FIELD) -> RequestCompression:
     (`field` is the name the caller knows the object by)."""
     if not isinstance(obj, dict):
         raise RequestSettingError(field, f"{field} must be an object, got {json_type_name(obj)}")
-    unknown = sorted(str(k) for k in set(obj) - {"policy", "budget"})
+    unknown = sorted(str(k) for k in set(obj) - {"policy", "budget", "selection"})
     if unknown:
         raise RequestSettingError(
             f"{field}.{unknown[0]}",
-            f"unknown field(s) {', '.join(unknown)} in {field}; allowed: policy, budget",
+            f"unknown field(s) {', '.join(unknown)} in {field}; allowed: policy, budget, selection",
         )
     policy = obj.get("policy")
     if policy is not None and (not isinstance(policy, str) or policy not in available_policies()):
@@ -59,7 +60,13 @@ def parse_kv_compression(obj: Any, field: str = FIELD) -> RequestCompression:
         raise RequestSettingError(
             f"{field}.budget", f"budget must be an integer from 1 to {MAX_BUDGET}, got {shown}"
         )
-    return RequestCompression(policy=policy, budget=budget)
+    selection = obj.get("selection")
+    if selection is not None and (not isinstance(selection, str) or selection not in SELECTIONS):
+        shown = f'"{selection}"' if isinstance(selection, str) else json_type_name(selection)
+        raise RequestSettingError(
+            f"{field}.selection", f"unknown selection {shown}; choose one of {', '.join(SELECTIONS)}"
+        )
+    return RequestCompression(policy=policy, budget=budget, selection=selection)
 
 
 def from_custom_params(custom_params: Any) -> RequestCompression:

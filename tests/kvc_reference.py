@@ -55,30 +55,57 @@ def reference_logprobs(
     query row sees exactly the keys that were in the server's cache when that token was
     processed (a compaction at logical length L removes keys for every query at position >= L),
     and RoPE positions are the tokens' logical positions (or, for `logical=False`, the physical
-    index a token was written at, which is what ignoring the offset would give)."""
-    from transformers import AutoModelForCausalLM
+    index a token was written at, which is what ignoring the offset would give).
 
+    A per-head event (`kept_positions` as [layer][KV head] lists) removes keys per layer and KV
+    head: the forward runs with one mask per layer and query head (query head h reads KV head
+    h // group), through an attention function that picks its layer's mask and then calls
+    `attn_implementation` (eager, or one registered with transformers' AttentionInterface)."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    inner = (eager_attention_forward if attn_implementation == "eager"
+             else ALL_ATTENTION_FUNCTIONS[attn_implementation])
     model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=torch.float32, attn_implementation=attn_implementation
+        model_path, dtype=torch.float32, attn_implementation="eager"
     )
+    cfg = model.config
+    n_layers, h_kv = cfg.num_hidden_layers, cfg.num_key_value_heads
+    group = cfg.num_attention_heads // h_kv
     t = len(ids)
-    allowed = torch.ones(t, t, dtype=torch.bool).tril()
+    allowed = torch.ones(n_layers, h_kv, t, t, dtype=torch.bool).tril()
     positions = torch.arange(t)
     for e in sorted(events, key=lambda e: e["logical_len"]):
         length = e["logical_len"]
-        present = torch.zeros(t, dtype=torch.bool)
-        present[e["kept_positions"]] = True
-        present[length:] = True
+        kept = torch.tensor(e["kept_positions"], dtype=torch.int64)
+        kept = kept.expand(n_layers, h_kv, kept.shape[-1])  # a shared event: every head
+        present = torch.zeros(n_layers, h_kv, t, dtype=torch.bool)
+        present.scatter_(-1, kept, True)
+        present[..., length:] = True
         if evict:
-            allowed[length:] &= present[None, :]
+            allowed[..., length:, :] &= present[:, :, None, :]
         if not logical:
-            positions[length:] = torch.arange(length, t) - (length - len(e["kept_positions"]))
-    mask = torch.zeros(t, t).masked_fill(~allowed, float("-inf"))[None, None]
+            positions[length:] = torch.arange(length, t) - (length - kept.shape[-1])
+    masks = torch.zeros(n_layers, h_kv, t, t).masked_fill(~allowed, float("-inf"))
+    masks = masks.repeat_interleave(group, dim=1)  # [L, H_q, t, t]
+
+    def per_layer(module, query, key, value, attention_mask, **kwargs):
+        return inner(module, query, key, value, masks[module.layer_idx][None], **kwargs)
+
+    AttentionInterface.register("kvc_per_layer_mask", per_layer)
+    model.set_attn_implementation("kvc_per_layer_mask")
     with torch.no_grad():
-        logits = model(
-            input_ids=torch.tensor([ids]), attention_mask=mask, position_ids=positions[None]
-        ).logits[0]
+        logits = model(input_ids=torch.tensor([ids]), position_ids=positions[None]).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def kept_count(event: dict) -> int:
+    """Entries per head a compaction kept (shared or per-head event)."""
+    kept = event["kept_positions"]
+    while kept and isinstance(kept[0], list):
+        kept = kept[0]
+    return len(kept)
 
 
 # --- plain-Python math for the policies' dense references (loops, float64) -----------------------

@@ -4,6 +4,13 @@ SGLang keeps one slot table (`req_to_token`) for all layers and heads and runs a
 page size 1 over it, so a compaction moves no KV data: it rewrites the request's row to the
 kept slots, frees the evicted slots through the allocator and shortens the request's lengths.
 
+Per-head compaction (`compact_request_per_head`, KV-Compress §4.2 with page size 1): every
+(layer, KV head) keeps its own `k` entries. They are packed into `k` slots the request owns:
+slot `row[j]` then holds, in KV head h of layer l, the j-th kept entry of (l, h), so each head's
+tokens differ while the row, the slot count and SGLang's page-size-1 attention stay as they are
+(a decode query attends to every entry of its head, whatever token each entry is). The other
+slots go back to the allocator: the evicted (token, head) pairs are really freed.
+
 The radix rule (docs/radix-and-eviction.md): the tree only ever holds full, exact KV. The
 request's row positions [0, cache_protected_len) are slots owned by the tree (matched or
 checkpointed prefix, locked by the request). A compacting request copies the kept ones of those
@@ -22,6 +29,7 @@ import torch
 from torch import Tensor
 
 from sgl_kvc.adapter import failpoints, invariants
+from sgl_kvc.policies import HeadSelection
 
 
 @dataclass(frozen=True)
@@ -38,17 +46,15 @@ class CompactionSkipped(RuntimeError):
 def compact_request(
     batch: Any, i: int, keep: Tensor, other_batches: tuple[Any, ...] = ()
 ) -> CompactionResult:
-    """Keep physical indices `keep` (sorted, unique) of request `batch.reqs[i]`.
-    `other_batches` hold the other running requests (only read by the invariant check)."""
+    """Keep physical indices `keep` (sorted, unique) of request `batch.reqs[i]`, in every layer
+    and head. `other_batches` hold the other running requests (only read by the invariant check)."""
     from sglang.srt.mem_cache.common import evict_from_tree_cache
 
     req = batch.reqs[i]
     kv = req.kv
-    tree = batch.tree_cache
     allocator = batch.token_to_kv_pool_allocator
-    r2t = batch.req_to_token_pool.req_to_token
     n = int(batch.seq_lens_cpu[i])
-    row = r2t[kv.req_pool_idx, :n].to(torch.int64)
+    row = batch.req_to_token_pool.req_to_token[kv.req_pool_idx, :n].to(torch.int64)
     keep = keep.to(device=row.device, dtype=torch.int64)
     k = int(keep.numel())
 
@@ -63,31 +69,95 @@ def compact_request(
     if shared:
         # Make room while the tree path is still locked, so eviction cannot take the sources;
         # check before changing anything, so a skipped compaction leaves the request intact.
-        evict_from_tree_cache(tree, shared)
+        evict_from_tree_cache(batch.tree_cache, shared)
         if allocator.available_size() + int(evicted_owned.numel()) < shared:
             raise CompactionSkipped(f"no {shared} free slots to privatise the kept prefix")
-    if failpoints.active("leak_slot") and evicted_owned.numel():
-        evicted_owned = evicted_owned[1:]  # planted accounting error (tests of SGLKVC_CHECK)
-    freed = int(evicted_owned.numel())
-    if freed:
-        allocator.free(evicted_owned)
+    evicted_owned = _free(allocator, evicted_owned)
     if shared:
         private = allocator.alloc(shared).to(device=row.device, dtype=torch.int64)
         copy_slots(allocator.get_kvcache(), private, new_row[:shared])
         new_row[:shared] = private
-    if protected > 0:
-        tree.unlock(req.lock)
+    _finish(batch, i, new_row, other_batches, evicted_owned)
+    return CompactionResult(kept=k, freed=int(evicted_owned.numel()), copied=shared)
+
+
+def compact_request_per_head(
+    batch: Any, i: int, selection: HeadSelection, other_batches: tuple[Any, ...] = ()
+) -> CompactionResult:
+    """Keep, in every (layer, KV head), its own entries `selection.kept(l, h)` (physical indices
+    of the request's row; the same count in every head: a uniform per-head budget)."""
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+    req = batch.reqs[i]
+    kv = req.kv
+    allocator = batch.token_to_kv_pool_allocator
+    n = int(batch.seq_lens_cpu[i])
+    k = selection.max_keep
+    if selection.n != n or not bool((selection.lengths == k).all()):
+        raise ValueError(
+            f"per-head compaction needs {n} entries and one count for every head, got "
+            f"n={selection.n}, counts {sorted(set(selection.lengths.flatten().tolist()))}"
+        )
+    row = batch.req_to_token_pool.req_to_token[kv.req_pool_idx, :n].to(torch.int64)
+    owned = row[int(kv.cache_protected_len):]
+    # Destinations: the request's own slots first (the tree's are never written); only a
+    # request that owns fewer than k slots (a long prefix hit) needs new ones.
+    need = max(0, k - int(owned.numel()))
+    if need:
+        evict_from_tree_cache(batch.tree_cache, need)  # the request's own path is still locked
+        if allocator.available_size() < need:
+            raise CompactionSkipped(f"no {need} free slots to privatise the kept prefix")
+        dest = torch.cat([owned, allocator.alloc(need).to(device=row.device, dtype=torch.int64)])
+    else:
+        dest = owned[:k]
+    move_units(allocator.get_kvcache(), row, selection.indices.to(row.device), dest)
+    evicted_owned = _free(allocator, owned[k:])
+    _finish(batch, i, dest, other_batches, evicted_owned)
+    return CompactionResult(kept=k, freed=int(evicted_owned.numel()), copied=need)
+
+
+def move_units(pool: Any, row: Tensor, indices: Tensor, dest: Tensor) -> None:
+    """Per layer l and KV head h: entry j of (l, h) <- entry indices[l, h, j] of the row.
+
+    Each layer's kept (token, head) units are gathered into a temporary before any is written,
+    so sources may sit anywhere, destinations included (KV-Compress Alg. 1's MoveCache, done as
+    gather + scatter). Works on SGLang's tensors and on the FP8 pool's `Fp8Rows` (codes and
+    scales move together, no re-quantization)."""
+    start = int(getattr(pool, "start_layer", 0))
+    num_heads, k = int(indices.shape[1]), int(dest.numel())
+    heads = torch.arange(num_heads, device=row.device)[:, None]  # [H, 1]
+    dst = dest[None, :].expand(num_heads, k)
+    for layer in range(int(indices.shape[0])):
+        src = row[indices[layer]]  # [H, k] slots
+        for buf in pool.get_kv_buffer(start + layer):
+            buf[dst, heads] = buf[src, heads]
+
+
+def _free(allocator: Any, slots: Tensor) -> Tensor:
+    if failpoints.active("leak_slot") and slots.numel():
+        slots = slots[1:]  # planted accounting error (tests of SGLKVC_CHECK)
+    if slots.numel():
+        allocator.free(slots)
+    return slots
+
+
+def _finish(batch: Any, i: int, new_row: Tensor, others: tuple[Any, ...], freed: Tensor) -> None:
+    """Drop the tree lock, write the request's new row and lengths."""
+    req = batch.reqs[i]
+    kv = req.kv
+    if int(kv.cache_protected_len) > 0:
+        batch.tree_cache.unlock(req.lock)
         req.lock = None
         kv.cache_protected_len = 0
-
+    k = int(new_row.numel())
+    r2t = batch.req_to_token_pool.req_to_token
     r2t[kv.req_pool_idx, :k] = new_row.to(r2t.dtype)
     kv.kv_committed_len = k
     kv.kv_allocated_len = k
     req.skip_radix_cache_insert = True
     _set_len(batch, i, k)
     if invariants.enabled():
-        invariants.check_after_compaction([batch, *other_batches], req, evicted_owned)
-    return CompactionResult(kept=k, freed=freed, copied=shared)
+        invariants.check_after_compaction([batch, *others], req, freed)
 
 
 def copy_slots(pool: Any, dst: Tensor, src: Tensor) -> None:

@@ -15,20 +15,31 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from sgl_kvc.adapter import failpoints
-from sgl_kvc.adapter.compaction import CompactionSkipped, compact_request
+from sgl_kvc.adapter.compaction import (
+    CompactionSkipped,
+    compact_request,
+    compact_request_per_head,
+)
 from sgl_kvc.adapter.invariants import InvariantViolation
 from sgl_kvc.adapter.metrics import maybe_metrics
 from sgl_kvc.adapter.requests import abort_running, is_middle_chunk, request_settings
 from sgl_kvc.adapter.state import KvcStore, ReqKvState
 from sgl_kvc.adapter.tp import ScoreReducer, tp_rank
 from sgl_kvc.config import KvcConfig
-from sgl_kvc.policies import LayerView, Policy, get_policy
+from sgl_kvc.policies import (
+    HeadSelection,
+    LayerView,
+    Policy,
+    carry_stats_per_head,
+    get_policy,
+    select_per_head,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +62,26 @@ class CompressionStats:
     retractions: int = 0
     skipped: int = 0
     failed_requests: int = 0  # requests aborted because sgl-kvc raised while handling them
-    max_pass_seconds: float = 0.0  # the longest single compression: the worst scheduler stall
+    max_pass_seconds: float = 0.0  # the longest compression work in one scheduler step: the worst stall
+    staged_passes: int = 0  # passes spread over several scheduler steps (--kv-pass-work)
+
+
+@dataclass
+class PendingPass:
+    """A per-head pass spread over scheduler steps (`--kv-pass-work`): each step scores and
+    selects some layers of the n0 entries the request held when it began; the compaction runs
+    when every layer has chosen. Entries appended meanwhile (the tail) are kept by every head.
+    Per-head selection makes this exact: a layer's choice does not depend on the other layers,
+    and the window queries are taken when the pass begins, as a one-step pass would read them."""
+
+    moment: str
+    policy: Policy
+    n0: int
+    target: int
+    positions: torch.Tensor
+    queries: list[torch.Tensor | None]
+    indices: list[torch.Tensor] = field(default_factory=list)  # per layer done: [H_kv, target]
+    seconds: float = 0.0
 
 
 class Compressor:
@@ -76,6 +106,8 @@ class Compressor:
         self.tp_rank = tp_rank()
         self._trace_path = os.environ.get(TRACE_ENV)
         self.scheduler: Any = None  # set by the scheduler hooks; read for the other running batch
+        self._work_left = 0  # cost units a staged pass may still spend in this step
+        self._step_seconds = 0.0  # compression work in this step so far
         self.metrics = maybe_metrics(model_runner, config.policy)
         backend = model_runner.attn_backend
         if config.compressing and hasattr(backend, "kvc_store"):
@@ -100,7 +132,10 @@ class Compressor:
         name = settings.policy or self.config.policy
         budget = settings.budget or self.config.kv_budget
         ratio = None if settings.budget else self.config.kv_budget_ratio
-        return ReqKvState(policy=self.policy(name, budget), budget=budget, budget_ratio=ratio)
+        return ReqKvState(
+            policy=self.policy(name, budget), budget=budget, budget_ratio=ratio,
+            selection=settings.selection or self.config.kv_selection,
+        )
 
     def state(self, req: Any) -> ReqKvState | None:
         return getattr(req, STATE_ATTR, None)
@@ -129,6 +164,7 @@ class Compressor:
 
     # --- the three moments ----------------------------------------------------------------------
     def after_prefill(self, batch: Any) -> None:
+        self._new_step()
         for i, req in enumerate(batch.reqs):
             # A request between two chunks of its prompt is never compacted: its earlier chunks
             # are in the radix tree as exact KV and the next chunk extends exactly them.
@@ -146,9 +182,10 @@ class Compressor:
         if target is None and n > budget:
             target = budget  # any policy, with a prompt over budget
         if target is not None and target < n:
-            self._compress(batch, i, state, target, "prefill")
+            self._start_pass(batch, i, state, target, "prefill")
 
     def before_decode(self, batch: Any) -> None:
+        self._new_step()
         for i, req in enumerate(batch.reqs):
             state = self.state(req)
             if state is None or state.policy.name == "none" or req.finished():
@@ -156,10 +193,13 @@ class Compressor:
             self._guarded(req, "compress", self._before_decode_one, batch, i, state)
 
     def _before_decode_one(self, batch: Any, i: int, state: ReqKvState) -> None:
+        if state.pending is not None:
+            self._advance(batch, i, state)
+            return
         n = int(batch.seq_lens_cpu[i])
         target = self.policy(state.policy.name, state.effective_budget(n)).target_length(n)
         if target is not None and target < n:
-            self._compress(batch, i, state, target, "decode")
+            self._start_pass(batch, i, state, target, "decode")
 
     def before_retract(self, batch: Any) -> bool:
         """Compress over-budget requests until the next decode step fits. True if it fits."""
@@ -204,59 +244,167 @@ class Compressor:
 
     # --- one compression ------------------------------------------------------------------------
     def _compress(self, batch: Any, i: int, state: ReqKvState, target: int, moment: str) -> bool:
+        """A whole pass in this step (the preempt moment, the shared selection, staging off)."""
         t0 = time.perf_counter()
-        req = batch.reqs[i]
-        if failpoints.active("compress_raise") and str(req.rid).startswith(failpoints.RID_PREFIX):
-            raise failpoints.PlantedFault(f"planted fault compressing {req.rid}")
-        row = req.kv.req_pool_idx
+        self._check_failpoint(batch.reqs[i])
+        state.pending = None  # a staged pass in progress is superseded
+        row = batch.reqs[i].kv.req_pool_idx
         n = int(batch.seq_lens_cpu[i])
         policy = self.policy(state.policy.name, state.effective_budget(n))
         positions = state.positions(n)
         views = [self._view(batch, row, layer, n, positions, state) for layer in self._layers()]
-        keep = policy.select(views, target, reduce=self.reduce_scores).cpu()
+        if state.per_head:
+            # Every (layer, KV head) keeps its own `target` best entries. Each TP rank holds whole
+            # KV heads, so it chooses for its own heads alone; every rank keeps `target` slots.
+            chosen: HeadSelection | torch.Tensor = select_per_head(policy, views, min(target, n))
+        else:
+            chosen = policy.select(views, target, reduce=self.reduce_scores).cpu()
+        done = self._apply(batch, i, state, policy, moment, positions, views, chosen)
+        self._account(time.perf_counter() - t0)
+        return done
+
+    def _start_pass(self, batch: Any, i: int, state: ReqKvState, target: int, moment: str) -> bool:
+        """Begin a pass that may take several steps (per head, `--kv-pass-work` > 0)."""
+        if not state.per_head or self.config.kv_pass_work <= 0:
+            return self._compress(batch, i, state, target, moment)
+        self._check_failpoint(batch.reqs[i])
+        row = batch.reqs[i].kv.req_pool_idx
+        n = int(batch.seq_lens_cpu[i])
+        state.pending = PendingPass(
+            moment=moment,
+            policy=self.policy(state.policy.name, state.effective_budget(n)),
+            n0=n,
+            target=min(target, n),
+            positions=state.positions(n),
+            queries=[self.store.queries(row, layer, n) for layer in self._layers()],
+        )
+        return self._advance(batch, i, state)
+
+    def _advance(self, batch: Any, i: int, state: ReqKvState) -> bool:
+        """Score the layers that fit in this step's work (the step's first layer always runs, so
+        every step makes progress), and compact once every layer has chosen. True if the
+        request was compacted."""
+        t0 = time.perf_counter()
+        p = state.pending
+        assert p is not None
+        row = batch.reqs[i].kv.req_pool_idx
+        layers = list(self._layers())
+        cost = p.policy.score_cost(p.n0)  # one layer
+        while len(p.indices) < len(layers) and (
+            self._work_left >= cost or self._work_left == self.config.kv_pass_work
+        ):  # a layer fits in what is left of this step's work, or it is the step's first
+            layer = layers[len(p.indices)]
+            view = self._view(
+                batch, row, layer, p.n0, p.positions, state, queries=p.queries[len(p.indices)]
+            )
+            p.indices.append(select_per_head(p.policy, [view], p.target).indices[0])
+            self._work_left -= cost
+        if len(p.indices) < len(layers):
+            p.seconds += self._account(time.perf_counter() - t0)
+            return False
+        state.pending = None
+        n = int(batch.seq_lens_cpu[i])
+        indices = torch.stack(p.indices)  # [L, H_kv, target] over the first n0 entries
+        if n > p.n0:  # the tail appended since the pass began: every head keeps it
+            tail = torch.arange(p.n0, n, device=indices.device)
+            indices = torch.cat([indices, tail.expand(*indices.shape[:2], n - p.n0)], dim=-1)
+        lengths = torch.full(indices.shape[:2], indices.shape[-1], dtype=torch.int64)
+        selection = HeadSelection(indices=indices, lengths=lengths, n=n)
+        positions = state.positions(n)
+        views = (
+            [self._view(batch, row, layer, n, positions, state) for layer in layers]
+            if p.policy.uses_stats else []
+        )  # fmt: skip
+        done = self._apply(batch, i, state, p.policy, p.moment, positions, views, selection, p.n0)
+        self._account(time.perf_counter() - t0)
+        if done and p.seconds:  # it took more than one step
+            self.stats.staged_passes += 1
+        return done
+
+    def _check_failpoint(self, req: Any) -> None:
+        if failpoints.active("compress_raise") and str(req.rid).startswith(failpoints.RID_PREFIX):
+            raise failpoints.PlantedFault(f"planted fault compressing {req.rid}")
+
+    def _apply(
+        self, batch: Any, i: int, state: ReqKvState, policy: Policy, moment: str,
+        positions: torch.Tensor, views: list[LayerView], chosen: HeadSelection | torch.Tensor,
+        began_at: int | None = None,
+    ) -> bool:
+        """Compact the request to `chosen` and update its state. False if it was skipped.
+        `began_at`: the entries a staged pass scored (the rest is the tail it keeps)."""
+        req = batch.reqs[i]
+        row = req.kv.req_pool_idx
+        n = int(batch.seq_lens_cpu[i])
+        logical_len = state.logical_len(n)
         try:
             running = getattr(self.scheduler, "running_batch", None)
             others = (running,) if running is not None and running is not batch else ()
-            result = compact_request(batch, i, keep, others)
+            if isinstance(chosen, HeadSelection):
+                result = compact_request_per_head(batch, i, chosen, others)
+            else:
+                result = compact_request(batch, i, chosen, others)
         except CompactionSkipped as e:
             logger.debug("compression of %s skipped: %s", req.rid, e)
             self.stats.skipped += 1
             return False
-        if policy.uses_stats:
-            state.stats = [
-                policy.carry_stats(v, keep.to(v.keys.device)) if v is not None else None
-                for v in self._with_gaps(views)
-            ]
-        state.kept_positions = positions[keep]
+        if isinstance(chosen, HeadSelection):
+            if policy.uses_stats:
+                state.stats = self._with_gaps(carry_stats_per_head(policy, views, chosen))
+            full = positions.expand(chosen.num_layers, chosen.num_heads, n)
+            state.kept_positions = full.gather(-1, chosen.indices.cpu())
+        else:
+            if policy.uses_stats:
+                state.stats = [
+                    policy.carry_stats(v, chosen.to(v.keys.device)) if v is not None else None
+                    for v in self._with_gaps(views)
+                ]
+            state.kept_positions = positions[chosen]
         if self._trace_path:
-            self._trace(req, moment, policy.name, n, positions, state.kept_positions)
-        state.offset = int(positions[-1]) + 1 - result.kept if n else 0
+            self._trace(req, moment, policy.name, n, logical_len, state.kept_positions,
+                        n if began_at is None else began_at)
+        state.offset = logical_len - result.kept
         self.store.set_offset(row, state.offset)
         state.passes += 1
         self.store.trim_queries(row, result.kept)
         self.stats.passes += 1
         self.stats.evicted_tokens += n - result.kept
         setattr(self.stats, f"{moment}_passes", getattr(self.stats, f"{moment}_passes") + 1)
-        seconds = time.perf_counter() - t0
-        self.stats.seconds += seconds
-        self.stats.max_pass_seconds = max(self.stats.max_pass_seconds, seconds)
         if self.metrics:
-            self.metrics.compressed(moment, n - result.kept, seconds)
+            self.metrics.compressed(moment, n - result.kept)
         return True
+
+    def _new_step(self) -> None:
+        self._work_left = self.config.kv_pass_work
+        self._step_seconds = 0.0
+
+    def _account(self, seconds: float) -> float:
+        """Time spent compressing: the step's total is the stall it caused the scheduler."""
+        self.stats.seconds += seconds
+        self._step_seconds += seconds
+        self.stats.max_pass_seconds = max(self.stats.max_pass_seconds, self._step_seconds)
+        if self.metrics:
+            self.metrics.spent(seconds)
+        return seconds
 
     def retracted(self, n: int) -> None:
         self.stats.retractions += n
         if self.metrics:
             self.metrics.retracted(n)
 
-    def _trace(self, req: Any, moment: str, policy: str, n: int, positions, kept) -> None:
+    def _trace(
+        self, req: Any, moment: str, policy: str, n: int, logical_len: int, kept, began_at: int
+    ) -> None:
+        """`kept_positions`: a list (shared selection) or, per head, [layer][KV head] lists
+        (this rank's layers and heads). `began_at`: physical length when the pass began."""
         event = {
             "rid": req.rid,
             "tp_rank": self.tp_rank,
             "moment": moment,
             "policy": policy,
-            "logical_len": int(positions[-1]) + 1,
+            "selection": "per-head" if kept.dim() > 1 else "shared",
+            "logical_len": logical_len,
             "physical_len": n,
+            "began_at": began_at,
             "kept_positions": kept.tolist(),
         }
         with open(self._trace_path, "a", encoding="utf-8") as f:
@@ -265,19 +413,26 @@ class Compressor:
     def _layers(self) -> range:
         return range(self.first_layer, self.num_layers)
 
-    def _with_gaps(self, views: list[LayerView]) -> list[LayerView | None]:
-        return [None] * self.first_layer + list(views)
+    def _with_gaps(self, items: list[Any]) -> list[Any]:
+        return [None] * self.first_layer + list(items)
 
     def _view(
-        self, batch: Any, row: int, layer: int, n: int, positions: torch.Tensor, state: ReqKvState
+        self, batch: Any, row: int, layer: int, n: int, positions: torch.Tensor, state: ReqKvState,
+        queries: torch.Tensor | None | str = "current",
     ) -> LayerView:
+        """Layer `layer` of the request's first n entries. `queries`: the window queries taken
+        when a staged pass began (default: the current ones)."""
         pool = batch.token_to_kv_pool_allocator.get_kvcache()
         slots = batch.req_to_token_pool.req_to_token[row, :n].long()
         keys = pool.get_key_buffer(layer)[slots]
         stats = state.stats[layer] if layer < len(state.stats) else None
+        if stats is not None:
+            stats = stats[:, :n]  # a staged pass scores the entries it began with
+        if positions.dim() > 1:  # per head: [L, H_kv, n] over this rank's layers
+            positions = positions[layer - self.first_layer]
         return LayerView(
             keys=keys,
-            queries=self.store.queries(row, layer, n),
+            queries=self.store.queries(row, layer, n) if isinstance(queries, str) else queries,
             positions=positions.to(keys.device),
             stats=stats,
         )

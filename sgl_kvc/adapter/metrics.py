@@ -34,9 +34,12 @@ class CompressionMetrics:
             "sgl_kvc:retractions_total", "Requests retracted (preempted) by the scheduler", names
         )
 
-    def compressed(self, moment: str, evicted: int, seconds: float) -> None:
+    def compressed(self, moment: str, evicted: int) -> None:
         self.passes.labels(**self._labels, moment=moment).inc()
         self.evicted.labels(**self._labels).inc(evicted)
+
+    def spent(self, seconds: float) -> None:
+        """Compression work of one scheduler step (a staged pass spends over several)."""
         self.seconds.labels(**self._labels).inc(seconds)
 
     def avoided_retraction(self) -> None:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from sgl_kvc.policies import Policy
+from sgl_kvc.policies import DEFAULT_SELECTION, Policy
 
 STATS_BLOCK = 256  # query rows per block when accumulating prefill attention statistics
 DECODE_STATS_ELEMS = 1 << 24  # bound on the padded key block of a batched decode statistic
@@ -24,31 +25,49 @@ class ReqKvState:
     """What the compressor knows about one request, beyond SGLang's own `Req`.
 
     Physical index j (its slot is `req_to_token[row, j]`) holds the token at logical position
-    `kept_positions[j]` for j < len(kept_positions), and `j + offset` after that: every token
-    appended since the last compaction sits at its logical position minus `offset`.
+    `kept_positions[..., j]` for j < k (the number of entries kept by the last compaction), and
+    `j + offset` after that: every token appended since the last compaction sits at its logical
+    position minus `offset`. `kept_positions` is [k] after a shared compaction (the same token in
+    every layer and head) and [L, H_kv, k] after a per-head one (entry j of head h of layer l is
+    its own token: layer l's KV head h of slot `req_to_token[row, j]` holds it).
     """
 
     policy: Policy
     budget: int
     budget_ratio: float | None = None
+    selection: str = DEFAULT_SELECTION
     kept_positions: Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     offset: int = 0
     stats: list[Tensor | None] = field(default_factory=list)
     passes: int = 0
+    pending: Any = None  # the compressor's PendingPass while a staged pass is under way
 
     @property
     def compressed(self) -> bool:
         return self.passes > 0
 
+    @property
+    def per_head(self) -> bool:
+        return self.selection == "per-head"
+
     def positions(self, n: int) -> Tensor:
-        k = self.kept_positions.numel()
+        """Logical positions of the n cached entries: [n], or [L, H_kv, n] once per-head."""
+        kept = self.kept_positions[..., :n]
+        k = kept.shape[-1]
         tail = torch.arange(k, n, dtype=torch.int64) + self.offset
-        return torch.cat([self.kept_positions[:n], tail]) if k else tail
+        if kept.dim() > 1:
+            tail = tail.expand(*kept.shape[:-1], n - k)
+        return torch.cat([kept, tail], dim=-1) if k else tail
+
+    def logical_len(self, n: int) -> int:
+        """Tokens the request has processed, for n cached entries (the newest is at n-1+offset,
+        or, right after a compaction, the kept entries end at offset + k)."""
+        return n + self.offset
 
     def effective_budget(self, n: int) -> int:
         if self.budget_ratio is None:
             return self.budget
-        return max(self.policy.params.window + 1, math.ceil(self.budget_ratio * (n + self.offset)))
+        return max(self.policy.params.window + 1, math.ceil(self.budget_ratio * self.logical_len(n)))
 
 
 class KvcStore:

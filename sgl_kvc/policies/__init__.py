@@ -12,6 +12,8 @@ from .h2o import H2OPolicy
 from .kvcompress import KVCompressPolicy
 from .none import NoPolicy
 from .per_head import (
+    DEFAULT_SELECTION,
+    SELECTIONS,
     HeadSelection,
     carry_stats_per_head,
     select_from_scores,
@@ -23,6 +25,8 @@ from .snapkv import SnapKVPolicy
 from .streamingllm import StreamingLLMPolicy
 
 __all__ = [
+    "DEFAULT_SELECTION",
+    "SELECTIONS",
     "AvgAttnPolicy",
     "H2OPolicy",
     "HeadSelection",

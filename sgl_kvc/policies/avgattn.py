@@ -42,7 +42,8 @@ class AvgAttnPolicy(Policy):
             raise ValueError("policy 'avgattn' needs accumulated attention (LayerView.stats)")
         sums = pad_stats(view.stats, view.n)
         pos = view.positions.to(torch.float64)
-        seen_by = (pos[-1] + 1.0 - pos).clamp_min(1.0)  # Batch-Max §3.2: curr_id + 1 - kv_ids
+        # positions are [n] or, per head, [H_kv, n]: curr_id is the newest token any head holds
+        seen_by = (pos.max() + 1.0 - pos).clamp_min(1.0)  # Batch-Max §3.2: curr_id + 1 - kv_ids
         return (sums.double() / seen_by).float()  # Batch-Max §3.2: ave_weights
 
     def accumulate(self, stats: Tensor | None, probs: Tensor, n_kv_heads: int) -> Tensor:

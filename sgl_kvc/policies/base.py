@@ -102,7 +102,8 @@ class LayerView:
                LAST q cached tokens. H_q must be a multiple of H_kv; query head h uses KV head
                h // (H_q // H_kv) (KV-Compress eq. 11).
     positions: [n] logical RoPE positions, strictly increasing (gaps allowed after compaction);
-               None means 0..n-1.
+               None means 0..n-1. [H_kv, n] after a per-head compaction, when every KV head
+               holds its own tokens (row h increasing; entry j of head h is keys[j, h]).
     stats:     [H_kv, m] (m <= n) or None: the statistic maintained by ``Policy.accumulate``; same
                token order as keys; columns m..n-1 (tokens appended since) count as zero.
     scale:     softmax scale; None means 1/sqrt(d).
@@ -131,8 +132,10 @@ class LayerView:
                 raise ValueError(f"{self.queries.shape[0]} queries for only {n} cached tokens")
         if self.positions is None:
             self.positions = torch.arange(n, device=self.keys.device)
-        elif tuple(self.positions.shape) != (n,):
-            raise ValueError(f"positions must be [{n}], got shape {tuple(self.positions.shape)}")
+        elif tuple(self.positions.shape) not in ((n,), (h_kv, n)):
+            raise ValueError(
+                f"positions must be [{n}] or [{h_kv}, {n}], got shape {tuple(self.positions.shape)}"
+            )
         if self.stats is not None:
             if self.stats.dim() != 2 or self.stats.shape[0] != h_kv or self.stats.shape[1] > n:
                 raise ValueError(
@@ -205,6 +208,11 @@ class Policy(ABC):
         if view.stats is None:
             return None
         return pad_stats(view.stats, view.n)[:, keep]
+
+    def score_cost(self, n: int) -> int:
+        """Relative cost of scoring one layer of n cached tokens, in units of one token of a
+        linear-cost scorer (what a staged pass budgets per scheduler step)."""
+        return n
 
     # ---- when and to what size -----------------------------------------------------------------
     def target_length(self, n: int) -> int | None:

@@ -58,6 +58,10 @@ from .base import LayerView, Policy
 
 BudgetMode = Literal["uniform", "variable"]
 BUDGET_MODES: tuple[str, ...] = ("uniform", "variable")
+# How a request's kept tokens are chosen: each (layer, KV head) its own ("per-head", what the
+# papers do), or one set for the whole request ("shared": scores averaged over heads and layers).
+SELECTIONS: tuple[str, ...] = ("per-head", "shared")
+DEFAULT_SELECTION = "per-head"
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
 """Eviction inside SGLang: positions, the three moments, the radix rule, request settings.
 
 One server per module (start-up is the slow part): R-KV with a small budget so that short
-requests compress, a trace file that records every compaction's kept logical positions.
+requests compress, a trace file that records every compaction's kept logical positions. Its
+`--kv-pass-work` is below one layer of these prompts, so every per-head pass is staged over
+two scheduler steps (one per layer of the demo model): the dense reference shows that staging
+is exact.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import torch
 
 from kvc_reference import generate as _generate
 from kvc_reference import REASONING_PROMPT as PROMPT
-from kvc_reference import reference_logprobs, trace_events as _events
+from kvc_reference import kept_count, reference_logprobs, trace_events as _events
 from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
 
 BUDGET, BUFFER, WINDOW = 24, 8, 4
+PASS_WORK = 16  # less than one layer of any pass here: one layer per step
 
 
 @pytest.fixture(scope="module")
@@ -28,24 +32,40 @@ def rkv_server(trace: Path):
     cmd = [
         sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv",
         "--kv-budget", str(BUDGET), "--kv-buffer", str(BUFFER), "--kv-window", str(WINDOW),
+        "--kv-pass-work", str(PASS_WORK),
     ]
     with ServerProcess.launch(cmd, env={"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1"}) as server:
         yield server
 
 
-def test_logits_after_compaction_match_dense_reference(rkv_server, trace, demo_model_path) -> None:
+@pytest.mark.parametrize("selection", ["per-head", "shared"])
+def test_logits_after_compaction_match_dense_reference(
+    rkv_server, trace, demo_model_path, selection: str
+) -> None:
+    """Per head, each (layer, KV head) keeps its own tokens in slots shared with the others'
+    kept tokens: the served log-probs equal a dense forward where each layer's query heads see
+    exactly their KV head's kept keys, at their logical positions."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(demo_model_path)
     prompt_ids = tok(PROMPT).input_ids
     n_new = 48
-    out = _generate(rkv_server, prompt_ids, n_new)
+    settings = {"custom_params": {"sgl_kvc": {"selection": selection}}}
+    out = _generate(rkv_server, prompt_ids, n_new, sampling=settings)
     rid = out["meta_info"]["id"]
     events = _events(trace, rid)
     assert len(events) >= 3, "the request should have been compacted several times"
     assert any(e["moment"] == "prefill" for e in events)  # prompt over budget
     assert any(e["moment"] == "decode" for e in events)
-    assert all(len(e["kept_positions"]) == BUDGET for e in events)
+    assert {e["selection"] for e in events} == {selection}
+    if selection == "per-head":  # staged: the pass scored `began_at` entries, the tail is kept
+        assert any(e["physical_len"] > e["began_at"] for e in events)
+        assert all(kept_count(e) == BUDGET + e["physical_len"] - e["began_at"] for e in events)
+    else:
+        assert all(kept_count(e) == BUDGET for e in events)
+    if selection == "per-head":  # the heads really differ, or this would test nothing new
+        kept = [sorted(map(tuple, (h for layer in e["kept_positions"] for h in layer))) for e in events]
+        assert any(len(set(k)) > 1 for k in kept)
 
     output_ids = out["output_ids"]
     served = torch.tensor([lp[0] for lp in out["meta_info"]["output_token_logprobs"]])
@@ -65,6 +85,11 @@ def test_logits_after_compaction_match_dense_reference(rkv_server, trace, demo_m
     # The test can fail: ignoring the evictions, or using physical positions, is far off.
     assert error(evict=False) > 3 * max(err, 0.05)
     assert error(logical=False) > 3 * max(err, 0.05)
+    if selection == "per-head":  # one head's set replayed for every head is far off too
+        one_set = [{**e, "kept_positions": e["kept_positions"][0][0]} for e in events]
+        wrong = float((reference_logprobs(demo_model_path, seq, one_set)[rows, targets] - served).abs().max())
+        print(f"layer 0 head 0's kept set for every head: {wrong:.3f}")
+        assert wrong > 3 * max(err, 0.05)
 
 
 def test_shared_prefix_hits_while_compressing(rkv_server, demo_model_path) -> None:
@@ -116,7 +141,7 @@ def test_every_policy_compresses_per_request(rkv_server, trace, policy: str) -> 
     events = _events(trace, r.json()["id"])
     assert events and {e["policy"] for e in events} == {policy}
     assert max(e["physical_len"] for e in events) <= 16 + BUFFER + len(PROMPT)  # bounded
-    assert all(len(e["kept_positions"]) <= 16 for e in events)
+    assert all(kept_count(e) - (e["physical_len"] - e["began_at"]) <= 16 for e in events)
 
 
 @pytest.mark.parametrize("policy", ["rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress"])

@@ -20,7 +20,7 @@ import torch
 
 from kvc_reference import generate as _generate
 from kvc_reference import REASONING_PROMPT as LONG_PROMPT
-from kvc_reference import reference_logprobs, trace_events
+from kvc_reference import kept_count, reference_logprobs, trace_events
 from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e

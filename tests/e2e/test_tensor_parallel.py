@@ -1,9 +1,11 @@
-"""Tensor parallelism on CPU (two ranks, one KV head each): both ranks must keep the same tokens.
+"""Tensor parallelism on CPU (two ranks, one KV head each).
 
-Each rank runs its own scheduler and compresses with the scores of its own KV heads; the scores
-are averaged over the TP group before choosing (`sgl_kvc.adapter.tp`). The compaction trace
-records each rank's kept logical positions. The planted fault `tp_local_scores` turns the
-averaging off, to show that this test can fail.
+Each rank runs its own scheduler and compresses with the scores of its own KV heads. With the
+shared selection both ranks must keep the same tokens: the scores are averaged over the TP group
+before choosing (`sgl_kvc.adapter.tp`); the planted fault `tp_local_scores` turns the averaging
+off, to show that this test can fail. Per head, each rank chooses for its own heads alone (no
+all-reduce): the ranks keep different tokens but the same number of entries, so their slot
+tables stay identical. The compaction trace records each rank's kept logical positions.
 """
 
 from __future__ import annotations
@@ -27,46 +29,53 @@ CMD = [
 ENV = {"SGLKVC_CHECK": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-def _kept_by_rank(trace: Path) -> dict[tuple[str, int], list[list[int]]]:
+def _kept_by_rank(trace: Path) -> dict[tuple[str, int], list[list]]:
     """(rid, rank) -> kept positions of each compaction, in order."""
-    out: dict[tuple[str, int], list[list[int]]] = defaultdict(list)
+    out: dict[tuple[str, int], list[list]] = defaultdict(list)
     for line in trace.read_text().splitlines():
         e = json.loads(line)
         out[(e["rid"], e["tp_rank"])].append(e["kept_positions"])
     return out
 
 
-def _run(tmp_path: Path, faults: str) -> tuple[int, int]:
-    """(compactions compared, compactions where the two ranks kept different tokens)."""
+def _run(tmp_path: Path, faults: str) -> dict[str, list[tuple[list, list]]]:
+    """selection -> (rank 0's, rank 1's) kept positions of every compaction."""
     trace = tmp_path / f"trace-{faults or 'none'}.jsonl"
     env = {**ENV, "SGLKVC_TRACE": str(trace), "SGLKVC_FAILPOINTS": faults}
     with ServerProcess.launch(CMD, env=env, timeout_s=400) as server:
-        for k, policy in enumerate(("rkv", "snapkv", "h2o", "kvcompress")):
-            r = server.post("/generate", json={
-                "rid": f"tp-{policy}", "input_ids": [(37 * i + k) % 1900 + 10 for i in range(160)],
-                "sampling_params": {
-                    "max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True,
-                    "custom_params": {"sgl_kvc": {"policy": policy}},
-                },
-            })
-            assert r.status_code == 200, r.text[:300]
+        for selection in ("shared", "per-head"):
+            for k, policy in enumerate(("rkv", "snapkv", "h2o", "kvcompress")):
+                r = server.post("/generate", json={
+                    "rid": f"tp-{selection}-{policy}",
+                    "input_ids": [(37 * i + k) % 1900 + 10 for i in range(160)],
+                    "sampling_params": {
+                        "max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True,
+                        "custom_params": {"sgl_kvc": {"policy": policy, "selection": selection}},
+                    },
+                })
+                assert r.status_code == 200, r.text[:300]
     kept = _kept_by_rank(trace)
-    compared = differ = 0
+    pairs: dict[str, list[tuple[list, list]]] = defaultdict(list)
     for (rid, rank), events in kept.items():
         if rank != 0:
             continue
         other = kept[(rid, 1)]
         assert len(other) == len(events), rid  # same number of compactions on both ranks
-        compared += len(events)
-        differ += sum(a != b for a, b in zip(events, other))
-    return compared, differ
+        pairs[rid.split("-")[1]] += list(zip(events, other))
+    return pairs
 
 
-def test_ranks_keep_the_same_tokens(tmp_path: Path) -> None:
-    compared, differ = _run(tmp_path, "")
-    assert compared >= 8 and differ == 0
+def test_ranks_keep_the_same_tokens_or_choose_per_head(tmp_path: Path) -> None:
+    pairs = _run(tmp_path, "")
+    shared = pairs["shared"]
+    assert len(shared) >= 8 and all(a == b for a, b in shared)
+    per_head = pairs["per"]  # rids "tp-per-head-<policy>"
+    assert len(per_head) >= 8
+    # [layer][the rank's one KV head] lists: same count on both ranks, chosen by each rank
+    assert all(len(a[0][0]) == len(b[0][0]) for a, b in per_head)
+    assert any(a != b for a, b in per_head)
 
 
 def test_without_the_all_reduce_ranks_diverge(tmp_path: Path) -> None:
-    compared, differ = _run(tmp_path, "tp_local_scores")
-    assert compared >= 8 and differ > 0
+    shared = _run(tmp_path, "tp_local_scores")["shared"]
+    assert len(shared) >= 8 and any(a != b for a, b in shared)

@@ -125,6 +125,8 @@ def test_flag_defaults_come_from_policy_params() -> None:
     assert (config.kv_budget, config.kv_buffer, config.kv_window, config.rkv_lambda) == (
         p.budget, p.buffer, p.window, p.rkv_lambda)
     assert config.compress_on == ("prefill", "decode", "preempt")
+    assert config.kv_selection == "per-head"  # what the papers do
+    assert parse_args(["--kv-selection", "shared"])[0].kv_selection == "shared"
 
 
 @pytest.mark.parametrize(
@@ -134,6 +136,8 @@ def test_flag_defaults_come_from_policy_params() -> None:
         (["--kv-budget", "0"], "budget"),
         (["--kv-budget-ratio", "1.5"], "--kv-budget-ratio"),
         (["--rkv-lambda", "2"], "rkv_lambda"),
+        (["--kv-selection", "per-layer"], "--kv-selection"),
+        (["--kv-pass-work", "-1"], "--kv-pass-work"),
     ],
 )
 def test_bad_flag_values_are_usage_errors(argv: list[str], needle: str, capsys) -> None:

@@ -14,6 +14,8 @@ def test_valid_settings_roundtrip_through_custom_params() -> None:
     assert s == RequestCompression("snapkv", 64)
     assert from_custom_params({CUSTOM_PARAMS_KEY: s.to_custom_params(), "other": 1}) == s
     assert from_custom_params(None) == RequestCompression()
+    shared = parse_kv_compression({"selection": "shared"})
+    assert shared.selection == "shared" and shared.to_custom_params() == {"selection": "shared"}
 
 
 @pytest.mark.parametrize(
@@ -25,6 +27,8 @@ def test_valid_settings_roundtrip_through_custom_params() -> None:
         ({"budget": "8"}, "kv_compression.budget"),
         ({"budget": 1 << 40}, "kv_compression.budget"),
         ({"ratio": 0.5}, "kv_compression.ratio"),
+        ({"selection": "per_layer"}, "kv_compression.selection"),
+        ({"selection": 1}, "kv_compression.selection"),
         ([1, 2], "kv_compression"),
     ],
 )

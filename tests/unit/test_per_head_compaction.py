@@ -1,0 +1,134 @@
+"""Per-head compaction's pieces that need no SGLang: moving each head's kept units into the
+request's slots (plain and FP8 pools), per-head positions, and policies reading them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sgl_kvc.adapter.compaction import move_units
+from sgl_kvc.adapter.state import ReqKvState
+from sgl_kvc.kernels.fp8 import Fp8Rows
+from sgl_kvc.policies import LayerView, get_policy, select_per_head
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+class Pool:
+    """SGLang's MHA pool surface that compaction uses: per-layer [slots, H, d] K and V."""
+
+    def __init__(self, k: list, v: list, start_layer: int = 0) -> None:
+        self.k, self.v, self.start_layer = k, v, start_layer
+
+    def get_kv_buffer(self, layer_id: int):
+        i = layer_id - self.start_layer
+        return self.k[i], self.v[i]
+
+
+def _expected(buf: torch.Tensor, row: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """[H, k, d]: entry j of head h = head h of slot row[idx[h, j]] (a loop, as a reference)."""
+    h_kv, k = idx.shape
+    return torch.stack([torch.stack([buf[row[idx[h, j]], h] for j in range(k)]) for h in range(h_kv)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(2, 24), frac=st.floats(0.1, 1.0), layers=st.integers(1, 3),
+    heads=st.integers(1, 3), seed=st.integers(0, 10_000), start_layer=st.integers(0, 2),
+)
+def test_move_units_packs_each_heads_kept_entries(n, frac, layers, heads, seed, start_layer) -> None:
+    g = torch.Generator().manual_seed(seed)
+    slots, d = 40, 4
+    k_bufs = [torch.randn(slots, heads, d, generator=g) for _ in range(layers)]
+    v_bufs = [torch.randn(slots, heads, d, generator=g) for _ in range(layers)]
+    row = torch.randperm(slots - 1, generator=g)[:n] + 1  # slot 0 is SGLang's padding slot
+    k = max(1, int(frac * n))
+    # each (layer, head) keeps its own k entries, ascending
+    idx = torch.stack([
+        torch.stack([torch.sort(torch.randperm(n, generator=g)[:k]).values for _ in range(heads)])
+        for _ in range(layers)
+    ])
+    dest = row[:k]  # the request's own first k slots: sources and destinations overlap
+    want_k = [_expected(k_bufs[l], row, idx[l]) for l in range(layers)]
+    want_v = [_expected(v_bufs[l], row, idx[l]) for l in range(layers)]
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[dest] = False
+    before = [b[untouched].clone() for b in k_bufs]
+    move_units(Pool(k_bufs, v_bufs, start_layer), row, idx, dest)
+    for l in range(layers):
+        assert torch.equal(k_bufs[l][dest].transpose(0, 1), want_k[l])
+        assert torch.equal(v_bufs[l][dest].transpose(0, 1), want_v[l])
+        assert torch.equal(k_bufs[l][untouched], before[l])  # nothing else is written
+
+
+def test_move_units_moves_fp8_codes_and_scales_as_they_are() -> None:
+    g = torch.Generator().manual_seed(0)
+    slots, heads, d, n, k = 16, 2, 8, 10, 4
+    rows = []
+    for _ in range(2):
+        r = Fp8Rows.empty(slots, heads, d)
+        r[torch.arange(slots)] = torch.randn(slots, heads, d, generator=g).to(torch.bfloat16)
+        rows.append(r)
+    row = torch.arange(1, n + 1)
+    idx = torch.tensor([[[0, 3, 5, 9], [1, 2, 8, 9]]])  # [1 layer, 2 heads, 4]
+    codes, scales = rows[0].codes.clone(), rows[0].scales.clone()
+    move_units(Pool([rows[0]], [rows[1]]), row, idx, row[:k])
+    for h in range(heads):
+        src = row[idx[0, h]]
+        assert torch.equal(rows[0].codes[row[:k], h], codes[src, h])
+        assert torch.equal(rows[0].scales[row[:k], h], scales[src, h])
+
+
+def test_positions_per_head_follow_compactions() -> None:
+    s = ReqKvState(policy=get_policy("snapkv"), budget=3)
+    # 6 tokens compacted per head to 3 entries each (2 layers x 2 heads); the next is logical 6
+    s.kept_positions = torch.tensor([[[0, 2, 5], [1, 4, 5]], [[3, 4, 5], [0, 1, 5]]])
+    s.offset = 6 - 3
+    assert s.logical_len(3) == 6 and s.logical_len(5) == 8
+    pos = s.positions(5)
+    assert pos.shape == (2, 2, 5)
+    assert pos[0, 1].tolist() == [1, 4, 5, 6, 7] and pos[1, 0].tolist() == [3, 4, 5, 6, 7]
+
+
+def test_layer_view_takes_per_head_positions() -> None:
+    keys = torch.randn(5, 2, 4)
+    LayerView(keys=keys, positions=torch.tensor([[0, 1, 2, 3, 4], [0, 2, 3, 6, 9]]))
+    with pytest.raises(ValueError, match="positions"):
+        LayerView(keys=keys, positions=torch.zeros(3, 5, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("name", ["streamingllm", "avgattn"])
+def test_position_policies_score_each_heads_own_tokens(name: str) -> None:
+    """Per-head positions: head h's scores equal those of a one-head view of its own tokens."""
+    policy = get_policy(name)
+    pos = torch.tensor([[0, 1, 2, 3, 9], [0, 4, 6, 8, 9]])
+    keys = torch.randn(5, 2, 4)
+    stats = torch.rand(2, 5)
+    both = policy.score(LayerView(keys=keys, positions=pos, stats=stats))
+    for h in range(2):
+        alone = policy.score(LayerView(keys=keys[:, h : h + 1], positions=pos[h], stats=stats[h : h + 1]))
+        assert torch.equal(both[h], alone[0])
+
+
+def test_per_head_selection_differs_between_heads_where_scores_do() -> None:
+    """The point of per-head: two heads that attend to different tokens keep different ones."""
+    n, d = 32, 8
+    keys = torch.zeros(n, 2, d)
+    keys[5, 0, 0] = keys[20, 1, 1] = 10.0  # head 0 looks at token 5, head 1 at token 20
+    queries = torch.zeros(4, 2, d)
+    queries[:, 0, 0] = queries[:, 1, 1] = 1.0
+    view = LayerView(keys=keys, queries=queries)
+    sel = select_per_head(get_policy("snapkv"), [view], budget=12)  # window 8 + 4 candidates
+    assert 5 in sel.kept(0, 0).tolist() and 5 not in sel.kept(0, 1).tolist()
+    assert 20 in sel.kept(0, 1).tolist() and 20 not in sel.kept(0, 0).tolist()
+
+
+def test_staged_pass_cost_follows_the_policys_scoring_cost() -> None:
+    """R-KV's redundancy compares each token with up to 1024 others: a layer costs far more than
+    a linear-cost scorer's, so a staged pass gives it fewer layers per step."""
+    snap, rkv = get_policy("snapkv"), get_policy("rkv")
+    assert snap.score_cost(8000) == 8000
+    assert rkv.score_cost(8000) == 8000 * (1 + 1024 // 20)
+    assert rkv.score_cost(256) < rkv.score_cost(8000) / 31  # quadratic below 1024, then linear
