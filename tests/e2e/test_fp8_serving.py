@@ -193,7 +193,7 @@ def test_fp8_rkv_logits_match_a_dense_fp8_reference(servers, trace, tokenizer, d
     prompt = tokenizer(LONG_PROMPT).input_ids
     out = _generate(server, prompt, 48, return_logprob=True)
     events = trace_events(trace, out["meta_info"]["id"])
-    assert len(events) >= 3 and all(len(e["kept_positions"]) == BUDGET for e in events)
+    assert len(events) >= 3 and all(kept_count(e) == BUDGET for e in events)
     served = torch.tensor([lp[0] for lp in out["meta_info"]["output_token_logprobs"]])
     seq = prompt + out["output_ids"][:-1]
     rows = torch.arange(len(prompt) - 1, len(seq))
