@@ -20,6 +20,14 @@ from typing import Any, Iterator
 import requests
 
 START_TIMEOUT_S = 300.0
+PORT_ATTEMPTS = 3
+# uvicorn's message when the HTTP port was taken between `free_port()` and the bind (servers
+# started together: one's internal ZMQ/NCCL ports may land on the port chosen for another).
+BIND_ERROR = "error while attempting to bind on address"
+
+
+class PortTaken(RuntimeError):
+    """The server could not bind its HTTP port; a new port is tried."""
 
 
 def free_port() -> int:
@@ -43,6 +51,9 @@ def wait_healthy(
     """Poll GET /health until 200; fail early if `proc` (the server, when we started it) exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if log is not None and BIND_ERROR in log.read_text(errors="replace"):
+            # Its HTTP server gave up, but the process lingers: waiting would only time out.
+            raise PortTaken(f"{url}: port taken before the server bound it (log: {log})")
         if proc is not None and proc.poll() is not None:
             tail = log.read_text(errors="replace")[-3000:] if log else ""
             raise RuntimeError(f"server exited with {proc.returncode}:\n{tail}")
@@ -93,7 +104,28 @@ class ServerProcess:
         log_path: Path | None = None,
         timeout_s: float = START_TIMEOUT_S,
     ) -> Iterator["ServerProcess"]:
-        """Run `cmd --host 127.0.0.1 --port <free port>`; stop it (and its children) on exit."""
+        """Run `cmd --host 127.0.0.1 --port <free port>`; stop it (and its children) on exit.
+        A port taken before the server bound it is retried on another port."""
+        for attempt in range(PORT_ATTEMPTS):
+            server = cls._start(cmd, env, log_path)
+            try:
+                wait_healthy(server.url, server.proc, timeout_s, server.log_path)
+            except PortTaken:
+                server.stop()
+                if attempt + 1 == PORT_ATTEMPTS:
+                    raise
+                continue
+            except BaseException:
+                server.stop()
+                raise
+            break
+        try:
+            yield server
+        finally:
+            server.stop()
+
+    @classmethod
+    def _start(cls, cmd: list[str], env: dict[str, str] | None, log_path: Path | None) -> "ServerProcess":
         port = free_port()
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"server-{port}-", suffix=".log")
@@ -107,12 +139,7 @@ class ServerProcess:
                 env={**os.environ, **(env or {})},
                 start_new_session=True,  # its own process group: stop() reaches every child
             )
-        server = cls(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
-        try:
-            wait_healthy(server.url, proc, timeout_s, log_path)
-            yield server
-        finally:
-            server.stop()
+        return cls(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
 
     def stop(self) -> None:
         for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):

@@ -76,19 +76,10 @@ def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> No
     q = q.reshape(-1, h_q, d)
     pool_rows = store.req_to_token.shape[0]
     store.record_decode(layer.layer_id, fb.req_pool_indices, q, pool_rows)
-    if not store.stats_rows:
-        return
-    if layer.layer_id == store.first_layer or store.decode_selection is None:
-        # Which requests of this step keep statistics: read once per step, not per layer.
-        rows = fb.req_pool_indices.tolist()
-        lens = fb.seq_lens_cpu.tolist()
-        picked = [i for i, row in enumerate(rows) if row in store.stats_rows]
-        store.decode_selection = (picked, [rows[i] for i in picked], [lens[i] for i in picked])
-    picked, rows, lens = store.decode_selection
-    if picked:
+    step = store.decode_step  # set by the scheduler hook for this step: no host sync here
+    if step is not None and step.picked:
         store.accumulate_decode(
-            layer.layer_id, picked, rows, lens, q,
-            store.kv_pool.get_key_buffer(layer.layer_id), layer.scaling,
+            layer.layer_id, step, q, store.kv_pool.get_key_buffer(layer.layer_id), layer.scaling
         )
 
 
@@ -97,7 +88,10 @@ def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> No
     q = q.reshape(-1, h_q, d)
     pool_rows = store.req_to_token.shape[0]
     start = 0
-    for i, row in enumerate(fb.req_pool_indices.tolist()):
+    rows = store.extend_rows  # the batch's rows in order, from the scheduler's host-side batch
+    if len(rows) != len(fb.extend_seq_lens_cpu):
+        raise RuntimeError(f"{len(rows)} extend rows recorded for {len(fb.extend_seq_lens_cpu)} requests")
+    for i, row in enumerate(rows):
         e, p = fb.extend_seq_lens_cpu[i], fb.extend_prefix_lens_cpu[i]
         qi = q[start : start + e]
         start += e

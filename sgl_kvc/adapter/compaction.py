@@ -23,7 +23,7 @@ finish SGLang inserts nothing of it into the tree (its row no longer matches its
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -77,7 +77,9 @@ def compact_request(
         private = allocator.alloc(shared).to(device=row.device, dtype=torch.int64)
         copy_slots(allocator.get_kvcache(), private, new_row[:shared])
         new_row[:shared] = private
-    _finish(batch, i, new_row, other_batches, evicted_owned)
+    _finish(batch, i, new_row)
+    if invariants.enabled():
+        invariants.check_after_compaction([batch, *other_batches], [req], evicted_owned)
     return CompactionResult(kept=k, freed=int(evicted_owned.numel()), copied=shared)
 
 
@@ -86,10 +88,58 @@ def compact_request_per_head(
 ) -> CompactionResult:
     """Keep, in every (layer, KV head), its own entries `selection.kept(l, h)` (physical indices
     of the request's row; the same count in every head: a uniform per-head budget)."""
+    (outcome,) = compact_requests_per_head(batch, [(i, selection)], other_batches)
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def compact_requests_per_head(
+    batch: Any, items: Sequence[tuple[int, HeadSelection]], other_batches: tuple[Any, ...] = ()
+) -> list[CompactionResult | Exception]:
+    """Per-head compaction of several requests of `batch` at once (those due in the same step):
+    each is planned alone, then one gather + scatter per layer moves every request's kept units
+    and one call frees every evicted slot. Per item: its result, or the exception that left that
+    request unchanged (`CompactionSkipped`: no free slot to privatise a long prefix hit)."""
+    allocator = batch.token_to_kv_pool_allocator
+    outcomes: list[CompactionResult | Exception] = []
+    plans: list[_PerHeadPlan] = []
+    for i, selection in items:
+        try:
+            plan = _plan_per_head(batch, i, selection)
+            plans.append(plan)
+            outcomes.append(CompactionResult(selection.max_keep, int(plan.evicted.numel()), plan.copied))
+        except (CompactionSkipped, ValueError) as e:
+            outcomes.append(e)
+    if not plans:
+        return outcomes
+    move_units_many(allocator.get_kvcache(), [(p.row, p.indices, p.dest) for p in plans])
+    freed = _free(allocator, torch.cat([p.evicted for p in plans]))
+    for p in plans:
+        _finish(batch, p.i, p.dest)
+    if invariants.enabled():
+        invariants.check_after_compaction(
+            [batch, *other_batches], [batch.reqs[p.i] for p in plans], freed
+        )
+    return outcomes
+
+
+@dataclass(frozen=True)
+class _PerHeadPlan:
+    i: int
+    row: Tensor  # the request's slots before compaction
+    indices: Tensor  # [L, H_kv, k] kept physical indices per head
+    dest: Tensor  # [k] the slots entry j of every head moves to
+    evicted: Tensor  # owned slots given back
+    copied: int  # slots newly allocated (a long prefix hit)
+
+
+def _plan_per_head(batch: Any, i: int, selection: HeadSelection) -> _PerHeadPlan:
+    """Destinations: the request's own slots first (the tree's are never written); only a
+    request that owns fewer than k slots (a long prefix hit) needs new ones."""
     from sglang.srt.mem_cache.common import evict_from_tree_cache
 
-    req = batch.reqs[i]
-    kv = req.kv
+    kv = batch.reqs[i].kv
     allocator = batch.token_to_kv_pool_allocator
     n = int(batch.seq_lens_cpu[i])
     k = selection.max_keep
@@ -100,8 +150,6 @@ def compact_request_per_head(
         )
     row = batch.req_to_token_pool.req_to_token[kv.req_pool_idx, :n].to(torch.int64)
     owned = row[int(kv.cache_protected_len):]
-    # Destinations: the request's own slots first (the tree's are never written); only a
-    # request that owns fewer than k slots (a long prefix hit) needs new ones.
     need = max(0, k - int(owned.numel()))
     if need:
         evict_from_tree_cache(batch.tree_cache, need)  # the request's own path is still locked
@@ -110,10 +158,7 @@ def compact_request_per_head(
         dest = torch.cat([owned, allocator.alloc(need).to(device=row.device, dtype=torch.int64)])
     else:
         dest = owned[:k]
-    move_units(allocator.get_kvcache(), row, selection.indices.to(row.device), dest)
-    evicted_owned = _free(allocator, owned[k:])
-    _finish(batch, i, dest, other_batches, evicted_owned)
-    return CompactionResult(kept=k, freed=int(evicted_owned.numel()), copied=need)
+    return _PerHeadPlan(i, row, selection.indices.to(row.device), dest, owned[k:], need)
 
 
 def move_units(pool: Any, row: Tensor, indices: Tensor, dest: Tensor) -> None:
@@ -123,12 +168,20 @@ def move_units(pool: Any, row: Tensor, indices: Tensor, dest: Tensor) -> None:
     so sources may sit anywhere, destinations included (KV-Compress Alg. 1's MoveCache, done as
     gather + scatter). Works on SGLang's tensors and on the FP8 pool's `Fp8Rows` (codes and
     scales move together, no re-quantization)."""
+    move_units_many(pool, [(row, indices, dest)])
+
+
+def move_units_many(pool: Any, moves: Sequence[tuple[Tensor, Tensor, Tensor]]) -> None:
+    """`move_units` for several requests (row, indices, dest) in one gather + scatter per layer
+    and buffer. Requests own disjoint slots, so their moves do not interfere."""
     start = int(getattr(pool, "start_layer", 0))
-    num_heads, k = int(indices.shape[1]), int(dest.numel())
-    heads = torch.arange(num_heads, device=row.device)[:, None]  # [H, 1]
-    dst = dest[None, :].expand(num_heads, k)
-    for layer in range(int(indices.shape[0])):
-        src = row[indices[layer]]  # [H, k] slots
+    num_layers, num_heads = int(moves[0][1].shape[0]), int(moves[0][1].shape[1])
+    device = moves[0][0].device
+    heads = torch.arange(num_heads, device=device)[:, None]  # [H, 1]
+    dest = torch.cat([d for _, _, d in moves])
+    dst = dest[None, :].expand(num_heads, int(dest.numel()))
+    for layer in range(num_layers):
+        src = torch.cat([row[indices[layer]] for row, indices, _ in moves], dim=1)  # [H, sum k]
         for buf in pool.get_kv_buffer(start + layer):
             buf[dst, heads] = buf[src, heads]
 
@@ -141,7 +194,7 @@ def _free(allocator: Any, slots: Tensor) -> Tensor:
     return slots
 
 
-def _finish(batch: Any, i: int, new_row: Tensor, others: tuple[Any, ...], freed: Tensor) -> None:
+def _finish(batch: Any, i: int, new_row: Tensor) -> None:
     """Drop the tree lock, write the request's new row and lengths."""
     req = batch.reqs[i]
     kv = req.kv
@@ -156,8 +209,6 @@ def _finish(batch: Any, i: int, new_row: Tensor, others: tuple[Any, ...], freed:
     kv.kv_allocated_len = k
     req.skip_radix_cache_insert = True
     _set_len(batch, i, k)
-    if invariants.enabled():
-        invariants.check_after_compaction([batch, *others], req, freed)
 
 
 def copy_slots(pool: Any, dst: Tensor, src: Tensor) -> None:

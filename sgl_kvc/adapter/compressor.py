@@ -22,9 +22,10 @@ import torch
 
 from sgl_kvc.adapter import failpoints
 from sgl_kvc.adapter.compaction import (
+    CompactionResult,
     CompactionSkipped,
     compact_request,
-    compact_request_per_head,
+    compact_requests_per_head,
 )
 from sgl_kvc.adapter.invariants import InvariantViolation
 from sgl_kvc.adapter.metrics import maybe_metrics
@@ -64,15 +65,17 @@ class CompressionStats:
     failed_requests: int = 0  # requests aborted because sgl-kvc raised while handling them
     max_pass_seconds: float = 0.0  # the longest compression work in one scheduler step: the worst stall
     staged_passes: int = 0  # passes spread over several scheduler steps (--kv-pass-work)
+    max_compacted_together: int = 0  # most requests compacted by one batched move (same step)
 
 
 @dataclass
 class PendingPass:
     """A per-head pass spread over scheduler steps (`--kv-pass-work`): each step scores and
-    selects some layers of the n0 entries the request held when it began; the compaction runs
-    when every layer has chosen. Entries appended meanwhile (the tail) are kept by every head.
-    Per-head selection makes this exact: a layer's choice does not depend on the other layers,
-    and the window queries are taken when the pass begins, as a one-step pass would read them."""
+    selects some layers, or some KV heads of a layer, of the n0 entries the request held when it
+    began; the compaction runs when every (layer, KV head) has chosen. Entries appended
+    meanwhile (the tail) are kept by every head. Per-head selection makes this exact: a head's
+    choice depends on no other head or layer, and the window queries are taken when the pass
+    begins, as a one-step pass would read them."""
 
     moment: str
     policy: Policy
@@ -81,7 +84,23 @@ class PendingPass:
     positions: torch.Tensor
     queries: list[torch.Tensor | None]
     indices: list[torch.Tensor] = field(default_factory=list)  # per layer done: [H_kv, target]
+    heads: list[torch.Tensor] = field(default_factory=list)  # of the next layer, done: [target]
     seconds: float = 0.0
+
+
+@dataclass
+class DueCompaction:
+    """A per-head selection made in this step, compacted together with the step's others."""
+
+    i: int  # index in the batch
+    state: ReqKvState
+    policy: Policy
+    moment: str
+    selection: HeadSelection
+    kept_positions: torch.Tensor  # [L, H_kv, k]
+    stats: list[torch.Tensor | None] | None  # carried statistics (policies that keep them)
+    began_at: int
+    staged: bool
 
 
 class Compressor:
@@ -107,6 +126,7 @@ class Compressor:
         self._trace_path = os.environ.get(TRACE_ENV)
         self.scheduler: Any = None  # set by the scheduler hooks; read for the other running batch
         self._work_left = 0  # cost units a staged pass may still spend in this step
+        self._due: list[DueCompaction] = []  # per-head compactions of the current moment
         self._step_seconds = 0.0  # compression work in this step so far
         self.metrics = maybe_metrics(model_runner, config.policy)
         backend = model_runner.attn_backend
@@ -141,7 +161,9 @@ class Compressor:
         return getattr(req, STATE_ATTR, None)
 
     def begin_extend(self, batch: Any) -> None:
-        """Before a prefill (chunk): give requests seen for the first time their state."""
+        """Before a prefill (chunk): give requests seen for the first time their state, and tell
+        the observation store the batch's rows (host-side: no device sync in the forward)."""
+        self.store.extend_rows = [req.kv.req_pool_idx for req in batch.reqs]
         for req in batch.reqs:
             if getattr(req, STATE_ATTR, None) is None and not req.finished():
                 self._guarded(req, "start", self._begin, req)
@@ -155,6 +177,11 @@ class Compressor:
         """A retracted request restarts from its tokens: fresh, uncompressed state."""
         if getattr(req, STATE_ATTR, None) is not None:
             setattr(req, STATE_ATTR, None)
+
+    def begin_decode(self, batch: Any, fb: Any) -> None:
+        """Before a decode forward: the step's statistics requests, from host-side data."""
+        rows = [req.kv.req_pool_idx for req in batch.reqs]
+        self.store.begin_decode(rows, fb.seq_lens_cpu.tolist())  # a CPU tensor: no device sync
 
     def decode_position_offsets(self, req_pool_indices: torch.Tensor) -> torch.Tensor | None:
         """Per-request RoPE offsets of a decode batch (on the device), or None if all are 0."""
@@ -174,6 +201,7 @@ class Compressor:
             if state is None or state.policy.name == "none":
                 continue
             self._guarded(req, "compress", self._after_prefill_one, batch, i, state)
+        self._flush(batch)
 
     def _after_prefill_one(self, batch: Any, i: int, state: ReqKvState) -> None:
         n = int(batch.seq_lens_cpu[i])
@@ -191,6 +219,7 @@ class Compressor:
             if state is None or state.policy.name == "none" or req.finished():
                 continue
             self._guarded(req, "compress", self._before_decode_one, batch, i, state)
+        self._flush(batch)
 
     def _before_decode_one(self, batch: Any, i: int, state: ReqKvState) -> None:
         if state.pending is not None:
@@ -213,8 +242,10 @@ class Compressor:
             n = int(batch.seq_lens_cpu[i])
             budget = state.effective_budget(n)
             if n > budget:
-                done = self._guarded(req, "compress", self._compress, batch, i, state, budget, "preempt")
-                compressed |= bool(done)
+                passes = state.passes
+                self._guarded(req, "compress", self._start_pass, batch, i, state, budget, "preempt", True)
+                self._flush(batch)
+                compressed |= state.passes > passes
                 if batch.check_decode_mem():
                     if compressed:
                         self.stats.avoided_retractions += 1
@@ -243,34 +274,18 @@ class Compressor:
             return None
 
     # --- one compression ------------------------------------------------------------------------
-    def _compress(self, batch: Any, i: int, state: ReqKvState, target: int, moment: str) -> bool:
-        """A whole pass in this step (the preempt moment, the shared selection, staging off)."""
-        t0 = time.perf_counter()
+    def _start_pass(
+        self, batch: Any, i: int, state: ReqKvState, target: int, moment: str, whole: bool = False
+    ) -> None:
+        """Begin a pass to `target` entries. Per head, a pass costing more than `--kv-pass-work`
+        is spread over steps unless `whole` (the preempt moment) or staging is off."""
         self._check_failpoint(batch.reqs[i])
-        state.pending = None  # a staged pass in progress is superseded
+        if not state.per_head:
+            self._compress_shared(batch, i, state, target, moment)
+            return
         row = batch.reqs[i].kv.req_pool_idx
         n = int(batch.seq_lens_cpu[i])
-        policy = self.policy(state.policy.name, state.effective_budget(n))
-        positions = state.positions(n)
-        views = [self._view(batch, row, layer, n, positions, state) for layer in self._layers()]
-        if state.per_head:
-            # Every (layer, KV head) keeps its own `target` best entries. Each TP rank holds whole
-            # KV heads, so it chooses for its own heads alone; every rank keeps `target` slots.
-            chosen: HeadSelection | torch.Tensor = select_per_head(policy, views, min(target, n))
-        else:
-            chosen = policy.select(views, target, reduce=self.reduce_scores).cpu()
-        done = self._apply(batch, i, state, policy, moment, positions, views, chosen)
-        self._account(time.perf_counter() - t0)
-        return done
-
-    def _start_pass(self, batch: Any, i: int, state: ReqKvState, target: int, moment: str) -> bool:
-        """Begin a pass that may take several steps (per head, `--kv-pass-work` > 0)."""
-        if not state.per_head or self.config.kv_pass_work <= 0:
-            return self._compress(batch, i, state, target, moment)
-        self._check_failpoint(batch.reqs[i])
-        row = batch.reqs[i].kv.req_pool_idx
-        n = int(batch.seq_lens_cpu[i])
-        state.pending = PendingPass(
+        state.pending = PendingPass(  # a staged pass in progress is superseded
             moment=moment,
             policy=self.policy(state.policy.name, state.effective_budget(n)),
             n0=n,
@@ -278,30 +293,42 @@ class Compressor:
             positions=state.positions(n),
             queries=[self.store.queries(row, layer, n) for layer in self._layers()],
         )
-        return self._advance(batch, i, state)
+        self._advance(batch, i, state, whole or self.config.kv_pass_work <= 0)
 
-    def _advance(self, batch: Any, i: int, state: ReqKvState) -> bool:
-        """Score the layers that fit in this step's work (the step's first layer always runs, so
-        every step makes progress), and compact once every layer has chosen. True if the
-        request was compacted."""
+    def _advance(self, batch: Any, i: int, state: ReqKvState, whole: bool = False) -> None:
+        """Score what fits in this step's work: whole layers, or one KV head at a time where a
+        layer does not fit (the step's first head always runs, so every step makes progress;
+        `whole`: everything). Once every (layer, KV head) has chosen, the compaction is due: it
+        runs with the step's others in `_flush`. One layer's keys are held at a time. Every
+        (layer, KV head) keeps its own `target` best entries; each TP rank holds whole KV heads
+        and chooses for its own."""
         t0 = time.perf_counter()
         p = state.pending
         assert p is not None
         row = batch.reqs[i].kv.req_pool_idx
         layers = list(self._layers())
-        cost = p.policy.score_cost(p.n0)  # one layer
-        while len(p.indices) < len(layers) and (
-            self._work_left >= cost or self._work_left == self.config.kv_pass_work
-        ):  # a layer fits in what is left of this step's work, or it is the step's first
-            layer = layers[len(p.indices)]
-            view = self._view(
-                batch, row, layer, p.n0, p.positions, state, queries=p.queries[len(p.indices)]
-            )
-            p.indices.append(select_per_head(p.policy, [view], p.target).indices[0])
-            self._work_left -= cost
+        layer_cost = p.policy.score_cost(p.n0)
+        head_cost = -(-layer_cost // self.store.kv_heads)
+        while len(p.indices) < len(layers):
+            first = self._work_left == self.config.kv_pass_work
+            whole_layer = not p.heads and (whole or self._work_left >= layer_cost)
+            if not (whole_layer or whole or first or self._work_left >= head_cost):
+                break
+            layer = len(p.indices)
+            view = self._view(batch, row, layers[layer], p.n0, p.positions, state, p.queries[layer])
+            if whole_layer:
+                p.indices.append(select_per_head(p.policy, [view], p.target).indices[0])
+                self._work_left -= layer_cost
+                continue
+            sub = view.head(len(p.heads))
+            p.heads.append(select_per_head(p.policy, [sub], p.target).indices[0, 0])
+            self._work_left -= head_cost
+            if len(p.heads) == view.n_kv_heads:
+                p.indices.append(torch.stack(p.heads))
+                p.heads = []
         if len(p.indices) < len(layers):
             p.seconds += self._account(time.perf_counter() - t0)
-            return False
+            return
         state.pending = None
         n = int(batch.seq_lens_cpu[i])
         indices = torch.stack(p.indices)  # [L, H_kv, target] over the first n0 entries
@@ -311,57 +338,90 @@ class Compressor:
         lengths = torch.full(indices.shape[:2], indices.shape[-1], dtype=torch.int64)
         selection = HeadSelection(indices=indices, lengths=lengths, n=n)
         positions = state.positions(n)
-        views = (
-            [self._view(batch, row, layer, n, positions, state) for layer in layers]
-            if p.policy.uses_stats else []
-        )  # fmt: skip
-        done = self._apply(batch, i, state, p.policy, p.moment, positions, views, selection, p.n0)
+        stats = None
+        if p.policy.uses_stats:  # views made one layer at a time (a generator)
+            views = (self._view(batch, row, layer, n, positions, state) for layer in layers)
+            stats = self._with_gaps(carry_stats_per_head(p.policy, views, selection))
+        full = positions.expand(selection.num_layers, selection.num_heads, n)
+        self._due.append(DueCompaction(
+            i=i, state=state, policy=p.policy, moment=p.moment, selection=selection,
+            kept_positions=full.gather(-1, indices.cpu()), stats=stats, began_at=p.n0,
+            staged=p.seconds > 0,
+        ))  # fmt: skip
         self._account(time.perf_counter() - t0)
-        if done and p.seconds:  # it took more than one step
+
+    def _flush(self, batch: Any) -> None:
+        """Compact the requests whose per-head pass finished in this moment, together (one
+        gather + scatter per layer for all of them)."""
+        due, self._due = self._due, []
+        if not due:
+            return
+        t0 = time.perf_counter()
+        self.stats.max_compacted_together = max(self.stats.max_compacted_together, len(due))
+        outcomes: list[CompactionResult | Exception]
+        try:
+            outcomes = compact_requests_per_head(
+                batch, [(d.i, d.selection) for d in due], self._other_batches(batch)
+            )
+        except InvariantViolation:
+            raise
+        except Exception as e:  # noqa: BLE001 - each due request fails alone below
+            outcomes = [e] * len(due)
+        for d, outcome in zip(due, outcomes):
+            self._guarded(batch.reqs[d.i], "compress", self._commit, batch, d, outcome)
+        self._account(time.perf_counter() - t0)
+
+    def _commit(self, batch: Any, d: DueCompaction, outcome: CompactionResult | Exception) -> None:
+        if isinstance(outcome, CompactionSkipped):
+            logger.debug("compression of %s skipped: %s", batch.reqs[d.i].rid, outcome)
+            self.stats.skipped += 1
+            return
+        if isinstance(outcome, Exception):
+            raise outcome
+        if d.stats is not None:
+            d.state.stats = d.stats
+        d.state.kept_positions = d.kept_positions
+        if d.staged:
             self.stats.staged_passes += 1
-        return done
+        self._record(batch, d.i, d.state, d.policy.name, d.moment, d.selection.n, outcome, d.began_at)
 
-    def _check_failpoint(self, req: Any) -> None:
-        if failpoints.active("compress_raise") and str(req.rid).startswith(failpoints.RID_PREFIX):
-            raise failpoints.PlantedFault(f"planted fault compressing {req.rid}")
+    def _compress_shared(self, batch: Any, i: int, state: ReqKvState, target: int, moment: str) -> None:
+        """The shared selection: one set of tokens for every layer and head, in one step."""
+        t0 = time.perf_counter()
+        state.pending = None
+        row = batch.reqs[i].kv.req_pool_idx
+        n = int(batch.seq_lens_cpu[i])
+        policy = self.policy(state.policy.name, state.effective_budget(n))
+        positions = state.positions(n)
+        views = [self._view(batch, row, layer, n, positions, state) for layer in self._layers()]
+        chosen = policy.select(views, target, reduce=self.reduce_scores).cpu()
+        try:
+            result = compact_request(batch, i, chosen, self._other_batches(batch))
+        except CompactionSkipped as e:
+            logger.debug("compression of %s skipped: %s", batch.reqs[i].rid, e)
+            self.stats.skipped += 1
+            self._account(time.perf_counter() - t0)
+            return
+        if policy.uses_stats:
+            state.stats = [
+                policy.carry_stats(v, chosen.to(v.keys.device)) if v is not None else None
+                for v in self._with_gaps(views)
+            ]
+        state.kept_positions = positions[chosen]
+        self._record(batch, i, state, policy.name, moment, n, result, n)
+        self._account(time.perf_counter() - t0)
 
-    def _apply(
-        self, batch: Any, i: int, state: ReqKvState, policy: Policy, moment: str,
-        positions: torch.Tensor, views: list[LayerView], chosen: HeadSelection | torch.Tensor,
-        began_at: int | None = None,
-    ) -> bool:
-        """Compact the request to `chosen` and update its state. False if it was skipped.
-        `began_at`: the entries a staged pass scored (the rest is the tail it keeps)."""
+    def _record(
+        self, batch: Any, i: int, state: ReqKvState, policy: str, moment: str, n: int,
+        result: CompactionResult, began_at: int,
+    ) -> None:
+        """After a compaction of request i from n entries: its offset, query count and the
+        counters. `began_at`: the entries a staged pass scored (the rest is the tail it kept)."""
         req = batch.reqs[i]
         row = req.kv.req_pool_idx
-        n = int(batch.seq_lens_cpu[i])
-        logical_len = state.logical_len(n)
-        try:
-            running = getattr(self.scheduler, "running_batch", None)
-            others = (running,) if running is not None and running is not batch else ()
-            if isinstance(chosen, HeadSelection):
-                result = compact_request_per_head(batch, i, chosen, others)
-            else:
-                result = compact_request(batch, i, chosen, others)
-        except CompactionSkipped as e:
-            logger.debug("compression of %s skipped: %s", req.rid, e)
-            self.stats.skipped += 1
-            return False
-        if isinstance(chosen, HeadSelection):
-            if policy.uses_stats:
-                state.stats = self._with_gaps(carry_stats_per_head(policy, views, chosen))
-            full = positions.expand(chosen.num_layers, chosen.num_heads, n)
-            state.kept_positions = full.gather(-1, chosen.indices.cpu())
-        else:
-            if policy.uses_stats:
-                state.stats = [
-                    policy.carry_stats(v, chosen.to(v.keys.device)) if v is not None else None
-                    for v in self._with_gaps(views)
-                ]
-            state.kept_positions = positions[chosen]
+        logical_len = state.logical_len(n)  # the offset is still the one before compaction
         if self._trace_path:
-            self._trace(req, moment, policy.name, n, logical_len, state.kept_positions,
-                        n if began_at is None else began_at)
+            self._trace(req, moment, policy, n, logical_len, state.kept_positions, began_at)
         state.offset = logical_len - result.kept
         self.store.set_offset(row, state.offset)
         state.passes += 1
@@ -371,7 +431,15 @@ class Compressor:
         setattr(self.stats, f"{moment}_passes", getattr(self.stats, f"{moment}_passes") + 1)
         if self.metrics:
             self.metrics.compressed(moment, n - result.kept)
-        return True
+
+    def _other_batches(self, batch: Any) -> tuple[Any, ...]:
+        """The other running batch (read only by the invariant check)."""
+        running = getattr(self.scheduler, "running_batch", None)
+        return (running,) if running is not None and running is not batch else ()
+
+    def _check_failpoint(self, req: Any) -> None:
+        if failpoints.active("compress_raise") and str(req.rid).startswith(failpoints.RID_PREFIX):
+            raise failpoints.PlantedFault(f"planted fault compressing {req.rid}")
 
     def _new_step(self) -> None:
         self._work_left = self.config.kv_pass_work

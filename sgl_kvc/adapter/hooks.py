@@ -120,6 +120,7 @@ def _after_forward_batch(config: KvcConfig):
         if fb.forward_mode.is_extend():
             compressor.begin_extend(batch)  # per-request failures abort that request only
         elif fb.forward_mode.is_decode():
+            compressor.begin_decode(batch, fb)
             offsets = compressor.decode_position_offsets(fb.req_pool_indices)
             if offsets is not None:
                 # RoPE positions stay logical: a compacted request's next token sits at the

@@ -39,8 +39,9 @@ def _rows(batches: list[Any]) -> list[tuple[Any, set[int], int]]:
     return out
 
 
-def check_after_compaction(batches: list[Any], req: Any, freed: Tensor) -> None:
-    """`batches`: every batch holding running requests (the compacted one first)."""
+def check_after_compaction(batches: list[Any], compacted: list[Any], freed: Tensor) -> None:
+    """`batches`: every batch holding running requests (the compacted one first);
+    `compacted`: the requests just compacted; `freed`: the slots they gave back."""
     batch = batches[0]
     tree = batch.tree_cache
     tree_slots = set(tree.all_values_flatten().tolist()) if tree.total_size() else set()
@@ -50,9 +51,10 @@ def check_after_compaction(batches: list[Any], req: Any, freed: Tensor) -> None:
     owned = 0
     for other, row, n_owned in _rows(batches):
         owned += n_owned
-        if other is not req and freed_set & row:
+        mine = any(other is req for req in compacted)
+        if not mine and freed_set & row:  # a compacted row may reuse its own freed slots
             raise InvariantViolation(f"freed slot(s) still used by request {other.rid}")
-        if other is req and row & tree_slots:
+        if mine and row & tree_slots:
             raise InvariantViolation("a compacted request still references tree-owned slots")
     allocator = batch.token_to_kv_pool_allocator
     total = allocator.size

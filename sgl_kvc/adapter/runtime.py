@@ -11,6 +11,7 @@ from typing import Any
 
 from sgl_kvc.adapter.compressor import Compressor
 from sgl_kvc.adapter.fp8_pool import pool_bytes
+from sgl_kvc.adapter.memory_budget import RESERVED_ATTR
 from sgl_kvc.adapter.requests import request_settings
 from sgl_kvc.config import KvcConfig
 
@@ -82,8 +83,10 @@ def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
             "bytes": pool_bytes(kv_pool),  # K and V buffers, scales included
             "free_tokens": int(scheduler.token_to_kv_pool_allocator.available_size()),
             "cached_tokens": int(tree.evictable_size()),
-            # sgl-kvc's own buffer (observation queries), outside the KV pool
+            # sgl-kvc's own buffer (observation queries) in use, and what the KV budget
+            # reserves for its queries and statistics (adapter/memory_budget.py)
             "observation_bytes": compressor.store.query_buffer_bytes,
+            "reserved_bytes": int(getattr(model_runner.memory_pool_config, RESERVED_ATTR, 0)),
         },
         "prefix_cache": {
             "backend": type(tree).__name__,

@@ -20,6 +20,31 @@ STATS_BLOCK = 256  # query rows per block when accumulating prefill attention st
 DECODE_STATS_ELEMS = 1 << 24  # bound on the padded key block of a batched decode statistic
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """The requests of one decode step whose policy keeps attention statistics, taken from the
+    scheduler's host-side batch once per step (no device sync), with their device copies made
+    once for every layer: `picked` are batch indices, `rows` their `req_to_token` rows,
+    `lens` their cached entries."""
+
+    picked: list[int]
+    rows: list[int]
+    lens: list[int]
+    picked_t: Tensor
+    rows_t: Tensor
+    lens_t: Tensor
+
+    @classmethod
+    def build(cls, rows: list[int], lens: list[int], stats_rows: set[int], device: Any) -> "DecodeStep":
+        picked = [i for i, row in enumerate(rows) if row in stats_rows]
+        rows, lens = [rows[i] for i in picked], [lens[i] for i in picked]
+
+        def dev(x: list[int]) -> Tensor:
+            return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
+
+        return cls(picked, rows, lens, dev(picked), dev(rows), dev(lens))
+
+
 @dataclass
 class ReqKvState:
     """What the compressor knows about one request, beyond SGLang's own `Req`.
@@ -86,6 +111,8 @@ class KvcStore:
         self.req_to_token = req_to_token  # SGLang's [rows, max_len] slot table
         self.kv_pool = kv_pool  # SGLang's KV pool (get_key_buffer(layer_id) -> [slots, H_kv, d])
         self.window = window
+        # KV heads of this rank (a pass's cost is split per head)
+        self.kv_heads = int(kv_pool.get_key_buffer(first_layer).shape[1]) if kv_pool is not None else 1
         self.states: dict[int, ReqKvState] = {}
         self.stats_rows: set[int] = set()  # rows whose policy accumulates attention statistics
         rows, device = req_to_token.shape[0], req_to_token.device
@@ -101,8 +128,16 @@ class KvcStore:
         # logical minus physical position of tokens appended since a row's last compaction
         self.offsets = torch.zeros(rows, dtype=torch.int64, device=device)
         self.offset_rows: set[int] = set()  # rows with a non-zero offset (host-side, no sync)
-        # (batch indices, rows, lengths) of this decode step's requests that keep statistics
-        self.decode_selection: tuple[list[int], list[int], list[int]] | None = None
+        self.decode_step: DecodeStep | None = None  # set by the scheduler before each decode
+        self.extend_rows: list[int] = []  # rows of the current extend batch, set before it
+
+    def begin_decode(self, rows: list[int], lens: list[int]) -> None:
+        """Before a decode forward: which of its requests (`req_to_token` rows, cached entries
+        from the host-side batch) keep statistics."""
+        self.decode_step = (
+            DecodeStep.build(rows, lens, self.stats_rows, self.req_to_token.device)
+            if self.stats_rows else None
+        )  # fmt: skip
 
     # --- request lifecycle --------------------------------------------------------------------
     def begin(self, row: int, state: ReqKvState) -> None:
@@ -194,27 +229,23 @@ class KvcStore:
             probs = torch.softmax(logits, dim=-1)
             state.stats[layer] = state.policy.accumulate(state.stats[layer], probs, h_kv)
 
-    def accumulate_decode(
-        self, layer: int, batch_idx: list[int], rows: list[int], lens: list[int], q: Tensor,
-        key_buffer: Tensor, scale: float,
-    ) -> None:
-        """One decode query per request (q: [B_all, H_q, d]; `batch_idx` picks the requests whose
-        policy keeps statistics, at `rows` with `lens` cached tokens): their attention over their
-        own keys in one padded batched computation per block of requests, not a loop."""
+    def accumulate_decode(self, layer: int, step: DecodeStep, q: Tensor, key_buffer: Tensor, scale: float) -> None:
+        """One decode query per request (q: [B_all, H_q, d]; `step` picks the requests whose
+        policy keeps statistics): their attention over their own keys in one padded batched
+        computation per block of requests, not a loop."""
         h_q, d = q.shape[1], q.shape[2]
         h_kv = key_buffer.shape[1]
-        block = max(1, DECODE_STATS_ELEMS // max(1, max(lens) * h_q * d))
-        for start in range(0, len(rows), block):
-            b_rows, b_lens = rows[start : start + block], lens[start : start + block]
-            b_idx = batch_idx[start : start + block]
+        device = key_buffer.device
+        block = max(1, DECODE_STATS_ELEMS // max(1, max(step.lens) * h_q * d))
+        for start in range(0, len(step.rows), block):
+            end = start + block
+            b_rows, b_lens = step.rows[start:end], step.lens[start:end]
             n_max = max(b_lens)
-            device = key_buffer.device
-            row_t = torch.tensor(b_rows, device=self.req_to_token.device)
-            slots = self.req_to_token[row_t, :n_max].long().to(device)  # [b, n_max]
+            slots = self.req_to_token[step.rows_t[start:end], :n_max].long().to(device)  # [b, n_max]
             keys = key_buffer[slots].float()  # [b, n_max, H_kv, d]
-            qb = q[torch.tensor(b_idx, device=q.device)].float().reshape(len(b_rows), h_kv, -1, d)
+            qb = q[step.picked_t[start:end].to(q.device)].float().reshape(len(b_rows), h_kv, -1, d)
             logits = torch.einsum("bkgd,bnkd->bkgn", qb, keys) * scale
-            pad = torch.arange(n_max, device=device)[None, :] >= torch.tensor(b_lens, device=device)[:, None]
+            pad = torch.arange(n_max, device=device)[None, :] >= step.lens_t[start:end].to(device)[:, None]
             logits.masked_fill_(pad[:, None, None, :], -math.inf)
             probs = torch.softmax(logits, dim=-1).unsqueeze(3)  # [b, H_kv, G, 1, n_max]
             for j, (row, n) in enumerate(zip(b_rows, b_lens)):

@@ -152,6 +152,20 @@ class LayerView:
     def n_kv_heads(self) -> int:
         return int(self.keys.shape[1])
 
+    def head(self, h: int) -> "LayerView":
+        """The view of KV head h alone (its keys, its query group, its statistic and positions).
+        Every policy scores a KV head from these only, so per-head selection may run one head
+        at a time (staged passes) and choose what the whole layer's selection chooses."""
+        group = None if self.queries is None else self.queries.shape[1] // self.n_kv_heads
+        positions = self.positions
+        return LayerView(
+            keys=self.keys[:, h : h + 1],
+            queries=None if group is None else self.queries[:, h * group : (h + 1) * group],
+            positions=positions[h : h + 1] if positions.dim() > 1 else positions,
+            stats=None if self.stats is None else self.stats[h : h + 1],
+            scale=self.scale,
+        )
+
 
 def pad_stats(stats: Tensor, n: int) -> Tensor:
     """Float32 copy of ``stats`` [H_kv, m] widened with zero columns to [H_kv, n]."""

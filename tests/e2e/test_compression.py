@@ -2,9 +2,9 @@
 
 One server per module (start-up is the slow part): R-KV with a small budget so that short
 requests compress, a trace file that records every compaction's kept logical positions. Its
-`--kv-pass-work` is below one layer of these prompts, so every per-head pass is staged over
-two scheduler steps (one per layer of the demo model): the dense reference shows that staging
-is exact.
+`--kv-pass-work` is below one KV head of these prompts, so every per-head pass is staged over
+four scheduler steps (one KV head per step: 2 layers x 2 KV heads of the demo model): the dense
+reference shows that staging is exact.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from loadtest.server import ServerProcess
 pytestmark = pytest.mark.e2e
 
 BUDGET, BUFFER, WINDOW = 24, 8, 4
-PASS_WORK = 16  # less than one layer of any pass here: one layer per step
+PASS_WORK = 16  # less than one KV head of any pass here: one head per step
 
 
 @pytest.fixture(scope="module")

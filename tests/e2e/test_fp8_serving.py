@@ -22,6 +22,7 @@ from kvc_reference import generate as _generate
 from kvc_reference import REASONING_PROMPT as LONG_PROMPT
 from kvc_reference import kept_count, reference_logprobs, trace_events
 from loadtest.server import ServerProcess
+from sgl_kvc.adapter.memory_budget import Reservation, fit_pool
 
 pytestmark = pytest.mark.e2e
 
@@ -79,20 +80,29 @@ def test_stats_name_the_dtype_and_scales(servers) -> None:
 
 def test_capacity_at_the_same_memory_budget(servers) -> None:
     """Same budget, no token cap: the FP8 pool holds 512/272 = 1.88x the tokens of bf16 (the
-    scales cost 16 of 272 bytes per token of this small-headed model; 1.97x at head_dim 128)."""
+    scales cost 16 of 272 bytes per token of this small-headed model; 1.97x at head_dim 128);
+    a compressing server's own buffers come out of the same budget."""
     base = servers["bf16"].stats()["pool"]
     budget = int(MEMORY_GB * (1 << 30))
     assert base["total_tokens"] == budget // BF16_BYTES_PER_TOKEN
     assert base["bytes"] == (base["total_tokens"] + 1) * BF16_BYTES_PER_TOKEN  # +1: padding slot
-    for name in ("e5m2", "e4m3_rkv"):
-        pool = servers[name].stats()["pool"]
-        assert pool["total_tokens"] == budget // FP8_BYTES_PER_TOKEN
-        # the scales are part of the pool's memory, as SGLang counts it
-        assert pool["bytes"] == (pool["total_tokens"] + 1) * FP8_BYTES_PER_TOKEN <= budget + FP8_BYTES_PER_TOKEN
-        ratio = pool["total_tokens"] / base["total_tokens"]
-        print(f"{name}: {pool['total_tokens']} tokens vs {base['total_tokens']} (x{ratio:.3f})")
-        assert ratio == pytest.approx(BF16_BYTES_PER_TOKEN / FP8_BYTES_PER_TOKEN, rel=1e-3)
-        assert ratio > 1.85
+    pool = servers["e5m2"].stats()["pool"]
+    assert pool["total_tokens"] == budget // FP8_BYTES_PER_TOKEN
+    # the scales are part of the pool's memory, as SGLang counts it
+    assert pool["bytes"] == (pool["total_tokens"] + 1) * FP8_BYTES_PER_TOKEN <= budget + FP8_BYTES_PER_TOKEN
+    ratio = pool["total_tokens"] / base["total_tokens"]
+    print(f"e5m2: {pool['total_tokens']} tokens vs {base['total_tokens']} (x{ratio:.3f})")
+    assert ratio == pytest.approx(BF16_BYTES_PER_TOKEN / FP8_BYTES_PER_TOKEN, rel=1e-3)
+    assert ratio > 1.85
+    # A compressing server charges its observation queries and statistics to the same budget
+    # (adapter/memory_budget.py): its pool is that much smaller, and both fit together.
+    stats = servers["e4m3_rkv"].stats()
+    pool = stats["pool"]
+    reserve = Reservation.for_model(window=WINDOW, num_layers=2, q_heads=4, kv_heads=2, head_dim=32, q_bytes=2)
+    fit = fit_pool(budget, FP8_BYTES_PER_TOKEN, budget // FP8_BYTES_PER_TOKEN, 2048, reserve)
+    assert (pool["total_tokens"], stats["requests"]["max_running_limit"]) == (fit.tokens, fit.requests)
+    assert pool["reserved_bytes"] == fit.reserved_bytes > 0
+    assert pool["bytes"] + pool["reserved_bytes"] <= budget + FP8_BYTES_PER_TOKEN
 
 
 def _teacher_forced(server: ServerProcess, prompt: list[int], target: list[int], **extra) -> tuple[list, list, str]:

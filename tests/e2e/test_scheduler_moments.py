@@ -57,6 +57,34 @@ def test_compress_before_preempt_and_admit_by_footprint(preempt_server) -> None:
     assert pool["free_tokens"] + pool["cached_tokens"] == pool["total_tokens"]
 
 
+@pytest.fixture(scope="module")
+def whole_pass_server():
+    cmd = [
+        sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "snapkv",
+        "--kv-budget", "16", "--kv-window", "4", "--kv-pass-work", "0",
+    ]
+    with ServerProcess.launch(cmd, env={"SGLKVC_CHECK": "1"}) as server:
+        yield server
+
+
+def test_requests_due_in_the_same_step_are_compacted_together(whole_pass_server) -> None:
+    """Prompts prefilled in one batch are compacted right after it by one batched move
+    (`compact_requests_per_head`); the invariant check runs over all of them."""
+    prompts = [f"Request {i:02d}: the weather was mild in the valley all week." for i in range(N_REQ)]
+    r = whole_pass_server.post(
+        "/generate",
+        json={"text": prompts, "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}},
+    )  # one request carrying N_REQ prompts: they reach the scheduler together
+    r.raise_for_status()
+    assert [o["meta_info"]["completion_tokens"] for o in r.json()] == [8] * N_REQ
+    s = whole_pass_server.wait_idle()
+    c = s["compression"]
+    assert c["prefill_passes"] == N_REQ and c["max_compacted_together"] >= 2, c
+    assert c["staged_passes"] == 0 and c["failed_requests"] == 0, c
+    pool = s["pool"]
+    assert pool["free_tokens"] + pool["cached_tokens"] == pool["total_tokens"]
+
+
 def test_prometheus_metrics(preempt_server) -> None:
     text = preempt_server.get("/metrics").text
     passes = [l for l in text.splitlines() if l.startswith("sgl_kvc:compression_passes_total{")]

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl_kvc.adapter.compaction import move_units
+from sgl_kvc.adapter.compaction import move_units, move_units_many
 from sgl_kvc.adapter.state import ReqKvState
 from sgl_kvc.kernels.fp8 import Fp8Rows
 from sgl_kvc.policies import LayerView, get_policy, select_per_head
@@ -61,6 +61,34 @@ def test_move_units_packs_each_heads_kept_entries(n, frac, layers, heads, seed, 
         assert torch.equal(k_bufs[l][dest].transpose(0, 1), want_k[l])
         assert torch.equal(v_bufs[l][dest].transpose(0, 1), want_v[l])
         assert torch.equal(k_bufs[l][untouched], before[l])  # nothing else is written
+
+
+@settings(max_examples=30, deadline=None)
+@given(reqs=st.integers(1, 4), layers=st.integers(1, 3), heads=st.integers(1, 3), seed=st.integers(0, 10_000))
+def test_moving_several_requests_together_equals_moving_them_one_by_one(reqs, layers, heads, seed) -> None:
+    """Requests due in the same step are compacted with one gather + scatter per layer; their
+    slots are disjoint, so the result is that of moving each alone."""
+    g = torch.Generator().manual_seed(seed)
+    slots, d = 64, 4
+    bufs = [[torch.randn(slots, heads, d, generator=g) for _ in range(layers)] for _ in range(2)]
+    free = torch.randperm(slots - 1, generator=g) + 1
+    moves, used = [], 0
+    for _ in range(reqs):
+        n = int(torch.randint(2, 12, (1,), generator=g))
+        row, used = free[used : used + n], used + n
+        k = int(torch.randint(1, n + 1, (1,), generator=g))
+        idx = torch.stack([
+            torch.stack([torch.sort(torch.randperm(n, generator=g)[:k]).values for _ in range(heads)])
+            for _ in range(layers)
+        ])
+        moves.append((row, idx, row[:k]))
+    together = [[b.clone() for b in bs] for bs in bufs]
+    move_units_many(Pool(*together), moves)
+    for row, idx, dest in moves:
+        move_units(Pool(*bufs), row, idx, dest)
+    for a, b in zip(together, bufs):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
 
 
 def test_move_units_moves_fp8_codes_and_scales_as_they_are() -> None:
@@ -132,3 +160,21 @@ def test_staged_pass_cost_follows_the_policys_scoring_cost() -> None:
     assert snap.score_cost(8000) == 8000
     assert rkv.score_cost(8000) == 8000 * (1 + 1024 // 20)
     assert rkv.score_cost(256) < rkv.score_cost(8000) / 31  # quadratic below 1024, then linear
+
+
+@pytest.mark.parametrize("name", ["rkv", "snapkv", "h2o", "avgattn", "kvcompress", "streamingllm"])
+def test_one_head_at_a_time_chooses_what_the_whole_layer_chooses(name: str) -> None:
+    """Staged passes score one KV head at a time where a layer does not fit in a step's work
+    (`LayerView.head`): the result is the layer's per-head selection."""
+    g = torch.Generator().manual_seed(1)
+    n, h_kv, group, d = 40, 3, 2, 8
+    view = LayerView(
+        keys=torch.randn(n, h_kv, d, generator=g),
+        queries=torch.randn(6, h_kv * group, d, generator=g),
+        positions=torch.stack([torch.sort(torch.randperm(80, generator=g)[:n]).values for _ in range(h_kv)]),
+        stats=torch.rand(h_kv, n - 3, generator=g),
+    )
+    policy = get_policy(name)
+    whole = select_per_head(policy, [view], 16).indices[0]
+    alone = torch.stack([select_per_head(policy, [view.head(h)], 16).indices[0, 0] for h in range(h_kv)])
+    assert torch.equal(whole, alone)

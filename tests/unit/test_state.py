@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from sgl_kvc.adapter import state as state_module
 from sgl_kvc.adapter.state import KvcStore, ReqKvState
 from sgl_kvc.policies import get_policy
 
@@ -68,29 +70,40 @@ class _Pool:
         return self.keys
 
 
-def test_batched_decode_statistics_equal_the_per_request_ones() -> None:
-    """`accumulate_decode` (one padded computation) == `accumulate` request by request."""
+@pytest.mark.parametrize("elems", [state_module.DECODE_STATS_ELEMS, 1])  # one block; one per request
+def test_batched_decode_statistics_equal_the_per_request_ones(monkeypatch, elems: int) -> None:
+    """`accumulate_decode` (one padded computation) == `accumulate` request by request; the
+    step's statistics requests are picked from host-side rows (`begin_decode`)."""
+    monkeypatch.setattr(state_module, "DECODE_STATS_ELEMS", elems)
     g = torch.Generator().manual_seed(0)
     h_kv, group, d, rows = 2, 3, 8, 4
     keys = torch.randn(64, h_kv, d, generator=g)
     r2t = torch.randperm(64, generator=g)[: rows * 16].reshape(rows, 16).to(torch.int32)
-    lens = [5, 16, 9]
-    picked_rows = [3, 0, 2]
-    q = torch.randn(4, h_kv * group, d, generator=g)  # batch of 4; batch index 1 keeps no stats
-    batch_idx = [0, 2, 3]
+    batch_rows, batch_lens = [3, 1, 0, 2], [5, 7, 16, 9]  # row 1's policy keeps no statistics
+    q = torch.randn(4, h_kv * group, d, generator=g)
     for name in ("h2o", "avgattn", "kvcompress"):
         batched = KvcStore(1, 4, r2t, _Pool(keys))
         looped = KvcStore(1, 4, r2t, _Pool(keys))
         for store in (batched, looped):
             for row in range(rows):
-                store.begin(row, ReqKvState(policy=get_policy(name), budget=8))
-        batched.accumulate_decode(0, batch_idx, picked_rows, lens, q, keys, 0.3)
-        for i, row, n in zip(batch_idx, picked_rows, lens):
+                store.begin(row, ReqKvState(policy=get_policy("rkv" if row == 1 else name), budget=8))
+        batched.begin_decode(batch_rows, batch_lens)
+        assert batched.decode_step.picked == [0, 2, 3]
+        batched.accumulate_decode(0, batched.decode_step, q, keys, 0.3)
+        for i, (row, n) in enumerate(zip(batch_rows, batch_lens)):
+            if row == 1:
+                continue
             k = keys[r2t[row, :n].long()]
             looped.accumulate(row, 0, q[i : i + 1], k, torch.tensor([n - 1]), torch.arange(n), 0.3)
-        for row in picked_rows:
             assert torch.allclose(batched.states[row].stats[0], looped.states[row].stats[0], atol=1e-6), name
         assert batched.states[1].stats[0] is None
+
+
+def test_no_decode_step_without_statistics_requests() -> None:
+    store = KvcStore(1, 4, torch.zeros(2, 8, dtype=torch.int32), kv_pool=None)
+    store.begin(0, _state())
+    store.begin_decode([0], [3])
+    assert store.decode_step is None
 
 
 def test_query_buffer_grows_with_the_rows_in_use_not_the_row_count() -> None:

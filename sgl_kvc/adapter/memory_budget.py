@@ -1,0 +1,143 @@
+"""sgl-kvc's own buffers, sized inside the KV memory budget SGLang profiles.
+
+A compressing server keeps, besides SGLang's KV pool, two buffers that live as long as requests
+do (`adapter/state.py`):
+* the observation-window queries: `window` queries of every layer and query head per request
+  (a ring buffer that grows to the peak number of requests in flight, at most SGLang's
+  request slots);
+* attention statistics (H2O, Batch-Max, KV-Compress): one float32 per layer and KV head per
+  cached token, at most one per pool token.
+
+SGLang sizes its pool from a byte budget (`KVCacheConfigurator._profile_available_bytes`:
+free memory after weights, minus the activation slack of `--mem-fraction-static`; or
+`--kv-cache-memory-gb`). Left outside, these buffers would be taken from the activation slack
+(an 8B model's queries for 2,048 request slots are 4 GiB). So after SGLang resolves its pool
+(`_resolve_memory_pool_config`), this hook charges them to the same budget: the pool gets
+`(budget - slots x per_request) / (cell + per_token)` tokens when that is fewer than SGLang
+chose, and the request slots are capped so the queries take at most `MAX_QUERY_SHARE` of the
+budget (SGLang's default of 2,048+ slots would otherwise eat a small pool whole).
+
+Transient work (one layer's keys while a pass scores it, the bounded block of batched decode
+statistics) is activation memory, like SGLang's own, and stays in its slack.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from sgl_kvc.config import KvcConfig
+
+logger = logging.getLogger(__name__)
+
+_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+MAX_QUERY_SHARE = 0.1  # of the KV budget, for the observation queries of all request slots
+STATS_BYTES = 4  # float32 statistic per (token, layer, KV head)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Bytes sgl-kvc keeps per request slot and per pool token."""
+
+    per_request: int
+    per_token: int
+
+    @classmethod
+    def for_model(
+        cls, window: int, num_layers: int, q_heads: int, kv_heads: int, head_dim: int, q_bytes: int
+    ) -> "Reservation":
+        return cls(
+            per_request=window * num_layers * q_heads * head_dim * q_bytes,
+            per_token=num_layers * kv_heads * STATS_BYTES,
+        )
+
+
+@dataclass(frozen=True)
+class PoolFit:
+    tokens: int
+    requests: int
+    reserved_bytes: int
+
+
+def fit_pool(budget: int, cell: int, tokens: int, requests: int, r: Reservation) -> PoolFit:
+    """Tokens and request slots such that pool + sgl-kvc's buffers fit in `budget` bytes.
+
+    `cell`: SGLang's bytes per pool token; `tokens`, `requests`: what SGLang chose alone (its
+    token count may already be below what the budget allows, e.g. `--max-total-tokens`)."""
+    if r.per_request:
+        requests = min(requests, max(1, int(MAX_QUERY_SHARE * budget) // r.per_request))
+    fit = (budget - requests * r.per_request) // (cell + r.per_token)
+    tokens = max(1, min(tokens, fit))
+    return PoolFit(tokens, requests, requests * r.per_request + tokens * r.per_token)
+
+
+def register(config: KvcConfig) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if not config.compressing:  # --policy none keeps no buffers: SGLang's sizing, untouched
+        return
+    probe = _BudgetProbe()  # the configurator has __slots__: the budget travels here
+    HookRegistry.register(f"{_CONFIGURATOR}._profile_available_bytes", probe.after_profile, HookType.AFTER)
+    HookRegistry.register(
+        f"{_CONFIGURATOR}._resolve_memory_pool_config", _around_resolve(config, probe), HookType.AROUND
+    )
+
+
+RESERVED_ATTR = "kvc_reserved_bytes"  # on SGLang's MemoryPoolConfig (model_runner.memory_pool_config)
+
+
+class _BudgetProbe:
+    """The byte budget SGLang profiled, from `_profile_available_bytes` (registered after
+    `--kv-cache-memory-gb`'s hook, so it sees a fixed budget too) to the resolve hook."""
+
+    def __init__(self) -> None:
+        self.budget: int | None = None
+
+    def after_profile(self, result: int, kvc: Any, *args: Any, **kwargs: Any) -> int:
+        self.budget = int(result)
+        return result
+
+
+def _around_resolve(config: KvcConfig, probe: _BudgetProbe) -> Callable[..., Any]:
+    def hook(original: Callable[..., Any], kvc: Any, *args: Any, **kwargs: Any) -> Any:
+        probe.budget = None
+        pool = original(kvc, *args, **kwargs)
+        budget = probe.budget
+        if budget is None or kvc.is_draft_worker or pool.max_running_requests is None:
+            return pool
+        from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+        from sglang.srt.runtime_context import get_parallel, get_schedule
+
+        configurator = create_memory_pool_configurator(kvc)
+        mc = kvc.model_config
+        tp = get_parallel().attn_tp_size
+        r = Reservation.for_model(
+            window=config.kv_window,
+            num_layers=int(mc.num_hidden_layers),
+            q_heads=max(1, int(mc.num_attention_heads) // tp),
+            kv_heads=int(mc.get_num_kv_heads(tp, get_parallel().attn_dcp_size)),
+            head_dim=int(mc.head_dim),
+            q_bytes=int(kvc.model_config.dtype.itemsize),
+        )
+        cell = int(configurator._cell_size)  # SGLang's bytes per token (FP8 hook included)
+        fit = fit_pool(budget, cell, pool.max_total_num_tokens, pool.max_running_requests, r)
+        if fit.tokens < pool.max_total_num_tokens:
+            resized = configurator.calculate_pool_sizes_from_max_tokens(
+                fit.tokens, get_schedule().page_size
+            )
+            resized.max_running_requests = min(fit.requests, kvc.resolve_max_num_reqs(fit.tokens))
+            resized.mem_fraction_static = pool.mem_fraction_static
+            pool = configurator.finalize_with_max_running_requests(resized)
+        else:
+            pool.max_running_requests = fit.requests
+        setattr(pool, RESERVED_ATTR, fit.reserved_bytes)  # read by /v1/kvc/stats
+        logger.info(
+            "sgl-kvc: %.1f MB of the %.1f MB KV budget reserved for observation queries (%d request "
+            "slots x %d B) and attention statistics (%d B per token): pool %d tokens, %d requests",
+            fit.reserved_bytes / 1e6, budget / 1e6, pool.max_running_requests, r.per_request,
+            r.per_token, pool.max_total_num_tokens, pool.max_running_requests,
+        )
+        return pool
+
+    return hook

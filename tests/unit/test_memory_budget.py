@@ -1,0 +1,52 @@
+"""sgl-kvc's buffers are charged to SGLang's KV memory budget (`adapter/memory_budget.py`)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sgl_kvc.adapter.memory_budget import MAX_QUERY_SHARE, Reservation, fit_pool
+
+SMOLLM2 = Reservation.for_model(window=8, num_layers=30, q_heads=9, kv_heads=3, head_dim=64, q_bytes=2)
+SMOLLM2_CELL = 30 * 3 * 64 * 2 * 2  # K and V, bf16
+
+
+def test_smollm2_sizes() -> None:
+    assert SMOLLM2.per_request == 8 * 30 * 9 * 64 * 2  # 276 KB: 12 tokens' worth of KV
+    assert SMOLLM2.per_token == 30 * 3 * 4
+
+
+def test_a_token_cap_below_the_budget_is_kept_and_the_buffers_use_the_rest() -> None:
+    budget = 8 << 30  # plenty: --max-total-tokens decides the pool
+    fit = fit_pool(budget, SMOLLM2_CELL, tokens=16384, requests=2048, r=SMOLLM2)
+    assert (fit.tokens, fit.requests) == (16384, 2048)
+    assert fit.tokens * SMOLLM2_CELL + fit.reserved_bytes <= budget
+
+
+def test_a_profiled_pool_shrinks_to_make_room() -> None:
+    budget = 1 << 30
+    tokens = budget // SMOLLM2_CELL  # what SGLang alone would take
+    fit = fit_pool(budget, SMOLLM2_CELL, tokens=tokens, requests=64, r=SMOLLM2)
+    assert fit.requests == 64
+    assert fit.tokens < tokens
+    assert fit.tokens * SMOLLM2_CELL + fit.reserved_bytes <= budget
+
+
+def test_request_slots_are_capped_so_queries_never_eat_a_small_pool() -> None:
+    budget = 400 << 20
+    fit = fit_pool(budget, SMOLLM2_CELL, tokens=budget // SMOLLM2_CELL, requests=2048, r=SMOLLM2)
+    assert fit.requests * SMOLLM2.per_request <= MAX_QUERY_SHARE * budget
+    assert fit.tokens >= 0.85 * budget // SMOLLM2_CELL
+
+
+@given(
+    budget=st.integers(1 << 20, 1 << 36), cell=st.integers(64, 1 << 18), requests=st.integers(1, 4096),
+    frac=st.floats(0.01, 1.0), per_request=st.integers(0, 1 << 22), per_token=st.integers(0, 1 << 12),
+)
+def test_pool_and_buffers_always_fit(budget, cell, requests, frac, per_request, per_token) -> None:
+    r = Reservation(per_request=per_request, per_token=per_token)
+    tokens = max(1, int(frac * (budget // cell)))
+    fit = fit_pool(budget, cell, tokens, requests, r)
+    assert 1 <= fit.requests <= requests and fit.tokens <= tokens
+    if fit.tokens > 1:  # (one token is the floor when nothing fits)
+        assert fit.tokens * cell + fit.reserved_bytes <= budget

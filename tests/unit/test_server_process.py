@@ -1,0 +1,52 @@
+"""`ServerProcess.launch` retries a port that was taken before the server bound it.
+
+Seen in CI: three servers started together, one SGLang's internal ports landed on the HTTP port
+chosen for another; uvicorn logged the bind error and the process lingered, so the fixture
+waited out its whole start timeout and the module's tests errored."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from loadtest.server import BIND_ERROR, PortTaken, ServerProcess
+
+# A stand-in server: the first `fail` starts log uvicorn's bind error and hang (as SGLang's
+# process does); later ones answer GET /health on the port they are given.
+FAKE = """
+import http.server, sys, time
+from pathlib import Path
+count = Path(sys.argv[1]); fail = int(sys.argv[2]); port = int(sys.argv[sys.argv.index("--port") + 1])
+n = int(count.read_text()) if count.exists() else 0
+count.write_text(str(n + 1))
+if n < fail:
+    print(f"ERROR:    [Errno 98] BIND_ERROR ('127.0.0.1', {port}): address already in use", flush=True)
+    time.sleep(600)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def _cmd(tmp_path: Path, fail: int) -> list[str]:
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE.replace("BIND_ERROR", BIND_ERROR))
+    return [sys.executable, str(script), str(tmp_path / "starts"), str(fail)]
+
+
+def test_a_taken_port_is_retried_on_another(tmp_path: Path) -> None:
+    with ServerProcess.launch(_cmd(tmp_path, fail=1), timeout_s=30) as server:
+        assert requests.get(server.url + "/health", timeout=5).status_code == 200
+    assert (tmp_path / "starts").read_text() == "2"
+
+
+def test_gives_up_after_the_last_attempt(tmp_path: Path) -> None:
+    with pytest.raises(PortTaken):
+        with ServerProcess.launch(_cmd(tmp_path, fail=10), timeout_s=30):
+            pass
+    assert (tmp_path / "starts").read_text() == "3"
