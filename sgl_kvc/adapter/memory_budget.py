@@ -120,8 +120,12 @@ def _around_resolve(config: KvcConfig, probe: _BudgetProbe) -> Callable[..., Any
             head_dim=int(mc.head_dim),
             q_bytes=int(kvc.model_config.dtype.itemsize),
         )
-        cell = int(configurator._cell_size)  # SGLang's bytes per token (FP8 hook included)
-        fit = fit_pool(budget, cell, pool.max_total_num_tokens, pool.max_running_requests, r)
+        cell = getattr(configurator, "_cell_size", None)  # SGLang's bytes per token (FP8 included)
+        if not cell:  # a pool layout without one cost per token (hybrid, MLA...)
+            logger.warning("sgl-kvc: %s has no per-token cost; its buffers are not reserved in "
+                           "the KV budget", type(configurator).__name__)
+            return pool
+        fit = fit_pool(budget, int(cell), pool.max_total_num_tokens, pool.max_running_requests, r)
         if fit.tokens < pool.max_total_num_tokens:
             resized = configurator.calculate_pool_sizes_from_max_tokens(
                 fit.tokens, get_schedule().page_size

@@ -248,9 +248,20 @@ class KvcStore:
             pad = torch.arange(n_max, device=device)[None, :] >= step.lens_t[start:end].to(device)[:, None]
             logits.masked_fill_(pad[:, None, None, :], -math.inf)
             probs = torch.softmax(logits, dim=-1).unsqueeze(3)  # [b, H_kv, G, 1, n_max]
-            for j, (row, n) in enumerate(zip(b_rows, b_lens)):
+            by_policy: dict[type, list[int]] = {}  # requests may choose their own policy
+            for j, row in enumerate(b_rows):
                 state = self.states.get(row)
-                if state is None or not state.policy.uses_stats:
-                    continue
-                grouped = probs[j, :, :, :, :n].reshape(h_q, 1, n)
-                state.stats[layer] = state.policy.accumulate(state.stats[layer], grouped, h_kv)
+                if state is not None and state.policy.uses_stats:
+                    by_policy.setdefault(type(state.policy), []).append(j)
+            for js in by_policy.values():
+                # What this step adds, for all of the policy's requests in one computation;
+                # then per request only its old statistic (widened by the new token) is added.
+                policy = self.states[b_rows[js[0]]].policy
+                added = policy.contribution(probs[js] if len(js) < len(b_rows) else probs)
+                for k, j in enumerate(js):
+                    state, n = self.states[b_rows[j]], b_lens[j]
+                    new = added[k, :, :n].clone()  # a copy: the block is not kept alive
+                    old = state.stats[layer]
+                    if old is not None:
+                        new[:, : old.shape[1]] += old
+                    state.stats[layer] = new

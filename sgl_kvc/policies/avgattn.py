@@ -22,7 +22,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ._ops import group_probs
 from .base import LayerView, Policy, pad_stats
 from .registry import register_policy
 
@@ -46,9 +45,8 @@ class AvgAttnPolicy(Policy):
         seen_by = (pos.max() + 1.0 - pos).clamp_min(1.0)  # Batch-Max §3.2: curr_id + 1 - kv_ids
         return (sums.double() / seen_by).float()  # Batch-Max §3.2: ave_weights
 
-    def accumulate(self, stats: Tensor | None, probs: Tensor, n_kv_heads: int) -> Tensor:
-        grouped, base = group_probs(stats, probs, n_kv_heads)
-        return base + grouped.sum(dim=(1, 2))  # Batch-Max §3.2: sum_weights += sum_i attn[i]
+    def contribution(self, grouped: Tensor) -> Tensor:
+        return grouped.sum(dim=(-3, -2))  # Batch-Max §3.2: sum_weights += sum_i attn[i]
 
     def target_length(self, n: int) -> int | None:
         p = self.params

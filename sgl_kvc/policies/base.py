@@ -215,6 +215,15 @@ class Policy(ABC):
     # ---- statistics ----------------------------------------------------------------------------
     def accumulate(self, stats: Tensor | None, probs: Tensor, n_kv_heads: int) -> Tensor:
         """Updated statistic [H_kv, n] from ``probs`` [H_q, q_len, n] of new queries."""
+        from ._ops import group_probs  # (_ops imports this module)
+
+        grouped, base = group_probs(stats, probs, n_kv_heads)
+        return base + self.contribution(grouped)
+
+    def contribution(self, grouped: Tensor) -> Tensor:
+        """What new queries add to the statistic: float32 ``grouped`` [..., H_kv, G, q_len, n]
+        (softmax attention, query heads grouped by KV head) -> [..., H_kv, n]. Batched over any
+        leading dims, so a decode step computes it for all its requests at once."""
         raise NotImplementedError(f"policy {self.name!r} does not use attention statistics")
 
     def carry_stats(self, view: LayerView, keep: Tensor) -> Tensor | None:

@@ -17,7 +17,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ._ops import group_probs
 from .base import LayerView, Policy, pad_stats
 from .registry import register_policy
 
@@ -42,6 +41,5 @@ class H2OPolicy(Policy):
             raise ValueError("policy 'h2o' needs accumulated attention (LayerView.stats)")
         return pad_stats(view.stats, view.n)
 
-    def accumulate(self, stats: Tensor | None, probs: Tensor, n_kv_heads: int) -> Tensor:
-        grouped, base = group_probs(stats, probs, n_kv_heads)
-        return base + grouped.sum(dim=(1, 2))  # sum over queries and the query group (eq. 9)
+    def contribution(self, grouped: Tensor) -> Tensor:
+        return grouped.sum(dim=(-3, -2))  # sum over queries and the query group (eq. 9)

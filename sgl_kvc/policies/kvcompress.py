@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ._ops import causal_window_probs, group_probs, maxpool_tokens, require_queries
+from ._ops import causal_window_probs, maxpool_tokens, require_queries
 from .base import LayerView, Policy, pad_stats
 from .registry import register_policy
 
@@ -48,9 +48,8 @@ class KVCompressPolicy(Policy):
             return torch.zeros(view.n_kv_heads, view.n, device=view.keys.device)
         return self.prefill_metric(view)
 
-    def accumulate(self, stats: Tensor | None, probs: Tensor, n_kv_heads: int) -> Tensor:
-        grouped, base = group_probs(stats, probs, n_kv_heads)
-        return base + grouped.square().sum(dim=(1, 2))  # eq. (20): + sum_i sum_{h in H_k} A^2
+    def contribution(self, grouped: Tensor) -> Tensor:
+        return grouped.square().sum(dim=(-3, -2))  # eq. (20): + sum_i sum_{h in H_k} A^2
 
     def carry_stats(self, view: LayerView, keep: Tensor) -> Tensor | None:
         if view.stats is not None:

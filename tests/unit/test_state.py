@@ -99,6 +99,31 @@ def test_batched_decode_statistics_equal_the_per_request_ones(monkeypatch, elems
         assert batched.states[1].stats[0] is None
 
 
+def test_batched_decode_statistics_with_a_policy_per_request() -> None:
+    """Requests of one step may each have chosen their own statistics policy."""
+    g = torch.Generator().manual_seed(2)
+    h_kv, group, d = 2, 2, 8
+    keys = torch.randn(64, h_kv, d, generator=g)
+    r2t = torch.randperm(64, generator=g)[:48].reshape(4, 12).to(torch.int32)
+    names = {0: "h2o", 1: "kvcompress", 2: "avgattn", 3: "kvcompress"}
+    rows, lens = [2, 0, 3, 1], [7, 12, 5, 9]
+    batched = KvcStore(1, 4, r2t, _Pool(keys))
+    looped = KvcStore(1, 4, r2t, _Pool(keys))
+    for store in (batched, looped):
+        for row, name in names.items():
+            store.begin(row, ReqKvState(policy=get_policy(name), budget=8))
+    for step in range(3):  # statistics grow by one token per step, old ones carried
+        q = torch.randn(4, h_kv * group, d, generator=g)
+        step_lens = [n - 2 + step for n in lens]
+        batched.begin_decode(rows, step_lens)
+        batched.accumulate_decode(0, batched.decode_step, q, keys, 0.3)
+        for i, (row, n) in enumerate(zip(rows, step_lens)):
+            k = keys[r2t[row, :n].long()]
+            looped.accumulate(row, 0, q[i : i + 1], k, torch.tensor([n - 1]), torch.arange(n), 0.3)
+    for row in names:
+        assert torch.allclose(batched.states[row].stats[0], looped.states[row].stats[0], atol=1e-5), names[row]
+
+
 def test_no_decode_step_without_statistics_requests() -> None:
     store = KvcStore(1, 4, torch.zeros(2, 8, dtype=torch.int32), kv_pool=None)
     store.begin(0, _state())
