@@ -4,7 +4,7 @@ SGLang keeps one slot table (`req_to_token`) for all layers and heads and runs a
 page size 1 over it, so a compaction moves no KV data: it rewrites the request's row to the
 kept slots, frees the evicted slots through the allocator and shortens the request's lengths.
 
-Per-head compaction (`compact_request_per_head`, KV-Compress §4.2 with page size 1): every
+Per-head compaction (`compact_requests_per_head`, KV-Compress §4.2 with page size 1): every
 (layer, KV head) keeps its own `k` entries. They are packed into `k` slots the request owns:
 slot `row[j]` then holds, in KV head h of layer l, the j-th kept entry of (l, h), so each head's
 tokens differ while the row, the slot count and SGLang's page-size-1 attention stay as they are
@@ -83,22 +83,13 @@ def compact_request(
     return CompactionResult(kept=k, freed=int(evicted_owned.numel()), copied=shared)
 
 
-def compact_request_per_head(
-    batch: Any, i: int, selection: HeadSelection, other_batches: tuple[Any, ...] = ()
-) -> CompactionResult:
-    """Keep, in every (layer, KV head), its own entries `selection.kept(l, h)` (physical indices
-    of the request's row; the same count in every head: a uniform per-head budget)."""
-    (outcome,) = compact_requests_per_head(batch, [(i, selection)], other_batches)
-    if isinstance(outcome, Exception):
-        raise outcome
-    return outcome
-
-
 def compact_requests_per_head(
     batch: Any, items: Sequence[tuple[int, HeadSelection]], other_batches: tuple[Any, ...] = ()
 ) -> list[CompactionResult | Exception]:
-    """Per-head compaction of several requests of `batch` at once (those due in the same step):
-    each is planned alone, then one gather + scatter per layer moves every request's kept units
+    """Per-head compaction of several requests of `batch` at once (those due in the same step).
+    Each keeps, in every (layer, KV head), its own entries `selection.kept(l, h)` (physical
+    indices of its row; the same count in every head: a uniform per-head budget). Each is planned
+    alone, then one gather + scatter per layer moves every request's kept units
     and one call frees every evicted slot. Per item: its result, or the exception that left that
     request unchanged (`CompactionSkipped`: no free slot to privatise a long prefix hit)."""
     allocator = batch.token_to_kv_pool_allocator

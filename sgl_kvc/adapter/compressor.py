@@ -373,8 +373,7 @@ class Compressor:
 
     def _commit(self, batch: Any, d: DueCompaction, outcome: CompactionResult | Exception) -> None:
         if isinstance(outcome, CompactionSkipped):
-            logger.debug("compression of %s skipped: %s", batch.reqs[d.i].rid, outcome)
-            self.stats.skipped += 1
+            self._skipped(batch.reqs[d.i], outcome)
             return
         if isinstance(outcome, Exception):
             raise outcome
@@ -388,7 +387,6 @@ class Compressor:
     def _compress_shared(self, batch: Any, i: int, state: ReqKvState, target: int, moment: str) -> None:
         """The shared selection: one set of tokens for every layer and head, in one step."""
         t0 = time.perf_counter()
-        state.pending = None
         row = batch.reqs[i].kv.req_pool_idx
         n = int(batch.seq_lens_cpu[i])
         policy = self.policy(state.policy.name, state.effective_budget(n))
@@ -398,8 +396,7 @@ class Compressor:
         try:
             result = compact_request(batch, i, chosen, self._other_batches(batch))
         except CompactionSkipped as e:
-            logger.debug("compression of %s skipped: %s", batch.reqs[i].rid, e)
-            self.stats.skipped += 1
+            self._skipped(batch.reqs[i], e)
             self._account(time.perf_counter() - t0)
             return
         if policy.uses_stats:
@@ -431,6 +428,10 @@ class Compressor:
         setattr(self.stats, f"{moment}_passes", getattr(self.stats, f"{moment}_passes") + 1)
         if self.metrics:
             self.metrics.compressed(moment, n - result.kept)
+
+    def _skipped(self, req: Any, e: CompactionSkipped) -> None:
+        logger.debug("compression of %s skipped: %s", req.rid, e)
+        self.stats.skipped += 1
 
     def _other_batches(self, batch: Any) -> tuple[Any, ...]:
         """The other running batch (read only by the invariant check)."""

@@ -118,7 +118,7 @@ def _around_resolve(config: KvcConfig, probe: _BudgetProbe) -> Callable[..., Any
             q_heads=max(1, int(mc.num_attention_heads) // tp),
             kv_heads=int(mc.get_num_kv_heads(tp, get_parallel().attn_dcp_size)),
             head_dim=int(mc.head_dim),
-            q_bytes=int(kvc.model_config.dtype.itemsize),
+            q_bytes=int(mc.dtype.itemsize),
         )
         cell = getattr(configurator, "_cell_size", None)  # SGLang's bytes per token (FP8 included)
         if not cell:  # a pool layout without one cost per token (hybrid, MLA...)
