@@ -63,6 +63,7 @@ class ConfigResult:
     compression_max_pass_s: float = 0.0  # the longest compression work in one step: the worst stall
     retractions: int = 0
     total_tokens: int = 0
+    round: int = 0  # with --rounds: which round of the interleaved repeats
 
 
 def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float]:
@@ -131,21 +132,57 @@ def run_config(name: str, flags: list[str], args: argparse.Namespace) -> ConfigR
     )
 
 
+def by_config(results: list[ConfigResult]) -> dict[str, list[ConfigResult]]:
+    """Results grouped by configuration, in first-seen order (one per round)."""
+    groups: dict[str, list[ConfigResult]] = {}
+    for r in results:
+        groups.setdefault(r.name, []).append(r)
+    return groups
+
+
+def ratios(results: list[ConfigResult]) -> dict[str, list[float]]:
+    """Per configuration: its output tok/s over the baseline's (`none`, else the first) of the
+    same round, one ratio per round, so each ratio compares runs made minutes apart."""
+    groups = by_config(results)
+    base_name = "none" if "none" in groups else next(iter(groups))
+    base = {r.round: r.output_tokens_per_s for r in groups[base_name]}
+    return {
+        name: [r.output_tokens_per_s / base[r.round] for r in rs if base.get(r.round)]
+        for name, rs in groups.items()
+    }
+
+
+def representative(rs: list[ConfigResult]) -> ConfigResult:
+    """The round with the median output tok/s (the lower middle one for an even count)."""
+    ordered = sorted(rs, key=lambda r: r.output_tokens_per_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def markdown(results: list[ConfigResult]) -> str:
-    base = next((r for r in results if r.name == "none"), results[0])
+    groups = by_config(results)
+    per_round = ratios(results)
+    rounds = max(len(rs) for rs in groups.values())
+    shown = {name: representative(rs) for name, rs in groups.items()}
+    base = shown.get("none", next(iter(shown.values())))
+    vs = "vs none" if rounds == 1 else f"vs none, median (min-max) of {rounds} rounds"
     rows = [
-        "| config | max running | output tok/s | vs none | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
+        f"| config | max running | output tok/s | {vs} | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
         "| compressing | passes | s/pass mean / max | failures |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for r in results:
+    for name, r in shown.items():
+        rs = per_round[name]
+        ratio = f"{statistics.median(rs):.2f}x" if rs else "-"
+        if len(rs) > 1:
+            ratio += f" ({min(rs):.2f}-{max(rs):.2f})"
         rows.append(
-            f"| {r.name} | {r.max_running} ({r.max_running / max(base.max_running, 1):.1f}x) "
-            f"| {r.output_tokens_per_s:.0f} | {r.output_tokens_per_s / base.output_tokens_per_s:.2f}x "
+            f"| {name} | {r.max_running} ({r.max_running / max(base.max_running, 1):.1f}x) "
+            f"| {r.output_tokens_per_s:.0f} | {ratio} "
             f"| {r.ttft_s.get('p50', 0):.2f} / {r.ttft_s.get('p99', 0):.2f} "
             f"| {r.tpot_ms.get('p50', 0):.1f} / {r.tpot_ms.get('p99', 0):.1f} "
             f"| {100 * r.compression_share:.1f}% | {r.compression_passes} "
-            f"| {r.compression_s_per_pass:.3f} / {r.compression_max_pass_s:.3f} | {r.failures} |"
+            f"| {r.compression_s_per_pass:.3f} / {r.compression_max_pass_s:.3f} "
+            f"| {sum(x.failures for x in groups[name])} |"
         )
     return "\n".join(rows) + "\n"
 
@@ -156,12 +193,13 @@ def plot(results: list[ConfigResult], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r.name for r in results]
+    shown = [representative(rs) for rs in by_config(results).values()]  # median round
+    names = [r.name for r in shown]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     panels = [
-        ("max running requests", [r.max_running for r in results]),
-        ("output tokens/s", [r.output_tokens_per_s for r in results]),
-        ("TPOT p50 (ms)", [r.tpot_ms.get("p50", 0) for r in results]),
+        ("max running requests", [r.max_running for r in shown]),
+        ("output tokens/s (median round)", [r.output_tokens_per_s for r in shown]),
+        ("TPOT p50 (ms)", [r.tpot_ms.get("p50", 0) for r in shown]),
     ]
     for ax, (label, values) in zip(axes, panels):
         ax.bar(names, values, color=["#888"] + ["#2a7"] * (len(names) - 1))
@@ -191,16 +229,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--server-args", default="", help="extra flags for every server")
     p.add_argument("--tag", default="", help="result files are eviction-<tag>.* (default eviction.*)")
+    p.add_argument(
+        "--rounds", type=int, default=1,
+        help="run every configuration this many times, interleaved (round 1 of all, then round 2, "
+        "...); each ratio is taken within its round, the table shows the median and the range",
+    )
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     args.server_args = shlex.split(args.server_args)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for text in args.configs:
-        name, flags = parse_config(text, args.kv_budget)
-        print(f"== {name}: {' '.join(flags)}", flush=True)
-        results.append(run_config(name, flags, args))
-        print(markdown(results[-1:]), flush=True)
+    for round_ in range(args.rounds):
+        for text in args.configs:
+            name, flags = parse_config(text, args.kv_budget)
+            print(f"== round {round_ + 1}/{args.rounds} {name}: {' '.join(flags)}", flush=True)
+            result = run_config(name, flags, args)
+            result.round = round_
+            results.append(result)
+            print(markdown([result]), flush=True)
     setup = {
+        "rounds": args.rounds,
         "machine": machine(), "requests": args.requests, "input_len": args.input_len,
         "output_len": args.output_len, "max_total_tokens": args.max_total_tokens,
         "kv_budget": args.kv_budget, "server_args": args.server_args,

@@ -19,6 +19,7 @@ from sgl_kvc.policies import DEFAULT_SELECTION, SELECTIONS, PolicyParams, availa
 ENV_VAR = "SGLKVC_CONFIG"
 MOMENTS: tuple[str, ...] = ("prefill", "decode", "preempt")
 FP8_KV_DTYPES: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2")  # served by sgl-kvc's FP8 pool
+DECODE_ATTENTION: tuple[str, ...] = ("batched", "sglang")
 _P = PolicyParams()
 
 
@@ -51,6 +52,14 @@ class KvcConfig:
             "layer by a linear-cost policy; R-KV's redundancy costs more per token). A per-head "
             "pass over more is spread over several steps, which bounds the stall a long prompt "
             "causes; 0 runs every pass in the step it is due."
+        ),
+    )
+    kv_decode_attention: str = field(
+        default="batched",
+        metadata=_flag(
+            "Decode attention of a compressing server on SGLang's CPU backend: batched (sgl-kvc's "
+            "kernel, one padded computation per layer, whose attention also feeds the statistics "
+            "policies) or sglang (SGLang's loop over requests). Other backends keep their own."
         ),
     )
     kv_budget_ratio: float | None = field(
@@ -93,6 +102,10 @@ class KvcConfig:
         choices = available_policies()
         if self.policy not in choices:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {choices}")
+        if self.kv_decode_attention not in DECODE_ATTENTION:
+            raise ValueError(
+                f"--kv-decode-attention must be one of {list(DECODE_ATTENTION)}, got {self.kv_decode_attention!r}"
+            )
         if self.kv_selection not in SELECTIONS:
             raise ValueError(f"--kv-selection must be one of {list(SELECTIONS)}, got {self.kv_selection!r}")
         object.__setattr__(self, "compress_on", tuple(self.compress_on))
@@ -146,8 +159,8 @@ class KvcConfig:
             kwargs: dict[str, Any] = {"default": default, "help": f.metadata.get("help", "")}
             if f.name == "policy":
                 kwargs["choices"] = available_policies()
-            elif f.name == "kv_selection":
-                kwargs["choices"] = SELECTIONS
+            elif f.name in ("kv_selection", "kv_decode_attention"):
+                kwargs["choices"] = SELECTIONS if f.name == "kv_selection" else DECODE_ATTENTION
                 kwargs["type"] = str
             elif f.name == "compress_on":
                 kwargs["type"] = _moments

@@ -6,10 +6,16 @@ selects its planners, ...). A new name would silently take the wrong branch in m
 So `register()` re-registers the factories of the backends this project runs on, under their
 own names, to build the same object with `KvcAttentionMixin`'s members added to its class.
 
-The layer itself leaves the attention computation to SGLang (page size 1 over `req_to_token`,
-so a compacted row is just shorter) and, when a compressing policy is active, records what the
-policies need after each call: the last `window` queries of every request and, for policies
-with attention statistics (H2O, Batch-Max, KV-Compress), the softmax attention of new queries.
+The layer leaves prefill attention to SGLang (page size 1 over `req_to_token`, so a compacted
+row is just shorter) and, when a compressing policy is active, records what the policies need
+after each call: the last `window` queries of every request and, for policies with attention
+statistics (H2O, Batch-Max, KV-Compress), the softmax attention of new queries.
+
+Decode attention on the CPU backend (`torch_native`) is sgl-kvc's batched kernel
+(`sgl_kvc.kernels.decode_attention`) instead of SGLang's loop over requests, unless
+`--kv-decode-attention sglang`: it replaces only the backend's inner SDPA loop, so SGLang still
+writes the new token's KV, and it hands the attention it computed to the statistics. Other
+backends (FlashInfer on CUDA) keep their kernel; statistics are then computed beside it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ class KvcAttentionMixin:
     kvc_wrapped_name: str = ""
     kvc_base: type = object
     kvc_store: KvcStore | None = None
+    kvc_attends: bool = False  # whether sgl-kvc's kernel can run this class's decode attention
+    _kvc_attend_layer: Any = None  # the layer whose decode attention the kernel runs now
 
     @property
     def kvc_name(self) -> str:
@@ -48,20 +56,59 @@ class KvcAttentionMixin:
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        out = self.kvc_base.forward_decode(
-            self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs
-        )
-        if self.kvc_store is not None and save_kv_cache:
-            _observe(_observe_decode, self.kvc_store, q, layer, forward_batch)
+        store = self.kvc_store
+        attend = store is not None and _kernel_attends(store, q, layer, forward_batch)
+        self._kvc_attend_layer = layer if attend else None
+        try:
+            out = self.kvc_base.forward_decode(
+                self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs
+            )
+        finally:
+            self._kvc_attend_layer = None
+        if store is not None and save_kv_cache:
+            _observe(_observe_decode, store, q, layer, forward_batch, attend)
         return out
 
 
-def _observe(fn: Callable[..., None], store: KvcStore, q, layer, fb) -> None:
+class TorchNativeDecodeMixin:
+    """`torch_native`'s inner decode loop (`_run_sdpa_forward_decode`, sglang 0.5.23), replaced
+    by the batched kernel while `forward_decode` has chosen it for this layer."""
+
+    def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, *args, **kwargs):
+        layer = self._kvc_attend_layer
+        if layer is None:
+            return self.kvc_base._run_sdpa_forward_decode(
+                self, query, output, k_cache, v_cache, *args, **kwargs
+            )
+        store = self.kvc_store
+        store.attend_decode(layer.layer_id, store.decode_step, query, k_cache, v_cache, layer.scaling, output)
+        return output
+
+
+def _kernel_attends(store: KvcStore, q: Any, layer: Any, fb: Any) -> bool:
+    """Whether this layer's decode attention is the batched kernel's: the step was planned
+    for it, and the layer needs nothing the kernel does not do (cross-attention, a sliding
+    window, encoder tokens, a logit cap)."""
+    step = store.decode_step
+    window = getattr(layer, "sliding_window_size", None)
+    return (
+        store.attends
+        and step is not None
+        and step.attends
+        and step.size * layer.tp_q_head_num * layer.qk_head_dim == q.numel()
+        and not getattr(layer, "is_cross_attention", False)
+        and (window is None or window < 0)
+        and getattr(fb, "encoder_lens", None) is None
+        and not getattr(layer, "logit_cap", 0)
+    )
+
+
+def _observe(fn: Callable[..., None], store: KvcStore, q, layer, fb, *args: Any) -> None:
     """Observation is bookkeeping for later compressions: a failure here must not fail the
     forward pass of the whole batch. A request whose observations are missing fails (alone)
     when it is compressed."""
     try:
-        fn(store, q, layer, fb)
+        fn(store, q, layer, fb, *args)
     except Exception:  # noqa: BLE001
         logger.exception("sgl-kvc: attention observation failed in layer %s", layer.layer_id)
 
@@ -71,13 +118,13 @@ def _layer_keys(store: KvcStore, layer: Any, row: int, n: int) -> torch.Tensor:
     return store.kv_pool.get_key_buffer(layer.layer_id)[slots]
 
 
-def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> None:
+def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any, attended: bool) -> None:
     h_q, d = layer.tp_q_head_num, layer.qk_head_dim
     q = q.reshape(-1, h_q, d)
     pool_rows = store.req_to_token.shape[0]
     store.record_decode(layer.layer_id, fb.req_pool_indices, q, pool_rows)
     step = store.decode_step  # set by the scheduler hook for this step: no host sync here
-    if step is not None and step.picked:
+    if step is not None and step.has_stats and not attended:  # else the kernel fed them
         store.accumulate_decode(
             layer.layer_id, step, q, store.kv_pool.get_key_buffer(layer.layer_id), layer.scaling
         )
@@ -113,6 +160,9 @@ def _kvc_class(base: type, wrapped_name: str) -> type:
     # Single inheritance with the mixin's members copied in: CPython refuses `__class__`
     # assignment to a class with an extra base, even one that adds no instance layout.
     members = {k: v for k, v in vars(KvcAttentionMixin).items() if not k.startswith("__")}
+    if wrapped_name == "torch_native":
+        members.update({k: v for k, v in vars(TorchNativeDecodeMixin).items() if not k.startswith("__")})
+        members["kvc_attends"] = hasattr(base, "_run_sdpa_forward_decode")
     return type(
         f"Kvc{base.__name__}",
         (base,),

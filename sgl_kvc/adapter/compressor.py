@@ -134,6 +134,7 @@ class Compressor:
             # Only a compressing server observes attention: with --policy none the backend does
             # exactly what SGLang's does (per-request compression is refused on such a server).
             backend.kvc_store = self.store
+            self.store.attends = config.kv_decode_attention == "batched" and backend.kvc_attends
 
     # --- per request --------------------------------------------------------------------------
     def policy(self, name: str, budget: int) -> Policy:

@@ -17,8 +17,9 @@ free memory after weights, minus the activation slack of `--mem-fraction-static`
 chose, and the request slots are capped so the queries take at most `MAX_QUERY_SHARE` of the
 budget (SGLang's default of 2,048+ slots would otherwise eat a small pool whole).
 
-Transient work (one layer's keys while a pass scores it, the bounded block of batched decode
-statistics) is activation memory, like SGLang's own, and stays in its slack.
+Transient work (one layer's keys while a pass scores it; the bounded block of padded float32
+keys and values of the batched decode kernel, `DECODE_BLOCK_ELEMS`) is activation memory, like
+SGLang's own, and stays in its slack.
 """
 
 from __future__ import annotations

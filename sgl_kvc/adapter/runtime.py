@@ -94,6 +94,12 @@ def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
             "hit_tokens": prefix.hit_tokens if prefix else 0,
         },
         "compression": compression,
+        # who computes decode attention: sgl-kvc's batched kernel (CPU, compressing servers) or
+        # SGLang's backend; `layers` counts the layer calls the kernel served
+        "decode_attention": {
+            "kernel": "sgl-kvc batched" if compressor.store.attends else "sglang",
+            "layers": compressor.store.attended_layers,
+        },
         "requests": {
             "running": len(scheduler.running_batch.reqs),
             "max_running": runtime.max_running,

@@ -14,35 +14,92 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sgl_kvc.kernels.decode_attention import decode_attention, decode_probs
 from sgl_kvc.policies import DEFAULT_SELECTION, Policy
 
 STATS_BLOCK = 256  # query rows per block when accumulating prefill attention statistics
-DECODE_STATS_ELEMS = 1 << 24  # bound on the padded key block of a batched decode statistic
+DECODE_BLOCK_ELEMS = 1 << 22  # bound on the padded float32 keys of one block of a decode step
+
+
+@dataclass(frozen=True)
+class StatGroup:
+    """Requests of one decode block whose policies share a statistic (one policy class): what
+    one step adds to their statistics is computed for all of them at once."""
+
+    policy: Policy
+    local: Tensor | None  # their indices in the block (None: the whole block)
+    states: tuple["ReqKvState", ...]
+    lens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DecodeBlock:
+    """Requests of a decode step padded to the longest of them (the step is cut into blocks
+    so the padded keys stay under `DECODE_BLOCK_ELEMS`)."""
+
+    index: Tensor  # [b] their indices in the batch
+    slots: Tensor  # [b, n_max] int64: slot of entry j of each (slot 0 past its length)
+    pad: Tensor  # [b, n_max] bool: True past each request's length
+    groups: tuple[StatGroup, ...]
 
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """The requests of one decode step whose policy keeps attention statistics, taken from the
-    scheduler's host-side batch once per step (no device sync), with their device copies made
-    once for every layer: `picked` are batch indices, `rows` their `req_to_token` rows,
-    `lens` their cached entries."""
+    """One decode step's plan, made once from the scheduler's host-side batch (no device sync)
+    and used by every layer: its requests in blocks, their slots gathered once. `attends`: the
+    blocks hold every request of the batch and sgl-kvc's kernel computes the step's attention
+    (`decode_attention`); otherwise they hold only the requests that keep statistics."""
 
-    picked: list[int]
-    rows: list[int]
-    lens: list[int]
-    picked_t: Tensor
-    rows_t: Tensor
-    lens_t: Tensor
+    blocks: tuple[DecodeBlock, ...]
+    attends: bool
+    size: int  # requests in the batch
+
+    @property
+    def has_stats(self) -> bool:
+        return any(block.groups for block in self.blocks)
 
     @classmethod
-    def build(cls, rows: list[int], lens: list[int], stats_rows: set[int], device: Any) -> "DecodeStep":
-        picked = [i for i, row in enumerate(rows) if row in stats_rows]
-        rows, lens = [rows[i] for i in picked], [lens[i] for i in picked]
-
-        def dev(x: list[int]) -> Tensor:
-            return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
-
-        return cls(picked, rows, lens, dev(picked), dev(rows), dev(lens))
+    def build(
+        cls, rows: list[int], lens: list[int], states: dict[int, "ReqKvState"], req_to_token: Tensor,
+        token_elems: int, attends: bool,
+    ) -> "DecodeStep":
+        """`rows`/`lens`: the batch's `req_to_token` rows and cached entries, in batch order;
+        `token_elems`: key elements per entry (H_kv x d), which sizes the blocks."""
+        stats = {i for i, row in enumerate(rows) if (s := states.get(row)) is not None and s.policy.uses_stats}
+        picked = list(range(len(rows))) if attends else sorted(stats)
+        # Longest first, so a block's padding is to similar lengths.
+        picked.sort(key=lambda i: -lens[i])
+        device = req_to_token.device
+        per_block = max(1, DECODE_BLOCK_ELEMS // max(1, token_elems))  # padded entries per block
+        blocks = []
+        start = 0
+        while start < len(picked):
+            n_max = max(1, lens[picked[start]])
+            end = start + max(1, min(len(picked) - start, per_block // n_max))
+            members = picked[start:end]
+            start = end
+            b_rows = torch.tensor([rows[i] for i in members], dtype=torch.int64)
+            b_lens = torch.tensor([lens[i] for i in members], dtype=torch.int64)
+            pad = torch.arange(n_max)[None, :] >= b_lens[:, None]
+            slots = req_to_token[b_rows.to(device), :n_max].long()
+            pad = pad.to(device, non_blocking=True)
+            slots.masked_fill_(pad, 0)
+            by_class: dict[type, list[int]] = {}
+            for j, i in enumerate(members):
+                if i in stats:
+                    by_class.setdefault(type(states[rows[i]].policy), []).append(j)
+            groups = tuple(
+                StatGroup(
+                    policy=states[rows[members[js[0]]]].policy,
+                    local=None if len(js) == len(members) else torch.tensor(js, device=device),
+                    states=tuple(states[rows[members[j]]] for j in js),
+                    lens=tuple(lens[members[j]] for j in js),
+                )
+                for js in by_class.values()
+            )
+            index = torch.tensor(members, dtype=torch.int64).to(device, non_blocking=True)
+            blocks.append(DecodeBlock(index=index, slots=slots, pad=pad, groups=groups))
+        return cls(blocks=tuple(blocks), attends=attends, size=len(rows))
 
 
 @dataclass
@@ -111,8 +168,14 @@ class KvcStore:
         self.req_to_token = req_to_token  # SGLang's [rows, max_len] slot table
         self.kv_pool = kv_pool  # SGLang's KV pool (get_key_buffer(layer_id) -> [slots, H_kv, d])
         self.window = window
-        # KV heads of this rank (a pass's cost is split per head)
-        self.kv_heads = int(kv_pool.get_key_buffer(first_layer).shape[1]) if kv_pool is not None else 1
+        # KV heads of this rank (a pass's cost is split per head) and key elements per entry
+        key_shape = kv_pool.get_key_buffer(first_layer).shape if kv_pool is not None else (0, 1, 1)
+        self.kv_heads = int(key_shape[1])
+        self.token_elems = int(key_shape[1]) * int(key_shape[2])
+        # Whether sgl-kvc's batched kernel computes decode attention (set by the compressor for
+        # backends whose decode it replaces); otherwise only statistics requests are planned.
+        self.attends = False
+        self.attended_layers = 0  # decode layer calls the kernel served (stats)
         self.states: dict[int, ReqKvState] = {}
         self.stats_rows: set[int] = set()  # rows whose policy accumulates attention statistics
         rows, device = req_to_token.shape[0], req_to_token.device
@@ -132,11 +195,11 @@ class KvcStore:
         self.extend_rows: list[int] = []  # rows of the current extend batch, set before it
 
     def begin_decode(self, rows: list[int], lens: list[int]) -> None:
-        """Before a decode forward: which of its requests (`req_to_token` rows, cached entries
-        from the host-side batch) keep statistics."""
+        """Before a decode forward: plan it from the batch's `req_to_token` rows and cached
+        entries (host-side data: no device sync in the forward)."""
         self.decode_step = (
-            DecodeStep.build(rows, lens, self.stats_rows, self.req_to_token.device)
-            if self.stats_rows else None
+            DecodeStep.build(rows, lens, self.states, self.req_to_token, self.token_elems, self.attends)
+            if self.attends or self.stats_rows else None
         )  # fmt: skip
 
     # --- request lifecycle --------------------------------------------------------------------
@@ -229,39 +292,35 @@ class KvcStore:
             probs = torch.softmax(logits, dim=-1)
             state.stats[layer] = state.policy.accumulate(state.stats[layer], probs, h_kv)
 
-    def accumulate_decode(self, layer: int, step: DecodeStep, q: Tensor, key_buffer: Tensor, scale: float) -> None:
-        """One decode query per request (q: [B_all, H_q, d]; `step` picks the requests whose
-        policy keeps statistics): their attention over their own keys in one padded batched
-        computation per block of requests, not a loop."""
-        h_q, d = q.shape[1], q.shape[2]
-        h_kv = key_buffer.shape[1]
-        device = key_buffer.device
-        block = max(1, DECODE_STATS_ELEMS // max(1, max(step.lens) * h_q * d))
-        for start in range(0, len(step.rows), block):
-            end = start + block
-            b_rows, b_lens = step.rows[start:end], step.lens[start:end]
-            n_max = max(b_lens)
-            slots = self.req_to_token[step.rows_t[start:end], :n_max].long().to(device)  # [b, n_max]
-            keys = key_buffer[slots].float()  # [b, n_max, H_kv, d]
-            qb = q[step.picked_t[start:end].to(q.device)].float().reshape(len(b_rows), h_kv, -1, d)
-            logits = torch.einsum("bkgd,bnkd->bkgn", qb, keys) * scale
-            pad = torch.arange(n_max, device=device)[None, :] >= step.lens_t[start:end].to(device)[:, None]
-            logits.masked_fill_(pad[:, None, None, :], -math.inf)
-            probs = torch.softmax(logits, dim=-1).unsqueeze(3)  # [b, H_kv, G, 1, n_max]
-            by_policy: dict[type, list[int]] = {}  # requests may choose their own policy
-            for j, row in enumerate(b_rows):
-                state = self.states.get(row)
-                if state is not None and state.policy.uses_stats:
-                    by_policy.setdefault(type(state.policy), []).append(j)
-            for js in by_policy.values():
-                # What this step adds, for all of the policy's requests in one computation;
-                # then per request only its old statistic (widened by the new token) is added.
-                policy = self.states[b_rows[js[0]]].policy
-                added = policy.contribution(probs[js] if len(js) < len(b_rows) else probs)
-                for k, j in enumerate(js):
-                    state, n = self.states[b_rows[j]], b_lens[j]
-                    new = added[k, :, :n].clone()  # a copy: the block is not kept alive
-                    old = state.stats[layer]
-                    if old is not None:
-                        new[:, : old.shape[1]] += old
-                    state.stats[layer] = new
+    def attend_decode(
+        self, layer: int, step: DecodeStep, q: Tensor, k_cache: Any, v_cache: Any, scale: float, out: Tensor
+    ) -> None:
+        """The step's decode attention (q: [B, H_q, d], one query per request) into `out`
+        [B, H_q, d_v], one batched computation per block; the attention it computed feeds the
+        statistics of the requests that keep them."""
+        self.attended_layers += 1
+        for block in step.blocks:
+            o, probs = decode_attention(q[block.index], k_cache, v_cache, block.slots, block.pad, scale)
+            out[block.index] = o
+            self._add_decode_stats(layer, block, probs)
+
+    def accumulate_decode(self, layer: int, step: DecodeStep, q: Tensor, key_buffer: Any, scale: float) -> None:
+        """Statistics only (another kernel computed the attention): the softmax attention of the
+        step's statistics requests over their own keys, one padded computation per block."""
+        for block in step.blocks:
+            probs = decode_probs(q[block.index], key_buffer, block.slots, block.pad, scale)
+            self._add_decode_stats(layer, block, probs)
+
+    def _add_decode_stats(self, layer: int, block: DecodeBlock, probs: Tensor) -> None:
+        """probs: [b, H_kv, G, n_max] of the block's requests."""
+        for g in block.groups:
+            # What this step adds, for all of the group's requests in one computation; then per
+            # request only its old statistic (widened by the new token) is added.
+            grouped = (probs if g.local is None else probs[g.local]).unsqueeze(3)
+            added = g.policy.contribution(grouped)  # [k, H_kv, n_max], a new tensor
+            for k, (state, n) in enumerate(zip(g.states, g.lens)):
+                new = added[k, :, :n]  # a view: each request's slice is its own
+                old = state.stats[layer]
+                if old is not None:
+                    new[:, : old.shape[1]] += old
+                state.stats[layer] = new

@@ -77,6 +77,8 @@ def test_logits_after_compaction_match_dense_reference(
         ref = reference_logprobs(demo_model_path, seq, events, **kw)[rows, targets]
         return float((ref - served).abs().max())
 
+    kernel = rkv_server.stats()["decode_attention"]
+    assert kernel["kernel"] == "sgl-kvc batched" and kernel["layers"] > 0  # it served this decode
     err = error()
     print(f"max |logprob error|: {err:.4f}; without eviction {error(evict=False):.3f}; "
           f"physical positions {error(logical=False):.3f}")

@@ -22,6 +22,8 @@ def test_stats_shape(kvc_server) -> None:
         for key in keys:
             assert isinstance(s[block][key], (int, float)), (block, key)
     assert s["prefix_cache"]["backend"] == "KvcRadixCache"
+    # --policy none is plain SGLang: its own decode attention, never sgl-kvc's kernel
+    assert s["decode_attention"] == {"kernel": "sglang", "layers": 0}
 
 
 def test_pool_accounting_when_idle(kvc_server, openai_client) -> None:

@@ -70,11 +70,11 @@ class _Pool:
         return self.keys
 
 
-@pytest.mark.parametrize("elems", [state_module.DECODE_STATS_ELEMS, 1])  # one block; one per request
+@pytest.mark.parametrize("elems", [state_module.DECODE_BLOCK_ELEMS, 1])  # one block; one per request
 def test_batched_decode_statistics_equal_the_per_request_ones(monkeypatch, elems: int) -> None:
     """`accumulate_decode` (one padded computation) == `accumulate` request by request; the
     step's statistics requests are picked from host-side rows (`begin_decode`)."""
-    monkeypatch.setattr(state_module, "DECODE_STATS_ELEMS", elems)
+    monkeypatch.setattr(state_module, "DECODE_BLOCK_ELEMS", elems)
     g = torch.Generator().manual_seed(0)
     h_kv, group, d, rows = 2, 3, 8, 4
     keys = torch.randn(64, h_kv, d, generator=g)
@@ -88,7 +88,8 @@ def test_batched_decode_statistics_equal_the_per_request_ones(monkeypatch, elems
             for row in range(rows):
                 store.begin(row, ReqKvState(policy=get_policy("rkv" if row == 1 else name), budget=8))
         batched.begin_decode(batch_rows, batch_lens)
-        assert batched.decode_step.picked == [0, 2, 3]
+        planned = sorted(i for block in batched.decode_step.blocks for i in block.index.tolist())
+        assert planned == [0, 2, 3]  # the statistics requests only: SGLang attends
         batched.accumulate_decode(0, batched.decode_step, q, keys, 0.3)
         for i, (row, n) in enumerate(zip(batch_rows, batch_lens)):
             if row == 1:

@@ -1,0 +1,155 @@
+"""The batched decode attention kernel (`sgl_kvc.kernels.decode_attention`) and how the store
+runs it: it must give SGLang's answer (its torch_native loop over requests is the reference) and
+hand the attention it computed to the statistics policies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sgl_kvc.adapter.state as state_module
+from sgl_kvc.adapter.state import KvcStore, ReqKvState
+from sgl_kvc.kernels.decode_attention import decode_attention, decode_probs
+from sgl_kvc.kernels.fp8 import Fp8Rows
+from sgl_kvc.policies import get_policy
+
+H_KV, GROUP, D = 2, 3, 8
+
+
+def _case(seed: int, lens: list[int], slots_total: int = 96):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(slots_total, H_KV, D, generator=g)
+    v = torch.randn(slots_total, H_KV, D, generator=g)
+    n_max = max(lens)
+    r2t = torch.zeros(len(lens), 64, dtype=torch.int32)
+    perm = torch.randperm(slots_total - 1, generator=g) + 1  # slot 0 is SGLang's padding slot
+    used = 0
+    for b, n in enumerate(lens):
+        r2t[b, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    slots = r2t[:, :n_max].long()
+    pad = torch.arange(n_max)[None, :] >= torch.tensor(lens)[:, None]
+    slots = slots.masked_fill(pad, 0)
+    q = torch.randn(len(lens), H_KV * GROUP, D, generator=g)
+    return q, k, v, r2t, slots, pad
+
+
+def _reference(q, k, v, r2t, lens, scale):
+    """Dense float64 attention, request by request (query head h reads KV head h // G)."""
+    out = []
+    for b, n in enumerate(lens):
+        idx = r2t[b, :n].long()
+        keys = k[idx].double().repeat_interleave(GROUP, dim=1)  # [n, H_q, d]
+        vals = v[idx].double().repeat_interleave(GROUP, dim=1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[b].double(), keys) * scale, dim=-1)
+        out.append(torch.einsum("hn,nhd->hd", w, vals))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("lens", [[5], [7, 1, 12, 3], [16, 16]])
+def test_kernel_matches_dense_attention_per_request(lens: list[int]) -> None:
+    q, k, v, r2t, slots, pad = _case(0, lens)
+    out, probs = decode_attention(q, k, v, slots, pad, 0.3)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert torch.allclose(out.double(), _reference(q, k, v, r2t, lens, 0.3), atol=1e-5)
+    assert probs.shape == (len(lens), H_KV, GROUP, max(lens))
+    assert torch.allclose(probs.sum(-1), torch.ones(len(lens), H_KV, GROUP))
+    assert (probs.masked_select(pad[:, None, None, :].expand_as(probs)) == 0).all()
+    assert torch.equal(decode_probs(q, k, slots, pad, 0.3), probs)
+
+
+def test_kernel_matches_sglangs_torch_native_loop() -> None:
+    """The kernel replaces `TorchNativeAttnBackend._run_sdpa_forward_decode` (sglang 0.5.23):
+    same inputs, same output (bf16, as the demo model runs)."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    lens = [9, 2, 30, 17]
+    q, k, v, r2t, slots, pad = _case(1, lens)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    theirs = torch.empty_like(q)
+    backend = object.__new__(TorchNativeAttnBackend)  # the loop reads nothing of the instance
+    TorchNativeAttnBackend._run_sdpa_forward_decode(
+        backend, q, theirs, k, v, r2t, torch.arange(len(lens)), torch.tensor(lens),
+        scaling=0.3, enable_gqa=True, causal=False,
+    )
+    ours, _ = decode_attention(q, k, v, slots, pad, 0.3)
+    assert torch.allclose(ours.float(), theirs.float(), atol=2e-2)  # bf16 rounding only
+
+
+def test_padding_never_reaches_the_output() -> None:
+    """Padding reads slot 0 (SGLang's dummy slot); whatever it holds must not leak."""
+    lens = [3, 8]
+    q, k, v, r2t, slots, pad = _case(2, lens)
+    k[0], v[0] = float("nan"), float("inf")
+    out, probs = decode_attention(q, k, v, slots, pad, 0.3)
+    assert torch.isfinite(out).all() and torch.isfinite(probs).all()
+    assert torch.allclose(out.double(), _reference(q, k, v, r2t, lens, 0.3), atol=1e-5)
+
+
+def test_kernel_reads_fp8_rows_dequantized() -> None:
+    lens = [6, 11]
+    q, k, v, r2t, slots, pad = _case(3, lens)
+    k8 = Fp8Rows.empty(k.shape[0], H_KV, D, dtype=torch.float32)
+    v8 = Fp8Rows.empty(v.shape[0], H_KV, D, dtype=torch.float32)
+    k8[torch.arange(k.shape[0])] = k
+    v8[torch.arange(v.shape[0])] = v
+    everything = torch.arange(k.shape[0])
+    out, _ = decode_attention(q, k8, v8, slots, pad, 0.3)
+    expected = _reference(q, k8[everything], v8[everything], r2t, lens, 0.3)
+    assert torch.allclose(out.double(), expected, atol=1e-5)
+
+
+class _Pool:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+
+    def get_key_buffer(self, layer: int) -> torch.Tensor:
+        return self.k
+
+
+@pytest.mark.parametrize("elems", [state_module.DECODE_BLOCK_ELEMS, 1])  # one block; one per request
+def test_store_attends_the_whole_batch_and_feeds_the_statistics(monkeypatch, elems: int) -> None:
+    """With `attends`, the step's plan holds every request (longest first, in blocks); the
+    output lands at each request's batch index, and statistics equal those computed beside
+    another kernel (`accumulate_decode`)."""
+    monkeypatch.setattr(state_module, "DECODE_BLOCK_ELEMS", elems)
+    lens = [7, 1, 12, 3]
+    q, k, v, r2t, _, _ = _case(4, lens)
+    rows = list(range(len(lens)))
+    policies = {0: "h2o", 1: "rkv", 2: "kvcompress", 3: "h2o"}  # request 1 keeps no statistic
+    attending = KvcStore(1, 4, r2t, _Pool(k, v))
+    beside = KvcStore(1, 4, r2t, _Pool(k, v))
+    attending.attends = True
+    for store in (attending, beside):
+        for row, name in policies.items():
+            store.begin(row, ReqKvState(policy=get_policy(name), budget=8))
+        store.begin_decode(rows, lens)
+    assert attending.decode_step.attends and attending.decode_step.size == 4
+    assert sorted(i for b in attending.decode_step.blocks for i in b.index.tolist()) == rows
+    assert not beside.decode_step.attends
+    assert sorted(i for b in beside.decode_step.blocks for i in b.index.tolist()) == [0, 2, 3]
+
+    out = torch.full_like(q, float("nan"))
+    attending.attend_decode(0, attending.decode_step, q, k, v, 0.3, out)
+    beside.accumulate_decode(0, beside.decode_step, q, k, 0.3)
+    assert torch.allclose(out.double(), _reference(q, k, v, r2t, lens, 0.3), atol=1e-5)
+    assert attending.attended_layers == 1
+    for row, name in policies.items():
+        a, b = attending.states[row].stats[0], beside.states[row].stats[0]
+        if name == "rkv":
+            assert a is None and b is None
+        else:
+            assert a.shape == (H_KV, lens[row]) and torch.allclose(a, b, atol=1e-6), name
+
+
+def test_wrapped_torch_native_backend_runs_the_kernel() -> None:
+    """The wrapped CPU backend class gets the kernel's loop replacement; FlashInfer's does not."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    from sgl_kvc.adapter.attention import _kvc_class
+
+    cls = _kvc_class(TorchNativeAttnBackend, "torch_native")
+    assert cls.kvc_attends
+    assert cls._run_sdpa_forward_decode is not TorchNativeAttnBackend._run_sdpa_forward_decode
+    other = _kvc_class(type("FlashInferLike", (), {}), "flashinfer")
+    assert not other.kvc_attends and not hasattr(other, "_run_sdpa_forward_decode")
