@@ -270,6 +270,8 @@ def report(results: list[ConfigResult], setup: dict, out: Path, stem: str = "evi
         f"{setup['output_len']} output tokens (ignore_eos), all at once; every server: {pool}; "
         f"policies at --kv-budget {setup['kv_budget']}; {setup['model']}; {setup['machine']}"
     )
+    if setup.get("rounds", 1) > 1:
+        title += f"; {setup['rounds']} rounds, interleaved (the median round's row is shown)"
     table = markdown(results)
     (out / f"{stem}.md").write_text(f"{title}\n\n{table}")
     plot(results, out / f"{stem}.png", title)

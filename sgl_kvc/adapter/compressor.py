@@ -424,11 +424,23 @@ class Compressor:
         self.store.set_offset(row, state.offset)
         state.passes += 1
         self.store.trim_queries(row, result.kept)
+        if result.freed:
+            self._reopen_admission(batch)
         self.stats.passes += 1
         self.stats.evicted_tokens += n - result.kept
         setattr(self.stats, f"{moment}_passes", getattr(self.stats, f"{moment}_passes") + 1)
         if self.metrics:
             self.metrics.compressed(moment, n - result.kept)
+
+    def _reopen_admission(self, batch: Any) -> None:
+        """A compaction freed slots: let the scheduler try its waiting requests again. SGLang
+        stops admitting once a request did not fit (`batch_is_full`) and reopens only when a
+        request leaves; freed slots are the same news (sglang 0.5.23, `Scheduler
+        .get_new_batch_prefill`). Without this, a request admitted while another's staged pass
+        still held its whole prompt would keep the queue shut until that request finished."""
+        for b in (batch, getattr(self.scheduler, "running_batch", None)):
+            if b is not None and getattr(b, "batch_is_full", False):
+                b.batch_is_full = False
 
     def _skipped(self, req: Any, e: CompactionSkipped) -> None:
         logger.debug("compression of %s skipped: %s", req.rid, e)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from sgl_kvc.kernels.decode_attention import decode_attention, decode_probs
-from sgl_kvc.policies import DEFAULT_SELECTION, Policy
+from sgl_kvc.policies import DEFAULT_SELECTION, Policy, gqa_logits
 
 STATS_BLOCK = 256  # query rows per block when accumulating prefill attention statistics
 DECODE_BLOCK_ELEMS = 1 << 22  # bound on the padded float32 keys of one block of a decode step
@@ -281,15 +281,13 @@ class KvcStore:
         state = self.states.get(row)
         if state is None or not state.policy.uses_stats:
             return
-        h_kv = keys.shape[1]
-        group = q.shape[1] // h_kv
-        k = keys.float().repeat_interleave(group, dim=1)  # [n, H_q, d]: query head h -> kv h // G
+        h_kv, h_q = keys.shape[1], q.shape[1]
         for start in range(0, q.shape[0], STATS_BLOCK):
-            qb = q[start : start + STATS_BLOCK].float()
-            logits = torch.einsum("qhd,nhd->hqn", qb, k) * scale
+            qb = q[start : start + STATS_BLOCK]
+            logits = gqa_logits(qb, keys, scale)  # [H_kv, G, q, n], no repeated keys
             causal = k_pos[None, :] > q_pos[start : start + STATS_BLOCK, None]
-            logits.masked_fill_(causal[None], -math.inf)
-            probs = torch.softmax(logits, dim=-1)
+            logits.masked_fill_(causal, -math.inf)
+            probs = torch.softmax(logits, dim=-1).reshape(h_q, qb.shape[0], -1)
             state.stats[layer] = state.policy.accumulate(state.stats[layer], probs, h_kv)
 
     def attend_decode(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from . import avgattn, h2o, kvcompress, none, rkv, snapkv, streamingllm  # noqa: F401  (register)
 from .avgattn import AvgAttnPolicy
+from ._ops import gqa_logits
 from .base import LayerView, Policy, PolicyParams
 from .h2o import H2OPolicy
 from .kvcompress import KVCompressPolicy
@@ -41,6 +42,7 @@ __all__ = [
     "available_policies",
     "carry_stats_per_head",
     "get_policy",
+    "gqa_logits",
     "policy_class",
     "register_policy",
     "select_from_scores",

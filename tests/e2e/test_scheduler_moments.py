@@ -91,3 +91,45 @@ def test_prometheus_metrics(preempt_server) -> None:
     assert any('moment="preempt"' in l and float(l.rsplit(" ", 1)[1]) > 0 for l in passes), passes
     for name in ("evicted_tokens_total", "compression_seconds_total", "avoided_retractions_total"):
         assert f"sgl_kvc:{name}" in text
+
+
+STAGED_POOL, STAGED_PROMPT = 1200, 900
+
+
+@pytest.fixture(scope="module")
+def staged_server():
+    """A pool that holds one long prompt, and passes staged one KV head per step (4 steps on
+    the demo model), so a request holds its whole prompt for a few steps after prefill."""
+    cmd = [
+        sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv",
+        "--kv-budget", "32", "--kv-buffer", "16", "--kv-pass-work", "16",
+        "--max-total-tokens", str(STAGED_POOL),
+    ]
+    with ServerProcess.launch(cmd, env={"SGLKVC_CHECK": "1"}) as server:
+        yield server
+
+
+def test_memory_a_compaction_frees_admits_waiting_requests(staged_server) -> None:
+    """A request that finds no room while another's staged pass still holds a whole prompt must
+    be admitted once the compaction frees it, not only when the first request finishes (SGLang
+    shuts admission after a request does not fit and reopens it when one leaves)."""
+    import random
+
+    def one(i: int) -> int:
+        rng = random.Random(i)
+        r = staged_server.post(
+            "/v1/completions",
+            json={"model": "m", "prompt": [rng.randrange(10, 2000) for _ in range(STAGED_PROMPT)],
+                  "max_tokens": 96, "ignore_eos": True},
+        )
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    with ThreadPoolExecutor(3) as pool:
+        assert list(pool.map(one, range(3))) == [96] * 3
+    s = staged_server.stats()
+    assert s["compression"]["staged_passes"] >= 3, s["compression"]
+    # Two prompts never fit together; a compressed request and a new prompt do.
+    assert s["requests"]["max_running"] >= 2, s["requests"]
+    pool_stats = s["pool"]
+    assert pool_stats["free_tokens"] + pool_stats["cached_tokens"] == pool_stats["total_tokens"]

@@ -142,3 +142,21 @@ def test_query_buffer_grows_with_the_rows_in_use_not_the_row_count() -> None:
     store.begin(5, _state())  # a low row (rare) grows the buffer, keeping earlier queries
     store.record_extend(0, 5, q(9), pool_rows=1000)
     assert [store.queries(r, 0, 9)[0, 0, 0].item() for r in (999, 998, 997, 5)] == [0, 1, 2, 9]
+
+
+def test_prefill_statistics_equal_dense_causal_attention(monkeypatch) -> None:
+    """`accumulate` over an extend (several blocks of queries, causal by physical index) adds to
+    H2O's statistic exactly the attention each key received, summed over the query group."""
+    monkeypatch.setattr(state_module, "STATS_BLOCK", 3)  # several blocks
+    g = torch.Generator().manual_seed(5)
+    h_kv, group, d, n = 2, 3, 8, 10
+    keys = torch.randn(n, h_kv, d, generator=g)
+    q = torch.randn(7, h_kv * group, d, generator=g)  # queries of entries 3..9
+    store = KvcStore(1, 4, torch.zeros(1, 16, dtype=torch.int32), kv_pool=None)
+    store.begin(0, ReqKvState(policy=get_policy("h2o"), budget=8))
+    store.accumulate(0, 0, q, keys, torch.arange(3, 10), torch.arange(n), 0.3)
+    k = keys.double().repeat_interleave(group, dim=1)  # query head h reads KV head h // G
+    logits = torch.einsum("qhd,nhd->hqn", q.double(), k) * 0.3
+    logits.masked_fill_(torch.arange(n)[None, None, :] > torch.arange(3, 10)[None, :, None], float("-inf"))
+    expected = torch.softmax(logits, -1).sum(1).reshape(h_kv, group, n).sum(1)
+    assert torch.allclose(store.states[0].stats[0].double(), expected, atol=1e-5)
