@@ -95,16 +95,24 @@ def compact_requests_per_head(
     allocator = batch.token_to_kv_pool_allocator
     outcomes: list[CompactionResult | Exception] = []
     plans: list[_PerHeadPlan] = []
-    for i, selection in items:
-        try:
-            plan = _plan_per_head(batch, i, selection)
-            plans.append(plan)
-            outcomes.append(CompactionResult(selection.max_keep, int(plan.evicted.numel()), plan.copied))
-        except (CompactionSkipped, ValueError) as e:
-            outcomes.append(e)
-    if not plans:
-        return outcomes
-    move_units_many(allocator.get_kvcache(), [(p.row, p.indices, p.dest) for p in plans])
+    try:
+        for i, selection in items:
+            try:
+                plan = _plan_per_head(batch, i, selection)
+                plans.append(plan)
+                outcomes.append(CompactionResult(selection.max_keep, int(plan.evicted.numel()), plan.copied))
+            except (CompactionSkipped, ValueError) as e:
+                outcomes.append(e)
+        if not plans:
+            return outcomes
+        move_units_many(allocator.get_kvcache(), [(p.row, p.indices, p.dest) for p in plans])
+    except BaseException:
+        # No request was changed yet: give back the slots allocated for long prefix hits,
+        # which no row references (the requests keep their rows and are aborted by the caller).
+        for p in plans:
+            if p.copied:
+                allocator.free(p.dest[p.dest.numel() - p.copied :])
+        raise
     freed = _free(allocator, torch.cat([p.evicted for p in plans]))
     for p in plans:
         _finish(batch, p.i, p.dest)

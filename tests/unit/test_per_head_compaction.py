@@ -178,3 +178,57 @@ def test_one_head_at_a_time_chooses_what_the_whole_layer_chooses(name: str) -> N
     whole = select_per_head(policy, [view], 16).indices[0]
     alone = torch.stack([select_per_head(policy, [view.head(h)], 16).indices[0, 0] for h in range(h_kv)])
     assert torch.equal(whole, alone)
+
+
+class _Allocator:
+    def __init__(self, pool: Pool, slots: int) -> None:
+        self.pool, self.free_slots = pool, list(range(1, slots))  # slot 0: SGLang's padding
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, k: int) -> torch.Tensor:
+        out, self.free_slots = self.free_slots[:k], self.free_slots[k:]
+        return torch.tensor(out, dtype=torch.int64)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.free_slots += slots.tolist()
+
+    def get_kvcache(self) -> Pool:
+        return self.pool
+
+
+def test_a_failed_batched_move_gives_back_the_slots_it_allocated(monkeypatch) -> None:
+    """A request whose kept entries outnumber the slots it owns (a long prefix hit: its first
+    slots belong to the radix tree) gets new slots before the move; if the move fails, those go
+    back to the allocator, and the request's row and lengths are as they were."""
+    from types import SimpleNamespace
+
+    from sgl_kvc.adapter import compaction
+    from sgl_kvc.policies import HeadSelection
+
+    layers, heads, n, k = 2, 2, 10, 6
+    pool = Pool([torch.randn(64, heads, 4) for _ in range(layers)], [torch.randn(64, heads, 4) for _ in range(layers)])
+    allocator = _Allocator(pool, 64)
+    row = allocator.alloc(n)
+    r2t = torch.zeros(1, 32, dtype=torch.int32)
+    r2t[0, :n] = row.to(torch.int32)
+    kv = SimpleNamespace(req_pool_idx=0, cache_protected_len=n - 2)  # owns only 2 slots
+    batch = SimpleNamespace(
+        reqs=[SimpleNamespace(kv=kv)], seq_lens_cpu=torch.tensor([n]), tree_cache=None,
+        req_to_token_pool=SimpleNamespace(req_to_token=r2t), token_to_kv_pool_allocator=allocator,
+    )
+    indices = torch.stack([torch.randperm(n)[:k].sort().values for _ in range(layers * heads)])
+    selection = HeadSelection(
+        indices=indices.reshape(layers, heads, k), lengths=torch.full((layers, heads), k), n=n
+    )
+    free_before = allocator.available_size()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted failure inside the batched move")
+
+    monkeypatch.setattr(compaction, "move_units_many", broken)
+    with pytest.raises(RuntimeError, match="planted"):
+        compaction.compact_requests_per_head(batch, [(0, selection)])
+    assert allocator.available_size() == free_before  # the k - 2 new slots came back
+    assert torch.equal(r2t[0, :n], row.to(torch.int32)) and kv.cache_protected_len == n - 2
