@@ -127,6 +127,8 @@ def test_flag_defaults_come_from_policy_params() -> None:
     assert config.compress_on == ("prefill", "decode", "preempt")
     assert config.kv_selection == "per-head"  # what the papers do
     assert parse_args(["--kv-selection", "shared"])[0].kv_selection == "shared"
+    assert config.kv_decode_attention == "batched"
+    assert parse_args(["--kv-decode-attention", "sglang"])[0].kv_decode_attention == "sglang"
 
 
 @pytest.mark.parametrize(
@@ -138,6 +140,7 @@ def test_flag_defaults_come_from_policy_params() -> None:
         (["--rkv-lambda", "2"], "rkv_lambda"),
         (["--kv-selection", "per-layer"], "--kv-selection"),
         (["--kv-pass-work", "-1"], "--kv-pass-work"),
+        (["--kv-decode-attention", "flash"], "--kv-decode-attention"),
     ],
 )
 def test_bad_flag_values_are_usage_errors(argv: list[str], needle: str, capsys) -> None:
