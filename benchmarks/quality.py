@@ -188,9 +188,10 @@ class ManagedServer:
 
 def policy_settings(name: str) -> dict:
     """`kv_compression` of a policy row: "snapkv" selects per head (the server's default),
-    "snapkv/shared" keeps one set per request (`selection: shared`)."""
+    "snapkv/shared" keeps one set per request (`selection: shared`), "snapkv/variable" per head
+    with variable budgets (a run with `--kv-head-budget variable`: its server's setting)."""
     policy, _, selection = name.partition("/")
-    return {"policy": policy, **({"selection": selection} if selection else {})}
+    return {"policy": policy, **({"selection": selection} if selection not in ("", "variable") else {})}
 
 
 def combos(policies: list[str], budgets: list[int]) -> list[tuple[str, dict]]:
@@ -514,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-total-tokens", type=int, default=65536)
     p.add_argument("--kv-buffer", type=int, default=128)
+    p.add_argument("--kv-head-budget", choices=["uniform", "variable"], default="uniform",
+                   help="the compressing server's per-head budgets; variable rows are named NAME/variable")
     p.add_argument("--request-timeout", type=float, default=900)
     p.add_argument("--server-timeout", type=float, default=600)
     p.add_argument("--kvpress-python", default=os.environ.get("KVPRESS_PYTHON", str(DEFAULT_KVPRESS_PYTHON)))
@@ -565,7 +568,10 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     # Every pass in the step it is due (no staging over later steps): a short answer must be
     # generated from the compressed cache, not from the full one while a pass is under way.
-    comp_flags = ["--policy", "rkv", "--kv-buffer", str(args.kv_buffer), "--kv-pass-work", "0", *common]
+    comp_flags = ["--policy", "rkv", "--kv-buffer", str(args.kv_buffer), "--kv-pass-work", "0",
+                  "--kv-head-budget", args.kv_head_budget, *common]
+    if args.kv_head_budget == "variable":
+        args.policies = [p if p.endswith("/shared") else f"{p}/variable" for p in args.policies]
     comp_server = ManagedServer("compressing", comp_flags, logs, args.server_timeout)
     try:
         outcomes += run_compressed(comp_server, samples, args)

@@ -14,7 +14,13 @@ import os
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
-from sgl_kvc.policies import DEFAULT_SELECTION, SELECTIONS, PolicyParams, available_policies
+from sgl_kvc.policies import (
+    BUDGET_MODES,
+    DEFAULT_SELECTION,
+    SELECTIONS,
+    PolicyParams,
+    available_policies,
+)
 
 ENV_VAR = "SGLKVC_CONFIG"
 MOMENTS: tuple[str, ...] = ("prefill", "decode", "preempt")
@@ -43,6 +49,15 @@ class KvcConfig:
         metadata=_flag(
             "per-head: every (layer, KV head) keeps its own best tokens, as the papers do; "
             "shared: one kept set per request (scores averaged over heads and layers)."
+        ),
+    )
+    kv_head_budget: str = field(
+        default="uniform",
+        metadata=_flag(
+            "Per-head selection's budget: uniform (every (layer, KV head) keeps --kv-budget "
+            "tokens) or variable (KV-Compress: the request keeps --kv-budget x layers x KV heads "
+            "entries in all, chosen by one sort over layer x head x token; CPU backend, "
+            "batched decode attention and a non-FP8 cache only)."
         ),
     )
     kv_pass_work: int = field(
@@ -108,6 +123,22 @@ class KvcConfig:
             )
         if self.kv_selection not in SELECTIONS:
             raise ValueError(f"--kv-selection must be one of {list(SELECTIONS)}, got {self.kv_selection!r}")
+        if self.kv_head_budget not in BUDGET_MODES:
+            raise ValueError(
+                f"--kv-head-budget must be one of {list(BUDGET_MODES)}, got {self.kv_head_budget!r}"
+            )
+        if self.variable_budget:
+            # Heads of a packed request hold different numbers of entries: only sgl-kvc's
+            # batched kernel reads them through per-head tables (docs/per-head-eviction.md).
+            if self.kv_selection != "per-head":
+                raise ValueError("--kv-head-budget variable needs --kv-selection per-head")
+            if self.kv_decode_attention != "batched":
+                raise ValueError("--kv-head-budget variable needs --kv-decode-attention batched")
+            if self.fp8_kv is not None:
+                raise ValueError(
+                    f"--kv-head-budget variable with --kv-cache-dtype {self.fp8_kv} is not "
+                    "implemented (the unit pool stores the model's dtype)"
+                )
         object.__setattr__(self, "compress_on", tuple(self.compress_on))
         bad = [m for m in self.compress_on if m not in MOMENTS]
         if bad:
@@ -123,6 +154,11 @@ class KvcConfig:
     @property
     def compressing(self) -> bool:
         return self.policy != "none"
+
+    @property
+    def variable_budget(self) -> bool:
+        """KV-Compress's variable per-head allocation (served from the unit pool)."""
+        return self.compressing and self.kv_head_budget == "variable"
 
     @property
     def fp8_kv(self) -> str | None:
@@ -159,8 +195,8 @@ class KvcConfig:
             kwargs: dict[str, Any] = {"default": default, "help": f.metadata.get("help", "")}
             if f.name == "policy":
                 kwargs["choices"] = available_policies()
-            elif f.name in ("kv_selection", "kv_decode_attention"):
-                kwargs["choices"] = SELECTIONS if f.name == "kv_selection" else DECODE_ATTENTION
+            elif f.name in _CHOICES:
+                kwargs["choices"] = _CHOICES[f.name]
                 kwargs["type"] = str
             elif f.name == "compress_on":
                 kwargs["type"] = _moments
@@ -177,6 +213,13 @@ class KvcConfig:
         if isinstance(values["compress_on"], str):
             values["compress_on"] = _moments(values["compress_on"])
         return cls(**values)
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "kv_selection": SELECTIONS,
+    "kv_decode_attention": DECODE_ATTENTION,
+    "kv_head_budget": BUDGET_MODES,
+}
 
 
 def _moments(text: str) -> tuple[str, ...]:

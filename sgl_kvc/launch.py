@@ -52,7 +52,7 @@ def _cuda_available() -> bool:
 
 def build_sglang_argv(
     argv: list[str], on_gpu: bool, compressing: bool = False, fp8_kv: bool = False,
-    kv_memory_budget: bool = False,
+    kv_memory_budget: bool = False, unit_pool: bool = False,
 ) -> list[str]:
     """SGLang's argument list: the user's flags plus the defaults they did not override."""
     from sgl_kvc.adapter import RADIX_CACHE_BACKEND
@@ -63,6 +63,10 @@ def build_sglang_argv(
         # sgl-kvc's FP8 pool is read by indexing (dequantizing the rows read): torch-native
         # attention, also on CUDA. SGLang itself keeps the model's dtype (`auto`), so its
         # AMX-only CPU FP8 path is never entered.
+        defaults["--attention-backend"] = "torch_native"
+    if unit_pool:
+        # Variable per-head budgets: heads of a packed request hold different numbers of
+        # entries, which only sgl-kvc's batched kernel (in the torch-native backend) reads.
         defaults["--attention-backend"] = "torch_native"
     if kv_memory_budget:
         defaults.pop("--max-total-tokens", None)  # the byte budget decides the pool's size
@@ -126,6 +130,7 @@ def parse_args(argv: list[str]) -> tuple[KvcConfig, list[str]]:
             f"--kv-cache-dtype {config.fp8_kv} needs --attention-backend torch_native (sgl-kvc's "
             f"FP8 pool dequantizes the rows attention reads); got {backend}"
         )
+
     problem = unsupported(config, rest)
     if problem:
         parser.error(problem)
@@ -150,6 +155,11 @@ def unsupported(config: KvcConfig, argv: list[str]) -> str | None:
             return (f"--policy {config.policy} observes attention through the "
                     f"{' or '.join(WRAPPED_BACKENDS)} backend; {flag} {value} is not supported "
                     "with a compressing policy (use --policy none with it)")
+    for flag in ("--attention-backend", "--decode-attention-backend"):
+        value = _flag_value(argv, flag)
+        if config.variable_budget and value not in (None, "torch_native"):
+            return ("--kv-head-budget variable needs the torch_native attention backend "
+                    f"(sgl-kvc's batched kernel reads the per-head tables); got {flag} {value}")
     if _flag_value(argv, "--speculative-algorithm") not in (None, "None", "none"):
         return (f"--policy {config.policy} does not support speculative decoding "
                 "(--speculative-algorithm): draft batches would see physical positions")
@@ -189,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     sglang_argv = build_sglang_argv(
         rest, on_gpu, config.compressing, fp8_kv=config.fp8_kv is not None,
-        kv_memory_budget=config.kv_cache_memory_gb is not None,
+        kv_memory_budget=config.kv_cache_memory_gb is not None, unit_pool=config.variable_budget,
     )
     config.to_env()  # read by the plugin in this process and in SGLang's worker processes
 

@@ -78,15 +78,20 @@ def reference_logprobs(
     positions = torch.arange(t)
     for e in sorted(events, key=lambda e: e["logical_len"]):
         length = e["logical_len"]
-        kept = torch.tensor(e["kept_positions"], dtype=torch.int64)
-        kept = kept.expand(n_layers, h_kv, kept.shape[-1])  # a shared event: every head
+        kept = e["kept_positions"]
         present = torch.zeros(n_layers, h_kv, t, dtype=torch.bool)
-        present.scatter_(-1, kept, True)
+        if kept and isinstance(kept[0], list):  # per head: [layer][KV head] lists (any lengths)
+            for layer, heads in enumerate(kept):
+                for head, ps in enumerate(heads):
+                    present[layer, head, ps] = True
+        else:  # a shared event: every head
+            present[:, :, kept] = True
         present[..., length:] = True
         if evict:
             allowed[..., length:, :] &= present[:, :, None, :]
-        if not logical:
-            positions[length:] = torch.arange(length, t) - (length - kept.shape[-1])
+        if not logical:  # tokens after it were written right after the slots it kept
+            physical = e.get("physical_kept", kept_count(e))
+            positions[length:] = torch.arange(length, t) - (length - physical)
     masks = torch.zeros(n_layers, h_kv, t, t).masked_fill(~allowed, float("-inf"))
     masks = masks.repeat_interleave(group, dim=1)  # [L, H_q, t, t]
 

@@ -25,11 +25,14 @@ def install(config: KvcConfig) -> None:
             SGLANG_VERSION,
             sglang.__version__,
         )
-    from sgl_kvc.adapter import attention, fp8_pool, hooks, memory_budget, radix_cache, request_guard
+    from sgl_kvc.adapter import (
+        attention, fp8_pool, hooks, memory_budget, radix_cache, request_guard, unit_pool,
+    )
 
     radix_cache.register(RADIX_CACHE_BACKEND)
     attention.register()
     fp8_pool.register(config)
+    unit_pool.register(config)  # --kv-head-budget variable (never with FP8)
     memory_budget.register(config)  # after fp8_pool: it reads the budget that one may fix
     hooks.register(config)
     request_guard.register()  # HTTP process: out-of-vocabulary prompt token ids are a 400

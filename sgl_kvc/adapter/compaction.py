@@ -34,9 +34,10 @@ from sgl_kvc.policies import HeadSelection
 
 @dataclass(frozen=True)
 class CompactionResult:
-    kept: int
+    kept: int  # entries (slots) the request's row holds after it
     freed: int  # slots returned to the allocator
     copied: int  # tree-owned slots copied into private ones
+    units: Tensor | None = None  # a packed request's new tables [L, H_kv, K] (unit pool)
 
 
 class CompactionSkipped(RuntimeError):
@@ -136,10 +137,7 @@ class _PerHeadPlan:
 def _plan_per_head(batch: Any, i: int, selection: HeadSelection) -> _PerHeadPlan:
     """Destinations: the request's own slots first (the tree's are never written); only a
     request that owns fewer than k slots (a long prefix hit) needs new ones."""
-    from sglang.srt.mem_cache.common import evict_from_tree_cache
-
     kv = batch.reqs[i].kv
-    allocator = batch.token_to_kv_pool_allocator
     n = int(batch.seq_lens_cpu[i])
     k = selection.max_keep
     if selection.n != n or not bool((selection.lengths == k).all()):
@@ -148,16 +146,83 @@ def _plan_per_head(batch: Any, i: int, selection: HeadSelection) -> _PerHeadPlan
             f"n={selection.n}, counts {sorted(set(selection.lengths.flatten().tolist()))}"
         )
     row = batch.req_to_token_pool.req_to_token[kv.req_pool_idx, :n].to(torch.int64)
+    dest, evicted, need = _destinations(batch, i, k)
+    return _PerHeadPlan(i, row, selection.indices.to(row.device), dest, evicted, need)
+
+
+def compact_requests_units(
+    batch: Any, items: Sequence[tuple[int, HeadSelection, Tensor]], unit_pools: tuple[Tensor, Tensor],
+    other_batches: tuple[Any, ...] = (),
+) -> list[CompactionResult | Exception]:
+    """Variable per-head budgets on the unit pool (KV-Compress §4.2): several requests of
+    `batch` at once. Item (i, selection, units): request i keeps, in (layer l, KV head h), the
+    entries `selection.kept(l, h)` (columns of its per-head tables, `units` [L, H_kv, N]).
+    Its kept entries, in (layer, head, column) order, fill the units of its first
+    G = ceil(total / (L x H_kv)) owned slots (KV-Compress Alg. 1's MoveCache with a one-unit
+    block, done as one gather + scatter for every request, so sources may sit in destinations);
+    every other slot it owns is freed. Per item: its result (with the new tables) or the
+    exception that left it unchanged."""
+    allocator = batch.token_to_kv_pool_allocator
+    outcomes: list[CompactionResult | Exception] = []
+    plans: list[tuple[int, Tensor, Tensor, Tensor, Tensor, int]] = []  # i, src, dst, dest, evicted, copied
+    try:
+        for i, selection, units in items:
+            try:
+                num_layers, num_heads = selection.num_layers, selection.num_heads
+                per_slot = num_layers * num_heads
+                g = -(-selection.total // per_slot)
+                if units.shape[-1] != selection.n:
+                    raise ValueError(f"a selection over {selection.n} columns for tables of {units.shape[-1]}")
+                valid = selection.valid()
+                src = units.gather(-1, torch.where(valid, selection.indices, 0))[valid]
+                dest, evicted, copied = _destinations(batch, i, g)  # last: it may allocate
+                dst = (dest[:, None] * per_slot + torch.arange(per_slot)).reshape(-1)[: src.numel()]
+                table = torch.zeros_like(selection.indices)
+                table[valid] = dst  # (layer, head, column) order, as src
+                plans.append((i, src, dst, dest, evicted, copied))
+                outcomes.append(CompactionResult(g, int(evicted.numel()), copied, units=table))
+            except (CompactionSkipped, ValueError) as e:
+                outcomes.append(e)
+        if not plans:
+            return outcomes
+        src = torch.cat([p[1] for p in plans])
+        dst = torch.cat([p[2] for p in plans])
+        for buf in unit_pools:
+            buf[dst] = buf[src]  # the gather completes before the scatter
+    except BaseException:
+        for p in plans:  # nothing was changed yet: give back slots allocated for prefix hits
+            if p[5]:
+                allocator.free(p[3][p[3].numel() - p[5] :])
+        raise
+    freed = _free(allocator, torch.cat([p[4] for p in plans]))
+    for i, _, _, dest, _, _ in plans:
+        _finish(batch, i, dest)
+    if invariants.enabled():
+        invariants.check_after_compaction(
+            [batch, *other_batches], [batch.reqs[p[0]] for p in plans], freed
+        )
+    return outcomes
+
+
+def _destinations(batch: Any, i: int, g: int) -> tuple[Tensor, Tensor, int]:
+    """(the g slots a compaction of request i writes, the owned slots it gives back, how many
+    of the g were newly allocated). The request's own slots come first (the tree's are never
+    written); only a request owning fewer than g (a long prefix hit) needs new ones."""
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+    kv = batch.reqs[i].kv
+    allocator = batch.token_to_kv_pool_allocator
+    n = int(batch.seq_lens_cpu[i])
+    row = batch.req_to_token_pool.req_to_token[kv.req_pool_idx, :n].to(torch.int64)
     owned = row[int(kv.cache_protected_len):]
-    need = max(0, k - int(owned.numel()))
-    if need:
-        evict_from_tree_cache(batch.tree_cache, need)  # the request's own path is still locked
-        if allocator.available_size() < need:
-            raise CompactionSkipped(f"no {need} free slots to privatise the kept prefix")
-        dest = torch.cat([owned, allocator.alloc(need).to(device=row.device, dtype=torch.int64)])
-    else:
-        dest = owned[:k]
-    return _PerHeadPlan(i, row, selection.indices.to(row.device), dest, owned[k:], need)
+    need = max(0, g - int(owned.numel()))
+    if not need:
+        return owned[:g], owned[g:], 0
+    evict_from_tree_cache(batch.tree_cache, need)  # the request's own path is still locked
+    if allocator.available_size() < need:
+        raise CompactionSkipped(f"no {need} free slots to privatise the kept prefix")
+    fresh = allocator.alloc(need).to(device=row.device, dtype=torch.int64)
+    return torch.cat([owned, fresh]), owned[:0], need
 
 
 def move_units(pool: Any, row: Tensor, indices: Tensor, dest: Tensor) -> None:

@@ -26,11 +26,12 @@ from sgl_kvc.adapter.compaction import (
     CompactionSkipped,
     compact_request,
     compact_requests_per_head,
+    compact_requests_units,
 )
 from sgl_kvc.adapter.invariants import InvariantViolation
 from sgl_kvc.adapter.metrics import maybe_metrics
 from sgl_kvc.adapter.requests import abort_running, is_middle_chunk, request_settings
-from sgl_kvc.adapter.state import KvcStore, ReqKvState
+from sgl_kvc.adapter.state import KvcStore, ReqKvState, RequestTables
 from sgl_kvc.adapter.tp import ScoreReducer, tp_rank
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.policies import (
@@ -39,6 +40,7 @@ from sgl_kvc.policies import (
     Policy,
     carry_stats_per_head,
     get_policy,
+    select_from_scores,
     select_per_head,
 )
 
@@ -86,6 +88,11 @@ class PendingPass:
     indices: list[torch.Tensor] = field(default_factory=list)  # per layer done: [H_kv, target]
     heads: list[torch.Tensor] = field(default_factory=list)  # of the next layer, done: [target]
     seconds: float = 0.0
+    # Variable budgets (unit pool): the per-head tables the pass scores, and the scores and
+    # protected masks of the (layer, head)s done, in (layer, head) order; one sort at the end.
+    tables: RequestTables | None = None
+    scores: list[torch.Tensor] = field(default_factory=list)
+    protected: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -101,6 +108,8 @@ class DueCompaction:
     stats: list[torch.Tensor | None] | None  # carried statistics (policies that keep them)
     began_at: int
     staged: bool
+    units: torch.Tensor | None = None  # the request's tables [L, H_kv, N] (variable budgets)
+    n: int = 0  # cache entries (row slots) when it was selected; 0: selection.n (no tables)
 
 
 class Compressor:
@@ -286,13 +295,15 @@ class Compressor:
             return
         row = batch.reqs[i].kv.req_pool_idx
         n = int(batch.seq_lens_cpu[i])
+        tables = self._tables(batch, row, n, state) if self.config.variable_budget else None
         state.pending = PendingPass(  # a staged pass in progress is superseded
             moment=moment,
             policy=self.policy(state.policy.name, state.effective_budget(n)),
             n0=n,
             target=min(target, n),
-            positions=state.positions(n),
+            positions=state.positions(n) if tables is None else tables.positions,
             queries=[self.store.queries(row, layer, n) for layer in self._layers()],
+            tables=tables,
         )
         self._advance(batch, i, state, whole or self.config.kv_pass_work <= 0)
 
@@ -303,9 +314,12 @@ class Compressor:
         runs with the step's others in `_flush`. One layer's keys are held at a time. Every
         (layer, KV head) keeps its own `target` best entries; each TP rank holds whole KV heads
         and chooses for its own."""
-        t0 = time.perf_counter()
         p = state.pending
         assert p is not None
+        if p.tables is not None:
+            self._advance_variable(batch, i, state, whole)
+            return
+        t0 = time.perf_counter()
         row = batch.reqs[i].kv.req_pool_idx
         layers = list(self._layers())
         layer_cost = p.policy.score_cost(p.n0)
@@ -351,6 +365,98 @@ class Compressor:
         ))  # fmt: skip
         self._account(time.perf_counter() - t0)
 
+    def _advance_variable(self, batch: Any, i: int, state: ReqKvState, whole: bool = False) -> None:
+        """`_advance` for variable budgets (KV-Compress §4.2): score one (layer, KV head) at a
+        time, each from its own entries (after a variable compaction heads hold different
+        numbers), as work allows; once all have scored, ONE sort over layer x head x entry
+        chooses what the request keeps (`select_from_scores(mode="variable")`)."""
+        t0 = time.perf_counter()
+        p = state.pending
+        tables = p.tables
+        row = batch.reqs[i].kv.req_pool_idx
+        num_layers, num_heads = tables.lens.shape
+        while len(p.scores) < num_layers * num_heads:
+            layer, head = divmod(len(p.scores), num_heads)
+            cost = -(-p.policy.score_cost(int(tables.lens[layer, head])) // num_heads)
+            first = self._work_left == self.config.kv_pass_work
+            if not (whole or first or self._work_left >= cost):
+                break
+            view = self._head_view(row, tables, layer, head, state, p.queries[layer])
+            p.scores.append(p.policy.score(view)[0])
+            p.protected.append(p.policy.protected(view).cpu())
+            self._work_left -= cost
+        if len(p.scores) < num_layers * num_heads:
+            p.seconds += self._account(time.perf_counter() - t0)
+            return
+        state.pending = None
+        scores = torch.full((num_layers, num_heads, tables.width), -torch.inf)
+        protected = torch.zeros(scores.shape, dtype=torch.bool)
+        for k, (score, prot) in enumerate(zip(p.scores, p.protected)):
+            scores[k // num_heads, k % num_heads, : score.numel()] = score.cpu()
+            protected[k // num_heads, k % num_heads, : prot.numel()] = prot
+        chosen = select_from_scores(scores, protected, p.target, lengths=tables.lens, mode="variable")
+        # Entries appended since the pass began (after each head's own columns): every head keeps them.
+        n = int(batch.seq_lens_cpu[i])
+        now = self._tables(batch, row, n, state)
+        tail = torch.arange(n - p.n0)
+        indices = torch.full((num_layers, num_heads, chosen.max_keep + tail.numel()), HeadSelection.PAD)
+        indices[..., : chosen.max_keep] = chosen.indices
+        indices.scatter_(-1, chosen.lengths[..., None] + tail, tables.lens[..., None] + tail)
+        selection = HeadSelection(indices=indices, lengths=chosen.lengths + tail.numel(), n=now.width)
+        safe = torch.where(selection.valid(), selection.indices, 0)
+        stats = None
+        if p.policy.uses_stats:
+            stats = self._with_gaps([
+                self._carry_head_stats(p.policy, row, now, layer, state, selection)
+                for layer in range(num_layers)
+            ])  # fmt: skip
+        self._due.append(DueCompaction(
+            i=i, state=state, policy=p.policy, moment=p.moment, selection=selection,
+            kept_positions=now.positions.gather(-1, safe) * selection.valid(), stats=stats,
+            began_at=p.n0, staged=p.seconds > 0, units=now.units, n=n,
+        ))  # fmt: skip
+        self._account(time.perf_counter() - t0)
+
+    def _carry_head_stats(
+        self, policy: Policy, row: int, tables: RequestTables, layer: int, state: ReqKvState,
+        selection: HeadSelection,
+    ) -> torch.Tensor:
+        """Layer `layer`'s statistic after a variable compaction: [H_kv, max_keep], each head's
+        kept columns of what the policy carries (KV-Compress: eq. 20 seeded), zero padded."""
+        out = torch.zeros(selection.num_heads, selection.max_keep)
+        for head in range(selection.num_heads):
+            view = self._head_view(row, tables, layer, head, state)
+            full = policy.carry_stats(view, torch.arange(view.n, device=view.keys.device))
+            kept = selection.kept(layer, head)
+            if full is not None:
+                out[head, : kept.numel()] = full[0, kept.to(full.device)].cpu()
+        return out
+
+    def _tables(self, batch: Any, row: int, n: int, state: ReqKvState) -> RequestTables:
+        layout = self.store.unit_layout
+        assert layout is not None, "variable budgets are served from the unit pool"
+        return state.tables(batch.req_to_token_pool.req_to_token[row, :n], *layout)
+
+    def _head_view(
+        self, row: int, tables: RequestTables, layer: int, head: int, state: ReqKvState,
+        queries: torch.Tensor | None | str = "current",
+    ) -> LayerView:
+        """KV head `head` of local layer `layer` alone, from its own entries (its keys through
+        the tables, its query group, its statistic and positions). `queries`: as in `_view`."""
+        k_units, _ = self.store.unit_pools
+        m = int(tables.lens[layer, head])
+        keys = k_units[tables.units[layer, head, :m].to(k_units.device)].unsqueeze(1)  # [m, 1, d]
+        layer_id = self.first_layer + layer
+        q = self.store.queries(row, layer_id, m) if isinstance(queries, str) else queries
+        if q is not None:
+            group = q.shape[1] // int(tables.lens.shape[1])
+            q = q[-m:, head * group : (head + 1) * group]
+        stats = state.stats[layer_id] if layer_id < len(state.stats) else None
+        if stats is not None:
+            stats = stats[head : head + 1, :m]
+        positions = tables.positions[layer, head, :m][None].to(keys.device)
+        return LayerView(keys=keys, queries=q, positions=positions, stats=stats)
+
     def _flush(self, batch: Any) -> None:
         """Compact the requests whose per-head pass finished in this moment, together (one
         gather + scatter per layer for all of them)."""
@@ -361,9 +467,15 @@ class Compressor:
         self.stats.max_compacted_together = max(self.stats.max_compacted_together, len(due))
         outcomes: list[CompactionResult | Exception]
         try:
-            outcomes = compact_requests_per_head(
-                batch, [(d.i, d.selection) for d in due], self._other_batches(batch)
-            )
+            if due[0].units is not None:  # variable budgets: every pass of this server
+                outcomes = compact_requests_units(
+                    batch, [(d.i, d.selection, d.units) for d in due], self.store.unit_pools,
+                    self._other_batches(batch),
+                )
+            else:
+                outcomes = compact_requests_per_head(
+                    batch, [(d.i, d.selection) for d in due], self._other_batches(batch)
+                )
         except InvariantViolation:
             raise
         except Exception as e:  # noqa: BLE001 - each due request fails alone below
@@ -381,9 +493,12 @@ class Compressor:
         if d.stats is not None:
             d.state.stats = d.stats
         d.state.kept_positions = d.kept_positions
+        if outcome.units is not None:  # packed into the unit pool
+            d.state.units, d.state.unit_lens, d.state.packed = outcome.units, d.selection.lengths, outcome.kept
         if d.staged:
             self.stats.staged_passes += 1
-        self._record(batch, d.i, d.state, d.policy.name, d.moment, d.selection.n, outcome, d.began_at)
+        n = d.n or d.selection.n  # a packed request's tables are wider than its row
+        self._record(batch, d.i, d.state, d.policy.name, d.moment, n, outcome, d.began_at)
 
     def _compress_shared(self, batch: Any, i: int, state: ReqKvState, target: int, moment: str) -> None:
         """The shared selection: one set of tokens for every layer and head, in one step."""
@@ -419,7 +534,7 @@ class Compressor:
         row = req.kv.req_pool_idx
         logical_len = state.logical_len(n)  # the offset is still the one before compaction
         if self._trace_path:
-            self._trace(req, moment, policy, n, logical_len, state.kept_positions, began_at)
+            self._trace(req, moment, policy, n, logical_len, state, result.kept, began_at)
         state.offset = logical_len - result.kept
         self.store.set_offset(row, state.offset)
         state.passes += 1
@@ -474,10 +589,17 @@ class Compressor:
             self.metrics.retracted(n)
 
     def _trace(
-        self, req: Any, moment: str, policy: str, n: int, logical_len: int, kept, began_at: int
+        self, req: Any, moment: str, policy: str, n: int, logical_len: int, state: ReqKvState,
+        physical_kept: int, began_at: int,
     ) -> None:
         """`kept_positions`: a list (shared selection) or, per head, [layer][KV head] lists
-        (this rank's layers and heads). `began_at`: physical length when the pass began."""
+        (this rank's layers and heads; of different lengths under variable budgets).
+        `began_at`: physical length when the pass began; `physical_kept`: slots kept."""
+        kept = state.kept_positions
+        positions = kept.tolist()
+        if state.units is not None:
+            lens = state.unit_lens.tolist()
+            positions = [[p[: m] for p, m in zip(ps, ms)] for ps, ms in zip(positions, lens)]
         event = {
             "rid": req.rid,
             "tp_rank": self.tp_rank,
@@ -487,7 +609,8 @@ class Compressor:
             "logical_len": logical_len,
             "physical_len": n,
             "began_at": began_at,
-            "kept_positions": kept.tolist(),
+            "physical_kept": physical_kept,
+            "kept_positions": positions,
         }
         with open(self._trace_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(event) + "\n")

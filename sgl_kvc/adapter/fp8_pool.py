@@ -197,9 +197,10 @@ def register(config: KvcConfig) -> None:
     if config.fp8_kv is not None:
         pool_cls = fp8_pool_class(config.fp8_kv)
         hooks += [
-            (f"{_CONFIGURATOR}._resolve_kv_pool_class", _after_resolve(pool_cls), HookType.AFTER),
+            (f"{_CONFIGURATOR}._resolve_kv_pool_class", after_resolve(pool_cls), HookType.AFTER),
             (f"{_POOL_CONFIGURATOR}._compute_cell_size", _around_cell_size(pool_cls), HookType.AROUND),
-            (f"{_CONFIGURATOR}.configure", _after_configure(pool_cls), HookType.AFTER),
+            (f"{_CONFIGURATOR}.configure", after_configure(pool_cls, f"--kv-cache-dtype {config.fp8_kv}"),
+             HookType.AFTER),
         ]
     for target, fn, kind in hooks:
         HookRegistry.register(target, fn, kind)
@@ -214,7 +215,9 @@ def _around_profile(gb: float):
     return hook
 
 
-def _after_resolve(pool_cls: type):
+def after_resolve(pool_cls: type):
+    """Hook: SGLang's plain MHA pool class -> `pool_cls` (sgl-kvc's pools of that layout)."""
+
     def hook(result: type, kvc: Any, *args: Any, kind: str | None = None, **kwargs: Any) -> type:
         if kind == "mha" and result is MHATokenToKVPool and _plain_mha(kvc) and not kvc.is_draft_worker:
             return pool_cls
@@ -241,13 +244,16 @@ def _around_cell_size(pool_cls: type):
     return hook
 
 
-def _after_configure(pool_cls: type):
+def after_configure(pool_cls: type, what: str):
+    """Hook: refuse to start when `what` (a flag) asked for `pool_cls` and the model got
+    another pool (not a plain MHA/GQA model)."""
+
     def hook(result: Any, kvc: Any, *args: Any, **kwargs: Any) -> Any:
         pool = result.token_to_kv_pool
-        if not kvc.is_draft_worker and not isinstance(pool, KvcFp8TokenToKVPool):
+        if not kvc.is_draft_worker and not isinstance(pool, pool_cls):
             raise RuntimeError(
-                f"--kv-cache-dtype {pool_cls.kvc_fp8}: sgl-kvc's FP8 pool serves plain MHA/GQA "
-                f"models only; this model got {type(pool).__name__}"
+                f"{what}: sgl-kvc's {pool_cls.__name__} serves plain MHA/GQA models only; this "
+                f"model got {type(pool).__name__}"
             )
         return result
 

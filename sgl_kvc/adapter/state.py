@@ -15,10 +15,48 @@ import torch
 from torch import Tensor
 
 from sgl_kvc.kernels.decode_attention import decode_attention, decode_probs
+from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode
 from sgl_kvc.policies import DEFAULT_SELECTION, Policy, gqa_logits
 
 STATS_BLOCK = 256  # query rows per block when accumulating prefill attention statistics
 DECODE_BLOCK_ELEMS = 1 << 22  # bound on the padded float32 keys of one block of a decode step
+
+
+def unit_index(slots: Tensor, num_layers: int, num_heads: int) -> Tensor:
+    """Units of token slots [n] in every (layer, KV head) of the unit pool
+    (`adapter/unit_pool.py`): slot t, layer l, head h is unit (t x L + l) x H_kv + h.
+    Returns [L, H_kv, n] int64."""
+    device = slots.device
+    layer = torch.arange(num_layers, device=device)[:, None, None]
+    head = torch.arange(num_heads, device=device)[None, :, None]
+    return (slots.to(torch.int64)[None, None, :] * num_layers + layer) * num_heads + head
+
+
+@dataclass(frozen=True)
+class RequestTables:
+    """One request's cache per (layer, KV head) in the unit pool: entry j of head (l, h) is unit
+    `units[l, h, j]` at logical position `positions[l, h, j]`, for j < lens[l, h] (the rest is
+    padding, 0). Columns are stable while a request decodes: its packed entries (ascending
+    position), then the tokens appended since, so statistics index them like cache entries."""
+
+    units: Tensor  # [L, H_kv, N] int64
+    lens: Tensor  # [L, H_kv] int64
+    positions: Tensor  # [L, H_kv, N] int64
+
+    @property
+    def width(self) -> int:
+        return int(self.units.shape[-1])
+
+    @classmethod
+    def natural(cls, slots: Tensor, positions: Tensor, num_layers: int, num_heads: int) -> "RequestTables":
+        """Every head holds the row's n entries in its own units (an unpacked request);
+        positions: [n] or [L, H_kv, n]."""
+        n = int(slots.numel())
+        return cls(
+            units=unit_index(slots, num_layers, num_heads),
+            lens=torch.full((num_layers, num_heads), n, dtype=torch.int64),
+            positions=positions.to(torch.int64).expand(num_layers, num_heads, n),
+        )
 
 
 @dataclass(frozen=True)
@@ -29,7 +67,7 @@ class StatGroup:
     policy: Policy
     local: Tensor | None  # their indices in the block (None: the whole block)
     states: tuple["ReqKvState", ...]
-    lens: tuple[int, ...]
+    lens: tuple[int, ...]  # statistic columns of each (cache entries; table width when packed)
 
 
 @dataclass(frozen=True)
@@ -41,6 +79,9 @@ class DecodeBlock:
     slots: Tensor  # [b, n_max] int64: slot of entry j of each (slot 0 past its length)
     pad: Tensor  # [b, n_max] bool: True past each request's length
     groups: tuple[StatGroup, ...]
+    # On the unit pool (variable budgets) the block is read through per-head tables instead:
+    units: Tensor | None = None  # [L, b, H_kv, N] int64, unit of entry j of each (layer, head)
+    lens: Tensor | None = None  # [L, b, H_kv] entries of each (layer, head)
 
 
 @dataclass(frozen=True)
@@ -61,12 +102,25 @@ class DecodeStep:
     @classmethod
     def build(
         cls, rows: list[int], lens: list[int], states: dict[int, "ReqKvState"], req_to_token: Tensor,
-        token_elems: int, attends: bool,
+        token_elems: int, attends: bool, units: tuple[int, int] | None = None,
     ) -> "DecodeStep":
         """`rows`/`lens`: the batch's `req_to_token` rows and cached entries, in batch order;
-        `token_elems`: key elements per entry (H_kv x d), which sizes the blocks."""
+        `token_elems`: key elements per entry (H_kv x d), which sizes the blocks; `units`:
+        (layers, KV heads) of the unit pool, whose blocks get per-head tables."""
         stats = {i for i, row in enumerate(rows) if (s := states.get(row)) is not None and s.policy.uses_stats}
         picked = list(range(len(rows))) if attends else sorted(stats)
+        tables: dict[int, RequestTables] = {}
+        if units is not None:
+            for i in picked:
+                slots = req_to_token[rows[i], : lens[i]]
+                state = states.get(rows[i])
+                tables[i] = (
+                    state.tables(slots, *units) if state is not None
+                    else RequestTables.natural(slots, torch.arange(lens[i]), *units)
+                )
+            lens = list(lens)
+            for i, t in tables.items():
+                lens[i] = t.width  # a packed head may hold more entries than the row has slots
         # Longest first, so a block's padding is to similar lengths.
         picked.sort(key=lambda i: -lens[i])
         device = req_to_token.device
@@ -98,7 +152,15 @@ class DecodeStep:
                 for js in by_class.values()
             )
             index = torch.tensor(members, dtype=torch.int64).to(device, non_blocking=True)
-            blocks.append(DecodeBlock(index=index, slots=slots, pad=pad, groups=groups))
+            block_units = block_lens = None
+            if units is not None:
+                block_units = torch.zeros(units[0], len(members), units[1], n_max, dtype=torch.int64)
+                for j, i in enumerate(members):
+                    block_units[:, j, :, : tables[i].width] = tables[i].units
+                block_lens = torch.stack([tables[i].lens for i in members], dim=1)
+                block_units, block_lens = block_units.to(device), block_lens.to(device)
+            blocks.append(DecodeBlock(index=index, slots=slots, pad=pad, groups=groups,
+                                      units=block_units, lens=block_lens))
         return cls(blocks=tuple(blocks), attends=attends, size=len(rows))
 
 
@@ -112,6 +174,11 @@ class ReqKvState:
     position minus `offset`. `kept_positions` is [k] after a shared compaction (the same token in
     every layer and head) and [L, H_kv, k] after a per-head one (entry j of head h of layer l is
     its own token: layer l's KV head h of slot `req_to_token[row, j]` holds it).
+
+    After a variable-budget compaction (the unit pool) the request is PACKED: its first `packed`
+    slots hold its kept entries unit by unit, head (l, h) keeping `unit_lens[l, h]` of them in
+    units `units[l, h, :unit_lens[l, h]]` at `kept_positions[l, h, :unit_lens[l, h]]`; entries
+    appended since sit in their own slots, physical index j >= packed at position j + offset.
     """
 
     policy: Policy
@@ -123,6 +190,9 @@ class ReqKvState:
     stats: list[Tensor | None] = field(default_factory=list)
     passes: int = 0
     pending: Any = None  # the compressor's PendingPass while a staged pass is under way
+    units: Tensor | None = None  # [L, H_kv, K] once packed (0 past unit_lens)
+    unit_lens: Tensor | None = None  # [L, H_kv]
+    packed: int = 0  # slots the packed entries fill
 
     @property
     def compressed(self) -> bool:
@@ -140,6 +210,23 @@ class ReqKvState:
         if kept.dim() > 1:
             tail = tail.expand(*kept.shape[:-1], n - k)
         return torch.cat([kept, tail], dim=-1) if k else tail
+
+    def tables(self, slots: Tensor, num_layers: int, num_heads: int) -> RequestTables:
+        """The request's per-head tables over its n = len(slots) cached entries (its row)."""
+        n = int(slots.numel())
+        if self.units is None:
+            return RequestTables.natural(slots, self.positions(n), num_layers, num_heads)
+        g, k = self.packed, int(self.units.shape[-1])
+        tail = n - g
+        units = torch.zeros(num_layers, num_heads, k + tail, dtype=torch.int64)
+        positions = torch.zeros_like(units)
+        units[..., :k] = self.units
+        positions[..., :k] = self.kept_positions
+        cols = self.unit_lens[..., None] + torch.arange(tail)  # after each head's own entries
+        units.scatter_(-1, cols, unit_index(slots[g:].cpu(), num_layers, num_heads))
+        tail_positions = torch.arange(g, n, dtype=torch.int64) + self.offset
+        positions.scatter_(-1, cols, tail_positions.expand(num_layers, num_heads, tail))
+        return RequestTables(units=units, lens=self.unit_lens + tail, positions=positions)
 
     def logical_len(self, n: int) -> int:
         """Tokens the request has processed, for n cached entries (the newest is at n-1+offset,
@@ -176,6 +263,10 @@ class KvcStore:
         # backends whose decode it replaces); otherwise only statistics requests are planned.
         self.attends = False
         self.attended_layers = 0  # decode layer calls the kernel served (stats)
+        # The unit pool's flat K [U, d] and V [U, d_v] (`--kv-head-budget variable`), else None.
+        self.unit_pools: tuple[Tensor, Tensor] | None = (
+            kv_pool.unit_buffers() if hasattr(kv_pool, "unit_buffers") else None
+        )
         self.states: dict[int, ReqKvState] = {}
         self.stats_rows: set[int] = set()  # rows whose policy accumulates attention statistics
         rows, device = req_to_token.shape[0], req_to_token.device
@@ -198,9 +289,17 @@ class KvcStore:
         """Before a decode forward: plan it from the batch's `req_to_token` rows and cached
         entries (host-side data: no device sync in the forward)."""
         self.decode_step = (
-            DecodeStep.build(rows, lens, self.states, self.req_to_token, self.token_elems, self.attends)
+            DecodeStep.build(rows, lens, self.states, self.req_to_token, self.token_elems, self.attends,
+                             units=self.unit_layout)
             if self.attends or self.stats_rows else None
         )  # fmt: skip
+
+    @property
+    def unit_layout(self) -> tuple[int, int] | None:
+        """(layers of this rank, KV heads) on the unit pool, else None."""
+        if self.unit_pools is None:
+            return None
+        return self.num_layers - self.first_layer, self.kv_heads
 
     # --- request lifecycle --------------------------------------------------------------------
     def begin(self, row: int, state: ReqKvState) -> None:
@@ -298,7 +397,13 @@ class KvcStore:
         statistics of the requests that keep them."""
         self.attended_layers += 1
         for block in step.blocks:
-            o, probs = decode_attention(q[block.index], k_cache, v_cache, block.slots, block.pad, scale)
+            if block.units is not None:  # per-head tables over the unit pool
+                local = layer - self.first_layer
+                tables = HeadTables(slots=block.units[local], lengths=block.lens[local])
+                k_units, v_units = self.unit_pools
+                o, probs = per_head_decode(q[block.index], k_units, v_units, tables, scale, return_probs=True)
+            else:
+                o, probs = decode_attention(q[block.index], k_cache, v_cache, block.slots, block.pad, scale)
             out[block.index] = o
             self._add_decode_stats(layer, block, probs)
 

@@ -13,6 +13,7 @@ from .h2o import H2OPolicy
 from .kvcompress import KVCompressPolicy
 from .none import NoPolicy
 from .per_head import (
+    BUDGET_MODES,
     DEFAULT_SELECTION,
     SELECTIONS,
     HeadSelection,
@@ -26,6 +27,7 @@ from .snapkv import SnapKVPolicy
 from .streamingllm import StreamingLLMPolicy
 
 __all__ = [
+    "BUDGET_MODES",
     "DEFAULT_SELECTION",
     "SELECTIONS",
     "AvgAttnPolicy",

@@ -129,6 +129,12 @@ def test_flag_defaults_come_from_policy_params() -> None:
     assert parse_args(["--kv-selection", "shared"])[0].kv_selection == "shared"
     assert config.kv_decode_attention == "batched"
     assert parse_args(["--kv-decode-attention", "sglang"])[0].kv_decode_attention == "sglang"
+    assert config.kv_head_budget == "uniform" and not config.variable_budget
+    variable = parse_args(["--policy", "rkv", "--kv-head-budget", "variable", "--model-path", "/m"])
+    assert variable[0].variable_budget
+    # the unit pool is read by sgl-kvc's kernel in the torch-native backend, also on a GPU
+    gpu_argv = build_sglang_argv(variable[1], on_gpu=True, compressing=True, unit_pool=True)
+    assert gpu_argv[gpu_argv.index("--attention-backend") + 1] == "torch_native"
 
 
 @pytest.mark.parametrize(
@@ -141,6 +147,12 @@ def test_flag_defaults_come_from_policy_params() -> None:
         (["--kv-selection", "per-layer"], "--kv-selection"),
         (["--kv-pass-work", "-1"], "--kv-pass-work"),
         (["--kv-decode-attention", "flash"], "--kv-decode-attention"),
+        (["--kv-head-budget", "adaptive"], "--kv-head-budget"),
+        (["--policy", "rkv", "--kv-head-budget", "variable", "--kv-selection", "shared"], "--kv-selection per-head"),
+        (["--policy", "rkv", "--kv-head-budget", "variable", "--kv-decode-attention", "sglang"],
+         "--kv-decode-attention batched"),
+        (["--policy", "rkv", "--kv-head-budget", "variable", "--kv-cache-dtype", "fp8_e4m3"], "not implemented"),
+        (["--policy", "rkv", "--kv-head-budget", "variable", "--attention-backend", "flashinfer"], "torch_native"),
     ],
 )
 def test_bad_flag_values_are_usage_errors(argv: list[str], needle: str, capsys) -> None:

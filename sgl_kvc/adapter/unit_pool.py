@@ -1,0 +1,90 @@
+"""The unit pool: SGLang's KV pool as one allocation of (token slot, layer, KV head) units.
+
+KV-Compress's variable allocation (§4.2) lets each (layer, KV head) of a request keep its own
+number of entries, within one total for the request. For the evicted entries to free real
+memory, a slot must be able to hold kept entries of ANY layer and head: this pool allocates
+K [S+1, L, H_kv, d] and V [S+1, L, H_kv, d_v] once (the same bytes as SGLang's per-layer
+buffers) and gives SGLang the per-layer views K[:, l] ([S+1, H_kv, d], strided), so prefill,
+uncompressed requests and `set_kv_buffer` work as on SGLang's own pool. `K.view(-1, d)` is the
+flat unit pool: slot t, layer l (of this rank), head h is unit (t x L + l) x H_kv + h
+(`state.unit_index`). A packed request's kept entries fill its first G = ceil(total / (L x H_kv))
+slots unit by unit (`compaction.compact_requests_units`), and the batched decode kernel reads
+them through per-head tables (`state.RequestTables`). Slots stay SGLang's allocation unit, so
+its accounting, admission and retraction are unchanged.
+
+Installed only with `--kv-head-budget variable` (`register`), through the same pool-class
+resolution hook as the FP8 pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
+from torch import Tensor
+
+from sgl_kvc.adapter.fp8_pool import after_configure, after_resolve
+from sgl_kvc.config import KvcConfig
+
+_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+
+
+class KvcUnitTokenToKVPool(MHATokenToKVPool):
+    """MHA/GQA pool whose layers share one allocation per K and V (see the module doc)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["post_capture_active"] = False  # CUDA-VMM late backing: not for this layout
+        kwargs["kv_cache_layout"] = "nhd"
+        super().__init__(*args, **kwargs)
+
+    def _create_buffers_normal(self) -> None:
+        from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+
+        rows = self.size + self.page_size  # slot 0's page absorbs padded-token writes
+        shape = (rows, self.layer_num, self.head_num)
+        with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
+            self.kvc_k_units = torch.zeros((*shape, self.head_dim), dtype=self.store_dtype, device=self.device)
+            self.kvc_v_units = torch.zeros((*shape, self.v_head_dim), dtype=self.store_dtype, device=self.device)
+        self.k_buffer = list(self.kvc_k_units.unbind(1))
+        self.v_buffer = list(self.kvc_v_units.unbind(1))
+
+    def set_kv_buffer(
+        self, layer: Any, loc_info: Any, cache_k: Tensor, cache_v: Tensor, k_scale: Any = None,
+        v_scale: Any = None, layer_id_override: int | None = None, dcp_kv_mask: Any = None,
+    ) -> None:
+        """Write by indexing: SGLang's fused store kernels (CUDA; CPU with AMX) take a layer's
+        rows as contiguous, and this pool's per-layer rows are strided."""
+        if dcp_kv_mask is not None:
+            raise NotImplementedError("sgl-kvc unit pool: decode context parallelism is not supported")
+        self._check_physical_write_loc(loc_info, "set_kv_buffer (sgl-kvc unit pool)")
+        loc, _, _ = unwrap_write_loc(loc_info)
+        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+        if cache_k.dtype != self.dtype:  # a checkpoint's static scales, as SGLang applies them
+            cache_k = (cache_k if k_scale is None else cache_k / k_scale).to(self.dtype)
+            cache_v = (cache_v if v_scale is None else cache_v / v_scale).to(self.dtype)
+        if self.store_dtype != self.dtype:
+            cache_k, cache_v = cache_k.view(self.store_dtype), cache_v.view(self.store_dtype)
+        self.k_buffer[layer_id - self.start_layer][loc] = cache_k
+        self.v_buffer[layer_id - self.start_layer][loc] = cache_v
+
+    def unit_buffers(self) -> tuple[Tensor, Tensor]:
+        """The flat unit pools K [U, d] and V [U, d_v] in the model's dtype (free views)."""
+        k, v = self.kvc_k_units, self.kvc_v_units
+        if self.store_dtype != self.dtype:
+            k, v = k.view(self.dtype), v.view(self.dtype)
+        return k.view(-1, self.head_dim), v.view(-1, self.v_head_dim)
+
+
+def register(config: KvcConfig) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if not config.variable_budget:
+        return
+    hooks: list[tuple[str, Callable[..., Any], HookType]] = [
+        (f"{_CONFIGURATOR}._resolve_kv_pool_class", after_resolve(KvcUnitTokenToKVPool), HookType.AFTER),
+        (f"{_CONFIGURATOR}.configure",
+         after_configure(KvcUnitTokenToKVPool, "--kv-head-budget variable"), HookType.AFTER),
+    ]
+    for target, fn, kind in hooks:
+        HookRegistry.register(target, fn, kind)

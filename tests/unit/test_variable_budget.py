@@ -1,0 +1,177 @@
+"""Variable per-head budgets on the unit pool (KV-Compress §4.2), without SGLang: unit indices,
+per-head tables of packed requests, compaction that packs kept entries of any layer and head
+into the request's first slots and frees the rest, and decode attention through the tables."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sgl_kvc.adapter.compaction import compact_requests_units
+from sgl_kvc.adapter.state import KvcStore, ReqKvState, unit_index
+from sgl_kvc.policies import get_policy, select_from_scores
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+D = 4
+
+
+class UnitPool:
+    """The unit pool's surface: per-layer strided views of one [S, L, H, d] allocation."""
+
+    def __init__(self, slots: int, layers: int, heads: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.k_all = torch.randn(slots, layers, heads, D, generator=g)
+        self.v_all = torch.randn(slots, layers, heads, D, generator=g)
+        self.start_layer, self.layer_num = 0, layers
+
+    def get_key_buffer(self, layer: int) -> torch.Tensor:
+        return self.k_all[:, layer]
+
+    def get_kv_buffer(self, layer: int):
+        return self.k_all[:, layer], self.v_all[:, layer]
+
+    def unit_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_all.view(-1, D), self.v_all.view(-1, D)
+
+
+class Allocator:
+    def __init__(self, slots: int, seed: int) -> None:
+        order = torch.randperm(slots - 1, generator=torch.Generator().manual_seed(seed)) + 1
+        self.free_slots = order.tolist()  # slot 0: SGLang's padding slot
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, k: int) -> torch.Tensor:
+        out, self.free_slots = self.free_slots[:k], self.free_slots[k:]
+        return torch.tensor(out, dtype=torch.int64)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.free_slots += slots.tolist()
+
+
+def _batch(allocator: Allocator, n: int, state: ReqKvState):
+    r2t = torch.zeros(2, 256, dtype=torch.int32)
+    r2t[0, :n] = allocator.alloc(n).to(torch.int32)
+    kv = SimpleNamespace(req_pool_idx=0, cache_protected_len=0)
+    req = SimpleNamespace(kv=kv, state=state)
+    return SimpleNamespace(
+        reqs=[req], seq_lens_cpu=torch.tensor([n]), seq_lens=torch.tensor([n]), tree_cache=None,
+        req_to_token_pool=SimpleNamespace(req_to_token=r2t), token_to_kv_pool_allocator=allocator,
+    )
+
+
+def _compact(batch, pool: UnitPool, state: ReqKvState, budget: int, seed: int):
+    """One variable compaction of request 0 from random scores; returns the kept (layer, head)
+    keys and values as they were before, for the check."""
+    layers, heads = pool.layer_num, pool.k_all.shape[2]
+    n = int(batch.seq_lens_cpu[0])
+    tables = state.tables(batch.req_to_token_pool.req_to_token[0, :n], layers, heads)
+    scores = torch.rand(layers, heads, tables.width, generator=torch.Generator().manual_seed(seed))
+    protected = torch.zeros(scores.shape, dtype=torch.bool)
+    selection = select_from_scores(scores, protected, budget, lengths=tables.lens, mode="variable")
+    k_units, v_units = pool.unit_buffers()
+    want = [[(k_units[tables.units[l, h, selection.kept(l, h)]].clone(),
+              v_units[tables.units[l, h, selection.kept(l, h)]].clone(),
+              tables.positions[l, h, selection.kept(l, h)]) for h in range(heads)] for l in range(layers)]
+    free_before = batch.token_to_kv_pool_allocator.available_size()
+    [outcome] = compact_requests_units(batch, [(0, selection, tables.units)], pool.unit_buffers())
+    g = math.ceil(selection.total / (layers * heads))
+    assert outcome.kept == g and batch.seq_lens_cpu.tolist() == [g]
+    assert batch.token_to_kv_pool_allocator.available_size() == free_before + n - g  # really freed
+    logical = n + state.offset
+    state.units, state.unit_lens, state.packed = outcome.units, selection.lengths, g
+    valid = selection.valid()
+    state.kept_positions = tables.positions.gather(-1, torch.where(valid, selection.indices, 0)) * valid
+    state.offset = logical - g
+    return selection, want
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(4, 30), budget=st.integers(1, 6), layers=st.integers(1, 3), heads=st.integers(1, 3),
+    tail=st.integers(0, 5), seed=st.integers(0, 10_000),
+)
+def test_variable_compactions_pack_every_heads_kept_entries(n, budget, layers, heads, tail, seed) -> None:
+    """Two variable compactions (the second over packed entries plus new tokens): after each,
+    head (l, h) reads through its table exactly the keys, values and positions it kept, the
+    request holds ceil(total / (L x H)) slots and gives every other slot back."""
+    pool, allocator = UnitPool(128, layers, heads, seed), Allocator(128, seed)
+    state = ReqKvState(policy=get_policy("snapkv"), budget=budget)
+    batch = _batch(allocator, n, state)
+    for round_ in range(2):
+        selection, want = _compact(batch, pool, state, budget, seed + round_)
+        g = state.packed
+        k_units, v_units = pool.unit_buffers()
+        now = state.tables(batch.req_to_token_pool.req_to_token[0, :g], layers, heads)
+        assert torch.equal(now.lens, selection.lengths)
+        assert now.lens.sum() <= budget * layers * heads
+        for l in range(layers):
+            for h in range(heads):
+                units = now.units[l, h, : int(now.lens[l, h])]
+                k, v, pos = want[l][h]
+                assert torch.equal(k_units[units], k) and torch.equal(v_units[units], v)
+                assert torch.equal(now.positions[l, h, : units.numel()], pos)
+        # decode appends `tail` tokens in fresh slots: every head reads them after its own
+        new = allocator.alloc(tail)
+        r2t = batch.req_to_token_pool.req_to_token
+        r2t[0, g : g + tail] = new.to(torch.int32)
+        batch.seq_lens_cpu = torch.tensor([g + tail])
+        grown = state.tables(r2t[0, : g + tail], layers, heads)
+        cols = now.lens[..., None] + torch.arange(tail)
+        assert torch.equal(grown.units.gather(-1, cols), unit_index(new, layers, heads))
+        logical = torch.arange(g, g + tail) + state.offset
+        assert torch.equal(grown.positions.gather(-1, cols), logical.expand(layers, heads, tail))
+
+
+def test_unit_index_is_the_flat_view_of_the_per_layer_buffers() -> None:
+    pool = UnitPool(10, 3, 2, 0)
+    slots = torch.tensor([7, 2, 5])
+    k_units, _ = pool.unit_buffers()
+    units = unit_index(slots, 3, 2)
+    for l in range(3):
+        assert torch.equal(k_units[units[l]], pool.get_key_buffer(l)[slots].transpose(0, 1))
+
+
+def test_decode_reads_packed_requests_through_their_tables() -> None:
+    """A decode step over a packed request and an unpacked one, on the unit pool: the output is
+    each query head's attention over exactly its KV head's entries, and the attention it
+    computed becomes the packed request's statistic, column by column of its tables."""
+    layers, heads, group = 2, 2, 2
+    pool, allocator = UnitPool(128, layers, heads, 3), Allocator(128, 3)
+    packed = ReqKvState(policy=get_policy("h2o"), budget=4)
+    batch = _batch(allocator, 20, packed)
+    _compact(batch, pool, packed, 4, 5)
+    g = packed.packed
+    r2t = batch.req_to_token_pool.req_to_token
+    r2t[0, g : g + 3] = allocator.alloc(3).to(torch.int32)  # three tokens decoded since
+    r2t[1, :9] = allocator.alloc(9).to(torch.int32)  # an unpacked request of 9 entries
+    lens = [g + 3, 9]
+    store = KvcStore(layers, 4, r2t, pool)
+    assert store.unit_layout == (layers, heads)
+    store.attends = True
+    store.begin(0, packed)
+    store.begin(1, ReqKvState(policy=get_policy("snapkv"), budget=4))
+    packed.stats = [None] * layers
+    store.begin_decode([0, 1], lens)
+    q = torch.randn(2, heads * group, D, generator=torch.Generator().manual_seed(9))
+    k_units, v_units = pool.unit_buffers()
+    for layer in range(layers):
+        out = torch.full_like(q, float("nan"))
+        store.attend_decode(layer, store.decode_step, q, None, None, 0.5, out)
+        for b, row in enumerate([0, 1]):
+            tables = store.states[row].tables(r2t[row, : lens[b]], layers, heads)
+            for h in range(heads):
+                units = tables.units[layer, h, : int(tables.lens[layer, h])]
+                keys, values = k_units[units], v_units[units]
+                probs = torch.softmax(q[b, h * group : (h + 1) * group] @ keys.T * 0.5, dim=-1)
+                assert torch.allclose(out[b, h * group : (h + 1) * group], probs @ values, atol=1e-5)
+                if row == 0:  # H2O: attention summed over the query group (eq. 2)
+                    stat = packed.stats[layer][h, : units.numel()]
+                    assert torch.allclose(stat, probs.sum(0), atol=1e-5)
