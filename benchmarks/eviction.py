@@ -73,6 +73,21 @@ def percentiles(values: list[float], scale: float = 1.0) -> dict[str, float]:
     return {"p50": q[49] * scale, "p90": q[89] * scale, "p99": q[98] * scale}
 
 
+async def sse_lines(response: httpx.Response):
+    """The stream's lines, split at "\n" only. `aiter_lines` also splits at the Unicode line
+    breaks JSON leaves unescaped (U+2028, U+0085, ...), which a generated token may contain:
+    the random-weight demo model produced one and the benchmark counted a served request as
+    failed (a truncated JSON line)."""
+    buffer = ""
+    async for text in response.aiter_text():
+        buffer += text
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if buffer:
+        yield buffer
+
+
 async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> RequestResult:
     body = {
         "model": "m", "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
@@ -83,7 +98,7 @@ async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: 
     tokens = 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
+        async for line in sse_lines(r):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
