@@ -105,6 +105,23 @@ def reference_logprobs(
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def logprob_error(model_path: str, prompt_ids: list[int], out: dict, events: list[dict]):
+    """For a `generate` result `out` with logprobs: a function `error(events=events, **kw)` giving
+    the largest |served - reference| log-prob of the generated tokens, the reference from
+    `reference_logprobs(model_path, prompt + output, events, **kw)`."""
+    output_ids = out["output_ids"]
+    served = torch.tensor([lp[0] for lp in out["meta_info"]["output_token_logprobs"]])
+    seq = prompt_ids + output_ids[:-1]
+    rows = torch.arange(len(prompt_ids) - 1, len(seq))
+    targets = torch.tensor(output_ids)
+
+    def error(events: list[dict] = events, **kw: Any) -> float:
+        ref = reference_logprobs(model_path, seq, events, **kw)[rows, targets]
+        return float((ref - served).abs().max())
+
+    return error
+
+
 def kept_count(event: dict) -> int:
     """Entries per head a compaction kept (shared or per-head event)."""
     kept = event["kept_positions"]

@@ -14,11 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvc_reference import generate as _generate
 from kvc_reference import REASONING_PROMPT as PROMPT
-from kvc_reference import kept_count, reference_logprobs, trace_events as _events
+from kvc_reference import kept_count, logprob_error, trace_events as _events
 from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -67,15 +66,7 @@ def test_logits_after_compaction_match_dense_reference(
         kept = [sorted(map(tuple, (h for layer in e["kept_positions"] for h in layer))) for e in events]
         assert any(len(set(k)) > 1 for k in kept)
 
-    output_ids = out["output_ids"]
-    served = torch.tensor([lp[0] for lp in out["meta_info"]["output_token_logprobs"]])
-    seq = prompt_ids + output_ids[:-1]
-    rows = torch.arange(len(prompt_ids) - 1, len(seq))
-    targets = torch.tensor(output_ids)
-
-    def error(**kw) -> float:
-        ref = reference_logprobs(demo_model_path, seq, events, **kw)[rows, targets]
-        return float((ref - served).abs().max())
+    error = logprob_error(demo_model_path, prompt_ids, out, events)
 
     kernel = rkv_server.stats()["decode_attention"]
     assert kernel["kernel"] == "sgl-kvc batched" and kernel["layers"] > 0  # it served this decode
@@ -89,7 +80,7 @@ def test_logits_after_compaction_match_dense_reference(
     assert error(logical=False) > 3 * max(err, 0.05)
     if selection == "per-head":  # one head's set replayed for every head is far off too
         one_set = [{**e, "kept_positions": e["kept_positions"][0][0]} for e in events]
-        wrong = float((reference_logprobs(demo_model_path, seq, one_set)[rows, targets] - served).abs().max())
+        wrong = error(events=one_set)
         print(f"layer 0 head 0's kept set for every head: {wrong:.3f}")
         assert wrong > 3 * max(err, 0.05)
 

@@ -8,6 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fakes import FakeAllocator
+
 from sgl_kvc.adapter.compaction import move_units, move_units_many
 from sgl_kvc.adapter.state import ReqKvState
 from sgl_kvc.kernels.fp8 import Fp8Rows
@@ -180,24 +182,6 @@ def test_one_head_at_a_time_chooses_what_the_whole_layer_chooses(name: str) -> N
     assert torch.equal(whole, alone)
 
 
-class _Allocator:
-    def __init__(self, pool: Pool, slots: int) -> None:
-        self.pool, self.free_slots = pool, list(range(1, slots))  # slot 0: SGLang's padding
-
-    def available_size(self) -> int:
-        return len(self.free_slots)
-
-    def alloc(self, k: int) -> torch.Tensor:
-        out, self.free_slots = self.free_slots[:k], self.free_slots[k:]
-        return torch.tensor(out, dtype=torch.int64)
-
-    def free(self, slots: torch.Tensor) -> None:
-        self.free_slots += slots.tolist()
-
-    def get_kvcache(self) -> Pool:
-        return self.pool
-
-
 def test_a_failed_batched_move_gives_back_the_slots_it_allocated(monkeypatch) -> None:
     """A request whose kept entries outnumber the slots it owns (a long prefix hit: its first
     slots belong to the radix tree) gets new slots before the move; if the move fails, those go
@@ -209,7 +193,7 @@ def test_a_failed_batched_move_gives_back_the_slots_it_allocated(monkeypatch) ->
 
     layers, heads, n, k = 2, 2, 10, 6
     pool = Pool([torch.randn(64, heads, 4) for _ in range(layers)], [torch.randn(64, heads, 4) for _ in range(layers)])
-    allocator = _Allocator(pool, 64)
+    allocator = FakeAllocator(64, pool)
     row = allocator.alloc(n)
     r2t = torch.zeros(1, 32, dtype=torch.int32)
     r2t[0, :n] = row.to(torch.int32)

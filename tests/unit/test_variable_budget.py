@@ -12,6 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fakes import FakeAllocator
+
 from sgl_kvc.adapter.compaction import compact_requests_units
 from sgl_kvc.adapter.state import KvcStore, ReqKvState, unit_index
 from sgl_kvc.policies import get_policy, select_from_scores
@@ -40,23 +42,7 @@ class UnitPool:
         return self.k_all.view(-1, D), self.v_all.view(-1, D)
 
 
-class Allocator:
-    def __init__(self, slots: int, seed: int) -> None:
-        order = torch.randperm(slots - 1, generator=torch.Generator().manual_seed(seed)) + 1
-        self.free_slots = order.tolist()  # slot 0: SGLang's padding slot
-
-    def available_size(self) -> int:
-        return len(self.free_slots)
-
-    def alloc(self, k: int) -> torch.Tensor:
-        out, self.free_slots = self.free_slots[:k], self.free_slots[k:]
-        return torch.tensor(out, dtype=torch.int64)
-
-    def free(self, slots: torch.Tensor) -> None:
-        self.free_slots += slots.tolist()
-
-
-def _batch(allocator: Allocator, n: int, state: ReqKvState):
+def _batch(allocator: FakeAllocator, n: int, state: ReqKvState):
     r2t = torch.zeros(2, 256, dtype=torch.int32)
     r2t[0, :n] = allocator.alloc(n).to(torch.int32)
     kv = SimpleNamespace(req_pool_idx=0, cache_protected_len=0)
@@ -102,7 +88,7 @@ def test_variable_compactions_pack_every_heads_kept_entries(n, budget, layers, h
     """Two variable compactions (the second over packed entries plus new tokens): after each,
     head (l, h) reads through its table exactly the keys, values and positions it kept, the
     request holds ceil(total / (L x H)) slots and gives every other slot back."""
-    pool, allocator = UnitPool(128, layers, heads, seed), Allocator(128, seed)
+    pool, allocator = UnitPool(128, layers, heads, seed), FakeAllocator(128, seed=seed)
     state = ReqKvState(policy=get_policy("snapkv"), budget=budget)
     batch = _batch(allocator, n, state)
     for round_ in range(2):
@@ -144,7 +130,7 @@ def test_decode_reads_packed_requests_through_their_tables() -> None:
     each query head's attention over exactly its KV head's entries, and the attention it
     computed becomes the packed request's statistic, column by column of its tables."""
     layers, heads, group = 2, 2, 2
-    pool, allocator = UnitPool(128, layers, heads, 3), Allocator(128, 3)
+    pool, allocator = UnitPool(128, layers, heads, 3), FakeAllocator(128, seed=3)
     packed = ReqKvState(policy=get_policy("h2o"), budget=4)
     batch = _batch(allocator, 20, packed)
     _compact(batch, pool, packed, 4, 5)

@@ -16,11 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvc_reference import REASONING_PROMPT as PROMPT
 from kvc_reference import generate as _generate
-from kvc_reference import reference_logprobs, trace_events as _events
+from kvc_reference import logprob_error, trace_events as _events
 from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -59,16 +58,7 @@ def test_variable_budgets_match_the_dense_reference(variable_server, trace, demo
     # heads really hold different numbers, or this would test the uniform layout again
     assert any(len({len(h) for layer in e["kept_positions"] for h in layer}) > 1 for e in events)
 
-    output_ids = out["output_ids"]
-    served = torch.tensor([lp[0] for lp in out["meta_info"]["output_token_logprobs"]])
-    seq = prompt_ids + output_ids[:-1]
-    rows = torch.arange(len(prompt_ids) - 1, len(seq))
-    targets = torch.tensor(output_ids)
-
-    def error(**kw) -> float:
-        ref = reference_logprobs(demo_model_path, seq, events, **kw)[rows, targets]
-        return float((ref - served).abs().max())
-
+    error = logprob_error(demo_model_path, prompt_ids, out, events)
     err = error()
     print(f"{policy}: max |logprob error| {err:.4f}; without eviction {error(evict=False):.3f}; "
           f"physical positions {error(logical=False):.3f}")
