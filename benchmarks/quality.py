@@ -53,6 +53,7 @@ from benchmarks.quality_samples import (
     sentence,
 )
 from loadtest.server import ServerProcess
+from sgl_kvc.policies import BUDGET_MODES
 
 POLICIES = ["rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress", "rkv/shared", "snapkv/shared"]
 BUDGETS = [128, 256, 512, 1024]
@@ -189,9 +190,10 @@ class ManagedServer:
 def policy_settings(name: str) -> dict:
     """`kv_compression` of a policy row: "snapkv" selects per head (the server's default),
     "snapkv/shared" keeps one set per request (`selection: shared`), "snapkv/variable" per head
-    with variable budgets (a run with `--kv-head-budget variable`: its server's setting)."""
+    with variable budgets (a run with `--kv-head-budget variable`: its server's setting; "/layer"
+    likewise)."""
     policy, _, selection = name.partition("/")
-    return {"policy": policy, **({"selection": selection} if selection not in ("", "variable") else {})}
+    return {"policy": policy, **({"selection": selection} if selection not in ("", *BUDGET_MODES) else {})}
 
 
 def combos(policies: list[str], budgets: list[int]) -> list[tuple[str, dict]]:
@@ -515,8 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-total-tokens", type=int, default=65536)
     p.add_argument("--kv-buffer", type=int, default=128)
-    p.add_argument("--kv-head-budget", choices=["uniform", "variable"], default="uniform",
-                   help="the compressing server's per-head budgets; variable rows are named NAME/variable")
+    p.add_argument("--kv-head-budget", choices=list(BUDGET_MODES), default="uniform",
+                   help="the compressing server's per-head budgets; rows of variable / layer runs are named NAME/MODE")
     p.add_argument("--request-timeout", type=float, default=900)
     p.add_argument("--server-timeout", type=float, default=600)
     p.add_argument("--kvpress-python", default=os.environ.get("KVPRESS_PYTHON", str(DEFAULT_KVPRESS_PYTHON)))
@@ -570,8 +572,8 @@ def main(argv: list[str] | None = None) -> dict:
     # generated from the compressed cache, not from the full one while a pass is under way.
     comp_flags = ["--policy", "rkv", "--kv-buffer", str(args.kv_buffer), "--kv-pass-work", "0",
                   "--kv-head-budget", args.kv_head_budget, *common]
-    if args.kv_head_budget == "variable":
-        args.policies = [p if p.endswith("/shared") else f"{p}/variable" for p in args.policies]
+    if args.kv_head_budget != "uniform":
+        args.policies = [p if p.endswith("/shared") else f"{p}/{args.kv_head_budget}" for p in args.policies]
     comp_server = ManagedServer("compressing", comp_flags, logs, args.server_timeout)
     try:
         outcomes += run_compressed(comp_server, samples, args)

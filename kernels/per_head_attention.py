@@ -16,8 +16,10 @@ padded to the longest table and masked, with no Python loop over requests (only 
 query rows of a long extend, to bound memory). Softmax runs in float32; outputs have the queries'
 dtype; a sequence with no visible key yields zeros.
 
-How a CUDA path plugs in (not implemented here): FlashInfer's paged kernels already take ragged
-sequences, so the flattened tables drive them directly. Decode:
+On CUDA, decode runs the Triton kernel of `triton_per_head.py` (`fast_per_head_decode` picks it;
+same results, one program per (request, KV head, split), FP8 dequantized as it loads). FlashInfer
+is the other way a CUDA path could plug in (not implemented here): its paged kernels already take
+ragged sequences, so the flattened tables drive them directly. Decode:
 ``BatchDecodeWithPagedKVCacheWrapper.plan(indptr, indices, last_page_len=ones, num_qo_heads=G,
 num_kv_heads=1, head_dim=d, page_size=1)`` with ``indptr, indices`` from
 :meth:`HeadTables.flatten` (B x H_kv sequences), queries viewed as [B x H_kv, G, d] (a free
@@ -149,6 +151,22 @@ def per_head_decode(
     out, probs = _masked_attention(logits, valid.unsqueeze(2), values)
     out = out.reshape(b, h_q, -1).to(q.dtype)
     return (out, probs) if return_probs else out
+
+
+def fast_per_head_decode(
+    q: Tensor, k_pool: Any, v_pool: Any, tables: HeadTables, scale: float | None = None,
+    *, return_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """`per_head_decode` on the fastest implementation for q's device: the Triton kernel on
+    CUDA where it supports the operands, else this module's torch version."""
+    if q.is_cuda:
+        try:
+            from sgl_kvc.kernels import triton_per_head
+        except ImportError:  # no triton: the torch version serves
+            triton_per_head = None
+        if triton_per_head is not None and triton_per_head.supports(q, k_pool, v_pool):
+            return triton_per_head.triton_per_head_decode(q, k_pool, v_pool, tables, scale, return_probs=return_probs)
+    return per_head_decode(q, k_pool, v_pool, tables, scale, return_probs=return_probs)
 
 
 def per_head_extend(

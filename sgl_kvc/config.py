@@ -55,9 +55,10 @@ class KvcConfig:
         default="uniform",
         metadata=_flag(
             "Per-head selection's budget: uniform (every (layer, KV head) keeps --kv-budget "
-            "tokens) or variable (KV-Compress: the request keeps --kv-budget x layers x KV heads "
-            "entries in all, chosen by one sort over layer x head x token; CPU backend, "
-            "batched decode attention and a non-FP8 cache only)."
+            "tokens), variable (KV-Compress: the request keeps --kv-budget x layers x KV heads "
+            "entries in all, chosen by one sort over layer x head x token) or layer (Ada-SnapKV: "
+            "one sort per layer, each layer keeping --kv-budget x KV heads). variable and layer "
+            "need the torch_native backend and batched decode attention."
         ),
     )
     kv_pass_work: int = field(
@@ -131,14 +132,9 @@ class KvcConfig:
             # Heads of a packed request hold different numbers of entries: only sgl-kvc's
             # batched kernel reads them through per-head tables (docs/per-head-eviction.md).
             if self.kv_selection != "per-head":
-                raise ValueError("--kv-head-budget variable needs --kv-selection per-head")
+                raise ValueError(f"--kv-head-budget {self.kv_head_budget} needs --kv-selection per-head")
             if self.kv_decode_attention != "batched":
-                raise ValueError("--kv-head-budget variable needs --kv-decode-attention batched")
-            if self.fp8_kv is not None:
-                raise ValueError(
-                    f"--kv-head-budget variable with --kv-cache-dtype {self.fp8_kv} is not "
-                    "implemented (the unit pool stores the model's dtype)"
-                )
+                raise ValueError(f"--kv-head-budget {self.kv_head_budget} needs --kv-decode-attention batched")
         object.__setattr__(self, "compress_on", tuple(self.compress_on))
         bad = [m for m in self.compress_on if m not in MOMENTS]
         if bad:
@@ -157,8 +153,9 @@ class KvcConfig:
 
     @property
     def variable_budget(self) -> bool:
-        """KV-Compress's variable per-head allocation (served from the unit pool)."""
-        return self.compressing and self.kv_head_budget == "variable"
+        """Heads keep different numbers of entries (`--kv-head-budget variable` or `layer`),
+        served from the unit pool."""
+        return self.compressing and self.kv_head_budget != "uniform"
 
     @property
     def fp8_kv(self) -> str | None:

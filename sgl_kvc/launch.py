@@ -158,7 +158,7 @@ def unsupported(config: KvcConfig, argv: list[str]) -> str | None:
     for flag in ("--attention-backend", "--decode-attention-backend"):
         value = _flag_value(argv, flag)
         if config.variable_budget and value not in (None, "torch_native"):
-            return ("--kv-head-budget variable needs the torch_native attention backend "
+            return (f"--kv-head-budget {config.kv_head_budget} needs the torch_native attention backend "
                     f"(sgl-kvc's batched kernel reads the per-head tables); got {flag} {value}")
     if _flag_value(argv, "--speculative-algorithm") not in (None, "None", "none"):
         return (f"--policy {config.policy} does not support speculative decoding "

@@ -12,6 +12,30 @@ import pytest
 from loadtest.server import ServerProcess
 
 
+def _triton_interpreter_without_a_gpu() -> None:
+    """Without a GPU, Triton kernels (`kernels/triton_per_head.py`) run under Triton's
+    interpreter. Triton decides it when a function is decorated, its own library's helpers
+    (tl.zeros, tl.sum, ...) included, so this must precede the first import of triton (SGLang
+    imports it); the environment variable is then removed, so that the servers the tests start
+    do not inherit it, and the in-process switch keeps later kernels interpreted."""
+    import torch
+
+    if torch.cuda.is_available() or "triton" in sys.modules:
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton
+        import triton.language  # noqa: F401
+    except ImportError:
+        return
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+    triton.knobs.runtime.interpret = True
+
+
+_triton_interpreter_without_a_gpu()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
         import torch

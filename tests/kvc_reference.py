@@ -122,6 +122,25 @@ def logprob_error(model_path: str, prompt_ids: list[int], out: dict, events: lis
     return error
 
 
+def fp8_attention(fp8: str | None) -> str:
+    """Name of a transformers attention (for `reference_logprobs`) that reads K and V as the
+    FP8 pool stores them: rounded per (token, KV head) row, bf16 scales. None: no rounding."""
+    from transformers import AttentionInterface
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    from sgl_kvc.kernels.fp8 import fake_quantize_rows
+
+    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
+        if fp8 is not None:
+            key = fake_quantize_rows(key.to(torch.bfloat16), fp8, "bfloat16").to(key.dtype)
+            value = fake_quantize_rows(value.to(torch.bfloat16), fp8, "bfloat16").to(value.dtype)
+        return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kw)
+
+    name = f"kvc_test_{fp8}"
+    AttentionInterface.register(name, attention)
+    return name
+
+
 def kept_count(event: dict) -> int:
     """Entries per head a compaction kept (shared or per-head event)."""
     kept = event["kept_positions"]

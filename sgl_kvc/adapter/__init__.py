@@ -31,8 +31,8 @@ def install(config: KvcConfig) -> None:
 
     radix_cache.register(RADIX_CACHE_BACKEND)
     attention.register()
-    fp8_pool.register(config)
-    unit_pool.register(config)  # --kv-head-budget variable (never with FP8)
+    fp8_pool.register(config, unit_pool.fp8_unit_pool_class(config))  # FP8: per-layer or unit layout
+    unit_pool.register(config)  # --kv-head-budget variable in the model's dtype
     memory_budget.register(config)  # after fp8_pool: it reads the budget that one may fix
     hooks.register(config)
     request_guard.register()  # HTTP process: out-of-vocabulary prompt token ids are a 400

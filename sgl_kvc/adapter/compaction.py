@@ -175,10 +175,16 @@ def compact_requests_units(
                     raise ValueError(f"a selection over {selection.n} columns for tables of {units.shape[-1]}")
                 valid = selection.valid()
                 src = units.gather(-1, torch.where(valid, selection.indices, 0))[valid]
-                dest, evicted, copied = _destinations(batch, i, g)  # last: it may allocate
-                dst = (dest[:, None] * per_slot + torch.arange(per_slot)).reshape(-1)[: src.numel()]
+                rel = torch.arange(src.numel())  # kept entry e goes to unit e of the packed slots
                 table = torch.zeros_like(selection.indices)
-                table[valid] = dst  # (layer, head, column) order, as src
+                dest, evicted, copied = _destinations(batch, i, g)  # last: it may allocate
+                try:
+                    dst = dest[rel // per_slot] * per_slot + rel % per_slot
+                    table[valid] = dst  # (layer, head, column) order, as src
+                except BaseException:
+                    if copied:  # not in `plans` yet: give its new slots back here
+                        allocator.free(dest[dest.numel() - copied :])
+                    raise
                 plans.append((i, src, dst, dest, evicted, copied))
                 outcomes.append(CompactionResult(g, int(evicted.numel()), copied, units=table))
             except (CompactionSkipped, ValueError) as e:

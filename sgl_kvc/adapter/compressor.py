@@ -369,7 +369,8 @@ class Compressor:
         """`_advance` for variable budgets (KV-Compress §4.2): score one (layer, KV head) at a
         time, each from its own entries (after a variable compaction heads hold different
         numbers), as work allows; once all have scored, ONE sort over layer x head x entry
-        chooses what the request keeps (`select_from_scores(mode="variable")`)."""
+        chooses what the request keeps (`select_from_scores`, mode `--kv-head-budget`: variable,
+        or layer for one sort per layer)."""
         t0 = time.perf_counter()
         p = state.pending
         tables = p.tables
@@ -394,7 +395,7 @@ class Compressor:
         for k, (score, prot) in enumerate(zip(p.scores, p.protected)):
             scores[k // num_heads, k % num_heads, : score.numel()] = score.cpu()
             protected[k // num_heads, k % num_heads, : prot.numel()] = prot
-        chosen = select_from_scores(scores, protected, p.target, lengths=tables.lens, mode="variable")
+        chosen = select_from_scores(scores, protected, p.target, lengths=tables.lens, mode=self.config.kv_head_budget)
         # Entries appended since the pass began (after each head's own columns): every head keeps them.
         n = int(batch.seq_lens_cpu[i])
         now = self._tables(batch, row, n, state)

@@ -85,10 +85,7 @@ class KvcFp8TokenToKVPool(MHATokenToKVPool):
         kw = dict(fp8=self.kvc_fp8, scale_format=self.kvc_scale_format, dtype=self.dtype,
                   device=self.device)
         with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
-            self._kvc_k = [Fp8Rows.empty(rows, self.head_num, self.head_dim, **kw)
-                           for _ in range(self.layer_num)]
-            self._kvc_v = [Fp8Rows.empty(rows, self.head_num, self.v_head_dim, **kw)
-                           for _ in range(self.layer_num)]
+            self._kvc_k, self._kvc_v = self._allocate_rows(rows, **kw)
         # The raw tensors under SGLang's names: its byte accounting (`get_kv_size_bytes`,
         # which counts the scale buffers too), data pointers and slot moves see codes + scales.
         self.k_buffer = [r.codes for r in self._kvc_k]
@@ -99,6 +96,12 @@ class KvcFp8TokenToKVPool(MHATokenToKVPool):
         self.dq_k_buffer = self.dq_v_buffer = None
         self._kv_buffer_descs = self._build_kv_buffer_descs()
         self._init_data_ptrs_and_strides()
+
+    def _allocate_rows(self, rows: int, **kw: Any) -> tuple[list[Fp8Rows], list[Fp8Rows]]:
+        """Per-layer K and V buffers of `rows` slots (one allocation per layer here)."""
+        k = [Fp8Rows.empty(rows, self.head_num, self.head_dim, **kw) for _ in range(self.layer_num)]
+        v = [Fp8Rows.empty(rows, self.head_num, self.v_head_dim, **kw) for _ in range(self.layer_num)]
+        return k, v
 
     def _finalize_allocation_log(self, num_tokens: int) -> None:
         super()._finalize_allocation_log(num_tokens)  # SGLang's line names the model dtype
@@ -165,11 +168,15 @@ class KvcFp8TokenToKVPool(MHATokenToKVPool):
 
 
 @functools.cache
-def fp8_pool_class(fp8: str, scale_format: str = DEFAULT_SCALE_FORMAT) -> type[KvcFp8TokenToKVPool]:
-    """The pool class for one FP8 format (SGLang builds pools from a class and its kwargs)."""
+def fp8_pool_class(
+    fp8: str, scale_format: str = DEFAULT_SCALE_FORMAT, base: type | None = None
+) -> type[KvcFp8TokenToKVPool]:
+    """The pool class for one FP8 format (SGLang builds pools from a class and its kwargs);
+    `base`: a subclass of `KvcFp8TokenToKVPool` with another layout (the unit pool's)."""
     fp8_spec(fp8)  # validates
-    name = f"KvcFp8{fp8.removeprefix('fp8_').upper()}TokenToKVPool"
-    return type(name, (KvcFp8TokenToKVPool,), {"kvc_fp8": fp8, "kvc_scale_format": scale_format})
+    base = base or KvcFp8TokenToKVPool
+    name = f"KvcFp8{fp8.removeprefix('fp8_').upper()}{base.__name__.removeprefix('KvcFp8')}"
+    return type(name, (base,), {"kvc_fp8": fp8, "kvc_scale_format": scale_format})
 
 
 def pool_bytes(pool: Any) -> int:
@@ -187,7 +194,9 @@ def _plain_mha(kvc: Any) -> bool:
     return not (kvc.use_mla_backend or kvc.is_hybrid_swa or kvc.mambaish_config is not None)
 
 
-def register(config: KvcConfig) -> None:
+def register(config: KvcConfig, pool_cls: type[KvcFp8TokenToKVPool] | None = None) -> None:
+    """`pool_cls`: the FP8 pool to install (default: `fp8_pool_class` of the config's format;
+    the unit pool's FP8 variant under `--kv-head-budget variable`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     hooks: list[tuple[str, Callable[..., Any], HookType]] = []
@@ -195,7 +204,7 @@ def register(config: KvcConfig) -> None:
         hooks.append((f"{_CONFIGURATOR}._profile_available_bytes",
                       _around_profile(config.kv_cache_memory_gb), HookType.AROUND))
     if config.fp8_kv is not None:
-        pool_cls = fp8_pool_class(config.fp8_kv)
+        pool_cls = pool_cls or fp8_pool_class(config.fp8_kv)
         hooks += [
             (f"{_CONFIGURATOR}._resolve_kv_pool_class", after_resolve(pool_cls), HookType.AFTER),
             (f"{_POOL_CONFIGURATOR}._compute_cell_size", _around_cell_size(pool_cls), HookType.AROUND),

@@ -94,8 +94,8 @@ def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
             "hit_tokens": prefix.hit_tokens if prefix else 0,
         },
         "compression": compression,
-        # per-head budgets: uniform, or variable (KV-Compress §4.2, packed in the unit pool)
-        "head_budget": "variable" if compressor.store.unit_pools is not None else "uniform",
+        # per-head budgets: uniform, or variable / layer (packed in the unit pool)
+        "head_budget": runtime.config.kv_head_budget if compressor.store.unit_pools is not None else "uniform",
         # who computes decode attention: sgl-kvc's batched kernel (CPU, compressing servers) or
         # SGLang's backend; `layers` counts the layer calls the kernel served
         "decode_attention": {

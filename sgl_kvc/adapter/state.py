@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from sgl_kvc.kernels.decode_attention import decode_attention, decode_probs
-from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode
+from sgl_kvc.kernels.per_head_attention import HeadTables, fast_per_head_decode
 from sgl_kvc.policies import DEFAULT_SELECTION, Policy, gqa_logits
 
 STATS_BLOCK = 256  # query rows per block when accumulating prefill attention statistics
@@ -76,10 +76,11 @@ class DecodeBlock:
     so the padded keys stay under `DECODE_BLOCK_ELEMS`)."""
 
     index: Tensor  # [b] their indices in the batch
-    slots: Tensor  # [b, n_max] int64: slot of entry j of each (slot 0 past its length)
-    pad: Tensor  # [b, n_max] bool: True past each request's length
+    slots: Tensor | None  # [b, n_max] int64: slot of entry j of each (slot 0 past its length)
+    pad: Tensor | None  # [b, n_max] bool: True past each request's length
     groups: tuple[StatGroup, ...]
-    # On the unit pool (variable budgets) the block is read through per-head tables instead:
+    # On the unit pool (variable budgets) the block is read through per-head tables instead
+    # (and `slots` / `pad` are None):
     units: Tensor | None = None  # [L, b, H_kv, N] int64, unit of entry j of each (layer, head)
     lens: Tensor | None = None  # [L, b, H_kv] entries of each (layer, head)
 
@@ -109,18 +110,10 @@ class DecodeStep:
         (layers, KV heads) of the unit pool, whose blocks get per-head tables."""
         stats = {i for i, row in enumerate(rows) if (s := states.get(row)) is not None and s.policy.uses_stats}
         picked = list(range(len(rows))) if attends else sorted(stats)
-        tables: dict[int, RequestTables] = {}
+        row_lens = lens
         if units is not None:
-            for i in picked:
-                slots = req_to_token[rows[i], : lens[i]]
-                state = states.get(rows[i])
-                tables[i] = (
-                    state.tables(slots, *units) if state is not None
-                    else RequestTables.natural(slots, torch.arange(lens[i]), *units)
-                )
-            lens = list(lens)
-            for i, t in tables.items():
-                lens[i] = t.width  # a packed head may hold more entries than the row has slots
+            # A packed head may hold more entries than the row has slots: its width counts.
+            lens = [_table_width(states.get(row), n) for row, n in zip(rows, lens)]
         # Longest first, so a block's padding is to similar lengths.
         picked.sort(key=lambda i: -lens[i])
         device = req_to_token.device
@@ -133,11 +126,6 @@ class DecodeStep:
             members = picked[start:end]
             start = end
             b_rows = torch.tensor([rows[i] for i in members], dtype=torch.int64)
-            b_lens = torch.tensor([lens[i] for i in members], dtype=torch.int64)
-            pad = torch.arange(n_max)[None, :] >= b_lens[:, None]
-            slots = req_to_token[b_rows.to(device), :n_max].long()
-            pad = pad.to(device, non_blocking=True)
-            slots.masked_fill_(pad, 0)
             by_class: dict[type, list[int]] = {}
             for j, i in enumerate(members):
                 if i in stats:
@@ -152,16 +140,64 @@ class DecodeStep:
                 for js in by_class.values()
             )
             index = torch.tensor(members, dtype=torch.int64).to(device, non_blocking=True)
-            block_units = block_lens = None
-            if units is not None:
-                block_units = torch.zeros(units[0], len(members), units[1], n_max, dtype=torch.int64)
-                for j, i in enumerate(members):
-                    block_units[:, j, :, : tables[i].width] = tables[i].units
-                block_lens = torch.stack([tables[i].lens for i in members], dim=1)
-                block_units, block_lens = block_units.to(device), block_lens.to(device)
-            blocks.append(DecodeBlock(index=index, slots=slots, pad=pad, groups=groups,
-                                      units=block_units, lens=block_lens))
+            if units is not None:  # read through per-head tables: no slot rows to gather
+                block_units, block_lens = _unit_block(
+                    [states.get(rows[i]) for i in members], b_rows, [row_lens[i] for i in members],
+                    req_to_token, n_max, *units,
+                )
+                blocks.append(DecodeBlock(index=index, slots=None, pad=None, groups=groups,
+                                          units=block_units, lens=block_lens))
+                continue
+            b_lens = torch.tensor([lens[i] for i in members], dtype=torch.int64)
+            pad = torch.arange(n_max)[None, :] >= b_lens[:, None]
+            slots = req_to_token[b_rows.to(device), :n_max].long()
+            pad = pad.to(device, non_blocking=True)
+            slots.masked_fill_(pad, 0)
+            blocks.append(DecodeBlock(index=index, slots=slots, pad=pad, groups=groups))
         return cls(blocks=tuple(blocks), attends=attends, size=len(rows))
+
+
+def _table_width(state: "ReqKvState | None", n: int) -> int:
+    """Columns of a request's per-head tables over its n cached entries (`ReqKvState.tables`)."""
+    if state is None or state.units is None:
+        return n
+    return int(state.units.shape[-1]) + n - state.packed
+
+
+def _unit_block(
+    states: list["ReqKvState | None"], rows: Tensor, row_lens: list[int], req_to_token: Tensor,
+    width: int, num_layers: int, num_heads: int,
+) -> tuple[Tensor, Tensor]:
+    """The per-head tables `ReqKvState.tables` gives each request of a decode block (units only),
+    built for the block at once: packed tables are copied in, then every request's tail (its
+    slots past the packed ones) is gathered and placed after each head's own entries in one
+    scatter. `row_lens`: cached entries of each row. Returns units [L, b, H_kv, width] and lens
+    [L, b, H_kv]."""
+    device = req_to_token.device
+    b = len(states)
+    units = torch.zeros(num_layers, b, num_heads, width + 1, dtype=torch.int64, device=device)
+    head_lens = torch.zeros(num_layers, b, num_heads, dtype=torch.int64, device=device)
+    packed = [0] * b
+    for j, state in enumerate(states):
+        if state is not None and state.units is not None:
+            units[:, j, :, : state.units.shape[-1]] = state.units.to(device)
+            head_lens[:, j] = state.unit_lens.to(device)
+            packed[j] = state.packed
+    tails = torch.tensor([n - g for n, g in zip(row_lens, packed)], dtype=torch.int64)
+    t_max = int(tails.max()) if b else 0
+    if t_max:
+        cols = torch.arange(t_max)
+        valid = (cols[None, :] < tails[:, None]).to(device)  # [b, T]
+        src = (torch.tensor(packed, dtype=torch.int64)[:, None] + cols).to(device)
+        src = torch.where(valid, src, 0)
+        slots = req_to_token[rows.to(device)[:, None], src].long()  # [b, T]
+        tail_units = unit_index(slots.reshape(-1), num_layers, num_heads)  # [L, H, b x T]
+        tail_units = tail_units.reshape(num_layers, num_heads, b, t_max).transpose(1, 2)
+        dst = head_lens[..., None] + cols.to(device)  # after each head's own entries
+        dst = torch.where(valid[None, :, None, :], dst, width)  # padding -> the spare column
+        units.scatter_(-1, dst, tail_units)
+        head_lens += tails.to(device)[None, :, None]
+    return units[..., :width].contiguous(), head_lens  # read by every layer of the step
 
 
 @dataclass
@@ -401,7 +437,7 @@ class KvcStore:
                 local = layer - self.first_layer
                 tables = HeadTables(slots=block.units[local], lengths=block.lens[local])
                 k_units, v_units = self.unit_pools
-                o, probs = per_head_decode(q[block.index], k_units, v_units, tables, scale, return_probs=True)
+                o, probs = fast_per_head_decode(q[block.index], k_units, v_units, tables, scale, return_probs=True)
             else:
                 o, probs = decode_attention(q[block.index], k_cache, v_cache, block.slots, block.pad, scale)
             out[block.index] = o

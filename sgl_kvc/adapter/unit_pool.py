@@ -12,8 +12,14 @@ slots unit by unit (`compaction.compact_requests_units`), and the batched decode
 them through per-head tables (`state.RequestTables`). Slots stay SGLang's allocation unit, so
 its accounting, admission and retraction are unchanged.
 
-Installed only with `--kv-head-budget variable` (`register`), through the same pool-class
-resolution hook as the FP8 pool.
+With `--kv-cache-dtype fp8_*` the FP8 variant (`KvcFp8UnitTokenToKVPool`) lays out the FP8
+pool's codes the same way (uint8 [S+1, L, H_kv, d]) with its per-(token, KV head) scales beside
+them ([S+1, L, H_kv]): a unit is then one code row and its scale, so a packed request's entries
+move as they are (no re-quantization) and the flat unit pool is an `Fp8Rows` that dequantizes
+only the units it is indexed with.
+
+Installed only with `--kv-head-budget variable` (`register`; the FP8 variant by
+`fp8_pool.register`), through the same pool-class resolution hook as the FP8 pool.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 from torch import Tensor
 
-from sgl_kvc.adapter.fp8_pool import after_configure, after_resolve
+from sgl_kvc.adapter.fp8_pool import KvcFp8TokenToKVPool, after_configure, after_resolve, fp8_pool_class
 from sgl_kvc.config import KvcConfig
+from sgl_kvc.kernels.fp8 import Fp8Rows
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 
@@ -76,10 +83,50 @@ class KvcUnitTokenToKVPool(MHATokenToKVPool):
         return k.view(-1, self.head_dim), v.view(-1, self.v_head_dim)
 
 
+class KvcFp8UnitTokenToKVPool(KvcFp8TokenToKVPool):
+    """The FP8 pool (per-(token, KV head) scales) with the unit layout: one codes allocation
+    [S+1, L, H_kv, d] and one scales allocation [S+1, L, H_kv] per K and V, whose per-layer
+    views are the `Fp8Rows` SGLang and sgl-kvc read and write (see the module doc)."""
+
+    def _allocate_rows(self, rows: int, **kw: Any) -> tuple[list[Fp8Rows], list[Fp8Rows]]:
+        k_all = Fp8Rows.empty(rows, self.layer_num * self.head_num, self.head_dim, **kw)
+        v_all = Fp8Rows.empty(rows, self.layer_num * self.head_num, self.v_head_dim, **kw)
+        self.kvc_units = (_flat(k_all), _flat(v_all))
+        layers = range(self.layer_num)
+        return [_layer(k_all, self.layer_num, i) for i in layers], [_layer(v_all, self.layer_num, i) for i in layers]
+
+    def unit_buffers(self) -> tuple[Fp8Rows, Fp8Rows]:
+        """The flat unit pools K and V: `Fp8Rows` of codes [U, d] and scales [U] (free views);
+        indexing one dequantizes only the units it names, as the bf16 pool's [U, d] reads."""
+        return self.kvc_units
+
+
+def _layer(rows: Fp8Rows, num_layers: int, layer: int) -> Fp8Rows:
+    """Layer `layer` of a [S, L x H, d] buffer, as the [S, H, d] rows (strided views) SGLang uses."""
+    s, lh, d = rows.codes.shape
+    codes = rows.codes.view(s, num_layers, lh // num_layers, d)[:, layer]
+    scales = rows.scales.view(s, num_layers, lh // num_layers)[:, layer]
+    return Fp8Rows(codes, scales, rows.fp8, rows.scale_format, rows.dtype)
+
+
+def _flat(rows: Fp8Rows) -> Fp8Rows:
+    """One unit per row: codes [S x L x H, d], scales [S x L x H] (free views)."""
+    d = rows.codes.shape[-1]
+    return Fp8Rows(rows.codes.view(-1, d), rows.scales.view(-1), rows.fp8, rows.scale_format, rows.dtype)
+
+
+def fp8_unit_pool_class(config: KvcConfig) -> type[KvcFp8UnitTokenToKVPool] | None:
+    """The FP8 pool `--kv-head-budget variable` needs (None: not variable, or not FP8)."""
+    if not config.variable_budget or config.fp8_kv is None:
+        return None
+    return fp8_pool_class(config.fp8_kv, base=KvcFp8UnitTokenToKVPool)
+
+
 def register(config: KvcConfig) -> None:
+    """Variable budgets in the model's dtype (FP8: `fp8_pool.register(config, fp8_unit_pool_class(config))`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    if not config.variable_budget:
+    if not config.variable_budget or config.fp8_kv is not None:
         return
     hooks: list[tuple[str, Callable[..., Any], HookType]] = [
         (f"{_CONFIGURATOR}._resolve_kv_pool_class", after_resolve(KvcUnitTokenToKVPool), HookType.AFTER),

@@ -23,8 +23,12 @@ Two budget modes (``budget`` is the per-request budget in tokens, as in ``Policy
   ``min_per_head`` tokens (not in the paper: a floor so that no head is ever emptied, which
   matters for policies with nothing protected, e.g. avgattn); the rest of the budget goes to the
   globally highest metrics.
+* ``"layer"``: Ada-SnapKV's allocation as KV-Compress §4.2 describes it ("sorting metrics over a
+  flattened tensor where head and sequence length dimensions are combined, then selecting ... the
+  first eH metrics"): the same sort, but within each layer, which keeps ``budget x H_kv`` pairs;
+  heads of a layer share its budget, layers keep equal shares. Same floors as ``"variable"``.
 
-Comparability of scores across heads and layers (needed by the variable mode only): like
+Comparability of scores across heads and layers (needed by the variable and layer modes only): like
 KV-Compress and Ada-SnapKV we sort the RAW metrics, with no per-head normalisation. Each metric
 is already on a common scale: SnapKV, H2O, avgattn and KV-Compress sum (squared) softmax
 probabilities, and every query head spreads exactly mass 1 over the keys it sees, so every KV head
@@ -56,8 +60,8 @@ from torch import Tensor
 
 from .base import LayerView, Policy
 
-BudgetMode = Literal["uniform", "variable"]
-BUDGET_MODES: tuple[str, ...] = ("uniform", "variable")
+BudgetMode = Literal["uniform", "variable", "layer"]
+BUDGET_MODES: tuple[str, ...] = ("uniform", "variable", "layer")
 # How a request's kept tokens are chosen: each (layer, KV head) its own ("per-head", what the
 # papers do), or one set for the whole request ("shared": scores averaged over heads and layers).
 SELECTIONS: tuple[str, ...] = ("per-head", "shared")
@@ -242,6 +246,7 @@ def select_from_scores(
     Uniform: head (l, h) keeps min(budget, lengths[l, h]). Variable (KV-Compress §4.2): the
     request keeps min(budget x L x H, sum(lengths)) entries in total, each head at least
     min(max(min_per_head, its protected count), budget, its length); the rest by one sort.
+    Layer (Ada-SnapKV): the same within each layer, which keeps min(budget x H, its lengths).
     """
     _check_args(budget, mode, min_per_head)
     if scores.dim() != 3:
@@ -261,7 +266,7 @@ def select_from_scores(
         indices, counts = _first_k_sorted(order, per_head, n)
         return HeadSelection(indices=indices, lengths=counts, n=n)
 
-    # --- variable: KV-Compress §4.2, one sort over layer x head x token ------------------------
+    # --- variable: KV-Compress §4.2, one sort over layer x head x token (layer: per layer) -----
     # Mandatory part of every head: its protected tokens (KV-Compress §3: the observation window
     # is safe from eviction) and the floor min_per_head, capped at the per-head budget so the
     # request total stays budget x L x H. A head with more protected tokens than that keeps its
@@ -272,20 +277,26 @@ def select_from_scores(
         prot.to(device).expand(num_layers, num_heads, n) & (idx < lengths.unsqueeze(-1))
     ).sum(dim=-1)
     mandatory = torch.minimum(n_protected.clamp(min=min_per_head), per_head)
-    # §5.1: as many KVs over all layers and heads as an input of `budget` tokens holds
-    total = min(budget * num_layers * num_heads, int(lengths.sum()))
-    remaining = total - int(mandatory.sum())
+    # §5.1: as many KVs over all layers and heads as an input of `budget` tokens holds; the
+    # layer mode sorts each layer alone (a group of H heads), the variable mode the whole request.
+    groups = num_layers if mode == "layer" else 1
+    heads_per_group = num_layers * num_heads // groups
+    total = torch.minimum(budget * heads_per_group * torch.ones(groups, dtype=torch.int64, device=device),
+                          lengths.reshape(groups, -1).sum(dim=-1))
+    remaining = total - mandatory.reshape(groups, -1).sum(dim=-1)  # [groups]
     # Eq. 16-17 with block size b = 1: the candidates of head h, in its ranking order, beyond its
-    # mandatory prefix. Eq. 18: keep the `remaining` globally largest (= evict the smallest).
-    # Rank-major flattening ([N, L, H]) + stable sort: equal metrics go to the lower rank first,
-    # then to the lower (layer, head).
+    # mandatory prefix. Eq. 18: keep the `remaining` largest of each group (= evict the smallest).
+    # Rank-major flattening ([N, heads of the group]) + stable sort: equal metrics go to the
+    # lower rank first, then to the lower (layer, head).
     eligible = (idx >= mandatory.unsqueeze(-1)) & (idx < lengths.unsqueeze(-1))  # by rank
     lowest = torch.finfo(torch.float32).min
     flat = torch.where(eligible, keys.clamp(min=lowest), -math.inf)
-    flat = flat.permute(2, 0, 1).reshape(-1)
-    chosen = torch.sort(flat, descending=True, stable=True).indices[:remaining]
-    head_of = chosen % (num_layers * num_heads)  # rank-major: index = r * (L * H) + l * H + h
-    extra = torch.bincount(head_of, minlength=num_layers * num_heads)
+    flat = flat.reshape(groups, heads_per_group, n).transpose(1, 2).reshape(groups, -1)
+    order_g = torch.sort(flat, dim=-1, descending=True, stable=True).indices
+    take = torch.arange(flat.shape[1], device=device)[None, :] < remaining[:, None]
+    head_of = order_g % heads_per_group  # rank-major: index = r x heads_per_group + head
+    extra = torch.zeros(groups, heads_per_group, dtype=torch.int64, device=device)
+    extra.scatter_add_(1, head_of, take.to(torch.int64))
     counts = mandatory + extra.reshape(num_layers, num_heads)
     # Within a head the global order follows its ranking, so the chosen ones are a prefix of it.
     indices, counts = _first_k_sorted(order, counts, n)

@@ -20,7 +20,7 @@ import torch
 
 from kvc_reference import generate as _generate
 from kvc_reference import REASONING_PROMPT as LONG_PROMPT
-from kvc_reference import kept_count, reference_logprobs, trace_events
+from kvc_reference import fp8_attention, kept_count, reference_logprobs, trace_events
 from loadtest.server import ServerProcess
 from sgl_kvc.adapter.memory_budget import Reservation, fit_pool
 
@@ -178,24 +178,6 @@ def test_prefix_hit_while_compressing_is_exact_in_fp8(servers, tokenizer) -> Non
     assert first["output_ids"] == second["output_ids"]
 
 
-def _fp8_attention(fp8: str | None):
-    """transformers attention that reads K and V as the FP8 pool stores them."""
-    from transformers import AttentionInterface
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
-    from sgl_kvc.kernels.fp8 import fake_quantize_rows
-
-    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
-        if fp8 is not None:
-            key = fake_quantize_rows(key.to(torch.bfloat16), fp8, "bfloat16").to(key.dtype)
-            value = fake_quantize_rows(value.to(torch.bfloat16), fp8, "bfloat16").to(value.dtype)
-        return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kw)
-
-    name = f"kvc_test_{fp8}"
-    AttentionInterface.register(name, attention)
-    return name
-
-
 def test_fp8_rkv_logits_match_a_dense_fp8_reference(servers, trace, tokenizer, demo_model_path) -> None:
     """Eviction and FP8 storage together give exactly what they should: the served log-probs
     equal a dense reference that drops the evicted tokens and rounds K/V like the pool."""
@@ -211,7 +193,7 @@ def test_fp8_rkv_logits_match_a_dense_fp8_reference(servers, trace, tokenizer, d
 
     def error(fp8: str | None = "fp8_e4m3", evict: bool = True) -> float:
         ref = reference_logprobs(
-            demo_model_path, seq, events, evict=evict, attn_implementation=_fp8_attention(fp8)
+            demo_model_path, seq, events, evict=evict, attn_implementation=fp8_attention(fp8)
         )[rows, targets]
         return float((ref - served).abs().mean())
 

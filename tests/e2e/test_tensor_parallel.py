@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -38,22 +39,30 @@ def _kept_by_rank(trace: Path) -> dict[tuple[str, int], list[list]]:
     return out
 
 
-def _run(tmp_path: Path, faults: str) -> dict[str, list[tuple[list, list]]]:
-    """selection -> (rank 0's, rank 1's) kept positions of every compaction."""
+def _run(
+    tmp_path: Path, faults: str, selections: tuple[str, ...] = ("shared", "per-head")
+) -> dict[str, list[tuple[list, list]]]:
+    """selection -> (rank 0's, rank 1's) kept positions of every compaction. The requests run
+    concurrently (one batch: each rank compacts several requests in the same step)."""
     trace = tmp_path / f"trace-{faults or 'none'}.jsonl"
     env = {**ENV, "SGLKVC_TRACE": str(trace), "SGLKVC_FAILPOINTS": faults}
-    with ServerProcess.launch(CMD, env=env, timeout_s=400) as server:
-        for selection in ("shared", "per-head"):
-            for k, policy in enumerate(("rkv", "snapkv", "h2o", "kvcompress")):
-                r = server.post("/generate", json={
-                    "rid": f"tp-{selection}-{policy}",
-                    "input_ids": [(37 * i + k) % 1900 + 10 for i in range(160)],
-                    "sampling_params": {
-                        "max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True,
-                        "custom_params": {"sgl_kvc": {"policy": policy, "selection": selection}},
-                    },
-                })
-                assert r.status_code == 200, r.text[:300]
+
+    def one(server: ServerProcess, selection: str, k: int, policy: str) -> None:
+        r = server.post("/generate", json={
+            "rid": f"tp-{selection}-{policy}",
+            "input_ids": [(37 * i + k) % 1900 + 10 for i in range(160)],
+            "sampling_params": {
+                "max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True,
+                "custom_params": {"sgl_kvc": {"policy": policy, "selection": selection}},
+            },
+        })
+        assert r.status_code == 200, r.text[:300]
+
+    with ServerProcess.launch(CMD, env=env, timeout_s=400) as server, ThreadPoolExecutor(8) as pool:
+        jobs = [pool.submit(one, server, selection, k, policy) for selection in selections
+                for k, policy in enumerate(("rkv", "snapkv", "h2o", "kvcompress"))]
+        for job in jobs:
+            job.result()
     kept = _kept_by_rank(trace)
     pairs: dict[str, list[tuple[list, list]]] = defaultdict(list)
     for (rid, rank), events in kept.items():
@@ -77,5 +86,5 @@ def test_ranks_keep_the_same_tokens_or_choose_per_head(tmp_path: Path) -> None:
 
 
 def test_without_the_all_reduce_ranks_diverge(tmp_path: Path) -> None:
-    shared = _run(tmp_path, "tp_local_scores")["shared"]
+    shared = _run(tmp_path, "tp_local_scores", selections=("shared",))["shared"]
     assert len(shared) >= 8 and any(a != b for a, b in shared)

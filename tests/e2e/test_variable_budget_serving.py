@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
 from kvc_reference import REASONING_PROMPT as PROMPT
 from kvc_reference import generate as _generate
-from kvc_reference import logprob_error, trace_events as _events
+from kvc_reference import fp8_attention, logprob_error, trace_events as _events
 from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -29,14 +30,25 @@ LAYERS, KV_HEADS = 2, 2  # the demo model
 
 
 @pytest.fixture(scope="module")
-def variable_server(trace: Path):
+def servers(trace: Path):
+    """Two servers started at once: the unit pool in the model's dtype (variable budgets), and
+    in FP8 (layer budgets)."""
     cmd = [
         sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv",
         "--kv-head-budget", "variable", "--kv-budget", str(BUDGET), "--kv-buffer", str(BUFFER),
         "--kv-window", str(WINDOW), "--kv-pass-work", "16",
     ]
-    with ServerProcess.launch(cmd, env={"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1"}) as server:
-        yield server
+    # the FP8 server also runs the layer mode (Ada-SnapKV: one sort per layer)
+    specs = {"bf16": cmd, "fp8": [*cmd, "--kv-cache-dtype", "fp8_e4m3", "--kv-head-budget", "layer"]}
+    env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1"}
+    with ExitStack() as stack, ThreadPoolExecutor(len(specs)) as pool:
+        futures = {name: pool.submit(stack.enter_context, ServerProcess.launch(c, env)) for name, c in specs.items()}
+        yield {name: f.result() for name, f in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def variable_server(servers):
+    return servers["bf16"]
 
 
 @pytest.mark.parametrize("policy", ["rkv", "snapkv", "kvcompress"])
@@ -67,7 +79,10 @@ def test_variable_budgets_match_the_dense_reference(variable_server, trace, demo
     assert error(logical=False) > 3 * max(err, 0.05)
 
 
-def test_concurrent_variable_requests_complete_and_free_everything(variable_server) -> None:
+@pytest.mark.parametrize("name", ["bf16", "fp8"])
+def test_concurrent_variable_requests_complete_and_free_everything(servers, name: str) -> None:
+    variable_server = servers[name]
+
     def one(i: int) -> int:
         r = variable_server.post(
             "/v1/completions",
@@ -82,4 +97,30 @@ def test_concurrent_variable_requests_complete_and_free_everything(variable_serv
     s = variable_server.wait_idle()
     assert s["pool"]["free_tokens"] + s["pool"]["cached_tokens"] == s["pool"]["total_tokens"]
     assert s["compression"]["decode_passes"] > 0 and s["compression"]["failed_requests"] == 0
-    assert s["head_budget"] == "variable"
+    assert s["head_budget"] == {"bf16": "variable", "fp8": "layer"}[name]
+    assert s["kv_cache_dtype"] == {"bf16": "bfloat16", "fp8": "fp8_e4m3"}[name]
+
+
+def test_fp8_layer_budgets_match_a_dense_fp8_reference(servers, trace, demo_model_path) -> None:
+    """FP8 storage and layer budgets together: every layer keeps budget x H_kv entries (plus the
+    tail in every head), heads of a layer differ; the packed units move as codes and scales,
+    so the served log-probs equal the dense reference that drops each head's evicted keys and
+    rounds K/V as the pool does."""
+    from transformers import AutoTokenizer
+
+    prompt_ids = AutoTokenizer.from_pretrained(demo_model_path)(PROMPT).input_ids
+    out = _generate(servers["fp8"], prompt_ids, 48)
+    events = _events(trace, out["meta_info"]["id"])
+    assert {e["moment"] for e in events} >= {"prefill", "decode"}
+    for e in events:
+        tail = e["physical_len"] - e["began_at"]
+        assert all(sum(len(h) for h in layer) == (BUDGET + tail) * KV_HEADS for layer in e["kept_positions"])
+    assert any(len({len(h) for h in layer}) > 1 for e in events for layer in e["kept_positions"])
+    error = logprob_error(demo_model_path, prompt_ids, out, events)
+    err = error(attn_implementation=fp8_attention("fp8_e4m3"))
+    plain = error()  # the same reference without FP8 rounding
+    print(f"fp8 rkv/layer: max |logprob error| {err:.4f}; without FP8 rounding {plain:.4f}; "
+          f"without eviction {error(evict=False):.3f}")
+    assert err < 0.15, f"served logprobs differ from the dense FP8 reference by {err}"
+    assert err < plain  # the served K/V are rounded as the reference rounds them (measured 0.06 vs 0.11)
+    assert error(evict=False, attn_implementation=fp8_attention("fp8_e4m3")) > 3 * max(err, 0.05)

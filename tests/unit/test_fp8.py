@@ -186,14 +186,16 @@ def test_bytes_per_token() -> None:
 
 
 # --- the SGLang pool (no server) ---------------------------------------------------------------
-def _pool(fp8: str, size: int = 64, device: str = "cpu"):
+def _pool(fp8: str, size: int = 64, device: str = "cpu", units: bool = False):
+    """The FP8 pool of `fp8`; `units`: its unit layout (`--kv-head-budget variable`)."""
     pytest.importorskip("sglang")
     from sgl_kvc.compat import standins
 
     standins.install()
     from sgl_kvc.adapter.fp8_pool import fp8_pool_class
+    from sgl_kvc.adapter.unit_pool import KvcFp8UnitTokenToKVPool
 
-    cls = fp8_pool_class(fp8)
+    cls = fp8_pool_class(fp8, base=KvcFp8UnitTokenToKVPool if units else None)
     return cls(size, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=32, v_head_dim=32,
                layer_num=2, device=device, enable_memory_saver=False, start_layer=0, end_layer=1,
                enable_alt_stream=False, enable_kv_cache_copy=False)
@@ -204,9 +206,10 @@ class _Layer:
         self.layer_id = layer_id
 
 
+@pytest.mark.parametrize("units", [False, True], ids=["per-layer", "unit-layout"])
 @pytest.mark.parametrize("fp8", FORMATS)
-def test_pool_stores_fp8_and_reads_dequantized_rows(fp8: str) -> None:
-    pool = _pool(fp8)
+def test_pool_stores_fp8_and_reads_dequantized_rows(fp8: str, units: bool) -> None:
+    pool = _pool(fp8, units=units)
     from sgl_kvc.adapter.compaction import copy_slots
     from sgl_kvc.adapter.fp8_pool import pool_bytes
 
@@ -237,6 +240,62 @@ def test_pool_stores_fp8_and_reads_dequantized_rows(fp8: str) -> None:
     pool.set_kv_buffer(_Layer(1), loc, torch.zeros_like(k).reshape(5, -1), torch.zeros_like(v).reshape(5, -1))
     pool.load_cpu_copy(saved, loc)
     assert torch.equal(pool.get_key_buffer(1)[loc[:2]], before)
+
+
+def test_fp8_unit_pool_units_are_the_layers_rows_and_move_exactly() -> None:
+    """The FP8 unit layout (`--kv-head-budget variable --kv-cache-dtype fp8_*`): unit
+    (t x L + l) x H + h of the flat pool is slot t of layer l, head h (codes and scale); a
+    variable compaction moves codes and scales as they are, and per-head decode reads them."""
+    from types import SimpleNamespace
+
+    from fakes import FakeAllocator
+    from sgl_kvc.adapter.compaction import compact_requests_units
+    from sgl_kvc.adapter.state import RequestTables, unit_index
+    from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode
+    from sgl_kvc.policies import select_from_scores
+
+    pool = _pool("fp8_e4m3", units=True)
+    layers, heads, n = 2, 2, 10
+    allocator = FakeAllocator(64, seed=4)
+    slots = allocator.alloc(n)
+    for layer in range(layers):
+        k = outlier_rows(n, heads, 32, seed=10 + layer).to(torch.bfloat16)
+        pool.set_kv_buffer(_Layer(layer), slots, k.reshape(n, -1), (k * 0.5).reshape(n, -1))
+    k_units, v_units = pool.unit_buffers()
+    units = unit_index(slots, layers, heads)  # [L, H, n]
+    for layer in range(layers):
+        per_layer = pool.get_key_buffer(layer)[slots]  # [n, H, d]
+        assert torch.equal(k_units[units[layer]], per_layer.transpose(0, 1))
+        assert torch.equal(k_units.scales[units[layer]], pool.k_scale_buffer[layer][slots].T)
+
+    r2t = torch.zeros(1, 32, dtype=torch.int32)
+    r2t[0, :n] = slots.to(torch.int32)
+    batch = SimpleNamespace(
+        reqs=[SimpleNamespace(kv=SimpleNamespace(req_pool_idx=0, cache_protected_len=0))],
+        seq_lens_cpu=torch.tensor([n]), tree_cache=None,
+        req_to_token_pool=SimpleNamespace(req_to_token=r2t), token_to_kv_pool_allocator=allocator,
+    )
+    tables = RequestTables.natural(slots, torch.arange(n), layers, heads)
+    scores = torch.rand(layers, heads, n, generator=torch.Generator().manual_seed(0))
+    selection = select_from_scores(scores, torch.zeros(scores.shape, dtype=torch.bool), 3,
+                                   lengths=tables.lens, mode="variable")
+    kept = [[tables.units[l, h, selection.kept(l, h)] for h in range(heads)] for l in range(layers)]
+    want = [[(k_units.codes[u].clone(), k_units.scales[u].clone(), v_units.codes[u].clone()) for u in row]
+            for row in kept]
+    [outcome] = compact_requests_units(batch, [(0, selection, tables.units)], pool.unit_buffers())
+    q = torch.randn(1, 2 * heads, 32)
+    for l in range(layers):
+        for h in range(heads):
+            moved = outcome.units[l, h, : int(selection.lengths[l, h])]
+            assert torch.equal(k_units.codes[moved], want[l][h][0])  # no re-quantization
+            assert torch.equal(k_units.scales[moved], want[l][h][1])
+            assert torch.equal(v_units.codes[moved], want[l][h][2])
+        out = per_head_decode(q, k_units, v_units, HeadTables(outcome.units[l][None], selection.lengths[l][None]))
+        for h in range(heads):
+            moved = outcome.units[l, h, : int(selection.lengths[l, h])]
+            keys, values = k_units[moved].float(), v_units[moved].float()
+            probs = torch.softmax(q[0, 2 * h : 2 * h + 2] @ keys.T / 32**0.5, dim=-1)
+            assert torch.allclose(out[0, 2 * h : 2 * h + 2], probs @ values, atol=1e-5)
 
 
 def test_torch_native_attention_reads_the_pool_like_a_tensor() -> None:

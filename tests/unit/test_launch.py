@@ -151,7 +151,6 @@ def test_flag_defaults_come_from_policy_params() -> None:
         (["--policy", "rkv", "--kv-head-budget", "variable", "--kv-selection", "shared"], "--kv-selection per-head"),
         (["--policy", "rkv", "--kv-head-budget", "variable", "--kv-decode-attention", "sglang"],
          "--kv-decode-attention batched"),
-        (["--policy", "rkv", "--kv-head-budget", "variable", "--kv-cache-dtype", "fp8_e4m3"], "not implemented"),
         (["--policy", "rkv", "--kv-head-budget", "variable", "--attention-backend", "flashinfer"], "torch_native"),
     ],
 )

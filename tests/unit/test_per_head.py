@@ -411,7 +411,7 @@ def test_per_head_differs_from_shared_selection_on_random_data(name: str) -> Non
 def test_identical_heads_give_the_shared_selection(name: str) -> None:
     policy, views = policy_and_views(name, seed=6, identical_heads=True)
     shared = HeadSelection.broadcast(policy.select(views, BUDGET), LAYERS, 3, views[0].n)
-    for mode in ("uniform", "variable"):
+    for mode in ("uniform", "variable", "layer"):
         sel = select_per_head(policy, views, BUDGET, mode=mode)
         assert torch.equal(sel.mask(), shared.mask()), mode
         assert torch.equal(sel.indices, shared.indices), mode
@@ -422,14 +422,14 @@ def test_protected_overflow_keeps_newest_like_select() -> None:
     policy = get_policy("snapkv", p)
     views = make_views(7, 20, 2, 2, 8)
     shared = policy.select(views, 4)
-    for mode in ("uniform", "variable"):
+    for mode in ("uniform", "variable", "layer"):
         sel = select_per_head(policy, views, 4, mode=mode)
         assert torch.equal(sel.mask(), HeadSelection.broadcast(shared, LAYERS, 2, 20).mask())
 
 
 def test_short_cache_keeps_everything() -> None:
     policy, views = policy_and_views("snapkv", seed=8, n=10)
-    for mode in ("uniform", "variable"):
+    for mode in ("uniform", "variable", "layer"):
         sel = select_per_head(policy, views, BUDGET, mode=mode)
         assert sel.total == 10 * LAYERS * 3 and sel.mask().all()
 
@@ -465,7 +465,7 @@ def test_gather_and_carry_stats_per_head() -> None:
     assert carry_stats_per_head(snap, views, sel) == [None, None]
 
 
-@pytest.mark.parametrize("mode", ["uniform", "variable"])
+@pytest.mark.parametrize("mode", ["uniform", "variable", "layer"])
 def test_ragged_tables_never_keep_padding(mode: str) -> None:
     """After a first per-head compaction heads hold different lengths: selection over padded
     [L, H, N] scores must ignore the padding whatever it contains, and equal the selection over
@@ -512,6 +512,30 @@ def test_ragged_variable_small_heads_lend_their_budget() -> None:
         scores, protected, 6, lengths=torch.tensor([[10, 2]]), mode="variable"
     )
     assert sel.lengths.tolist() == [[10, 2]]  # total min(6 x 2, 12) = 12
+
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    layers=st.integers(1, 4), heads=st.integers(1, 4), n=st.integers(1, 24), budget=st.integers(1, 8),
+    floor=st.integers(1, 8), seed=st.integers(0, 10_000),
+)
+def test_layer_mode_is_the_variable_sort_of_each_layer_alone(layers, heads, n, budget, floor, seed) -> None:
+    """Ada-SnapKV (`mode="layer"`): layer l keeps min(budget x H, its entries), chosen as the
+    variable mode chooses for a request of that one layer; ties, floors and protection alike."""
+    floor = min(floor, budget)
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 5, (layers, heads, n), generator=g).float()  # ties on purpose
+    protected = torch.rand(layers, heads, n, generator=g) < 0.2
+    lengths = torch.randint(0, n + 1, (layers, heads), generator=g)
+    sel = select_from_scores(scores, protected, budget, lengths=lengths, mode="layer", min_per_head=floor)
+    for layer in range(layers):
+        alone = select_from_scores(scores[layer : layer + 1], protected[layer : layer + 1], budget,
+                                   lengths=lengths[layer : layer + 1], mode="variable", min_per_head=floor)
+        assert torch.equal(sel.lengths[layer], alone.lengths[0])
+        assert int(sel.lengths[layer].sum()) == min(budget * heads, int(lengths[layer].sum()))
+        for h in range(heads):
+            assert torch.equal(sel.kept(layer, h), alone.kept(0, h))
 
 
 # ==================================================================================================

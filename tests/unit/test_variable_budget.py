@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from fakes import FakeAllocator
 
 from sgl_kvc.adapter.compaction import compact_requests_units
-from sgl_kvc.adapter.state import KvcStore, ReqKvState, unit_index
+from sgl_kvc.adapter.state import DecodeStep, KvcStore, ReqKvState, unit_index
 from sgl_kvc.policies import get_policy, select_from_scores
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -116,6 +116,54 @@ def test_variable_compactions_pack_every_heads_kept_entries(n, budget, layers, h
         assert torch.equal(grown.positions.gather(-1, cols), logical.expand(layers, heads, tail))
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 12), st.integers(0, 6)), min_size=1, max_size=6),
+    layers=st.integers(1, 3), heads=st.integers(1, 3), token_elems=st.sampled_from([1, 1 << 20]),
+    seed=st.integers(0, 10_000),
+)
+def test_decode_step_tables_are_each_requests_own(rows, layers, heads, token_elems, seed) -> None:
+    """The decode plan builds a block's per-head tables at once (`_unit_block`); for every
+    request (packed, unpacked, or with no state) they equal what `ReqKvState.tables` gives it
+    alone, in every block size (`token_elems` of 2^20 puts each request in its own block)."""
+    g = torch.Generator().manual_seed(seed)
+    r2t = torch.randint(1, 500, (len(rows), 64), generator=g, dtype=torch.int32)
+    states: dict[int, ReqKvState] = {}
+    lens = []
+    for row, (kind, k, tail) in enumerate(rows):
+        if kind == 0:  # no sgl-kvc state: every head reads the whole row
+            lens.append(k + tail)
+            continue
+        state = ReqKvState(policy=get_policy("snapkv"), budget=k)
+        if kind == 2:  # packed into its first `packed` slots
+            state.unit_lens = torch.randint(0, k + 1, (layers, heads), generator=g)
+            state.unit_lens.view(-1)[0] = k  # the widest head fills the packed table
+            state.units = torch.randint(0, 9999, (layers, heads, k), generator=g)
+            state.units *= torch.arange(k) < state.unit_lens[..., None]
+            state.kept_positions = torch.zeros(layers, heads, k, dtype=torch.int64)
+            state.packed = math.ceil(int(state.unit_lens.sum()) / (layers * heads))
+            lens.append(state.packed + tail)
+        else:
+            lens.append(k + tail)
+        states[row] = state
+    step = DecodeStep.build(list(range(len(rows))), lens, states, r2t, token_elems, True, units=(layers, heads))
+    seen = []
+    for block in step.blocks:
+        assert block.slots is None and block.pad is None
+        for j, i in enumerate(block.index.tolist()):
+            seen.append(i)
+            slots = r2t[i, : lens[i]]
+            want = (states[i].tables(slots, layers, heads) if i in states
+                    else ReqKvState(policy=get_policy("snapkv"), budget=1).tables(slots, layers, heads))
+            got_lens = block.lens[:, j]
+            assert torch.equal(got_lens, want.lens)
+            w = want.width
+            assert w <= block.units.shape[-1]
+            cols = torch.arange(w) < got_lens[..., None]
+            assert torch.equal(block.units[:, j, :, :w] * cols, want.units * cols)
+    assert sorted(seen) == list(range(len(rows)))
+
+
 def test_unit_index_is_the_flat_view_of_the_per_layer_buffers() -> None:
     pool = UnitPool(10, 3, 2, 0)
     slots = torch.tensor([7, 2, 5])
@@ -161,3 +209,46 @@ def test_decode_reads_packed_requests_through_their_tables() -> None:
                 if row == 0:  # H2O: attention summed over the query group (eq. 2)
                     stat = packed.stats[layer][h, : units.numel()]
                     assert torch.allclose(stat, probs.sum(0), atol=1e-5)
+
+
+class _RaisingPool(torch.Tensor):
+    """A unit buffer whose writes fail (a planted failure inside the batched move)."""
+
+    def __setitem__(self, key, value) -> None:
+        raise RuntimeError("planted failure inside the batched move")
+
+
+@pytest.mark.parametrize("where", ["move", "tables"])
+def test_a_failed_variable_compaction_gives_back_the_slots_it_allocated(monkeypatch, where) -> None:
+    """A long prefix hit owns fewer slots than its packed entries need, so the compaction
+    allocates new ones first; a failure after that (in the batched move, or while its tables are
+    built) gives them back and leaves the request's row as it was."""
+    from sgl_kvc.adapter import compaction
+
+    layers, heads, n = 2, 2, 12
+    pool, allocator = UnitPool(64, layers, heads, 1), FakeAllocator(64, seed=1)
+    state = ReqKvState(policy=get_policy("snapkv"), budget=4)
+    batch = _batch(allocator, n, state)
+    batch.reqs[0].kv.cache_protected_len = n - 1  # owns one slot; 4 x L x H kept need 4
+    row = batch.req_to_token_pool.req_to_token[0, :n].clone()
+    tables = state.tables(row, layers, heads)
+    scores = torch.rand(layers, heads, n, generator=torch.Generator().manual_seed(2))
+    selection = select_from_scores(scores, torch.zeros(scores.shape, dtype=torch.bool), 4,
+                                   lengths=tables.lens, mode="variable")
+    k_units, v_units = pool.unit_buffers()
+    buffers = (k_units, v_units)
+    if where == "move":
+        buffers = (k_units.as_subclass(_RaisingPool), v_units)
+    else:
+        real = compaction._destinations
+
+        def short(*args):  # one destination short: the unit arithmetic fails after allocating
+            dest, evicted, copied = real(*args)
+            return dest[1:], evicted, copied
+
+        monkeypatch.setattr(compaction, "_destinations", short)
+    free_before = allocator.available_size()
+    with pytest.raises((RuntimeError, IndexError)):
+        compaction.compact_requests_units(batch, [(0, selection, tables.units)], buffers)
+    assert allocator.available_size() == free_before  # the new slots came back
+    assert torch.equal(batch.req_to_token_pool.req_to_token[0, :n], row) and batch.seq_lens_cpu.tolist() == [n]

@@ -1,0 +1,104 @@
+"""Decode attention over per-head tables on a GPU: the Triton kernel against the torch version,
+side by side in one run, plus the uniform-budget kernel (`decode_attention`, every head the same
+slots) at the same number of kept entries as the floor a per-head layout has to approach.
+
+    python -m benchmarks.per_head_kernel --tag h100
+
+Shapes are a Llama-3-8B layer (32 query heads, 8 KV heads, head dim 128, bf16): B requests,
+each (request, KV head) keeping a ragged number of units around N (variable budgets, uniform
+in [N/2, 3N/2]) gathered from anywhere in a flat unit pool. Reports the median time of a decode
+step of one layer (CUDA events), and the K/V bytes it reads per second. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import machine
+from sgl_kvc.kernels.decode_attention import decode_attention
+from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode
+from sgl_kvc.kernels.triton_per_head import triton_per_head_decode
+
+RESULTS = Path(__file__).parent / "results"
+H_Q, H_KV, D = 32, 8, 128
+
+
+def _time(fn, reps: int) -> float:
+    """Median milliseconds of `fn()` over `reps` runs (after warm-up), CUDA events."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def case(b: int, n: int, reps: int, seed: int = 0) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    lens = torch.randint(n // 2, n * 3 // 2 + 1, (b, H_KV), device=dev, generator=g)
+    width = int(lens.max())
+    slots_total = b * width + 1
+    units = slots_total * H_KV  # the flat unit pool ([slots, H_KV] units of one layer)
+    k_units = torch.randn(units, D, device=dev, dtype=torch.bfloat16, generator=g)
+    v_units = torch.randn(units, D, device=dev, dtype=torch.bfloat16, generator=g)
+    perm = torch.randperm(units - 1, device=dev, generator=g)[: b * H_KV * width] + 1
+    tables = HeadTables(perm.reshape(b, H_KV, width) * (torch.arange(width, device=dev) < lens[..., None]), lens)
+    q = torch.randn(b, H_Q, D, device=dev, dtype=torch.bfloat16, generator=g)
+
+    # uniform budget at the same total: every head keeps the mean count, one slot per token
+    n_uniform = int(lens.float().mean().round())
+    k_slots = k_units.view(-1, H_KV, D)
+    v_slots = v_units.view(-1, H_KV, D)
+    slots = torch.randperm(slots_total - 1, device=dev, generator=g)[: b * n_uniform].reshape(b, n_uniform) + 1
+    pad = torch.zeros(b, n_uniform, dtype=torch.bool, device=dev)
+
+    kv_bytes = int(lens.sum()) * 2 * D * 2  # K and V, bf16
+    out = {"batch": b, "mean_kept": n_uniform, "kv_mb": kv_bytes / 1e6}
+    for name, fn in {
+        "triton": lambda: triton_per_head_decode(q, k_units, v_units, tables),
+        "triton_probs": lambda: triton_per_head_decode(q, k_units, v_units, tables, return_probs=True),
+        "torch": lambda: per_head_decode(q, k_units, v_units, tables),
+        "uniform_torch": lambda: decode_attention(q, k_slots, v_slots, slots, pad, D**-0.5),
+    }.items():
+        ms = _time(fn, reps)
+        out[f"{name}_ms"] = round(ms, 4)
+        out[f"{name}_gbps"] = round(kv_bytes / ms / 1e6, 1)
+    ref = per_head_decode(q, k_units, v_units, tables).float()
+    out["max_abs_diff"] = float((triton_per_head_decode(q, k_units, v_units, tables).float() - ref).abs().max())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tag", default="gpu")
+    ap.add_argument("--batches", default="8,32,128")
+    ap.add_argument("--kept", default="256,1024,4096")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.per_head_kernel needs a CUDA GPU")
+    rows = [case(int(b), int(n), args.reps) for b in args.batches.split(",") for n in args.kept.split(",")]
+    result = {"machine": machine(), "shape": {"h_q": H_Q, "h_kv": H_KV, "d": D, "dtype": "bfloat16"}, "rows": rows}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"per-head-kernel-{args.tag}.json").write_text(json.dumps(result, indent=1) + "\n")
+    cols = ["batch", "mean_kept", "kv_mb", "triton_ms", "triton_gbps", "triton_probs_ms", "torch_ms",
+            "uniform_torch_ms", "max_abs_diff"]
+    lines = [f"Machine: {result['machine']}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    (RESULTS / f"per-head-kernel-{args.tag}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The Triton per-head decode kernel (`kernels/triton_per_head.py`, the CUDA path of
+`per_head_decode`) against the torch version, on ragged per-head tables, bf16 and FP8 unit
+pools, several splits per sequence, and the probabilities the statistics read.
+
+On a GPU it runs compiled. Without one it runs under Triton's interpreter: the CPU install has
+the `triton` package (xgrammar depends on it); where it is missing, this module is skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Without a GPU, tests/conftest.py switched Triton to its interpreter before anything imported it.
+triton = pytest.importorskip("triton", reason="needs the triton package (compiled on a GPU, interpreted on CPU)")
+if not torch.cuda.is_available() and not triton.knobs.runtime.interpret:
+    pytest.skip("triton was imported before conftest could select its interpreter", allow_module_level=True)
+
+from sgl_kvc.kernels.fp8 import Fp8Rows  # noqa: E402
+from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode  # noqa: E402
+from sgl_kvc.kernels.triton_per_head import supports, triton_per_head_decode  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(b: int, h_kv: int, group: int, d: int, n: int, seed: int, fp8: str | None):
+    g = torch.Generator().manual_seed(seed)
+    units = 4 * b * h_kv * n + 8
+    k = torch.randn(units, d, generator=g) * 2
+    v = torch.randn(units, d, generator=g)
+    if fp8 is None:
+        k_pool, v_pool = k.to(torch.bfloat16).to(DEVICE), v.to(torch.bfloat16).to(DEVICE)
+    else:
+        k_pool = Fp8Rows.empty(units, 1, d, fp8=fp8, dtype=torch.bfloat16, device=DEVICE)
+        v_pool = Fp8Rows.empty(units, 1, d, fp8=fp8, dtype=torch.bfloat16, device=DEVICE)
+        k_pool[torch.arange(units)] = k[:, None].to(DEVICE)
+        v_pool[torch.arange(units)] = v[:, None].to(DEVICE)
+        # the flat unit view the FP8 unit pool gives: codes [U, d], scales [U]
+        k_pool = Fp8Rows(k_pool.codes[:, 0], k_pool.scales[:, 0], fp8, k_pool.scale_format, torch.bfloat16)
+        v_pool = Fp8Rows(v_pool.codes[:, 0], v_pool.scales[:, 0], fp8, v_pool.scale_format, torch.bfloat16)
+    lens = torch.randint(0, n + 1, (b, h_kv), generator=g)
+    lens.view(-1)[0] = n  # the widest head fills the table
+    slots = torch.stack([torch.randperm(units, generator=g)[:n] for _ in range(b * h_kv)]).reshape(b, h_kv, n)
+    slots *= torch.arange(n) < lens[..., None]  # padding reads unit 0
+    q = torch.randn(b, h_kv * group, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    return q, k_pool, v_pool, HeadTables(slots.to(DEVICE), lens.to(DEVICE))
+
+
+@pytest.mark.parametrize(
+    "b, h_kv, group, d, n, fp8",
+    [
+        (3, 2, 2, 16, 40, None),  # several splits of 16 columns, ragged heads
+        (2, 3, 3, 32, 23, None),  # a group that is not a power of two (SmolLM2: 9 / 3)
+        (1, 1, 1, 16, 5, None),
+        (2, 2, 4, 16, 33, "fp8_e4m3"),
+        (2, 1, 2, 16, 17, "fp8_e5m2"),
+    ],
+)
+def test_triton_decode_matches_the_torch_version(b, h_kv, group, d, n, fp8) -> None:
+    q, k_pool, v_pool, tables = _case(b, h_kv, group, d, n, seed=b * 100 + n, fp8=fp8)
+    want, want_probs = per_head_decode(q, k_pool, v_pool, tables, 0.3, return_probs=True)
+    got, probs = triton_per_head_decode(q, k_pool, v_pool, tables, 0.3, return_probs=True, split_n=16, block_n=8)
+    assert got.dtype == q.dtype and got.shape == want.shape
+    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)  # bf16 outputs
+    # float32 on both sides; from an FP8 pool the torch version reads keys rounded to bf16 (the
+    # model dtype `Fp8Rows` returns) while the kernel keeps code x scale in float32
+    assert torch.allclose(probs, want_probs, atol=1e-5, rtol=1e-5 if fp8 is None else 2e-2)
+    alone = triton_per_head_decode(q, k_pool, v_pool, tables, 0.3, split_n=16, block_n=8)
+    assert torch.equal(alone, got)
+
+
+def test_an_empty_head_reads_zeros_and_a_split_past_its_length_adds_nothing() -> None:
+    q, k_pool, v_pool, tables = _case(2, 2, 2, 16, 30, seed=7, fp8=None)
+    lens = tables.lengths.clone()
+    lens[1, 1] = 0
+    lens[0, 1] = 3  # one block of its first split; its other splits are empty
+    tables = HeadTables(tables.slots, lens)
+    got, probs = triton_per_head_decode(q, k_pool, v_pool, tables, None, return_probs=True, split_n=8, block_n=4)
+    want, want_probs = per_head_decode(q, k_pool, v_pool, tables, None, return_probs=True)
+    assert float(got[1, 2:].float().abs().max()) == 0.0 and float(probs[1, 1].abs().max()) == 0.0
+    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert torch.allclose(probs, want_probs, atol=1e-5)
+
+
+def test_supported_operands() -> None:
+    q, k_pool, v_pool, _ = _case(1, 1, 2, 16, 4, seed=1, fp8="fp8_e4m3")
+    assert supports(q, k_pool, v_pool)
+    e8m0 = Fp8Rows(k_pool.codes, k_pool.scales.to(torch.uint8), "fp8_e4m3", "e8m0", torch.bfloat16)
+    assert not supports(q, e8m0, v_pool)  # the torch version dequantizes e8m0 scales
+    odd = torch.zeros(8, 12)
+    assert not supports(torch.zeros(1, 2, 12), odd, odd)  # head dim 12: not a power of two
+
+
+@pytest.mark.gpu
+def test_fast_decode_runs_the_kernel_on_cuda(monkeypatch) -> None:
+    from sgl_kvc.kernels import per_head_attention, triton_per_head
+
+    calls = []
+    real = triton_per_head.triton_per_head_decode
+    monkeypatch.setattr(triton_per_head, "triton_per_head_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q, k_pool, v_pool, tables = _case(2, 2, 2, 64, 300, seed=3, fp8=None)
+    got = per_head_attention.fast_per_head_decode(q, k_pool, v_pool, tables)
+    assert calls and torch.allclose(got.float(), per_head_decode(q, k_pool, v_pool, tables).float(), atol=2e-2)
