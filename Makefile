@@ -37,8 +37,12 @@ endif
 serve: install
 	$(PY) -m sgl_kvc.launch $(ARGS)
 
+# Two pytest workers, one test file each at a time (module-scoped servers stay in one worker):
+# a server's start-up is mostly one busy core, so two overlap well on a 2-core machine.
+PYTEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV)
