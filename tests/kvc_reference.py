@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -35,6 +36,25 @@ def generate(server: ServerProcess, input_ids: list[int], n: int, **extra: Any) 
     )
     r.raise_for_status()
     return r.json()
+
+
+def complete_concurrently(
+    server: ServerProcess, count: int, max_tokens: int, extra: Callable[[int], dict] = lambda i: {}
+) -> list[int]:
+    """`count` `/v1/completions` at once (prompt i: "i: REASONING_PROMPT", ignore_eos, plus
+    `extra(i)` in the body); the completion tokens each got."""
+
+    def one(i: int) -> int:
+        r = server.post(
+            "/v1/completions",
+            json={"model": "m", "prompt": f"{i}: {REASONING_PROMPT}", "max_tokens": max_tokens,
+                  "ignore_eos": True, **extra(i)},
+        )
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(one, range(count)))
 
 
 def trace_events(trace: Path, rid: str) -> list[dict]:

@@ -10,14 +10,13 @@ reference shows that staging is exact.
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from kvc_reference import generate as _generate
 from kvc_reference import REASONING_PROMPT as PROMPT
-from kvc_reference import kept_count, logprob_error, trace_events as _events
+from kvc_reference import complete_concurrently, kept_count, logprob_error, trace_events as _events
 from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -152,16 +151,7 @@ def test_budget_above_length_gives_same_tokens_as_none(rkv_server, policy: str) 
 
 
 def test_concurrent_compressing_requests_complete_and_free_everything(rkv_server) -> None:
-    def one(i: int) -> int:
-        r = rkv_server.post(
-            "/v1/completions",
-            json={"model": "m", "prompt": f"{i}: {PROMPT}", "max_tokens": 80, "ignore_eos": True},
-        )
-        r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"]
-
-    with ThreadPoolExecutor(8) as pool:
-        assert list(pool.map(one, range(8))) == [80] * 8
+    assert complete_concurrently(rkv_server, 8, 80) == [80] * 8
     s = rkv_server.wait_idle()
     assert s["pool"]["free_tokens"] + s["pool"]["cached_tokens"] == s["pool"]["total_tokens"]
     assert s["compression"]["decode_passes"] > 0

@@ -20,7 +20,7 @@ import pytest
 
 from kvc_reference import REASONING_PROMPT as PROMPT
 from kvc_reference import generate as _generate
-from kvc_reference import fp8_attention, logprob_error, trace_events as _events
+from kvc_reference import complete_concurrently, fp8_attention, logprob_error, trace_events as _events
 from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -82,18 +82,9 @@ def test_variable_budgets_match_the_dense_reference(variable_server, trace, demo
 @pytest.mark.parametrize("name", ["bf16", "fp8"])
 def test_concurrent_variable_requests_complete_and_free_everything(servers, name: str) -> None:
     variable_server = servers[name]
-
-    def one(i: int) -> int:
-        r = variable_server.post(
-            "/v1/completions",
-            json={"model": "m", "prompt": f"{i}: {PROMPT}", "max_tokens": 80, "ignore_eos": True,
-                  "kv_compression": {"policy": ["rkv", "h2o", "kvcompress", "streamingllm"][i % 4]}},
-        )
-        r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"]
-
-    with ThreadPoolExecutor(8) as pool:
-        assert list(pool.map(one, range(8))) == [80] * 8
+    policies = ["rkv", "h2o", "kvcompress", "streamingllm"]
+    counts = complete_concurrently(variable_server, 8, 80, lambda i: {"kv_compression": {"policy": policies[i % 4]}})
+    assert counts == [80] * 8
     s = variable_server.wait_idle()
     assert s["pool"]["free_tokens"] + s["pool"]["cached_tokens"] == s["pool"]["total_tokens"]
     assert s["compression"]["decode_passes"] > 0 and s["compression"]["failed_requests"] == 0
