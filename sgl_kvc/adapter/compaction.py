@@ -23,7 +23,7 @@ finish SGLang inserts nothing of it into the tree (its row no longer matches its
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -94,19 +94,40 @@ def compact_requests_per_head(
     and one call frees every evicted slot. Per item: its result, or the exception that left that
     request unchanged (`CompactionSkipped`: no free slot to privatise a long prefix hit)."""
     allocator = batch.token_to_kv_pool_allocator
+
+    def plan(item: tuple[int, HeadSelection]) -> tuple[_PerHeadPlan, CompactionResult]:
+        i, selection = item
+        p = _plan_per_head(batch, i, selection)
+        return p, CompactionResult(selection.max_keep, int(p.evicted.numel()), p.copied)
+
+    def move(plans: list[_PerHeadPlan]) -> None:
+        move_units_many(allocator.get_kvcache(), [(p.row, p.indices, p.dest) for p in plans])
+
+    return _compact_many(batch, items, plan, move, other_batches)
+
+
+def _compact_many(
+    batch: Any, items: Sequence[Any], plan: Callable[[Any], tuple[Any, CompactionResult]],
+    move: Callable[[list[Any]], None], other_batches: tuple[Any, ...],
+) -> list[CompactionResult | Exception]:
+    """What the batched compactions share: `plan(item)` plans one request alone (its plan has
+    `i`, `dest`, `evicted`, `copied`) or raises `CompactionSkipped` / `ValueError` for it alone;
+    `move(plans)` moves every planned request's kept entries at once; then one call frees every
+    evicted slot, the rows are rewritten and the invariants checked once."""
+    allocator = batch.token_to_kv_pool_allocator
     outcomes: list[CompactionResult | Exception] = []
-    plans: list[_PerHeadPlan] = []
+    plans: list[Any] = []
     try:
-        for i, selection in items:
+        for item in items:
             try:
-                plan = _plan_per_head(batch, i, selection)
-                plans.append(plan)
-                outcomes.append(CompactionResult(selection.max_keep, int(plan.evicted.numel()), plan.copied))
+                p, result = plan(item)
+                plans.append(p)
+                outcomes.append(result)
             except (CompactionSkipped, ValueError) as e:
                 outcomes.append(e)
         if not plans:
             return outcomes
-        move_units_many(allocator.get_kvcache(), [(p.row, p.indices, p.dest) for p in plans])
+        move(plans)
     except BaseException:
         # No request was changed yet: give back the slots allocated for long prefix hits,
         # which no row references (the requests keep their rows and are aborted by the caller).
@@ -163,51 +184,47 @@ def compact_requests_units(
     every other slot it owns is freed. Per item: its result (with the new tables) or the
     exception that left it unchanged."""
     allocator = batch.token_to_kv_pool_allocator
-    outcomes: list[CompactionResult | Exception] = []
-    plans: list[tuple[int, Tensor, Tensor, Tensor, Tensor, int]] = []  # i, src, dst, dest, evicted, copied
-    try:
-        for i, selection, units in items:
-            try:
-                num_layers, num_heads = selection.num_layers, selection.num_heads
-                per_slot = num_layers * num_heads
-                g = -(-selection.total // per_slot)
-                if units.shape[-1] != selection.n:
-                    raise ValueError(f"a selection over {selection.n} columns for tables of {units.shape[-1]}")
-                valid = selection.valid()
-                src = units.gather(-1, torch.where(valid, selection.indices, 0))[valid]
-                rel = torch.arange(src.numel())  # kept entry e goes to unit e of the packed slots
-                table = torch.zeros_like(selection.indices)
-                dest, evicted, copied = _destinations(batch, i, g)  # last: it may allocate
-                try:
-                    dst = dest[rel // per_slot] * per_slot + rel % per_slot
-                    table[valid] = dst  # (layer, head, column) order, as src
-                except BaseException:
-                    if copied:  # not in `plans` yet: give its new slots back here
-                        allocator.free(dest[dest.numel() - copied :])
-                    raise
-                plans.append((i, src, dst, dest, evicted, copied))
-                outcomes.append(CompactionResult(g, int(evicted.numel()), copied, units=table))
-            except (CompactionSkipped, ValueError) as e:
-                outcomes.append(e)
-        if not plans:
-            return outcomes
-        src = torch.cat([p[1] for p in plans])
-        dst = torch.cat([p[2] for p in plans])
+
+    def plan(item: tuple[int, HeadSelection, Tensor]) -> tuple[_UnitPlan, CompactionResult]:
+        i, selection, units = item
+        num_layers, num_heads = selection.num_layers, selection.num_heads
+        per_slot = num_layers * num_heads
+        g = -(-selection.total // per_slot)
+        if units.shape[-1] != selection.n:
+            raise ValueError(f"a selection over {selection.n} columns for tables of {units.shape[-1]}")
+        valid = selection.valid()
+        src = units.gather(-1, torch.where(valid, selection.indices, 0))[valid]
+        rel = torch.arange(src.numel())  # kept entry e goes to unit e of the packed slots
+        table = torch.zeros_like(selection.indices)
+        dest, evicted, copied = _destinations(batch, i, g)  # last: it may allocate
+        try:
+            dst = dest[rel // per_slot] * per_slot + rel % per_slot
+            table[valid] = dst  # (layer, head, column) order, as src
+        except BaseException:
+            if copied:  # not planned yet: give its new slots back here
+                allocator.free(dest[dest.numel() - copied :])
+            raise
+        return _UnitPlan(i, src, dst, dest, evicted, copied), CompactionResult(
+            g, int(evicted.numel()), copied, units=table
+        )
+
+    def move(plans: list[_UnitPlan]) -> None:
+        src = torch.cat([p.src for p in plans])
+        dst = torch.cat([p.dst for p in plans])
         for buf in unit_pools:
             buf[dst] = buf[src]  # the gather completes before the scatter
-    except BaseException:
-        for p in plans:  # nothing was changed yet: give back slots allocated for prefix hits
-            if p[5]:
-                allocator.free(p[3][p[3].numel() - p[5] :])
-        raise
-    freed = _free(allocator, torch.cat([p[4] for p in plans]))
-    for i, _, _, dest, _, _ in plans:
-        _finish(batch, i, dest)
-    if invariants.enabled():
-        invariants.check_after_compaction(
-            [batch, *other_batches], [batch.reqs[p[0]] for p in plans], freed
-        )
-    return outcomes
+
+    return _compact_many(batch, items, plan, move, other_batches)
+
+
+@dataclass(frozen=True)
+class _UnitPlan:
+    i: int
+    src: Tensor  # units the kept entries are read from, in (layer, head, column) order
+    dst: Tensor  # units they are written to
+    dest: Tensor  # the packed slots
+    evicted: Tensor  # owned slots given back
+    copied: int  # slots newly allocated (a long prefix hit)
 
 
 def _destinations(batch: Any, i: int, g: int) -> tuple[Tensor, Tensor, int]:
