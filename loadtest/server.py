@@ -105,7 +105,10 @@ class ServerProcess:
         timeout_s: float = START_TIMEOUT_S,
     ) -> Iterator["ServerProcess"]:
         """Run `cmd --host 127.0.0.1 --port <free port>`; stop it (and its children) on exit.
-        A port taken before the server bound it is retried on another port."""
+        A port taken before the server bound it is retried on another port.
+
+        Without `log_path` the output goes to a temporary file, removed once the server has
+        stopped; a server that fails to start keeps it (the error names it)."""
         for attempt in range(PORT_ATTEMPTS):
             server = cls._start(cmd, env, log_path)
             try:
@@ -114,6 +117,8 @@ class ServerProcess:
                 server.stop()
                 if attempt + 1 == PORT_ATTEMPTS:
                     raise
+                if log_path is None:
+                    server.log_path.unlink(missing_ok=True)
                 continue
             except BaseException:
                 server.stop()
@@ -123,6 +128,8 @@ class ServerProcess:
             yield server
         finally:
             server.stop()
+            if log_path is None:
+                server.log_path.unlink(missing_ok=True)
 
     @classmethod
     def _start(cls, cmd: list[str], env: dict[str, str] | None, log_path: Path | None) -> "ServerProcess":

@@ -57,6 +57,13 @@ def complete_concurrently(
         return list(pool.map(one, range(count)))
 
 
+def assert_pool_whole(stats: dict) -> None:
+    """Nothing leaked: every pool slot is free or cached in the radix tree (``stats`` from
+    `/v1/kvc/stats`, taken when no request runs)."""
+    pool = stats["pool"]
+    assert pool["free_tokens"] + pool["cached_tokens"] == pool["total_tokens"], pool
+
+
 def trace_events(trace: Path, rid: str) -> list[dict]:
     lines = trace.read_text().splitlines() if trace.exists() else []
     return [e for e in map(json.loads, lines) if e["rid"] == rid]

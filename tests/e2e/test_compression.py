@@ -16,7 +16,7 @@ import pytest
 
 from kvc_reference import generate as _generate
 from kvc_reference import REASONING_PROMPT as PROMPT
-from kvc_reference import complete_concurrently, kept_count, logprob_error, trace_events as _events
+from kvc_reference import assert_pool_whole, complete_concurrently, kept_count, logprob_error, trace_events as _events
 from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -101,8 +101,7 @@ def test_shared_prefix_hits_while_compressing(rkv_server, demo_model_path) -> No
     assert after["prefix_cache"]["hit_tokens"] - mid["prefix_cache"]["hit_tokens"] == len(prompt) - WINDOW
     # Same prompt, same compression decisions: the cached prefix is exact, the answer identical.
     assert first["output_ids"] == second["output_ids"]
-    pool = after["pool"]
-    assert pool["free_tokens"] + pool["cached_tokens"] == pool["total_tokens"]
+    assert_pool_whole(after)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "avgattn"])
@@ -153,7 +152,7 @@ def test_budget_above_length_gives_same_tokens_as_none(rkv_server, policy: str) 
 def test_concurrent_compressing_requests_complete_and_free_everything(rkv_server) -> None:
     assert complete_concurrently(rkv_server, 8, 80) == [80] * 8
     s = rkv_server.wait_idle()
-    assert s["pool"]["free_tokens"] + s["pool"]["cached_tokens"] == s["pool"]["total_tokens"]
+    assert_pool_whole(s)
     assert s["compression"]["decode_passes"] > 0
 
 

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from kvc_reference import assert_pool_whole
 from loadtest import run
 from loadtest.metrics import (
     REQUEST_FIELDS,
@@ -149,9 +150,8 @@ def small_pool_server() -> Iterator[ServerProcess]:
 
 
 def _assert_pool_whole(stats: dict) -> None:
-    pool = stats["pool"]
     assert stats["requests"]["running"] == 0, stats
-    assert pool["free_tokens"] + pool["cached_tokens"] == pool["total_tokens"], pool
+    assert_pool_whole(stats)
 
 
 @pytest.mark.e2e

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvc_reference import assert_pool_whole
 from loadtest.server import ServerProcess
 from sgl_kvc.policies import available_policies
 
@@ -72,8 +73,7 @@ def test_long_prompt_every_policy(long_server: ServerProcess) -> None:
     # Every request was compressed after its prefill (its prompt is far over budget) ...
     assert stats["compression"]["prefill_passes"] - before >= len(POLICIES), stats["compression"]
     # ... and nothing is leaked: every slot is free or cached in the tree.
-    pool = stats["pool"]
-    assert pool["free_tokens"] + pool["cached_tokens"] == pool["total_tokens"], pool
+    assert_pool_whole(stats)
 
 
 def test_prompt_at_context_length(long_server: ServerProcess) -> None:
@@ -93,6 +93,5 @@ def test_long_prompts_concurrently(long_server: ServerProcess) -> None:
     with ThreadPoolExecutor(len(jobs)) as pool:
         outs = list(pool.map(lambda job: _complete(long_server, *job, max_tokens=48), jobs))
     assert [o["usage"]["completion_tokens"] for o in outs] == [48] * len(jobs)
-    pool_stats = long_server.wait_idle()["pool"]
-    assert pool_stats["free_tokens"] + pool_stats["cached_tokens"] == pool_stats["total_tokens"]
+    assert_pool_whole(long_server.wait_idle())
     assert long_server.get("/health").status_code == 200

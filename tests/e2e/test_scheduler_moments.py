@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvc_reference import assert_pool_whole
 from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -53,8 +54,7 @@ def test_compress_before_preempt_and_admit_by_footprint(preempt_server) -> None:
     assert c["retractions"] == 0, c
     # Plain SGLang would run POOL // (prompt + max_tokens) = 3 at a time.
     assert s["requests"]["max_running"] >= 6, s["requests"]
-    pool = s["pool"]
-    assert pool["free_tokens"] + pool["cached_tokens"] == pool["total_tokens"]
+    assert_pool_whole(s)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +81,7 @@ def test_requests_due_in_the_same_step_are_compacted_together(whole_pass_server)
     c = s["compression"]
     assert c["prefill_passes"] == N_REQ and c["max_compacted_together"] >= 2, c
     assert c["staged_passes"] == 0 and c["failed_requests"] == 0, c
-    pool = s["pool"]
-    assert pool["free_tokens"] + pool["cached_tokens"] == pool["total_tokens"]
+    assert_pool_whole(s)
 
 
 def test_prometheus_metrics(preempt_server) -> None:
@@ -131,5 +130,4 @@ def test_memory_a_compaction_frees_admits_waiting_requests(staged_server) -> Non
     assert s["compression"]["staged_passes"] >= 3, s["compression"]
     # Two prompts never fit together; a compressed request and a new prompt do.
     assert s["requests"]["max_running"] >= 2, s["requests"]
-    pool_stats = s["pool"]
-    assert pool_stats["free_tokens"] + pool_stats["cached_tokens"] == pool_stats["total_tokens"]
+    assert_pool_whole(s)

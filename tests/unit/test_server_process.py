@@ -1,4 +1,5 @@
-"""`ServerProcess.launch` retries a port that was taken before the server bound it.
+"""`ServerProcess.launch` retries a port that was taken before the server bound it, and removes
+the temporary log it made once the server has stopped.
 
 Seen in CI: three servers started together, one SGLang's internal ports landed on the HTTP port
 chosen for another; uvicorn logged the bind error and the process lingered, so the fixture
@@ -42,7 +43,16 @@ def _cmd(tmp_path: Path, fail: int) -> list[str]:
 def test_a_taken_port_is_retried_on_another(tmp_path: Path) -> None:
     with ServerProcess.launch(_cmd(tmp_path, fail=1), timeout_s=30) as server:
         assert requests.get(server.url + "/health", timeout=5).status_code == 200
+        log = server.log_path
+        assert log.exists()
     assert (tmp_path / "starts").read_text() == "2"
+    assert not log.exists()  # the temporary log goes with the server (one per e2e server leaked)
+
+
+def test_a_log_path_given_is_kept(tmp_path: Path) -> None:
+    with ServerProcess.launch(_cmd(tmp_path, fail=0), log_path=tmp_path / "s.log", timeout_s=30):
+        pass
+    assert (tmp_path / "s.log").exists()
 
 
 def test_gives_up_after_the_last_attempt(tmp_path: Path) -> None:
