@@ -83,6 +83,9 @@ class DecodeBlock:
     # (and `slots` / `pad` are None):
     units: Tensor | None = None  # [L, b, H_kv, N] int64, unit of entry j of each (layer, head)
     lens: Tensor | None = None  # [L, b, H_kv] entries of each (layer, head)
+    # Per layer, its widest head in the block (CPU only: read without a device sync). Budgets
+    # differ between layers, so the padded torch kernel reads each layer only that wide.
+    widths: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -145,8 +148,11 @@ class DecodeStep:
                     [states.get(rows[i]) for i in members], b_rows, [row_lens[i] for i in members],
                     req_to_token, n_max, *units,
                 )
+                widths = None
+                if block_lens.device.type == "cpu":  # on CUDA the Triton kernel walks each head's length
+                    widths = tuple(max(1, w) for w in block_lens.amax(dim=(1, 2)).tolist())
                 blocks.append(DecodeBlock(index=index, slots=None, pad=None, groups=groups,
-                                          units=block_units, lens=block_lens))
+                                          units=block_units, lens=block_lens, widths=widths))
                 continue
             b_lens = torch.tensor([lens[i] for i in members], dtype=torch.int64)
             pad = torch.arange(n_max)[None, :] >= b_lens[:, None]
@@ -435,9 +441,14 @@ class KvcStore:
         for block in step.blocks:
             if block.units is not None:  # per-head tables over the unit pool
                 local = layer - self.first_layer
-                tables = HeadTables(slots=block.units[local], lengths=block.lens[local])
+                units, width = block.units[local], block.units.shape[-1]
+                if block.widths is not None:
+                    units = units[..., : block.widths[local]]
+                tables = HeadTables(slots=units, lengths=block.lens[local])
                 k_units, v_units = self.unit_pools
                 o, probs = fast_per_head_decode(q[block.index], k_units, v_units, tables, scale, return_probs=True)
+                if block.groups and probs.shape[-1] < width:  # statistics columns span the block
+                    probs = torch.nn.functional.pad(probs, (0, width - probs.shape[-1]))
             else:
                 o, probs = decode_attention(q[block.index], k_cache, v_cache, block.slots, block.pad, scale)
             out[block.index] = o

@@ -185,8 +185,8 @@ def test_decode_reads_packed_requests_through_their_tables() -> None:
     g = packed.packed
     r2t = batch.req_to_token_pool.req_to_token
     r2t[0, g : g + 3] = allocator.alloc(3).to(torch.int32)  # three tokens decoded since
-    r2t[1, :9] = allocator.alloc(9).to(torch.int32)  # an unpacked request of 9 entries
-    lens = [g + 3, 9]
+    r2t[1, :3] = allocator.alloc(3).to(torch.int32)  # an unpacked request of 3 entries
+    lens = [g + 3, 3]
     store = KvcStore(layers, 4, r2t, pool)
     assert store.unit_layout == (layers, heads)
     store.attends = True
@@ -194,6 +194,9 @@ def test_decode_reads_packed_requests_through_their_tables() -> None:
     store.begin(1, ReqKvState(policy=get_policy("snapkv"), budget=4))
     packed.stats = [None] * layers
     store.begin_decode([0, 1], lens)
+    [block] = store.decode_step.blocks
+    # Layers differ in width: the torch kernel reads each only as wide as its widest head.
+    assert block.widths == (8, 7) and block.units.shape[-1] == 8
     q = torch.randn(2, heads * group, D, generator=torch.Generator().manual_seed(9))
     k_units, v_units = pool.unit_buffers()
     for layer in range(layers):
@@ -207,6 +210,7 @@ def test_decode_reads_packed_requests_through_their_tables() -> None:
                 probs = torch.softmax(q[b, h * group : (h + 1) * group] @ keys.T * 0.5, dim=-1)
                 assert torch.allclose(out[b, h * group : (h + 1) * group], probs @ values, atol=1e-5)
                 if row == 0:  # H2O: attention summed over the query group (eq. 2)
+                    assert packed.stats[layer].shape == (heads, tables.width)
                     stat = packed.stats[layer][h, : units.numel()]
                     assert torch.allclose(stat, probs.sum(0), atol=1e-5)
 
