@@ -191,6 +191,29 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
     return None
 
 
+def _native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); True if unknown."""
+    import torch
+
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # a torch without these probes: say nothing
+        return True
+
+
+def dtype_hint(device: str, dtype: str, native_bf16: bool) -> str | None:
+    """A start-up hint where the model will likely run in bfloat16 on a CPU that emulates it.
+
+    Measured on a 2-core AVX2 EPYC (benchmarks/results/eviction-session8-cpu-dtype.md): SmolLM2
+    in float32 pre-fills 5.4x faster and serves 1.8x the tokens/s. Not made the default: it
+    doubles the bytes of every KV entry, and it is SGLang's `--dtype` to choose."""
+    if device != "cpu" or dtype != "auto" or native_bf16:
+        return None
+    return ("sgl-kvc: this CPU has no native bfloat16 (AVX512-BF16 or AMX), so a bfloat16 model's "
+            "matrix products run several times slower than in float32; `--dtype float32` is "
+            "faster here, at twice the bytes per KV entry")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     config, rest = parse_args(argv)
@@ -227,6 +250,9 @@ def main(argv: list[str] | None = None) -> None:
         server_args.radix_cache_backend or "SGLang default",
         server_args.attention_backend,
     )
+    hint = dtype_hint(server_args.device, server_args.dtype, _native_bf16())
+    if hint:
+        logger.warning(hint)
     try:
         run_server(server_args)
     finally:

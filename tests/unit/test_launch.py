@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from sgl_kvc.config import KvcConfig
-from sgl_kvc.launch import CPU_DEFAULTS, GPU_DEFAULTS, build_sglang_argv, parse_args
+from sgl_kvc.launch import CPU_DEFAULTS, GPU_DEFAULTS, build_sglang_argv, dtype_hint, parse_args
 
 
 def _flag_value(argv: list[str], flag: str) -> str:
@@ -159,3 +159,14 @@ def test_bad_flag_values_are_usage_errors(argv: list[str], needle: str, capsys) 
         parse_args(argv)
     assert info.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_dtype_hint_only_where_bfloat16_is_emulated() -> None:
+    """A CPU without native bfloat16 and the model's own dtype: the start-up log suggests
+    float32 (5.4x faster pre-fill measured on AVX2); an explicit --dtype, a GPU or a CPU with
+    AVX512-BF16 / AMX get no hint."""
+    hint = dtype_hint("cpu", "auto", native_bf16=False)
+    assert hint is not None and "--dtype float32" in hint
+    assert dtype_hint("cpu", "bfloat16", native_bf16=False) is None
+    assert dtype_hint("cpu", "auto", native_bf16=True) is None
+    assert dtype_hint("cuda", "auto", native_bf16=False) is None
