@@ -24,6 +24,7 @@ import random
 import shlex
 import statistics
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import asdict, dataclass, field
@@ -122,13 +123,13 @@ async def drive(url: str, prompts: list[list[int]], output_len: int) -> tuple[li
         return results, time.perf_counter() - t0
 
 
-def run_config(name: str, flags: list[str], args: argparse.Namespace) -> ConfigResult:
+def run_config(name: str, flags: list[str], args: argparse.Namespace, log: Path | None = None) -> ConfigResult:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, 2000) for _ in range(args.input_len)] for _ in range(args.requests)]
     cmd = [sys.executable, "-m", "sgl_kvc.launch", "--max-total-tokens", str(args.max_total_tokens),
            *([] if "--model-path" in args.server_args else ["--model-path", "demo"]),
            *flags, *args.server_args]
-    with ServerProcess.launch(cmd) as server:
+    with ServerProcess.launch(cmd, log_path=log) as server:
         results, wall = asyncio.run(drive(server.url, prompts, args.output_len))
         stats = server.stats()
     ok = [r for r in results if isinstance(r, RequestResult)]
@@ -254,12 +255,14 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--rounds must be >= 1")
     args.server_args = shlex.split(args.server_args)
     args.out.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="eviction-logs-"))
+    print(f"== server logs: {logs}", flush=True)
     results = []
     for round_ in range(args.rounds):
         for text in args.configs:
             name, flags = parse_config(text, args.kv_budget)
             print(f"== round {round_ + 1}/{args.rounds} {name}: {' '.join(flags)}", flush=True)
-            result = run_config(name, flags, args)
+            result = run_config(name, flags, args, logs / f"{name}-round{round_ + 1}.log")
             result.round = round_
             results.append(result)
             print(markdown([result]), flush=True)
