@@ -123,7 +123,7 @@ async def drive(url: str, prompts: list[list[int]], output_len: int) -> tuple[li
         return results, time.perf_counter() - t0
 
 
-def run_config(name: str, flags: list[str], args: argparse.Namespace, log: Path | None = None) -> ConfigResult:
+def run_config(name: str, flags: list[str], args: argparse.Namespace, log: Path) -> ConfigResult:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, 2000) for _ in range(args.input_len)] for _ in range(args.requests)]
     cmd = [sys.executable, "-m", "sgl_kvc.launch", "--max-total-tokens", str(args.max_total_tokens),

@@ -132,8 +132,7 @@ def _compact_many(
         # No request was changed yet: give back the slots allocated for long prefix hits,
         # which no row references (the requests keep their rows and are aborted by the caller).
         for p in plans:
-            if p.copied:
-                allocator.free(p.dest[p.dest.numel() - p.copied :])
+            _give_back_copied(allocator, p.dest, p.copied)
         raise
     freed = _free(allocator, torch.cat([p.evicted for p in plans]))
     for p in plans:
@@ -201,8 +200,7 @@ def compact_requests_units(
             dst = dest[rel // per_slot] * per_slot + rel % per_slot
             table[valid] = dst  # (layer, head, column) order, as src
         except BaseException:
-            if copied:  # not planned yet: give its new slots back here
-                allocator.free(dest[dest.numel() - copied :])
+            _give_back_copied(allocator, dest, copied)  # not planned yet: here, not by the driver
             raise
         return _UnitPlan(i, src, dst, dest, evicted, copied), CompactionResult(
             g, int(evicted.numel()), copied, units=table
@@ -225,6 +223,13 @@ class _UnitPlan:
     dest: Tensor  # the packed slots
     evicted: Tensor  # owned slots given back
     copied: int  # slots newly allocated (a long prefix hit)
+
+
+def _give_back_copied(allocator: Any, dest: Tensor, copied: int) -> None:
+    """Free the `copied` slots `_destinations` newly allocated (the last of `dest`), for a
+    request whose compaction will not happen."""
+    if copied:
+        allocator.free(dest[dest.numel() - copied :])
 
 
 def _destinations(batch: Any, i: int, g: int) -> tuple[Tensor, Tensor, int]:
