@@ -12,7 +12,7 @@ after each call: the last `window` queries of every request and, for policies wi
 statistics (H2O, Batch-Max, KV-Compress), the softmax attention of new queries.
 
 Decode attention on the CPU backend (`torch_native`) is sgl-kvc's batched kernel
-(`sgl_kvc.kernels.decode_attention`) instead of SGLang's loop over requests, unless
+(`sgl_kvc.core.decode`) instead of SGLang's loop over requests, unless
 `--kv-decode-attention sglang`: it replaces only the backend's inner SDPA loop, so SGLang still
 writes the new token's KV, and it hands the attention it computed to the statistics. Other
 backends (FlashInfer on CUDA) keep their kernel; statistics are then computed beside it.
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from sgl_kvc.adapter.state import KvcStore
+from sgl_kvc.core.store import KvcStore
 
 logger = logging.getLogger(__name__)
 
@@ -125,9 +125,7 @@ def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any, atten
     store.record_decode(layer.layer_id, fb.req_pool_indices, q, pool_rows)
     step = store.decode_step  # set by the scheduler hook for this step: no host sync here
     if step is not None and step.has_stats and not attended:  # else the kernel fed them
-        store.accumulate_decode(
-            layer.layer_id, step, q, store.kv_pool.get_key_buffer(layer.layer_id), layer.scaling
-        )
+        step.accumulate(layer.layer_id, q, store.kv_pool.get_key_buffer(layer.layer_id), layer.scaling)
 
 
 def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> None:

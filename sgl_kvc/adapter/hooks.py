@@ -10,6 +10,7 @@
 | Scheduler.get_next_batch_to_run                 | after  | peak number of requests in flight      |
 | Scheduler._add_request_to_queue                 | around | validate per-request settings (400)    |
 | SchedulerInternalStateController.get_internal_state | after | `/v1/kvc/stats` snapshot          |
+| ReqToTokenPool.free_rows                        | after  | a released request's state is dropped  |
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Callable
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sgl_kvc.adapter.requests import reject_invalid, request_settings
+from sgl_kvc.adapter.compressor import STORE_ATTR
 from sgl_kvc.adapter.runtime import KvcRuntime, collect_stats, compressor_of, request_peak_tokens
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.policies import policy_class
@@ -31,6 +33,7 @@ _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 _REQ = "sglang.srt.managers.schedule_batch.Req"
+_REQ_TO_TOKEN = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
 _INTERNAL_STATE = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 )
@@ -82,6 +85,7 @@ def hook_table(config: KvcConfig) -> list[Hook]:
         # With --policy none nothing below may touch SGLang's per-step path.
         hooks += [
             (f"{_FORWARD_BATCH}.init_new", _after_forward_batch(config), HookType.AFTER),
+            (f"{_REQ_TO_TOKEN}.free_rows", _after_free_rows, HookType.AFTER),
             (f"{_SCHEDULER}.process_batch_result", _after_batch_result(config), HookType.AFTER),
             (f"{_REQ}._compute_max_prefix_len", _around_max_prefix(config), HookType.AROUND),
             (f"{_SCHEDULER}._add_request_to_queue", _around_add_to_queue, HookType.AROUND),
@@ -129,6 +133,16 @@ def _after_forward_batch(config: KvcConfig):
         return fb
 
     return hook
+
+
+def _after_free_rows(result: Any, pool: Any, indices: Any, *args: Any, **kwargs: Any) -> Any:
+    # Every finished, aborted or retracted request gives its row back here (SGLang's
+    # `release_kv_cache`): what sgl-kvc held for it goes at the same moment.
+    store = getattr(pool, STORE_ATTR, None)
+    if store is not None:
+        for row in indices:
+            store.release(int(row))
+    return result
 
 
 def _after_batch_result(config: KvcConfig):

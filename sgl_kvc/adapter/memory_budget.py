@@ -1,7 +1,7 @@
 """sgl-kvc's own buffers, sized inside the KV memory budget SGLang profiles.
 
 A compressing server keeps, besides SGLang's KV pool, two buffers that live as long as requests
-do (`adapter/state.py`):
+do (`sgl_kvc/core/store.py`):
 * the observation-window queries: `window` queries of every layer and query head per request
   (a ring buffer that grows to the peak number of requests in flight, at most SGLang's
   request slots);

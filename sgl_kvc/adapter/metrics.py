@@ -1,4 +1,5 @@
-"""Prometheus metrics of the compressor, exported when SGLang runs with `--enable-metrics`.
+"""What the compressor counts: `CompressionStats` (read by `/v1/kvc/stats`) and, when SGLang
+runs with `--enable-metrics`, the same events as Prometheus counters.
 
 SGLang serves `/metrics` from the HTTP process in prometheus_client's multi-process mode
 (`PROMETHEUS_MULTIPROC_DIR`, set before the scheduler starts), so counters created here in the
@@ -7,7 +8,25 @@ scheduler process appear there next to SGLang's own `sglang:*` metrics.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass
+class CompressionStats:
+    passes: int = 0
+    evicted_tokens: int = 0
+    seconds: float = 0.0
+    prefill_passes: int = 0
+    decode_passes: int = 0
+    preempt_passes: int = 0
+    avoided_retractions: int = 0
+    retractions: int = 0
+    skipped: int = 0
+    failed_requests: int = 0  # requests aborted because sgl-kvc raised while handling them
+    max_pass_seconds: float = 0.0  # the longest compression work in one scheduler step: the worst stall
+    staged_passes: int = 0  # passes spread over several scheduler steps (--kv-pass-work)
+    max_compacted_together: int = 0  # most requests compacted by one batched move (same step)
 
 
 class CompressionMetrics:

@@ -86,6 +86,8 @@ def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
             # sgl-kvc's own buffer (observation queries) in use, and what the KV budget
             # reserves for its queries and statistics (adapter/memory_budget.py)
             "observation_bytes": compressor.store.query_buffer_bytes,
+            # what the live requests' states hold (statistics, staged passes, tables): 0 when idle
+            "request_state_bytes": compressor.store.state_bytes,
             "reserved_bytes": int(getattr(model_runner.memory_pool_config, RESERVED_ATTR, 0)),
         },
         "prefix_cache": {

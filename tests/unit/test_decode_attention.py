@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import sgl_kvc.adapter.state as state_module
-from sgl_kvc.adapter.state import KvcStore, ReqKvState
+import sgl_kvc.core.decode as decode_module
+from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.core.store import KvcStore
 from sgl_kvc.kernels.decode_attention import decode_attention, decode_probs
 from sgl_kvc.kernels.fp8 import Fp8Rows
 from sgl_kvc.policies import get_policy
@@ -107,12 +108,12 @@ class _Pool:
         return self.k
 
 
-@pytest.mark.parametrize("elems", [state_module.DECODE_BLOCK_ELEMS, 1])  # one block; one per request
+@pytest.mark.parametrize("elems", [decode_module.DECODE_BLOCK_ELEMS, 1])  # one block; one per request
 def test_store_attends_the_whole_batch_and_feeds_the_statistics(monkeypatch, elems: int) -> None:
     """With `attends`, the step's plan holds every request (longest first, in blocks); the
     output lands at each request's batch index, and statistics equal those computed beside
-    another kernel (`accumulate_decode`)."""
-    monkeypatch.setattr(state_module, "DECODE_BLOCK_ELEMS", elems)
+    another kernel (`DecodeStep.accumulate`)."""
+    monkeypatch.setattr(decode_module, "DECODE_BLOCK_ELEMS", elems)
     lens = [7, 1, 12, 3]
     q, k, v, r2t, _, _ = _case(4, lens)
     rows = list(range(len(lens)))
@@ -131,7 +132,7 @@ def test_store_attends_the_whole_batch_and_feeds_the_statistics(monkeypatch, ele
 
     out = torch.full_like(q, float("nan"))
     attending.attend_decode(0, attending.decode_step, q, k, v, 0.3, out)
-    beside.accumulate_decode(0, beside.decode_step, q, k, 0.3)
+    beside.decode_step.accumulate(0, q, k, 0.3)
     assert torch.allclose(out.double(), _reference(q, k, v, r2t, lens, 0.3), atol=1e-5)
     assert attending.attended_layers == 1
     for row, name in policies.items():

@@ -210,7 +210,7 @@ class _Layer:
 @pytest.mark.parametrize("fp8", FORMATS)
 def test_pool_stores_fp8_and_reads_dequantized_rows(fp8: str, units: bool) -> None:
     pool = _pool(fp8, units=units)
-    from sgl_kvc.adapter.compaction import copy_slots
+    from sgl_kvc.core.compaction import move_units_many
     from sgl_kvc.adapter.fp8_pool import pool_bytes
 
     # memory: codes + scales, as SGLang counts it (get_kv_size_bytes), per slot
@@ -231,7 +231,8 @@ def test_pool_stores_fp8_and_reads_dequantized_rows(fp8: str, units: bool) -> No
     assert float(pool.get_key_buffer(0)[loc].abs().max()) == 0.0  # other layer untouched
 
     before = kb[loc[:2]].clone()
-    copy_slots(pool, torch.tensor([40, 41]), loc[:2])  # compaction's copy, every layer
+    every_head = torch.arange(2).expand(2, 2, 2)  # [layers, heads, 2]: entries 0 and 1
+    move_units_many(pool, [(loc[:2], every_head, torch.tensor([40, 41]))])  # compaction's move
     assert torch.equal(pool.get_key_buffer(1)[torch.tensor([40, 41])], before)
     assert torch.equal(pool.k_buffer[1][40], pool.k_buffer[1][4])
     assert torch.equal(pool.k_scale_buffer[1][41], pool.k_scale_buffer[1][8])
@@ -250,7 +251,8 @@ def test_fp8_unit_pool_units_are_the_layers_rows_and_move_exactly() -> None:
 
     from fakes import FakeAllocator
     from sgl_kvc.adapter.compaction import compact_requests_units
-    from sgl_kvc.adapter.state import RequestTables, unit_index
+    from sgl_kvc.core.request_state import ReqKvState, unit_index
+    from sgl_kvc.policies import get_policy
     from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode
     from sgl_kvc.policies import select_from_scores
 
@@ -275,7 +277,7 @@ def test_fp8_unit_pool_units_are_the_layers_rows_and_move_exactly() -> None:
         seq_lens_cpu=torch.tensor([n]), tree_cache=None,
         req_to_token_pool=SimpleNamespace(req_to_token=r2t), token_to_kv_pool_allocator=allocator,
     )
-    tables = RequestTables.natural(slots, torch.arange(n), layers, heads)
+    tables = ReqKvState(policy=get_policy("snapkv"), budget=3).tables(slots, layers, heads)  # unpacked
     scores = torch.rand(layers, heads, n, generator=torch.Generator().manual_seed(0))
     selection = select_from_scores(scores, torch.zeros(scores.shape, dtype=torch.bool), 3,
                                    lengths=tables.lens, mode="variable")

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from fakes import FakeAllocator
 
-from sgl_kvc.adapter.compaction import move_units, move_units_many
-from sgl_kvc.adapter.state import ReqKvState
+from sgl_kvc.core.compaction import move_units_many
+from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.kernels.fp8 import Fp8Rows
 from sgl_kvc.policies import LayerView, get_policy, select_per_head
 
@@ -27,6 +27,11 @@ class Pool:
     def get_kv_buffer(self, layer_id: int):
         i = layer_id - self.start_layer
         return self.k[i], self.v[i]
+
+
+def move_units(pool, row: torch.Tensor, idx: torch.Tensor, dest: torch.Tensor) -> None:
+    """One request's move: what the batched compaction does for a single request."""
+    move_units_many(pool, [(row, idx, dest)])
 
 
 def _expected(buf: torch.Tensor, row: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_kvc.adapter import state as state_module
-from sgl_kvc.adapter.state import KvcStore, ReqKvState
+from sgl_kvc.core import decode as decode_module
+from sgl_kvc.core import store as store_module
+from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import get_policy
 
 
@@ -70,11 +72,11 @@ class _Pool:
         return self.keys
 
 
-@pytest.mark.parametrize("elems", [state_module.DECODE_BLOCK_ELEMS, 1])  # one block; one per request
+@pytest.mark.parametrize("elems", [decode_module.DECODE_BLOCK_ELEMS, 1])  # one block; one per request
 def test_batched_decode_statistics_equal_the_per_request_ones(monkeypatch, elems: int) -> None:
-    """`accumulate_decode` (one padded computation) == `accumulate` request by request; the
+    """`DecodeStep.accumulate` (one padded computation) == `accumulate` request by request; the
     step's statistics requests are picked from host-side rows (`begin_decode`)."""
-    monkeypatch.setattr(state_module, "DECODE_BLOCK_ELEMS", elems)
+    monkeypatch.setattr(decode_module, "DECODE_BLOCK_ELEMS", elems)
     g = torch.Generator().manual_seed(0)
     h_kv, group, d, rows = 2, 3, 8, 4
     keys = torch.randn(64, h_kv, d, generator=g)
@@ -90,7 +92,7 @@ def test_batched_decode_statistics_equal_the_per_request_ones(monkeypatch, elems
         batched.begin_decode(batch_rows, batch_lens)
         planned = sorted(i for block in batched.decode_step.blocks for i in block.index.tolist())
         assert planned == [0, 2, 3]  # the statistics requests only: SGLang attends
-        batched.accumulate_decode(0, batched.decode_step, q, keys, 0.3)
+        batched.decode_step.accumulate(0, q, keys, 0.3)
         for i, (row, n) in enumerate(zip(batch_rows, batch_lens)):
             if row == 1:
                 continue
@@ -117,7 +119,7 @@ def test_batched_decode_statistics_with_a_policy_per_request() -> None:
         q = torch.randn(4, h_kv * group, d, generator=g)
         step_lens = [n - 2 + step for n in lens]
         batched.begin_decode(rows, step_lens)
-        batched.accumulate_decode(0, batched.decode_step, q, keys, 0.3)
+        batched.decode_step.accumulate(0, q, keys, 0.3)
         for i, (row, n) in enumerate(zip(rows, step_lens)):
             k = keys[r2t[row, :n].long()]
             looped.accumulate(row, 0, q[i : i + 1], k, torch.tensor([n - 1]), torch.arange(n), 0.3)
@@ -147,7 +149,7 @@ def test_query_buffer_grows_with_the_rows_in_use_not_the_row_count() -> None:
 def test_prefill_statistics_equal_dense_causal_attention(monkeypatch) -> None:
     """`accumulate` over an extend (several blocks of queries, causal by physical index) adds to
     H2O's statistic exactly the attention each key received, summed over the query group."""
-    monkeypatch.setattr(state_module, "STATS_BLOCK", 3)  # several blocks
+    monkeypatch.setattr(store_module, "STATS_BLOCK", 3)  # several blocks
     g = torch.Generator().manual_seed(5)
     h_kv, group, d, n = 2, 3, 8, 10
     keys = torch.randn(n, h_kv, d, generator=g)

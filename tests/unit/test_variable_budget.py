@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from fakes import FakeAllocator
 
 from sgl_kvc.adapter.compaction import compact_requests_units
-from sgl_kvc.adapter.state import DecodeStep, KvcStore, ReqKvState, unit_index
+from sgl_kvc.core.decode import DecodeStep
+from sgl_kvc.core.request_state import ReqKvState, unit_index
+from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import get_policy, select_from_scores
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -123,7 +125,7 @@ def test_variable_compactions_pack_every_heads_kept_entries(n, budget, layers, h
     seed=st.integers(0, 10_000),
 )
 def test_decode_step_tables_are_each_requests_own(rows, layers, heads, token_elems, seed) -> None:
-    """The decode plan builds a block's per-head tables at once (`_unit_block`); for every
+    """The decode plan builds a block's per-head tables at once (`block_tables`); for every
     request (packed, unpacked, or with no state) they equal what `ReqKvState.tables` gives it
     alone, in every block size (`token_elems` of 2^20 puts each request in its own block)."""
     g = torch.Generator().manual_seed(seed)

@@ -1,0 +1,248 @@
+"""Per-head passes: score a request's cache per (layer, KV head), choose what each keeps, and
+carry the policy's statistic over to the kept entries. A pass that costs more than a step's work
+(`--kv-pass-work`) is staged over several scheduler steps.
+
+Per-head selection makes staging exact: a head's choice depends on no other head or layer, and
+the window queries are taken when the pass begins, as a one-step pass would read them. Entries
+appended while a pass is under way (the tail) are kept by every head.
+
+Two engines, one per budget mode:
+* uniform (`advance_uniform`): every (layer, KV head) keeps `target` entries; whole layers are
+  scored where they fit in the step's work, else one KV head at a time;
+* variable / layer (`advance_variable`, KV-Compress §4.2): one (layer, KV head) at a time from
+  its own table (heads of a packed request hold different numbers of entries); once all have
+  scored, ONE sort over layer x head x entry chooses (`select_from_scores`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from sgl_kvc.core.request_state import ReqKvState, RequestTables
+from sgl_kvc.core.store import KvcStore
+from sgl_kvc.core.views import request_view, with_gaps
+from sgl_kvc.policies import HeadSelection, Policy, select_from_scores, select_per_head
+
+
+@dataclass
+class StepWork:
+    """Compression work one pass may spend in the current scheduler step, in cost units (one
+    cached token scored in one layer by a linear-cost policy, `Policy.score_cost`). A pass
+    always makes progress: the first (layer, head) of a step runs whatever it costs."""
+
+    budget: int
+    spent: int = 0
+
+    @classmethod
+    def unlimited(cls) -> "StepWork":
+        return cls(budget=1 << 62)
+
+    def fits(self, cost: int) -> bool:
+        return self.spent + cost <= self.budget
+
+    def allows(self, cost: int) -> bool:
+        """Whether a (layer, head) of this cost may run now: it fits, or nothing ran yet."""
+        return self.spent == 0 or self.fits(cost)
+
+    def spend(self, cost: int) -> None:
+        self.spent += cost
+
+
+@dataclass
+class PendingPass:
+    """A per-head pass of one request: the n0 entries it held when the pass began, scored
+    layer by layer (uniform) or (layer, head) by (layer, head) (variable) until all chose."""
+
+    moment: str
+    policy: Policy
+    n0: int
+    target: int
+    positions: Tensor  # [n0], or [L, H_kv, n0] after an earlier per-head compaction
+    queries: list[Tensor | None]  # the window queries of each layer of this rank, at the start
+    indices: list[Tensor] = field(default_factory=list)  # per layer done: [H_kv, target]
+    heads: list[Tensor] = field(default_factory=list)  # of the next layer, done: [target]
+    steps: int = 0  # scheduler steps it has run in
+    # Variable budgets (unit pool): the per-head tables the pass scores, and the scores and
+    # protected masks of the (layer, head)s done, in (layer, head) order; one sort at the end.
+    tables: RequestTables | None = None
+    scores: list[Tensor] = field(default_factory=list)
+    protected: list[Tensor] = field(default_factory=list)
+
+    @property
+    def staged(self) -> bool:
+        """Whether it ran over more than one scheduler step."""
+        return self.steps > 1
+
+    def tensors(self) -> list[Tensor]:
+        """What it holds (for the store's byte count)."""
+        held = [self.positions, *self.indices, *self.heads, *self.scores, *self.protected]
+        held += [q for q in self.queries if q is not None]
+        if self.tables is not None:
+            held += [self.tables.units, self.tables.lens, self.tables.positions]
+        return held
+
+
+@dataclass
+class DueCompaction:
+    """A finished per-head selection, compacted together with the step's others."""
+
+    i: int  # index in the batch
+    state: ReqKvState
+    policy: Policy
+    moment: str
+    selection: HeadSelection
+    kept_positions: Tensor  # [L, H_kv, k]
+    stats: list[Tensor | None] | None  # carried statistics (policies that keep them)
+    began_at: int
+    staged: bool
+    units: Tensor | None = None  # the request's tables [L, H_kv, N] (variable budgets)
+    n: int = 0  # cache entries (row slots) when it was selected; 0: selection.n (no tables)
+
+
+def start_pass(
+    store: KvcStore, row: int, state: ReqKvState, policy: Policy, n: int, target: int, moment: str,
+    tables: RequestTables | None,
+) -> PendingPass:
+    """A new pass over the request's n entries (`tables`: its per-head tables on the unit pool)."""
+    layers = range(store.first_layer, store.num_layers)
+    return PendingPass(
+        moment=moment, policy=policy, n0=n, target=min(target, n),
+        positions=state.positions(n) if tables is None else tables.positions,
+        queries=[store.queries(row, layer, n) for layer in layers], tables=tables,
+    )
+
+
+def advance_uniform(
+    store: KvcStore, row: int, state: ReqKvState, n: int, work: StepWork, i: int = 0,
+) -> DueCompaction | None:
+    """Score what `work` allows of the request's pending uniform pass: whole layers, or one KV
+    head at a time where a layer does not fit. Once every (layer, KV head) has chosen, returns
+    the compaction due (n: the entries the request holds now). One layer's keys are held at a
+    time. Each TP rank holds whole KV heads and chooses for its own."""
+    p = state.pending
+    p.steps += 1
+    layers = list(range(store.first_layer, store.num_layers))
+    layer_cost = p.policy.score_cost(p.n0)
+    head_cost = -(-layer_cost // store.kv_heads)
+    while len(p.indices) < len(layers):
+        whole_layer = not p.heads and work.fits(layer_cost)
+        if not (whole_layer or work.allows(head_cost)):
+            break
+        layer = len(p.indices)
+        view = request_view(store, row, layers[layer], state, n=p.n0, positions=p.positions, queries=p.queries[layer])
+        if whole_layer:
+            p.indices.append(select_per_head(p.policy, [view], p.target).indices[0])
+            work.spend(layer_cost)
+            continue
+        sub = view.head(len(p.heads))
+        p.heads.append(select_per_head(p.policy, [sub], p.target).indices[0, 0])
+        work.spend(head_cost)
+        if len(p.heads) == view.n_kv_heads:
+            p.indices.append(torch.stack(p.heads))
+            p.heads = []
+    if len(p.indices) < len(layers):
+        return None
+    state.pending = None
+    indices = torch.stack(p.indices)  # [L, H_kv, target] over the first n0 entries
+    if n > p.n0:  # the tail appended since the pass began: every head keeps it
+        tail = torch.arange(p.n0, n, device=indices.device)
+        indices = torch.cat([indices, tail.expand(*indices.shape[:2], n - p.n0)], dim=-1)
+    lengths = torch.full(indices.shape[:2], indices.shape[-1], dtype=torch.int64, device=indices.device)
+    selection = HeadSelection(indices=indices, lengths=lengths, n=n)
+    positions = state.positions(n)
+    stats = None
+    if p.policy.uses_stats:
+        stats = with_gaps(store.first_layer, carry_stats_uniform(store, row, state, p.policy, selection, n, positions))
+    full = positions.expand(selection.num_layers, selection.num_heads, n)
+    return DueCompaction(
+        i=i, state=state, policy=p.policy, moment=p.moment, selection=selection,
+        kept_positions=full.gather(-1, indices.to(full.device)), stats=stats, began_at=p.n0,
+        staged=p.staged,
+    )
+
+
+def advance_variable(
+    store: KvcStore, row: int, state: ReqKvState, n: int, work: StepWork, mode: str, i: int = 0,
+) -> DueCompaction | None:
+    """`advance_uniform` for variable budgets (KV-Compress §4.2, `mode` variable or layer):
+    score one (layer, KV head) at a time, each from its own entries, as work allows; once all
+    have scored, one sort over layer x head x entry chooses what the request keeps."""
+    p = state.pending
+    p.steps += 1
+    tables = p.tables
+    num_layers, num_heads = tables.lens.shape
+    while len(p.scores) < num_layers * num_heads:
+        layer, head = divmod(len(p.scores), num_heads)
+        cost = -(-p.policy.score_cost(int(tables.lens[layer, head])) // num_heads)
+        if not work.allows(cost):
+            break
+        view = request_view(store, row, store.first_layer + layer, state, tables=tables, head=head,
+                            queries=p.queries[layer])
+        p.scores.append(p.policy.score(view)[0])
+        p.protected.append(p.policy.protected(view))
+        work.spend(cost)
+    if len(p.scores) < num_layers * num_heads:
+        return None
+    state.pending = None
+    device = tables.units.device
+    scores = torch.full((num_layers, num_heads, tables.width), -torch.inf, device=device)
+    protected = torch.zeros(scores.shape, dtype=torch.bool, device=device)
+    for k, (score, prot) in enumerate(zip(p.scores, p.protected)):
+        scores[k // num_heads, k % num_heads, : score.numel()] = score
+        protected[k // num_heads, k % num_heads, : prot.numel()] = prot
+    chosen = select_from_scores(scores, protected, p.target, lengths=tables.lens, mode=mode)
+    # Entries appended since the pass began (after each head's own columns): every head keeps them.
+    now = state.tables(store.req_to_token[row, :n], num_layers, num_heads)
+    tail = torch.arange(n - p.n0, device=device)
+    indices = torch.full((num_layers, num_heads, chosen.max_keep + tail.numel()), HeadSelection.PAD,
+                         dtype=torch.int64, device=device)
+    indices[..., : chosen.max_keep] = chosen.indices
+    indices.scatter_(-1, chosen.lengths[..., None] + tail, tables.lens[..., None] + tail)
+    selection = HeadSelection(indices=indices, lengths=chosen.lengths + tail.numel(), n=now.width)
+    valid = selection.valid()
+    safe = torch.where(valid, selection.indices, 0)
+    stats = None
+    if p.policy.uses_stats:
+        stats = with_gaps(store.first_layer, [
+            carry_stats_variable(store, row, state, p.policy, now, layer, selection) for layer in range(num_layers)
+        ])  # fmt: skip
+    return DueCompaction(
+        i=i, state=state, policy=p.policy, moment=p.moment, selection=selection,
+        kept_positions=now.positions.gather(-1, safe) * valid, stats=stats, began_at=p.n0,
+        staged=p.staged, units=now.units, n=n,
+    )
+
+
+# --- statistics carried over a compaction -------------------------------------------------------
+def carry_stats_uniform(
+    store: KvcStore, row: int, state: ReqKvState, policy: Policy, selection: HeadSelection, n: int,
+    positions: Tensor,
+) -> list[Tensor | None]:
+    """Per layer of this rank, its statistic [H_kv, k] after a per-head compaction: the
+    policy's own `carry_stats` on all n entries (for KV-Compress that seeds eq. 20 with
+    M^(pool)), then each head's kept entries. One layer's keys are read at a time."""
+    out: list[Tensor | None] = []
+    for local, layer in enumerate(range(store.first_layer, store.num_layers)):
+        view = request_view(store, row, layer, state, n=n, positions=positions)
+        full = policy.carry_stats(view, torch.arange(view.n, device=view.keys.device))
+        out.append(None if full is None else selection.gather(local, full))
+    return out
+
+
+def carry_stats_variable(
+    store: KvcStore, row: int, state: ReqKvState, policy: Policy, tables: RequestTables, layer: int,
+    selection: HeadSelection,
+) -> Tensor:
+    """Local layer `layer`'s statistic after a variable compaction: [H_kv, max_keep], each
+    head's kept columns of what the policy carries, zero padded."""
+    out = torch.zeros(selection.num_heads, selection.max_keep, device=selection.indices.device)
+    for head in range(selection.num_heads):
+        view = request_view(store, row, store.first_layer + layer, state, tables=tables, head=head)
+        full = policy.carry_stats(view, torch.arange(view.n, device=view.keys.device))
+        kept = selection.kept(layer, head)
+        if full is not None:
+            out[head, : kept.numel()] = full[0, kept]
+    return out

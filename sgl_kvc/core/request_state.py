@@ -1,0 +1,169 @@
+"""One request's compression state: where its kept entries are and which token each one holds.
+
+Words (docs/architecture.md, "Glossary"): a *slot* is one token's KV in SGLang's pool (every
+layer and KV head); a *row* is the request's list of slots (`req_to_token[row]`); an *entry* is
+one cached (token, layer, KV head); a *unit* is one (slot, layer, KV head) cell of the unit
+pool, which holds one entry; a head's *table* lists its entries' units in *columns*.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from sgl_kvc.policies import DEFAULT_SELECTION, Policy
+
+
+def unit_index(slots: Tensor, num_layers: int, num_heads: int) -> Tensor:
+    """Units of token slots [n] in every (layer, KV head) of the unit pool
+    (`adapter/unit_pool.py`): slot t, layer l, head h is unit (t x L + l) x H_kv + h.
+    Returns [L, H_kv, n] int64 on the slots' device."""
+    device = slots.device
+    layer = torch.arange(num_layers, device=device)[:, None, None]
+    head = torch.arange(num_heads, device=device)[None, :, None]
+    return (slots.to(torch.int64)[None, None, :] * num_layers + layer) * num_heads + head
+
+
+@dataclass(frozen=True)
+class RequestTables:
+    """One request's cache per (layer, KV head) in the unit pool: entry j of head (l, h) is unit
+    `units[l, h, j]` at logical position `positions[l, h, j]`, for j < lens[l, h] (the rest is
+    padding, 0). Columns are stable while a request decodes: its packed entries (ascending
+    position), then the tokens appended since, so statistics index them like cache entries."""
+
+    units: Tensor  # [L, H_kv, N] int64
+    lens: Tensor  # [L, H_kv] int64
+    positions: Tensor  # [L, H_kv, N] int64
+
+    @property
+    def width(self) -> int:
+        return int(self.units.shape[-1])
+
+
+def block_tables(
+    states: Sequence["ReqKvState | None"], slots: Tensor, row_lens: Sequence[int],
+    num_layers: int, num_heads: int, width: int,
+) -> tuple[Tensor, Tensor]:
+    """The per-head tables of several requests at once (units only): a packed request's
+    table is copied in, then every request's tail (its slots past the packed ones; the whole
+    row of an unpacked one) is placed after each head's own entries, with one scatter.
+
+    `slots`: [b, >= max(row_lens)] each request's row; `row_lens`: its cached entries; `width`:
+    columns to return (>= every request's `table_width`). Returns units [L, b, H_kv, width] and
+    lens [L, b, H_kv], on the slots' device."""
+    device = slots.device
+    b = len(states)
+    units = torch.zeros(num_layers, b, num_heads, width + 1, dtype=torch.int64, device=device)
+    head_lens = torch.zeros(num_layers, b, num_heads, dtype=torch.int64, device=device)
+    packed = [0] * b
+    for j, state in enumerate(states):
+        if state is not None and state.units is not None:
+            units[:, j, :, : state.units.shape[-1]] = state.units
+            head_lens[:, j] = state.unit_lens
+            packed[j] = state.packed
+    tails = [n - g for n, g in zip(row_lens, packed)]
+    t_max = max(tails, default=0)
+    if t_max:
+        cols = torch.arange(t_max, device=device)
+        tail_lens = torch.tensor(tails, dtype=torch.int64, device="cpu").to(device)
+        first = torch.tensor(packed, dtype=torch.int64, device="cpu").to(device)
+        valid = cols[None, :] < tail_lens[:, None]  # [b, T]
+        src = torch.where(valid, first[:, None] + cols, 0)
+        tail_slots = slots.gather(1, src)  # [b, T]
+        tail_units = unit_index(tail_slots.reshape(-1), num_layers, num_heads)  # [L, H, b x T]
+        tail_units = tail_units.reshape(num_layers, num_heads, b, t_max).transpose(1, 2)
+        dst = head_lens[..., None] + cols  # after each head's own entries
+        dst = torch.where(valid[None, :, None, :], dst, width)  # padding -> the spare column
+        units.scatter_(-1, dst, tail_units)
+        head_lens += tail_lens[None, :, None]
+    return units[..., :width].contiguous(), head_lens
+
+
+@dataclass
+class ReqKvState:
+    """What the compressor knows about one request, beyond SGLang's own `Req`.
+
+    Physical index j (its slot is `req_to_token[row, j]`) holds the token at logical position
+    `kept_positions[..., j]` for j < k (the number of entries kept by the last compaction), and
+    `j + offset` after that: every token appended since the last compaction sits at its logical
+    position minus `offset`. `kept_positions` is [k] after a shared compaction (the same token in
+    every layer and head) and [L, H_kv, k] after a per-head one (entry j of head h of layer l is
+    its own token: layer l's KV head h of slot `req_to_token[row, j]` holds it).
+
+    After a variable-budget compaction (the unit pool) the request is PACKED: its first `packed`
+    slots hold its kept entries unit by unit, head (l, h) keeping `unit_lens[l, h]` of them in
+    units `units[l, h, :unit_lens[l, h]]` at `kept_positions[l, h, :unit_lens[l, h]]`; entries
+    appended since sit in their own slots, physical index j >= packed at position j + offset.
+
+    Tensors live on `device`, the device of the request's KV.
+    """
+
+    policy: Policy
+    budget: int
+    budget_ratio: float | None = None
+    selection: str = DEFAULT_SELECTION
+    device: Any = "cpu"
+    kept_positions: Tensor | None = None
+    offset: int = 0
+    stats: list[Tensor | None] = field(default_factory=list)
+    passes: int = 0
+    pending: Any = None  # the compressor's PendingPass while a staged pass is under way
+    units: Tensor | None = None  # [L, H_kv, K] once packed (0 past unit_lens)
+    unit_lens: Tensor | None = None  # [L, H_kv]
+    packed: int = 0  # slots the packed entries fill
+
+    @property
+    def compressed(self) -> bool:
+        return self.passes > 0
+
+    @property
+    def per_head(self) -> bool:
+        return self.selection == "per-head"
+
+    def positions(self, n: int) -> Tensor:
+        """Logical positions of the n cached entries: [n], or [L, H_kv, n] once per-head."""
+        if self.kept_positions is None:
+            return torch.arange(n, dtype=torch.int64, device=self.device) + self.offset
+        kept = self.kept_positions[..., :n]
+        k = kept.shape[-1]
+        tail = torch.arange(k, n, dtype=torch.int64, device=kept.device) + self.offset
+        if kept.dim() > 1:
+            tail = tail.expand(*kept.shape[:-1], n - k)
+        return torch.cat([kept, tail], dim=-1)
+
+    def table_width(self, n: int) -> int:
+        """Columns of the request's per-head tables over its n cached entries."""
+        if self.units is None:
+            return n
+        return int(self.units.shape[-1]) + n - self.packed
+
+    def tables(self, slots: Tensor, num_layers: int, num_heads: int) -> RequestTables:
+        """The request's per-head tables over its n = len(slots) cached entries (its row)."""
+        n = int(slots.numel())
+        units, lens = block_tables([self], slots[None], [n], num_layers, num_heads, self.table_width(n))
+        units, lens = units[:, 0], lens[:, 0]
+        if self.units is None:
+            positions = self.positions(n).to(torch.int64).expand(num_layers, num_heads, n)
+            return RequestTables(units=units, lens=lens, positions=positions)
+        # Packed: kept positions in each head's own columns, then the tail after them.
+        k, tail = int(self.units.shape[-1]), n - self.packed
+        positions = torch.zeros_like(units)
+        positions[..., :k] = self.kept_positions
+        cols = self.unit_lens[..., None] + torch.arange(tail, device=units.device)
+        logical = torch.arange(self.packed, n, dtype=torch.int64, device=units.device) + self.offset
+        positions.scatter_(-1, cols, logical.expand(num_layers, num_heads, tail))
+        return RequestTables(units=units, lens=lens, positions=positions)
+
+    def logical_len(self, n: int) -> int:
+        """Tokens the request has processed, for n cached entries (the newest is at n-1+offset,
+        or, right after a compaction, the kept entries end at offset + k)."""
+        return n + self.offset
+
+    def effective_budget(self, n: int) -> int:
+        if self.budget_ratio is None:
+            return self.budget
+        return max(self.policy.params.window + 1, math.ceil(self.budget_ratio * self.logical_len(n)))

@@ -1,0 +1,198 @@
+"""The observation store shared by the attention backend and the compressor.
+
+`KvcStore` lives on the attention backend object of a scheduler process. The attention backend
+writes into it during forward passes (observation-window queries, attention statistics); the
+compressor reads it between steps. Rows are SGLang's `req_pool_idx` (the `req_to_token` row).
+Per-step work stays on the device and never syncs with the host: queries go into a ring
+buffer (a write index per row, no shifting), query counts and RoPE position offsets are device
+tensors indexed by the batch's rows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sgl_kvc.core.decode import DecodeStep
+from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.policies import gqa_logits
+
+STATS_BLOCK = 256  # query rows per block when accumulating prefill attention statistics
+
+
+class KvcStore:
+    """Observation-window queries and attention statistics, per `req_to_token` row."""
+
+    def __init__(
+        self, num_layers: int, window: int, req_to_token: Tensor, kv_pool: Any, first_layer: int = 0
+    ) -> None:
+        self.num_layers = num_layers
+        self.first_layer = first_layer  # the layer whose call advances the per-row counters
+        self.req_to_token = req_to_token  # SGLang's [rows, max_len] slot table
+        self.kv_pool = kv_pool  # SGLang's KV pool (get_key_buffer(layer_id) -> [slots, H_kv, d])
+        self.window = window
+        # KV heads of this rank (a pass's cost is split per head) and key elements per entry
+        key_shape = kv_pool.get_key_buffer(first_layer).shape if kv_pool is not None else (0, 1, 1)
+        self.kv_heads = int(key_shape[1])
+        self.token_elems = int(key_shape[1]) * int(key_shape[2])
+        # Whether sgl-kvc's batched kernel computes decode attention (set by the compressor for
+        # backends whose decode it replaces); otherwise only statistics requests are planned.
+        self.attends = False
+        self.attended_layers = 0  # decode layer calls the kernel served (stats)
+        # The unit pool's flat K [U, d] and V [U, d_v] (`--kv-head-budget variable`), else None.
+        self.unit_pools: tuple[Any, Any] | None = (
+            kv_pool.unit_buffers() if hasattr(kv_pool, "unit_buffers") else None
+        )
+        self.states: dict[int, ReqKvState] = {}
+        self.stats_rows: set[int] = set()  # rows whose policy accumulates attention statistics
+        rows, device = req_to_token.shape[0], req_to_token.device
+        self.device = device
+        # Ring buffer [capacity, layers, window, H_q, d] indexed by `_top - row`: SGLang hands out
+        # request rows from the top of its free list and reuses freed ones first, so the
+        # capacity needed follows the peak number of requests, not the row count SGLang reserves
+        # (2048 rows of a 30-layer model's queries would outweigh a small KV pool).
+        self._queries: Tensor | None = None
+        self._top = rows - 1
+        self._need = 1  # capacity the begun rows need
+        self._head = torch.zeros(rows, dtype=torch.int64, device=device)  # slot of the newest
+        self._count = torch.zeros(rows, dtype=torch.int64, device=device)
+        # logical minus physical position of tokens appended since a row's last compaction
+        self.offsets = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.offset_rows: set[int] = set()  # rows with a non-zero offset (host-side, no sync)
+        self.decode_step: DecodeStep | None = None  # set by the scheduler before each decode
+        self.extend_rows: list[int] = []  # rows of the current extend batch, set before it
+
+    @property
+    def unit_layout(self) -> tuple[int, int] | None:
+        """(layers of this rank, KV heads) on the unit pool, else None."""
+        if self.unit_pools is None:
+            return None
+        return self.num_layers - self.first_layer, self.kv_heads
+
+    # --- request lifecycle --------------------------------------------------------------------
+    def begin(self, row: int, state: ReqKvState) -> None:
+        self._need = max(self._need, self._top - row + 1)
+        state.stats = [None] * self.num_layers
+        self.states[row] = state
+        self._count[row] = 0
+        self.set_offset(row, 0)
+        if state.policy.uses_stats:
+            self.stats_rows.add(row)
+        else:
+            self.stats_rows.discard(row)
+
+    def release(self, row: int) -> None:
+        """The request of `row` finished, was aborted or retracted: drop what it held (its
+        statistics, a staged pass's query copies, its tables); its queries are never read again
+        (`begin` resets the row's count)."""
+        self.states.pop(row, None)
+        self.stats_rows.discard(row)
+        self.set_offset(row, 0)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes held by the live requests' states (statistics, pending passes, tables)."""
+        total = 0
+        for state in self.states.values():
+            tensors = [t for t in state.stats if t is not None]
+            tensors += [t for t in (state.kept_positions, state.units, state.unit_lens) if t is not None]
+            if state.pending is not None:
+                tensors += state.pending.tensors()
+            total += sum(t.numel() * t.element_size() for t in tensors)
+        return total
+
+    def set_offset(self, row: int, offset: int) -> None:
+        self.offsets[row] = offset
+        if offset:
+            self.offset_rows.add(row)
+        else:
+            self.offset_rows.discard(row)
+
+    # --- observation-window queries -----------------------------------------------------------
+    def _buffer(self, rows: int, q: Tensor) -> Tensor:
+        have = 0 if self._queries is None else self._queries.shape[0]
+        if have < self._need:  # grow by doubling, up to SGLang's row count
+            capacity = min(max(self._need, 2 * have), rows)
+            grown = q.new_zeros((capacity, self.num_layers, self.window, q.shape[1], q.shape[2]))
+            if self._queries is not None:
+                grown[:have] = self._queries
+            self._queries = grown
+        return self._queries
+
+    @property
+    def query_buffer_bytes(self) -> int:
+        q = self._queries
+        return 0 if q is None else q.numel() * q.element_size()
+
+    def record_decode(self, layer: int, rows: Tensor, q: Tensor, pool_rows: int) -> None:
+        """q: [B, H_q, d], one new query per row."""
+        buf = self._buffer(pool_rows, q)
+        if layer == self.first_layer:
+            self._head[rows] = (self._head[rows] + 1) % self.window
+            self._count[rows] = (self._count[rows] + 1).clamp_(max=self.window)
+        buf[self._top - rows, layer, self._head[rows]] = q.to(buf.dtype)
+
+    def record_extend(self, layer: int, row: int, q: Tensor, pool_rows: int) -> None:
+        """q: [e, H_q, d], the queries of one request's extend (chunk), in order."""
+        buf = self._buffer(pool_rows, q)
+        m = min(q.shape[0], self.window)
+        if layer == self.first_layer:
+            self._head[row] = (self._head[row] + m) % self.window
+            self._count[row] = (self._count[row] + m).clamp_(max=self.window)
+        buf[self._top - row, layer, self._ring(row, m)] = q[-m:].to(buf.dtype)
+
+    def _ring(self, row: int, m: int) -> Tensor:
+        """Ring indices of a row's last m queries, oldest first."""
+        steps = torch.arange(1 - m, 1, device=self._head.device)
+        return (self._head[row] + steps) % self.window
+
+    def queries(self, row: int, layer: int, n: int) -> Tensor | None:
+        """The last min(count, window, n) queries of a row, oldest first."""
+        if self._queries is None:
+            return None
+        m = min(int(self._count[row]), n)
+        if m == 0:
+            return None
+        return self._queries[self._top - row, layer, self._ring(row, m)]
+
+    def trim_queries(self, row: int, n: int) -> None:
+        """After compaction to n tokens, fewer queries than tokens may remain valid."""
+        self._count[row] = self._count[row].clamp(max=n)
+
+    # --- attention statistics ------------------------------------------------------------------
+    def accumulate(
+        self, row: int, layer: int, q: Tensor, keys: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float
+    ) -> None:
+        """Feed the softmax attention of queries q [e, H_q, d] (at physical indices q_pos) over
+        keys [n, H_kv, d] (physical indices k_pos) to the row's policy statistic, causally."""
+        state = self.states.get(row)
+        if state is None or not state.policy.uses_stats:
+            return
+        h_kv, h_q = keys.shape[1], q.shape[1]
+        for start in range(0, q.shape[0], STATS_BLOCK):
+            qb = q[start : start + STATS_BLOCK]
+            logits = gqa_logits(qb, keys, scale)  # [H_kv, G, q, n], no repeated keys
+            causal = k_pos[None, :] > q_pos[start : start + STATS_BLOCK, None]
+            logits.masked_fill_(causal, -math.inf)
+            probs = torch.softmax(logits, dim=-1).reshape(h_q, qb.shape[0], -1)
+            state.stats[layer] = state.policy.accumulate(state.stats[layer], probs, h_kv)
+
+    # --- decode ---------------------------------------------------------------------------------
+    def begin_decode(self, rows: list[int], lens: list[int]) -> None:
+        """Before a decode forward: plan it from the batch's `req_to_token` rows and cached
+        entries (host-side data: no device sync in the forward)."""
+        self.decode_step = (
+            DecodeStep.build(rows, lens, self.states, self.req_to_token, self.token_elems, self.attends,
+                             units=self.unit_layout, first_layer=self.first_layer)
+            if self.attends or self.stats_rows else None
+        )  # fmt: skip
+
+    def attend_decode(
+        self, layer: int, step: DecodeStep, q: Tensor, k_cache: Any, v_cache: Any, scale: float, out: Tensor
+    ) -> None:
+        """The step's decode attention through sgl-kvc's kernel (see `DecodeStep.attend`)."""
+        self.attended_layers += 1
+        step.attend(layer, q, k_cache, v_cache, scale, out, self.unit_pools)

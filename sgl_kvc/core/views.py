@@ -1,0 +1,72 @@
+"""What a policy sees of one request: `LayerView`s read from the KV pool.
+
+A request's keys are read through its row (`req_to_token[row, :n]`, every KV head of an entry
+in one slot), or, on the unit pool, one KV head at a time through its per-head table (heads of
+a packed request hold different numbers of entries). Queries are the observation window the
+store recorded; statistics and logical positions come from the request's state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sgl_kvc.core.request_state import ReqKvState, RequestTables
+from sgl_kvc.core.store import KvcStore
+from sgl_kvc.policies import LayerView
+
+CURRENT = "current"  # a view's queries: the row's current window (else the ones given)
+
+
+def request_view(
+    store: KvcStore, row: int, layer: int, state: ReqKvState, *, n: int | None = None,
+    positions: Tensor | None = None, tables: RequestTables | None = None, head: int | None = None,
+    queries: Tensor | None | str = CURRENT,
+) -> LayerView:
+    """Layer id `layer` of request `row`.
+
+    Through the row: its first n entries, every KV head, at `positions` ([n], or [L, H_kv, n]
+    over this rank's layers after a per-head compaction). Through `tables` (the unit pool): KV
+    head `head` alone, its own entries at their positions. `queries`: the window queries taken
+    when a staged pass began (default: the current ones); with `head`, its query group."""
+    if tables is None:
+        slots = store.req_to_token[row, :n].long()
+        keys = store.kv_pool.get_key_buffer(layer)[slots]  # [n, H_kv, d]
+        if positions is not None and positions.dim() > 1:  # per head: [L, H_kv, n]
+            positions = positions[layer - store.first_layer]
+    else:
+        local = layer - store.first_layer
+        n = int(tables.lens[local, head])
+        k_units, _ = store.unit_pools
+        keys = k_units[tables.units[local, head, :n]].unsqueeze(1)  # [n, 1, d]
+        positions = tables.positions[local, head, :n][None]
+    q = store.queries(row, layer, n) if isinstance(queries, str) else queries
+    stats = state.stats[layer] if layer < len(state.stats) else None
+    if stats is not None:
+        stats = stats[:, :n]  # a staged pass scores the entries it began with
+    if head is not None:
+        if q is not None:
+            group = q.shape[1] // store.kv_heads
+            q = q[-n:, head * group : (head + 1) * group]
+        if stats is not None:
+            stats = stats[head : head + 1]
+    return LayerView(keys=keys, queries=q, positions=positions, stats=stats)
+
+
+def layer_views(
+    store: KvcStore, row: int, state: ReqKvState, n: int, positions: Tensor, layers: range,
+) -> list[LayerView]:
+    """Every layer of this rank through the row (one layer's keys held per view)."""
+    return [request_view(store, row, layer, state, n=n, positions=positions) for layer in layers]
+
+
+def with_gaps(first_layer: int, items: list[Any]) -> list[Any]:
+    """Per-layer items of this rank padded to global layer ids (pipeline stages start later)."""
+    return [None] * first_layer + list(items)
+
+
+def all_positions(view: LayerView) -> Tensor:
+    """Every entry of a view, as `Policy.carry_stats` takes kept indices."""
+    return torch.arange(view.n, device=view.keys.device)
