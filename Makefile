@@ -42,7 +42,10 @@ serve: install
 PYTEST_WORKERS ?= 2
 
 test: install
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	# The plain-torch core first, with SGLang made unimportable: it must run on PyTorch alone
+	# (a GPU machine may have PyTorch and Triton but no SGLang). Then everything else.
+	$(PY) -m pytest --without-sglang tests/core $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --ignore=tests/core $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
+import importlib.abc
 import pytest
 
-from loadtest.server import ServerProcess
+if TYPE_CHECKING:
+    from loadtest.server import ServerProcess
 
 
 def _triton_interpreter_without_a_gpu() -> None:
@@ -34,6 +36,28 @@ def _triton_interpreter_without_a_gpu() -> None:
 
 
 _triton_interpreter_without_a_gpu()
+
+
+class _NoSGLang(importlib.abc.MetaPathFinder):
+    """`--without-sglang`: importing SGLang fails, as on a machine that has only PyTorch (and
+    Triton): the plain-torch core (`tests/core`) must not need it."""
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        if fullname.split(".", 1)[0] in ("sglang", "sgl_kernel"):
+            raise ModuleNotFoundError(f"No module named {fullname!r} (--without-sglang)", name=fullname)
+        return None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--without-sglang", action="store_true",
+        help="make `import sglang` fail, to prove the tests run on PyTorch alone (tests/core)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--without-sglang"):
+        sys.meta_path.insert(0, _NoSGLang())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -69,6 +93,8 @@ def standin_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def kvc_server(standin_log: Path) -> Iterator[ServerProcess]:
     """`python -m sgl_kvc.launch` on the demo model, default flags (policy none)."""
+    from loadtest.server import ServerProcess
+
     env = {"SGLKVC_STANDIN_LOG": str(standin_log)}
     with ServerProcess.launch(
         [sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo"], env=env

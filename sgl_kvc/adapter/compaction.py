@@ -189,19 +189,24 @@ def _destinations(batch: Any, i: int, g: int) -> tuple[Tensor, Tensor, int]:
     """(the g slots a compaction of request i writes, the owned slots it gives back, how many
     of the g were newly allocated). The request's own slots come first (the tree's are never
     written); only a request owning fewer than g (a long prefix hit) needs new ones."""
-    from sglang.srt.mem_cache.common import evict_from_tree_cache
-
     row = _row(batch, i)
     owned = row[int(batch.reqs[i].kv.cache_protected_len):]
     need = max(0, g - int(owned.numel()))
     if not need:
         return owned[:g], owned[g:], 0
-    evict_from_tree_cache(batch.tree_cache, need)  # the request's own path is still locked
+    _make_room_in_tree(batch.tree_cache, need)  # the request's own path is still locked
     allocator = batch.token_to_kv_pool_allocator
     if allocator.available_size() < need:
         raise CompactionSkipped(f"no {need} free slots to privatise the kept prefix")
     fresh = allocator.alloc(need).to(device=row.device, dtype=torch.int64)
     return torch.cat([owned, fresh]), owned[:0], need
+
+
+def _make_room_in_tree(tree_cache: Any, need: int) -> None:
+    """Let SGLang evict unlocked tree nodes until `need` slots are free (if it can)."""
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+    evict_from_tree_cache(tree_cache, need)
 
 
 def _free(allocator: Any, slots: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ from torch import Tensor
 from sgl_kvc.core.request_state import ReqKvState, RequestTables
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.core.views import request_view, with_gaps
-from sgl_kvc.policies import HeadSelection, Policy, select_from_scores, select_per_head
+from sgl_kvc.policies import HeadSelection, Policy, carry_stats_per_head, select_from_scores, select_per_head
 
 
 @dataclass
@@ -221,15 +221,12 @@ def carry_stats_uniform(
     store: KvcStore, row: int, state: ReqKvState, policy: Policy, selection: HeadSelection, n: int,
     positions: Tensor,
 ) -> list[Tensor | None]:
-    """Per layer of this rank, its statistic [H_kv, k] after a per-head compaction: the
-    policy's own `carry_stats` on all n entries (for KV-Compress that seeds eq. 20 with
-    M^(pool)), then each head's kept entries. One layer's keys are read at a time."""
-    out: list[Tensor | None] = []
-    for local, layer in enumerate(range(store.first_layer, store.num_layers)):
-        view = request_view(store, row, layer, state, n=n, positions=positions)
-        full = policy.carry_stats(view, torch.arange(view.n, device=view.keys.device))
-        out.append(None if full is None else selection.gather(local, full))
-    return out
+    """Per layer of this rank, its statistic [H_kv, k] after a per-head compaction
+    (`carry_stats_per_head`); the views are made one layer at a time (a generator), so one
+    layer's keys are held at a time."""
+    views = (request_view(store, row, layer, state, n=n, positions=positions)
+             for layer in range(store.first_layer, store.num_layers))
+    return carry_stats_per_head(policy, views, selection)
 
 
 def carry_stats_variable(

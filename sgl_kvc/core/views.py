@@ -65,8 +65,3 @@ def layer_views(
 def with_gaps(first_layer: int, items: list[Any]) -> list[Any]:
     """Per-layer items of this rank padded to global layer ids (pipeline stages start later)."""
     return [None] * first_layer + list(items)
-
-
-def all_positions(view: LayerView) -> Tensor:
-    """Every entry of a view, as `Policy.carry_stats` takes kept indices."""
-    return torch.arange(view.n, device=view.keys.device)

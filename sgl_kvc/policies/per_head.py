@@ -51,7 +51,7 @@ KV heads; see ``docs/per-head-eviction.md`` for why no all-reduce is needed.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -325,7 +325,7 @@ def select_per_head(
 
 
 def carry_stats_per_head(
-    policy: Policy, views: Sequence[LayerView], selection: HeadSelection
+    policy: Policy, views: Iterable[LayerView], selection: HeadSelection
 ) -> list[Tensor | None]:
     """Per-layer statistic [H_kv, max_keep] (zero padded) to keep after a per-head compaction.
 

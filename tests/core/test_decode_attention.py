@@ -1,6 +1,7 @@
 """The batched decode attention kernel (`sgl_kvc.kernels.decode_attention`) and how the store
 runs it: it must give SGLang's answer (its torch_native loop over requests is the reference) and
-hand the attention it computed to the statistics policies."""
+hand the attention it computed to the statistics policies (the comparison with SGLang's own
+loop: tests/unit/test_attention_wrapper.py)."""
 
 from __future__ import annotations
 
@@ -12,27 +13,8 @@ from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.kernels.decode_attention import decode_attention, decode_probs
 from sgl_kvc.kernels.fp8 import Fp8Rows
+from decode_cases import D, GROUP, H_KV, case as _case
 from sgl_kvc.policies import get_policy
-
-H_KV, GROUP, D = 2, 3, 8
-
-
-def _case(seed: int, lens: list[int], slots_total: int = 96):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(slots_total, H_KV, D, generator=g)
-    v = torch.randn(slots_total, H_KV, D, generator=g)
-    n_max = max(lens)
-    r2t = torch.zeros(len(lens), 64, dtype=torch.int32)
-    perm = torch.randperm(slots_total - 1, generator=g) + 1  # slot 0 is SGLang's padding slot
-    used = 0
-    for b, n in enumerate(lens):
-        r2t[b, :n] = perm[used : used + n].to(torch.int32)
-        used += n
-    slots = r2t[:, :n_max].long()
-    pad = torch.arange(n_max)[None, :] >= torch.tensor(lens)[:, None]
-    slots = slots.masked_fill(pad, 0)
-    q = torch.randn(len(lens), H_KV * GROUP, D, generator=g)
-    return q, k, v, r2t, slots, pad
 
 
 def _reference(q, k, v, r2t, lens, scale):
@@ -57,24 +39,6 @@ def test_kernel_matches_dense_attention_per_request(lens: list[int]) -> None:
     assert torch.allclose(probs.sum(-1), torch.ones(len(lens), H_KV, GROUP))
     assert (probs.masked_select(pad[:, None, None, :].expand_as(probs)) == 0).all()
     assert torch.equal(decode_probs(q, k, slots, pad, 0.3), probs)
-
-
-def test_kernel_matches_sglangs_torch_native_loop() -> None:
-    """The kernel replaces `TorchNativeAttnBackend._run_sdpa_forward_decode` (sglang 0.5.23):
-    same inputs, same output (bf16, as the demo model runs)."""
-    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-
-    lens = [9, 2, 30, 17]
-    q, k, v, r2t, slots, pad = _case(1, lens)
-    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
-    theirs = torch.empty_like(q)
-    backend = object.__new__(TorchNativeAttnBackend)  # the loop reads nothing of the instance
-    TorchNativeAttnBackend._run_sdpa_forward_decode(
-        backend, q, theirs, k, v, r2t, torch.arange(len(lens)), torch.tensor(lens),
-        scaling=0.3, enable_gqa=True, causal=False,
-    )
-    ours, _ = decode_attention(q, k, v, slots, pad, 0.3)
-    assert torch.allclose(ours.float(), theirs.float(), atol=2e-2)  # bf16 rounding only
 
 
 def test_padding_never_reaches_the_output() -> None:
@@ -141,16 +105,3 @@ def test_store_attends_the_whole_batch_and_feeds_the_statistics(monkeypatch, ele
             assert a is None and b is None
         else:
             assert a.shape == (H_KV, lens[row]) and torch.allclose(a, b, atol=1e-6), name
-
-
-def test_wrapped_torch_native_backend_runs_the_kernel() -> None:
-    """The wrapped CPU backend class gets the kernel's loop replacement; FlashInfer's does not."""
-    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-
-    from sgl_kvc.adapter.attention import _kvc_class
-
-    cls = _kvc_class(TorchNativeAttnBackend, "torch_native")
-    assert cls.kvc_attends
-    assert cls._run_sdpa_forward_decode is not TorchNativeAttnBackend._run_sdpa_forward_decode
-    other = _kvc_class(type("FlashInferLike", (), {}), "flashinfer")
-    assert not other.kvc_attends and not hasattr(other, "_run_sdpa_forward_decode")

@@ -1,0 +1,145 @@
+"""Per-head passes (sgl_kvc.core.passes) on a store over a small pool, without SGLang: a pass
+staged over many small steps chooses exactly what one whole pass chooses, keeps the entries
+appended meanwhile in every head, and carries the statistics over; likewise for variable
+budgets on the unit pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
+from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.core.store import KvcStore
+from sgl_kvc.policies import LayerView, get_policy, select_from_scores, select_per_head
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+LAYERS, H_KV, GROUP, D, SLOTS, WINDOW = 2, 2, 3, 8, 96, 4
+POLICIES = ["rkv", "snapkv", "h2o", "kvcompress", "streamingllm", "avgattn"]
+
+
+class Pool:
+    """SGLang's KV pool surface: per-layer [slots, H_kv, d] K and V, as views of one
+    [slots, L, H_kv, d] allocation (the unit pool's layout, so `unit_buffers` is its flat form)."""
+
+    def __init__(self, device: torch.device, seed: int, units: bool = False) -> None:
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.k = torch.randn(SLOTS, LAYERS, H_KV, D, generator=g).to(device)
+        self.v = torch.randn(SLOTS, LAYERS, H_KV, D, generator=g).to(device)
+        self.start_layer, self.layer_num = 0, LAYERS
+        if units:
+            self.unit_buffers = lambda: (self.k.view(-1, D), self.v.view(-1, D))
+
+    def get_key_buffer(self, layer: int) -> torch.Tensor:
+        return self.k[:, layer]
+
+    def get_kv_buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, layer], self.v[:, layer]
+
+
+def _request(device: torch.device, policy: str, n: int, seed: int, units: bool = False):
+    """A store holding one request of n entries (row 0) with its window queries recorded and,
+    for the statistics policies, its prefill statistics."""
+    pool = Pool(device, seed, units)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    r2t = torch.zeros(2, 64, dtype=torch.int32, device=device)
+    slots = (torch.randperm(SLOTS - 1, generator=g)[:n] + 1).to(device)
+    r2t[0, :n] = slots.to(torch.int32)
+    store = KvcStore(LAYERS, WINDOW, r2t, pool)
+    state = ReqKvState(policy=get_policy(policy), budget=6, device=device)
+    store.begin(0, state)
+    for layer in range(LAYERS):
+        q = torch.randn(n, H_KV * GROUP, D, generator=g).to(device)
+        store.record_extend(layer, 0, q, pool_rows=2)
+        if state.policy.uses_stats:
+            keys = pool.get_key_buffer(layer)[slots]
+            idx = torch.arange(n, device=device)
+            store.accumulate(0, layer, q, keys, idx, idx, 0.3)
+    return store, state, pool, slots
+
+
+def _run(store: KvcStore, state: ReqKvState, n: int, target: int, budget: int, mode: str | None = None):
+    """Start a pass to `target` and advance it with `budget` work per step until it is due."""
+    tables = state.tables(store.req_to_token[0, :n], LAYERS, H_KV) if mode else None
+    state.pending = start_pass(store, 0, state, state.policy, n, target, "prefill", tables)
+    for _ in range(100):
+        work = StepWork(budget=budget)
+        due = advance_variable(store, 0, state, n, work, mode) if mode else advance_uniform(store, 0, state, n, work)
+        if due is not None:
+            return due
+    raise AssertionError("the pass never finished")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_staged_pass_chooses_what_a_whole_pass_chooses(device: torch.device, policy: str) -> None:
+    n, target = 30, 6
+    store, state, pool, slots = _request(device, policy, n, seed=3)
+    whole = _run(store, state, n, target, budget=1 << 40)
+    assert not whole.staged and state.pending is None
+    views = [
+        LayerView(keys=pool.get_key_buffer(layer)[slots], queries=store.queries(0, layer, n), stats=state.stats[layer])
+        for layer in range(LAYERS)
+    ]
+    want = torch.stack([select_per_head(state.policy, [v], target).indices[0] for v in views])
+    assert torch.equal(whole.selection.indices, want)
+    assert whole.selection.indices.device == device and whole.kept_positions.device == device
+    assert torch.equal(whole.kept_positions, want)  # no compaction yet: logical = physical
+    staged = _run(store, state, n, target, budget=1)  # one KV head per step
+    assert staged.staged and torch.equal(staged.selection.indices, whole.selection.indices)
+    if state.policy.uses_stats:
+        for layer in range(LAYERS):
+            carried = whole.stats[layer]
+            assert carried.shape == (H_KV, target) and carried.device == device
+            full = state.policy.carry_stats(views[layer], torch.arange(n, device=device))
+            assert torch.equal(carried, full.gather(1, want[layer]))
+
+
+def test_entries_appended_during_a_staged_pass_are_kept_by_every_head(device: torch.device) -> None:
+    n0, n, target = 24, 27, 5
+    store, state, pool, _ = _request(device, "snapkv", n, seed=7)
+    state.pending = start_pass(store, 0, state, state.policy, n0, target, "decode", None)
+    assert advance_uniform(store, 0, state, n0, StepWork(budget=1)) is None  # one head, not done
+    due = None
+    while due is None:
+        due = advance_uniform(store, 0, state, n, StepWork(budget=1))
+    assert due.selection.n == n and due.began_at == n0
+    tail = torch.arange(n0, n, device=device)
+    assert torch.equal(due.selection.indices[..., target:], tail.expand(LAYERS, H_KV, n - n0))
+    assert bool((due.selection.indices[..., :target] < n0).all())
+
+
+@pytest.mark.parametrize("mode", ["variable", "layer"])
+@pytest.mark.parametrize("policy", ["snapkv", "kvcompress"])
+def test_variable_pass_sorts_every_heads_scores_once(device: torch.device, mode: str, policy: str) -> None:
+    n, target = 26, 5
+    store, state, pool, slots = _request(device, policy, n, seed=11, units=True)
+    whole = _run(store, state, n, target, budget=1 << 40, mode=mode)
+    scores = torch.empty(LAYERS, H_KV, n, device=device)
+    protected = torch.zeros(LAYERS, H_KV, n, dtype=torch.bool, device=device)
+    for layer in range(LAYERS):
+        q = store.queries(0, layer, n)
+        for h in range(H_KV):
+            stats = state.stats[layer]
+            view = LayerView(
+                keys=pool.k[slots, layer, h : h + 1], queries=q[:, h * GROUP : (h + 1) * GROUP],
+                stats=None if stats is None else stats[h : h + 1],
+            )
+            scores[layer, h] = state.policy.score(view)[0]
+            protected[layer, h] = state.policy.protected(view)
+    want = select_from_scores(scores, protected, target, mode=mode)
+    assert torch.equal(whole.selection.lengths, want.lengths)
+    assert torch.equal(whole.selection.indices, want.indices)
+    assert whole.units.device == device and whole.selection.total <= target * LAYERS * H_KV
+    staged = _run(store, state, n, target, budget=1, mode=mode)
+    assert staged.staged and torch.equal(staged.selection.indices, whole.selection.indices)
+    if state.policy.uses_stats:
+        assert all(s.shape == (H_KV, whole.selection.max_keep) for s in whole.stats)
+
+
+def test_step_work_lets_the_first_head_run_whatever_it_costs() -> None:
+    work = StepWork(budget=10)
+    assert work.allows(50) and not work.fits(50)
+    work.spend(50)
+    assert not work.allows(1)
+    assert StepWork.unlimited().fits(1 << 40)
