@@ -80,7 +80,9 @@ def build_sglang_argv(
         logger.warning("sgl-kvc: decode CUDA graphs disabled (--disable-cuda-graph) for a "
                        "compressing policy: observation runs in Python each step")
         out.append("--disable-cuda-graph")
-    if not _has_flag(out, "--disable-radix-cache"):
+    if compressing and not _has_flag(out, "--disable-radix-cache"):
+        # The tree compaction's radix rule is written against (adapter/radix_cache.py);
+        # --policy none keeps SGLang's own choice.
         defaults["--radix-cache-backend"] = RADIX_CACHE_BACKEND
     model = _flag_value(out, "--model-path") or _flag_value(out, "--model")
     if model is None:
@@ -166,6 +168,53 @@ def unsupported(config: KvcConfig, argv: list[str]) -> str | None:
     if _has_flag(argv, "--enable-mixed-chunk"):
         return (f"--policy {config.policy} does not support --enable-mixed-chunk: mixed "
                 "prefill+decode batches would give compacted requests physical positions")
+    tp = _flag_value(argv, "--tp-size") or _flag_value(argv, "--tensor-parallel-size") or "1"
+    if config.variable_budget and tp != "1":
+        return (f"--kv-head-budget {config.kv_head_budget} does not support --tp-size {tp}: staged "
+                "passes are priced from each rank's own tables, so ranks could finish a pass in "
+                "different steps (use --kv-head-budget uniform with tensor parallelism)")
+    for flag, why in _COMPRESSION_BREAKERS.items():
+        value = _flag_value(argv, flag) if flag in _VALUED_FLAGS else ("on" if _has_flag(argv, flag) else None)
+        if value is not None and value not in _VALUED_FLAGS.get(flag, ()):
+            shown = flag if value == "on" else f"{flag} {value}"
+            return f"--policy {config.policy} does not support {shown}: {why}"
+    return None
+
+
+# SGLang features a compressing server refuses: each assumes what compaction changes.
+_COMPRESSION_BREAKERS: dict[str, str] = {
+    "--enable-dp-attention": "attention data-parallel ranks share one scheduler's decisions, which "
+    "the per-rank score reducer and the radix rule do not cover",
+    "--attn-dp-size": "attention data-parallel ranks share one scheduler's decisions, which the "
+    "per-rank score reducer and the radix rule do not cover",
+    "--disaggregation-mode": "prefill/decode disaggregation transfers KV rows between servers, and "
+    "a compacted row is not the prompt's KV",
+    "--enable-lmcache": "LMCache stores and restores KV by prompt tokens; compacted KV is not theirs",
+    "--enable-flexkv": "FlexKV stores and restores KV by prompt tokens; compacted KV is not theirs",
+    "--enable-hierarchical-cache": "the hierarchical cache offloads and reloads rows by prompt "
+    "tokens; compacted KV is not theirs",
+    "--enable-hicache": "the hierarchical cache offloads and reloads rows by prompt tokens; "
+    "compacted KV is not theirs",
+    "--enable-pdmux": "prefill/decode multiplexing splits batches in ways compaction does not see",
+}
+# Flags with a value, and the values that leave the feature off.
+_VALUED_FLAGS: dict[str, tuple[str, ...]] = {
+    "--attn-dp-size": ("1",),
+    "--disaggregation-mode": ("null",),
+}
+
+
+def gpu_unsupported(config: KvcConfig, capability: tuple[int, int]) -> str | None:
+    """Why this CUDA GPU (compute capability) cannot serve `config`, in one line; None if it can.
+    Variable budgets decode through sgl-kvc's Triton kernel (`kernels/triton_per_head.py`),
+    which needs bfloat16 (sm80+) and, reading FP8 codes, the FP8 conversions of sm89+."""
+    if not config.variable_budget:
+        return None
+    need = (8, 9) if config.fp8_kv else (8, 0)
+    if tuple(capability) < need:
+        what = f"--kv-head-budget {config.kv_head_budget}" + (f" with --kv-cache-dtype {config.fp8_kv}" if config.fp8_kv else "")
+        return (f"{what} needs a GPU of compute capability {need[0]}.{need[1]} or newer for sgl-kvc's "
+                f"Triton decode kernel; this one is {capability[0]}.{capability[1]}")
     return None
 
 
@@ -220,6 +269,16 @@ def main(argv: list[str] | None = None) -> None:
     on_gpu = _cuda_available()
     if not on_gpu:
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    else:
+        import torch
+
+        problem = gpu_unsupported(config, torch.cuda.get_device_capability())
+        try:
+            import sgl_kernel  # noqa: F401  (stand-ins never answer on a GPU machine)
+        except ImportError as e:
+            problem = problem or str(e)
+        if problem:
+            sys.exit(f"python -m sgl_kvc.launch: error: {problem}")
     sglang_argv = build_sglang_argv(
         rest, on_gpu, config.compressing, fp8_kv=config.fp8_kv is not None,
         kv_memory_budget=config.kv_cache_memory_gb is not None, unit_pool=config.variable_budget,

@@ -29,7 +29,7 @@ from sgl_kvc.adapter.compaction import (
 )
 from sgl_kvc.adapter.invariants import InvariantViolation
 from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
-from sgl_kvc.adapter.requests import abort_running, is_middle_chunk, request_settings
+from sgl_kvc.adapter.requests import abort_running, is_middle_chunk, on_release, request_settings
 from sgl_kvc.adapter.tp import ScoreReducer, tp_rank
 from sgl_kvc.adapter.trace import CompactionTrace
 from sgl_kvc.config import KvcConfig
@@ -42,7 +42,6 @@ from sgl_kvc.policies import HeadSelection, Policy, get_policy
 logger = logging.getLogger(__name__)
 
 STATE_ATTR = "_sgl_kvc_state"
-STORE_ATTR = "_sgl_kvc_store"  # on SGLang's ReqToTokenPool: the store its released rows leave
 # Policies are cached per (name, budget); under --kv-budget-ratio every length gives a new
 # budget, so the cache is an LRU of this many entries rather than unbounded.
 POLICY_CACHE_SIZE = 64
@@ -61,7 +60,7 @@ class Compressor:
         self.store = KvcStore(
             self.num_layers, config.kv_window, req_to_token_pool.req_to_token, pool, first_layer=self.first_layer,
         )
-        setattr(req_to_token_pool, STORE_ATTR, self.store)  # rows released -> states dropped
+        on_release(req_to_token_pool, self._released)
         self._policies: OrderedDict[tuple[str, int], Policy] = OrderedDict()
         # With tensor parallelism each rank sees only its own KV heads: a shared selection's
         # scores are averaged over the TP group first, so every rank keeps the same tokens.
@@ -119,10 +118,12 @@ class Compressor:
         self.store.begin(req.kv.req_pool_idx, state)
         setattr(req, STATE_ATTR, state)
 
-    def forget(self, req: Any) -> None:
-        """A retracted request restarts from its tokens: fresh, uncompressed state."""
-        if getattr(req, STATE_ATTR, None) is not None:
-            setattr(req, STATE_ATTR, None)
+    def _released(self, req: Any) -> None:
+        """A request gave its row back (finished, aborted, retracted): drop what it held."""
+        row = getattr(req.kv, "req_pool_idx", None)
+        if row is not None:
+            self.store.release(row)
+        setattr(req, STATE_ATTR, None)
 
     def begin_decode(self, batch: Any, fb: Any) -> None:
         """Before a decode forward: the step's plan, from host-side data."""
@@ -245,7 +246,7 @@ class Compressor:
         self, batch: Any, i: int, state: ReqKvState, target: int, moment: str, work: StepWork
     ) -> None:
         """Begin a pass to `target` entries and run what `work` allows of it."""
-        self._check_failpoint(batch.reqs[i])
+        failpoints.maybe_raise("compress_raise", batch.reqs[i].rid, "compressing")
         if not state.per_head:
             self._compress_shared(batch, i, state, target, moment)
             return
@@ -366,10 +367,6 @@ class Compressor:
         """The other running batch (read only by the invariant check)."""
         running = getattr(self.scheduler, "running_batch", None)
         return (running,) if running is not None and running is not batch else ()
-
-    def _check_failpoint(self, req: Any) -> None:
-        if failpoints.active("compress_raise") and str(req.rid).startswith(failpoints.RID_PREFIX):
-            raise failpoints.PlantedFault(f"planted fault compressing {req.rid}")
 
     def _account(self, seconds: float) -> float:
         """Time spent compressing: the step's total is the stall it caused the scheduler."""

@@ -4,7 +4,10 @@ They prove that the safety nets work on a live server: that an exception in sgl-
 one request aborts only that request, and that `SGLKVC_CHECK=1` catches a broken pool. Nothing
 is active unless the variable names it; a client cannot turn one on.
 
-- `compress_raise`: compressing a request whose id starts with `failpoint-` raises.
+- `compress_raise`: compressing a request whose id starts with `failpoint-compress` raises.
+- `rewrite_raise`: rewriting the row of a request whose id starts with `failpoint-rewrite`
+  raises, after its kept entries moved (with others of the same step) and before any row or
+  slot of it changed.
 - `leak_slot`: a compaction forgets to free one evicted slot (an accounting error).
 - `tp_local_scores`: with tensor parallelism, each rank chooses from its own heads' scores.
 """
@@ -14,7 +17,6 @@ from __future__ import annotations
 import os
 
 ENV = "SGLKVC_FAILPOINTS"
-RID_PREFIX = "failpoint-"
 
 
 class PlantedFault(RuntimeError):
@@ -23,3 +25,13 @@ class PlantedFault(RuntimeError):
 
 def active(name: str) -> bool:
     return name in os.environ.get(ENV, "").split(",")
+
+
+def hits(name: str, rid: object) -> bool:
+    """Whether failpoint `name` is planted for request `rid` (id `failpoint-<first word of name>...`)."""
+    return active(name) and str(rid).startswith("failpoint-" + name.split("_")[0])
+
+
+def maybe_raise(name: str, rid: object, what: str) -> None:
+    if hits(name, rid):
+        raise PlantedFault(f"planted fault {what} {rid}")

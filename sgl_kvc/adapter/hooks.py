@@ -10,7 +10,7 @@
 | Scheduler.get_next_batch_to_run                 | after  | peak number of requests in flight      |
 | Scheduler._add_request_to_queue                 | around | validate per-request settings (400)    |
 | SchedulerInternalStateController.get_internal_state | after | `/v1/kvc/stats` snapshot          |
-| ReqToTokenPool.free_rows                        | after  | a released request's state is dropped  |
+| ReqToTokenPool.free                             | before | a released request: its state dropped, its prefix hits counted |
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from typing import Any, Callable
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_kvc.adapter.requests import reject_invalid, request_settings
-from sgl_kvc.adapter.compressor import STORE_ATTR
+from sgl_kvc.adapter.requests import reject_invalid, released, request_settings
 from sgl_kvc.adapter.runtime import KvcRuntime, collect_stats, compressor_of, request_peak_tokens
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.policies import policy_class
@@ -80,12 +79,12 @@ def hook_table(config: KvcConfig) -> list[Hook]:
         (f"{_SCHEDULER}.get_next_batch_to_run", _after_next_batch(config), HookType.AFTER),
         (f"{_INTERNAL_STATE}.get_internal_state", _after_internal_state(config), HookType.AFTER),
         (f"{_SCHEDULER}.update_running_batch", _around_update_running(config), HookType.AROUND),
+        (f"{_REQ_TO_TOKEN}.free", _before_free, HookType.BEFORE),
     ]
     if config.compressing:
         # With --policy none nothing below may touch SGLang's per-step path.
         hooks += [
             (f"{_FORWARD_BATCH}.init_new", _after_forward_batch(config), HookType.AFTER),
-            (f"{_REQ_TO_TOKEN}.free_rows", _after_free_rows, HookType.AFTER),
             (f"{_SCHEDULER}.process_batch_result", _after_batch_result(config), HookType.AFTER),
             (f"{_REQ}._compute_max_prefix_len", _around_max_prefix(config), HookType.AROUND),
             (f"{_SCHEDULER}._add_request_to_queue", _around_add_to_queue, HookType.AROUND),
@@ -135,14 +134,10 @@ def _after_forward_batch(config: KvcConfig):
     return hook
 
 
-def _after_free_rows(result: Any, pool: Any, indices: Any, *args: Any, **kwargs: Any) -> Any:
+def _before_free(pool: Any, req: Any, *args: Any, **kwargs: Any) -> None:
     # Every finished, aborted or retracted request gives its row back here (SGLang's
     # `release_kv_cache`): what sgl-kvc held for it goes at the same moment.
-    store = getattr(pool, STORE_ATTR, None)
-    if store is not None:
-        for row in indices:
-            store.release(int(row))
-    return result
+    released(pool, req)
 
 
 def _after_batch_result(config: KvcConfig):
@@ -166,11 +161,10 @@ def _around_update_running(config: KvcConfig):
             compressor.before_retract(batch)
         before = list(batch.reqs)
         out = original(scheduler, batch, *args, **kwargs)
+        # A retracted request released its row (its state went with it, `Compressor._released`)
+        # and restarts from its tokens.
         remaining = {id(r) for r in batch.reqs}
-        retracted = [r for r in before if id(r) not in remaining and not r.finished()]
-        for req in retracted:
-            compressor.forget(req)
-        compressor.retracted(sum(1 for r in retracted if r.is_retracted))
+        compressor.retracted(sum(1 for r in before if id(r) not in remaining and r.is_retracted))
         return out
 
     return hook

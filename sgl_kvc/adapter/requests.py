@@ -1,5 +1,5 @@
 """What sgl-kvc reads from and does to one SGLang `Req`: its validated compression settings, its
-chunked-prefill phase, and aborting it with a message.
+chunked-prefill phase, aborting it with a message, and hearing when its row is released.
 
 Settings are validated once per request, when the request enters the scheduler's queue; a bad one
 aborts that request with a 400 (SGLang's own `set_finish_with_abort` path) and is never read again,
@@ -9,11 +9,12 @@ so nothing a client sends can raise later inside the scheduler loop.
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Callable
 
 from sgl_kvc.request_settings import RequestCompression, RequestSettingError, from_custom_params
 
 _SETTINGS_ATTR = "_sgl_kvc_settings"
+_RELEASE_ATTR = "_sgl_kvc_on_release"  # on SGLang's ReqToTokenPool
 _ERROR_ATTR = "_sgl_kvc_settings_error"
 # What an invalid request runs with until its abort completes: nothing to compress.
 _INERT = RequestCompression(policy="none")
@@ -70,3 +71,16 @@ def is_middle_chunk(batch: Any, req: Any) -> bool:
     `inflight_middle_chunks` is already decremented when an after-hook runs, so it cannot tell.
     """
     return getattr(batch, "chunked_req", None) is req or getattr(req, "inflight_middle_chunks", 0) > 0
+
+
+def on_release(req_to_token_pool: Any, listener: Callable[[Any], None]) -> None:
+    """Call `listener(req)` whenever a request gives its row back to `req_to_token_pool`
+    (finished, aborted or retracted; SGLang's `release_kv_cache`), before the row is freed."""
+    listeners = getattr(req_to_token_pool, _RELEASE_ATTR, ())
+    setattr(req_to_token_pool, _RELEASE_ATTR, (*listeners, listener))
+
+
+def released(req_to_token_pool: Any, req: Any) -> None:
+    """Tell the listeners of `req_to_token_pool` that `req` releases its row."""
+    for listener in getattr(req_to_token_pool, _RELEASE_ATTR, ()):
+        listener(req)

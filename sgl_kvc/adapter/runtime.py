@@ -6,13 +6,13 @@ globals, and every number in the snapshot is read from the scheduler process tha
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sgl_kvc.adapter.compressor import Compressor
 from sgl_kvc.adapter.fp8_pool import pool_bytes
 from sgl_kvc.adapter.memory_budget import RESERVED_ATTR
-from sgl_kvc.adapter.requests import request_settings
+from sgl_kvc.adapter.requests import on_release, request_settings
 from sgl_kvc.config import KvcConfig
 
 _RUNTIME_ATTR = "_sgl_kvc_runtime"
@@ -40,9 +40,27 @@ def request_peak_tokens(config: KvcConfig, req: Any) -> int | None:
 
 
 @dataclass
+class PrefixStats:
+    """Prompt tokens of finished requests, and how many of them came from the prefix cache."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+
+    def count(self, req: Any) -> None:
+        # Retracted requests release their row too, and again when they finish: count at
+        # finish only. SGLang computes `cached_tokens` once per request, at its first admission.
+        if req.finished():
+            self.requests += 1
+            self.prompt_tokens += len(req.origin_input_ids)
+            self.hit_tokens += int(req.cached_tokens)
+
+
+@dataclass
 class KvcRuntime:
     config: KvcConfig
     max_running: int = 0
+    prefix: PrefixStats = field(default_factory=PrefixStats)
 
     @classmethod
     def of(cls, scheduler: Any, config: KvcConfig) -> "KvcRuntime":
@@ -50,6 +68,7 @@ class KvcRuntime:
         if runtime is None:
             runtime = cls(config)
             setattr(scheduler, _RUNTIME_ATTR, runtime)
+            on_release(scheduler.req_to_token_pool, runtime.prefix.count)
         return runtime
 
     def observe_plan(self, plan: Any) -> None:
@@ -67,7 +86,7 @@ def _dtype_name(dtype: Any) -> str:
 
 def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
     tree = scheduler.tree_cache
-    prefix = getattr(tree, "prefix_stats", None)
+    prefix = runtime.prefix
     model_runner = scheduler.tp_worker.model_runner
     compressor = compressor_of(model_runner, runtime.config)
     compression = asdict(compressor.stats)
@@ -92,8 +111,8 @@ def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
         },
         "prefix_cache": {
             "backend": type(tree).__name__,
-            "prompt_tokens": prefix.prompt_tokens if prefix else 0,
-            "hit_tokens": prefix.hit_tokens if prefix else 0,
+            "prompt_tokens": prefix.prompt_tokens,
+            "hit_tokens": prefix.hit_tokens,
         },
         "compression": compression,
         # per-head budgets: uniform, or variable / layer (packed in the unit pool)

@@ -122,16 +122,52 @@ def fp8_unit_pool_class(config: KvcConfig) -> type[KvcFp8UnitTokenToKVPool] | No
     return fp8_pool_class(config.fp8_kv, base=KvcFp8UnitTokenToKVPool)
 
 
+def unsupported_model(model: Any, is_encoder_decoder: bool, flag: str) -> str | None:
+    """Why the unit pool cannot serve `model` (its attention layers, as SGLang built them), in
+    one line; None if it can. sgl-kvc's batched kernel reads packed requests through per-head
+    tables; a layer it does not serve (a logit cap, a sliding window, cross-attention to encoder
+    tokens) falls back to SGLang's loop, which reads packed slots as per-layer rows."""
+    if is_encoder_decoder:
+        return f"{flag} does not support encoder-decoder models (cross-attention to encoder tokens)"
+    for module in model.modules():
+        if not hasattr(module, "logit_cap") or not hasattr(module, "layer_id"):
+            continue  # not an attention layer (SGLang's RadixAttention has both)
+        window = getattr(module, "sliding_window_size", None)
+        why = ("a logit cap" if getattr(module, "logit_cap", 0) else
+               f"a sliding window of {window}" if window is not None and window >= 0 else
+               "cross-attention" if getattr(module, "is_cross_attention", False) else None)
+        if why:
+            return (f"{flag} does not support this model: its attention layer {module.layer_id} uses "
+                    f"{why}, which sgl-kvc's per-head decode kernel does not implement")
+    return None
+
+
+def _refuse_unsupported_model(flag: str) -> Callable[..., Any]:
+    def hook(result: Any, kvc: Any, *args: Any, **kwargs: Any) -> Any:
+        if not kvc.is_draft_worker:
+            problem = unsupported_model(kvc.model, bool(getattr(kvc.model_config, "is_encoder_decoder", False)), flag)
+            if problem:
+                raise SystemExit(f"sgl-kvc: {problem}")
+        return result
+
+    return hook
+
+
 def register(config: KvcConfig) -> None:
-    """Variable budgets in the model's dtype (FP8: `fp8_pool.register(config, fp8_unit_pool_class(config))`)."""
+    """Variable budgets: refuse a model the unit pool cannot serve; in the model's dtype, the
+    unit pool class (FP8: `fp8_pool.register(config, fp8_unit_pool_class(config))`)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    if not config.variable_budget or config.fp8_kv is not None:
+    if not config.variable_budget:
         return
+    flag = f"--kv-head-budget {config.kv_head_budget}"
     hooks: list[tuple[str, Callable[..., Any], HookType]] = [
-        (f"{_CONFIGURATOR}._resolve_kv_pool_class", after_resolve(KvcUnitTokenToKVPool), HookType.AFTER),
-        (f"{_CONFIGURATOR}.configure",
-         after_configure(KvcUnitTokenToKVPool, "--kv-head-budget variable"), HookType.AFTER),
+        (f"{_CONFIGURATOR}.configure", _refuse_unsupported_model(flag), HookType.AFTER),
     ]
+    if config.fp8_kv is None:
+        hooks += [
+            (f"{_CONFIGURATOR}._resolve_kv_pool_class", after_resolve(KvcUnitTokenToKVPool), HookType.AFTER),
+            (f"{_CONFIGURATOR}.configure", after_configure(KvcUnitTokenToKVPool, flag), HookType.AFTER),
+        ]
     for target, fn, kind in hooks:
         HookRegistry.register(target, fn, kind)

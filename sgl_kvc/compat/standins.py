@@ -7,10 +7,16 @@ registry's torchvision is CUDA-linked and breaks the CPU torch.
 
 `install()` appends a finder at the END of `sys.meta_path`, so it is consulted only when no
 real package could be found: where the real `sgl_kernel` / `torchvision` import, they win.
-Every attribute of a stand-in module is a `StandIn` object that is harmless to import, to pass
-around or to read attributes of, but raises when called, after recording the call in the file
-named by `SGLKVC_STANDIN_LOG` (if set). Imports are recorded there too, so a test can show
-that the stand-ins were in use and that a full request cycle called none of them.
+A name imported from a stand-in module (`from sgl_kernel import x`) is a `StandIn` object that
+is harmless to import, to pass around or to read attributes of, but raises when called, after
+recording the call in the file named by `SGLKVC_STANDIN_LOG` (if set). Any other attribute
+lookup on a stand-in module fails as on a module without it, so `hasattr(sgl_kernel, name)`
+and `getattr(..., None)` feature probes see the feature absent. Imports are recorded in the
+log too, so a test can show that the stand-ins were in use and that a full request cycle
+called none of them.
+
+Stand-ins exist for CPU serving only: on a machine with a CUDA GPU a missing `sgl_kernel` is a
+missing install (its kernels are needed there), so importing it fails with the install hint.
 
 This module is imported from a `.pth` file in every process of the environment (the server
 spawns its scheduler and detokenizer as fresh interpreters): it must stay stdlib-only and cheap.
@@ -18,6 +24,7 @@ spawns its scheduler and detokenizer as fresh interpreters): it must stay stdlib
 
 from __future__ import annotations
 
+import dis
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -28,6 +35,8 @@ from typing import Any
 
 STANDIN_ROOTS: tuple[str, ...] = ("sgl_kernel", "torchvision")
 LOG_ENV = "SGLKVC_STANDIN_LOG"
+GPU_HINT = ("sgl_kernel is not installed, and this machine has a CUDA GPU that needs its kernels: "
+            "install the GPU build (`make install` on this machine, or pip install -e '.[gpu]')")
 
 
 def _record(event: str, name: str) -> None:
@@ -63,11 +72,44 @@ class StandIn:
         return f"<stand-in {self._qualname}>"
 
 
+def _importing_from(frame: types.FrameType | None) -> bool:
+    """Whether `frame` is executing `from module import name`: the IMPORT_FROM instruction, or
+    importlib resolving the names of a `from package import ...` (`_handle_fromlist`)."""
+    if frame is None:
+        return False
+    if frame.f_code.co_name == "_handle_fromlist":
+        return True
+    for instruction in dis.get_instructions(frame.f_code):
+        if instruction.offset == frame.f_lasti:
+            return instruction.opname == "IMPORT_FROM"
+    return False
+
+
 class _StandInModule(types.ModuleType):
     def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
+        if attr.startswith("__") or not _importing_from(sys._getframe(1)):
+            raise AttributeError(f"stand-in module {self.__name__!r} has no attribute {attr!r}")
         return StandIn(f"{self.__name__}.{attr}")
+
+
+class _RefusingLoader(importlib.abc.Loader):
+    """Fails the import with the install hint (a GPU machine without sgl_kernel)."""
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        raise ImportError(GPU_HINT, name=spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:  # pragma: no cover - never reached
+        raise ImportError(GPU_HINT, name=module.__name__)
+
+
+def _gpu_present() -> bool:
+    """Whether this process sees a CUDA GPU (asked only when a stand-in is about to be used:
+    SGLang has imported torch by then)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 class _StandInLoader(importlib.abc.Loader):
@@ -84,8 +126,11 @@ class _StandInLoader(importlib.abc.Loader):
 
 class _StandInFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None):
-        if fullname.split(".", 1)[0] not in STANDIN_ROOTS:
+        root = fullname.split(".", 1)[0]
+        if root not in STANDIN_ROOTS:
             return None
+        if root == "sgl_kernel" and _gpu_present():
+            return importlib.machinery.ModuleSpec(fullname, _RefusingLoader())
         return importlib.machinery.ModuleSpec(fullname, _StandInLoader(), is_package=True)
 
 

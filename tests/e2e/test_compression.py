@@ -150,10 +150,25 @@ def test_budget_above_length_gives_same_tokens_as_none(rkv_server, policy: str) 
 
 
 def test_concurrent_compressing_requests_complete_and_free_everything(rkv_server) -> None:
-    assert complete_concurrently(rkv_server, 8, 80) == [80] * 8
+    """A load of every policy and both selections, staged passes under way and a client that
+    disconnects mid-stream: once idle, every slot is free or cached and no request state is
+    left in the store (statistics, staged passes' query copies, tables)."""
+    policies = ["rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress", "rkv", "h2o"]
+
+    def settings(i: int) -> dict:
+        return {"kv_compression": {"policy": policies[i], "selection": "shared" if i % 3 == 2 else "per-head"}}
+
+    with rkv_server.post("/v1/completions", stream=True, json={
+        "model": "m", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True,
+        "kv_compression": {"policy": "kvcompress"},
+    }) as gone:
+        next(gone.iter_lines())  # the client leaves after its first chunk
+    assert complete_concurrently(rkv_server, 8, 80, settings) == [80] * 8
     s = rkv_server.wait_idle()
     assert_pool_whole(s)
-    assert s["compression"]["decode_passes"] > 0
+    assert s["compression"]["decode_passes"] > 0 and s["compression"]["staged_passes"] > 0
+    assert s["pool"]["request_state_bytes"] == 0
+    assert s["prefix_cache"]["backend"] == "RadixCache"  # the tree compaction is written for
 
 
 @pytest.mark.parametrize(

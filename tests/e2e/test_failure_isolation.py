@@ -34,25 +34,37 @@ def _generate(server: ServerProcess, rid: str, n: int = 24, **sampling) -> reque
 
 @pytest.fixture(scope="module")
 def faulty_server():
-    env = {"SGLKVC_FAILPOINTS": "compress_raise", "SGLKVC_CHECK": "1"}
+    env = {"SGLKVC_FAILPOINTS": "compress_raise,rewrite_raise", "SGLKVC_CHECK": "1"}
     with ServerProcess.launch(CMD, env=env) as server:
         yield server
 
 
 def test_an_exception_for_one_request_aborts_only_that_request(faulty_server) -> None:
-    rids = ["failpoint-1", "ok-1", "ok-2", "ok-3"]
+    _only_the_planted_request_fails(faulty_server, "failpoint-compress-1")
+
+
+def test_a_failed_row_rewrite_aborts_only_its_request_and_leaves_the_pool_whole(faulty_server) -> None:
+    """The kept entries of every request due in the step move together; one request's row
+    rewrite then fails: its old row still owns its slots (freed when it is aborted), the others
+    are rewritten and freed, and the invariant check (SGLKVC_CHECK=1) finds the pool whole."""
+    _only_the_planted_request_fails(faulty_server, "failpoint-rewrite-1")
+
+
+def _only_the_planted_request_fails(server: ServerProcess, planted: str) -> None:
+    failed_before = server.wait_idle()["compression"]["failed_requests"]
+    rids = [planted, "ok-1", "ok-2", "ok-3"]
     with ThreadPoolExecutor(len(rids)) as pool:
-        responses = dict(zip(rids, pool.map(lambda rid: _generate(faulty_server, rid), rids)))
-    bad = responses.pop("failpoint-1")
+        responses = dict(zip(rids, pool.map(lambda rid: _generate(server, rid), rids)))
+    bad = responses.pop(planted)
     assert bad.status_code >= 400 or bad.json()["meta_info"]["finish_reason"]["type"] == "abort"
     assert "sgl-kvc could not compress" in bad.text
     for rid, r in responses.items():
         assert r.status_code == 200, (rid, r.text[:300])
         assert r.json()["meta_info"]["completion_tokens"] == 24
-    stats = faulty_server.wait_idle()
-    assert stats["compression"]["failed_requests"] == 1
+    stats = server.wait_idle()
+    assert stats["compression"]["failed_requests"] == failed_before + 1
     assert_pool_whole(stats)
-    assert _generate(faulty_server, "ok-after").status_code == 200
+    assert _generate(server, "ok-after").status_code == 200
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,10 @@
-"""`--policy none` gives the same greedy tokens as plain `python -m sglang.launch_server`."""
+"""`--policy none` is plain SGLang: the same prefix-cache class and greedy tokens as
+`python -m sglang.launch_server`."""
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -58,3 +60,13 @@ def test_policy_none_same_greedy_tokens_as_plain_sglang(kvc_server, plain_sglang
         ours, plain = _greedy(kvc_server, prompt), _greedy(plain_sglang, prompt)
         assert ours == plain, prompt
         assert ours[1] == 40
+
+
+def test_policy_none_keeps_sglangs_prefix_cache(kvc_server, plain_sglang) -> None:
+    def tree_class(server: ServerProcess) -> str:
+        found = re.search(r"Tree cache initialized: .*?impl=(\w+)", server.log_path.read_text(errors="replace"))
+        assert found, "SGLang logged no tree cache"
+        return found.group(1)
+
+    assert tree_class(kvc_server) == tree_class(plain_sglang)
+    assert kvc_server.stats()["prefix_cache"]["backend"] == tree_class(plain_sglang)

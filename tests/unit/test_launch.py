@@ -23,7 +23,7 @@ def test_cpu_defaults_filled_in(tmp_path, monkeypatch) -> None:
     argv = build_sglang_argv([], on_gpu=False)
     for flag, value in CPU_DEFAULTS.items():
         assert flag in argv and (value is None or _flag_value(argv, flag) == value)
-    assert _flag_value(argv, "--radix-cache-backend") == "sgl_kvc"
+    assert "--radix-cache-backend" not in argv  # --policy none: SGLang's own prefix cache
     assert _flag_value(argv, "--served-model-name") == "SmolLM2-135M-Instruct"
     assert _flag_value(argv, "--model-path") == str(tmp_path / "smollm2")
 
@@ -55,8 +55,10 @@ def test_gpu_defaults() -> None:
     assert "--device" not in argv
 
 
-def test_disable_radix_cache_keeps_sglang_default() -> None:
-    argv = build_sglang_argv(["--model-path", "/m", "--disable-radix-cache"], on_gpu=False)
+def test_compressing_policies_pin_the_tree_compaction_is_written_for() -> None:
+    argv = build_sglang_argv(["--model-path", "/m"], on_gpu=False, compressing=True)
+    assert _flag_value(argv, "--radix-cache-backend") == "sgl_kvc"
+    argv = build_sglang_argv(["--model-path", "/m", "--disable-radix-cache"], on_gpu=False, compressing=True)
     assert "--radix-cache-backend" not in argv
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from sgl_kvc.adapter.hooks import hook_table, missing_targets
 from sgl_kvc.config import KvcConfig
@@ -22,6 +23,16 @@ from sgl_kvc.launch import build_sglang_argv, parse_args
         (["--kv-cache-dtype", "fp8_e4m3", "--page-size", "64"], "needs --page-size 1"),
         (["--policy", "rkv", "--speculative-algorithm", "EAGLE"], "speculative decoding"),
         (["--policy", "rkv", "--enable-mixed-chunk"], "--enable-mixed-chunk"),
+        (["--policy", "rkv", "--kv-head-budget", "variable", "--tp-size", "2"], "does not support --tp-size 2"),
+        (["--policy", "snapkv", "--kv-head-budget", "layer", "--tp-size=4"], "does not support --tp-size 4"),
+        (["--policy", "rkv", "--enable-dp-attention"], "does not support --enable-dp-attention"),
+        (["--policy", "rkv", "--attn-dp-size", "2"], "does not support --attn-dp-size 2"),
+        (["--policy", "h2o", "--disaggregation-mode", "prefill"], "does not support --disaggregation-mode prefill"),
+        (["--policy", "rkv", "--disaggregation-mode=decode"], "does not support --disaggregation-mode decode"),
+        (["--policy", "rkv", "--enable-lmcache"], "does not support --enable-lmcache"),
+        (["--policy", "rkv", "--enable-flexkv"], "does not support --enable-flexkv"),
+        (["--policy", "rkv", "--enable-hierarchical-cache"], "does not support --enable-hierarchical-cache"),
+        (["--policy", "rkv", "--enable-pdmux"], "does not support --enable-pdmux"),
     ],
 )
 def test_unsupported_setups_are_usage_errors(argv, message, capsys) -> None:
@@ -38,10 +49,31 @@ def test_unsupported_setups_are_usage_errors(argv, message, capsys) -> None:
         ["--policy", "none", "--attention-backend", "fa3", "--page-size", "16", "--enable-mixed-chunk"],
         ["--policy", "rkv", "--attention-backend", "torch_native", "--page-size", "1"],
         ["--policy", "rkv", "--tp-size", "2"],  # supported: scores are all-reduced over TP
+        ["--policy", "rkv", "--attn-dp-size", "1", "--disaggregation-mode", "null"],
+        ["--policy", "none", "--enable-dp-attention", "--enable-lmcache", "--disaggregation-mode", "prefill"],
     ],
 )
 def test_supported_setups_pass(argv) -> None:
     parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    ("argv", "capability", "message"),
+    [
+        (["--policy", "rkv", "--kv-head-budget", "variable"], (7, 5), "compute capability 8.0"),
+        (["--policy", "rkv", "--kv-head-budget", "layer", "--kv-cache-dtype", "fp8_e4m3"], (8, 0),
+         "--kv-head-budget layer with --kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9"),
+        (["--policy", "rkv", "--kv-head-budget", "variable", "--kv-cache-dtype", "fp8_e5m2"], (9, 0), None),
+        (["--policy", "rkv", "--kv-head-budget", "variable"], (8, 0), None),
+        (["--policy", "rkv"], (7, 0), None),  # uniform budgets decode through SGLang's kernels
+    ],
+)
+def test_a_gpu_the_triton_kernel_cannot_compile_for_is_refused(argv, capability, message) -> None:
+    from sgl_kvc.launch import gpu_unsupported
+
+    config, _ = parse_args(argv)
+    problem = gpu_unsupported(config, capability)
+    assert problem is None if message is None else message in problem and "\n" not in problem
 
 
 def test_cuda_graphs_off_for_compressing_policies_on_gpu() -> None:
@@ -96,3 +128,33 @@ def test_a_failing_install_stops_the_process() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "STILL RUNNING" not in r.stdout
     assert "sgl-kvc failed to install into SGLang: planted" in r.stderr
+
+
+class _Attention(torch.nn.Module):
+    """SGLang's RadixAttention surface that the unit pool's model check reads."""
+
+    def __init__(self, layer_id: int, logit_cap: float = 0.0, window: int = -1, cross: bool = False) -> None:
+        super().__init__()
+        self.layer_id, self.logit_cap, self.sliding_window_size, self.is_cross_attention = layer_id, logit_cap, window, cross
+
+
+@pytest.mark.parametrize(
+    ("layer", "encoder_decoder", "message"),
+    [
+        (_Attention(1, logit_cap=30.0), False, "attention layer 1 uses a logit cap"),
+        (_Attention(1, window=4096), False, "attention layer 1 uses a sliding window of 4096"),
+        (_Attention(1, cross=True), False, "attention layer 1 uses cross-attention"),
+        (_Attention(1), True, "does not support encoder-decoder models"),
+        (_Attention(1), False, None),
+    ],
+)
+def test_the_unit_pool_refuses_layers_its_kernel_does_not_serve(layer, encoder_decoder, message) -> None:
+    """Checked when SGLang configures the KV pool (the model is loaded, nothing served yet)."""
+    from sgl_kvc.adapter.unit_pool import unsupported_model
+
+    model = torch.nn.ModuleList([_Attention(0), layer])
+    problem = unsupported_model(model, encoder_decoder, "--kv-head-budget variable")
+    if message is None:
+        assert problem is None
+    else:
+        assert problem.startswith("--kv-head-budget variable does not support") and message in problem

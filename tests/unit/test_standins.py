@@ -52,6 +52,33 @@ def test_standin_module_imports_and_raises_when_called(tmp_path) -> None:
     assert any(e.startswith("call sgl_kernel.flash_attn.flash_attn_varlen_func ") for e in events)
 
 
+def test_a_standin_module_has_only_what_is_imported_from_it() -> None:
+    """Feature probes (`hasattr`, `getattr(..., None)`) see a stand-in module as having nothing:
+    only `from module import name` gets a stand-in object."""
+    result = _run(
+        """
+        import json
+        from sgl_kvc.compat import standins
+        standins.install()
+        import sgl_kernel
+        from sgl_kernel import silu_and_mul
+        print(json.dumps({"hasattr": hasattr(sgl_kernel, "fused_add_rmsnorm"),
+                          "getattr": getattr(sgl_kernel, "weak_ref_tensor", None) is None,
+                          "imported": repr(silu_and_mul)}))
+        """
+    )
+    assert result == {"hasattr": False, "getattr": True, "imported": "<stand-in sgl_kernel.silu_and_mul>"}
+
+
+def test_on_a_gpu_machine_a_missing_sgl_kernel_fails_with_the_install_hint(monkeypatch) -> None:
+    monkeypatch.setattr(standins, "_gpu_present", lambda: True)
+    sys.modules.pop("sgl_kernel", None)
+    standins.install()
+    with pytest.raises(ImportError, match="install the GPU build"):
+        importlib.import_module("sgl_kernel")
+    assert "sgl_kernel" not in sys.modules
+
+
 def test_real_package_wins_over_standin(tmp_path) -> None:
     pkg = tmp_path / "sgl_kernel"
     pkg.mkdir()
