@@ -222,7 +222,7 @@ def _finish(batch: Any, i: int, new_row: Tensor) -> None:
     can fail (the planted fault, the write itself) comes before the first change."""
     req = batch.reqs[i]
     kv = req.kv
-    failpoints.maybe_raise("rewrite_raise", req.rid, "rewriting the row of")
+    failpoints.maybe_raise("rewrite_raise", req, "rewriting the row of")
     k = int(new_row.numel())
     r2t = batch.req_to_token_pool.req_to_token
     r2t[kv.req_pool_idx, :k] = new_row.to(r2t.dtype)

@@ -246,7 +246,7 @@ class Compressor:
         self, batch: Any, i: int, state: ReqKvState, target: int, moment: str, work: StepWork
     ) -> None:
         """Begin a pass to `target` entries and run what `work` allows of it."""
-        failpoints.maybe_raise("compress_raise", batch.reqs[i].rid, "compressing")
+        failpoints.maybe_raise("compress_raise", batch.reqs[i], "compressing")
         if not state.per_head:
             self._compress_shared(batch, i, state, target, moment)
             return

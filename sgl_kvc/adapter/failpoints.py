@@ -27,11 +27,11 @@ def active(name: str) -> bool:
     return name in os.environ.get(ENV, "").split(",")
 
 
-def hits(name: str, rid: object) -> bool:
-    """Whether failpoint `name` is planted for request `rid` (id `failpoint-<first word of name>...`)."""
-    return active(name) and str(rid).startswith("failpoint-" + name.split("_")[0])
+def hits(name: str, req: object) -> bool:
+    """Whether failpoint `name` is planted for request `req` (id `failpoint-<first word of name>...`)."""
+    return active(name) and str(getattr(req, "rid", "")).startswith("failpoint-" + name.split("_")[0])
 
 
-def maybe_raise(name: str, rid: object, what: str) -> None:
-    if hits(name, rid):
-        raise PlantedFault(f"planted fault {what} {rid}")
+def maybe_raise(name: str, req: object, what: str) -> None:
+    if hits(name, req):
+        raise PlantedFault(f"planted fault {what} {getattr(req, 'rid', '')}")
