@@ -292,12 +292,12 @@ def main(argv: list[str] | None = None) -> None:
     from sglang.srt.utils import kill_process_tree
 
     load_plugins()
-    from sgl_kvc.adapter import verify_applied
+    from sgl_kvc.adapter import check
 
-    unpatched = verify_applied(config)
-    if unpatched:
-        sys.exit(f"python -m sgl_kvc.launch: error: SGLang did not apply sgl-kvc's hooks on "
-                 f"{', '.join(unpatched)} (see the log above)")
+    problems = check(config)
+    if problems:
+        sys.exit("python -m sgl_kvc.launch: error: the installed SGLang is not the one sgl-kvc is "
+                 "written for:\n  " + "\n  ".join(problems))
     server_args = prepare_server_args(sglang_argv)
     from sgl_kvc.server import mount
 

@@ -1,49 +1,80 @@
-"""The thin layer that touches SGLang internals (pinned to sglang==0.5.23).
+"""The thin layer that touches SGLang internals (pinned to sglang==0.5.23; every internal it
+relies on is listed in `sglang_api`).
 
-Everything outside this package (policies, kernels, config, the demo model) is plain Python and
-torch. `install()` runs once per SGLang process, from the plugin entry point.
+Everything outside this package (the core, policies, kernels, config, the demo model) is plain
+Python and torch. `install()` runs once per SGLang process, from the plugin entry point;
+`check()` runs once in the launcher, before serving.
 """
 
 from __future__ import annotations
 
 import logging
 
+from sgl_kvc.adapter.sglang_api import SGLANG_VERSION, Hook
 from sgl_kvc.config import KvcConfig
 
 logger = logging.getLogger(__name__)
 
-SGLANG_VERSION = "0.5.23"
 RADIX_CACHE_BACKEND = "sgl_kvc"
 
 
+class HookTargetMissing(RuntimeError):
+    """A function sgl-kvc hooks does not exist in the installed SGLang (another version?)."""
+
+
+def hook_table(config: KvcConfig) -> list[Hook]:
+    """Every hook sgl-kvc registers for `config`, in registration order (the FP8 pool's fixed
+    budget before the memory budget's probe of it)."""
+    from sgl_kvc.adapter import fp8_pool, hooks, memory_budget, request_guard, unit_pool
+
+    return [
+        *hooks.hook_table(config),
+        *fp8_pool.hook_table(config, unit_pool.fp8_unit_pool_class(config)),  # FP8: per-layer or unit layout
+        *unit_pool.hook_table(config),  # --kv-head-budget variable / layer
+        *memory_budget.hook_table(config),
+        *request_guard.hook_table(),  # HTTP process: out-of-vocabulary prompt token ids are a 400
+    ]
+
+
 def install(config: KvcConfig) -> None:
+    """Register sgl-kvc's backends and hooks with SGLang; refuse if a hook target is missing,
+    rather than serve with a hook silently not applied (SGLang only logs a failed patch)."""
     import sglang
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if sglang.__version__ != SGLANG_VERSION:
-        logger.warning(
-            "sgl-kvc is pinned to sglang==%s but found %s; hooks may not apply",
-            SGLANG_VERSION,
-            sglang.__version__,
-        )
-    from sgl_kvc.adapter import (
-        attention, fp8_pool, hooks, memory_budget, radix_cache, request_guard, unit_pool,
-    )
+        logger.warning("sgl-kvc is written for sglang==%s but found %s; the launcher checks what it "
+                       "relies on", SGLANG_VERSION, sglang.__version__)
+    from sgl_kvc.adapter import attention, radix_cache
+    from sgl_kvc.adapter.sglang_api import resolve
 
+    table = hook_table(config)
+    missing = []
+    for hook in table:
+        try:
+            resolve(hook.target)
+        except (ImportError, AttributeError, ValueError):
+            missing.append(hook.target)
+    if missing:
+        raise HookTargetMissing(f"sgl-kvc cannot hook {', '.join(missing)} in this SGLang; it is "
+                                f"written for sglang=={SGLANG_VERSION}")
     radix_cache.register(RADIX_CACHE_BACKEND)
     attention.register()
-    fp8_pool.register(config, unit_pool.fp8_unit_pool_class(config))  # FP8: per-layer or unit layout
-    unit_pool.register(config)  # --kv-head-budget variable in the model's dtype
-    memory_budget.register(config)  # after fp8_pool: it reads the budget that one may fix
-    hooks.register(config)
-    request_guard.register()  # HTTP process: out-of-vocabulary prompt token ids are a 400
+    for hook in table:
+        HookRegistry.register(hook.target, hook.fn, HookType[hook.kind])
 
 
-def verify_applied(config: KvcConfig) -> list[str]:
-    """Hook targets SGLang did not patch (its registry only logs a failed patch); call after
-    `load_plugins()`. Every process loads the same code, so the launcher's check stands for all."""
+def check(config: KvcConfig) -> list[str]:
+    """What the installed SGLang does not offer as sgl-kvc relies on it, one line each: every
+    internal of `sglang_api.INTERNALS` and every hook target (signatures, attributes), and the
+    hooks SGLang did not apply. Call after `load_plugins()`: every process loads the same code,
+    so the launcher's check stands for all."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sgl_kvc.adapter import hooks, request_guard
+    from sgl_kvc.adapter.sglang_api import INTERNALS, problems
 
-    wanted = [target for target, _, _ in hooks.hook_table(config)] + [request_guard.TARGET]
-    return [t for t in wanted if t not in HookRegistry._patched]
+    table = hook_table(config)
+    found = problems([*INTERNALS, *(hook.internal() for hook in table)])
+    found += [f"{target}: not patched by SGLang (see the log above)"
+              for target in dict.fromkeys(hook.target for hook in table) if target not in HookRegistry._patched]
+    return found

@@ -12,8 +12,9 @@ choice through `KvcConfig.kv_cache_dtype`; here:
   H_kv]` per layer, quantizes in `set_kv_buffer` with scales computed from the rows written,
   and returns from `get_key_buffer` / `get_value_buffer` an `Fp8Rows` that dequantizes only the
   rows it is indexed with: SGLang's torch-native attention (`k_cache[slot_ids]`), the eviction
-  policies' scoring (`pool.get_key_buffer(layer)[slots]`) and compaction's slot copy
-  (`k[dst] = k[src]`) all work unchanged, and no dequantized copy of the cache is ever made.
+  policies' scoring (`pool.get_key_buffer(layer)[slots]`) and compaction's moves
+  (`buf[dst, heads] = buf[src, heads]`, codes and scales as they are) all work unchanged, and no
+  dequantized copy of the cache is ever made.
 * The pool's bytes per token (codes + scales) replace SGLang's per-token cost in its sizing
   (`DefaultPoolConfigurator._compute_cell_size`), so the same memory budget buys about twice
   the tokens, minus the scales.
@@ -36,6 +37,7 @@ from typing import Any, Callable
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
+from sgl_kvc.adapter.sglang_api import Hook
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.kernels.fp8 import DEFAULT_SCALE_FORMAT, Fp8Rows, bytes_per_token, fp8_spec
 
@@ -139,19 +141,9 @@ class KvcFp8TokenToKVPool(MHATokenToKVPool):
     ) -> None:
         # k_scale / v_scale are a checkpoint's static per-layer FP8 scales; this pool computes
         # its scales from the data, so they are not used.
-        if dcp_kv_mask is not None:
-            raise NotImplementedError("sgl-kvc FP8 pool: decode context parallelism is not supported")
-        self._check_physical_write_loc(loc_info, "set_kv_buffer (sgl-kvc FP8)")
-        loc, _, _ = unwrap_write_loc(loc_info)
-        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
-        i = layer_id - self.start_layer
+        i, loc = write_target(self, layer, loc_info, layer_id_override, dcp_kv_mask, "sgl-kvc FP8 pool")
         self._kvc_k[i].store(loc, cache_k)
         self._kvc_v[i].store(loc, cache_v)
-
-    def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Raw copy of codes and scales of every layer."""
-        for rows in (*self._kvc_k, *self._kvc_v):
-            rows.copy_rows(dst, src)
 
     # --- retraction offload (codes and scales travel together) ------------------------------
     def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
@@ -179,6 +171,20 @@ def fp8_pool_class(
     return type(name, (base,), {"kvc_fp8": fp8, "kvc_scale_format": scale_format})
 
 
+def write_target(
+    pool: MHATokenToKVPool, layer: Any, loc_info: Any, layer_id_override: int | None, dcp_kv_mask: Any,
+    what: str,
+) -> tuple[int, torch.Tensor]:
+    """(this rank's layer index, slots) of a `set_kv_buffer` call on one of sgl-kvc's pools,
+    which write by indexing (what SGLang's own write checks, then unwraps)."""
+    if dcp_kv_mask is not None:
+        raise NotImplementedError(f"{what}: decode context parallelism is not supported")
+    pool._check_physical_write_loc(loc_info, f"set_kv_buffer ({what})")
+    loc, _, _ = unwrap_write_loc(loc_info)
+    layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+    return layer_id - pool.start_layer, loc
+
+
 def pool_bytes(pool: Any) -> int:
     """Bytes of the pool's K and V buffers (codes and scales for FP8), as SGLang counts them;
     0 for a pool that does not say."""
@@ -194,25 +200,24 @@ def _plain_mha(kvc: Any) -> bool:
     return not (kvc.use_mla_backend or kvc.is_hybrid_swa or kvc.mambaish_config is not None)
 
 
-def register(config: KvcConfig, pool_cls: type[KvcFp8TokenToKVPool] | None = None) -> None:
+def hook_table(config: KvcConfig, pool_cls: type[KvcFp8TokenToKVPool] | None = None) -> list[Hook]:
     """`pool_cls`: the FP8 pool to install (default: `fp8_pool_class` of the config's format;
     the unit pool's FP8 variant under `--kv-head-budget variable`)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    hooks: list[tuple[str, Callable[..., Any], HookType]] = []
+    hooks: list[Hook] = []
     if config.kv_cache_memory_gb is not None:
-        hooks.append((f"{_CONFIGURATOR}._profile_available_bytes",
-                      _around_profile(config.kv_cache_memory_gb), HookType.AROUND))
+        hooks.append(Hook(f"{_CONFIGURATOR}._profile_available_bytes", _around_profile(config.kv_cache_memory_gb),
+                          "AROUND", (), "--kv-cache-memory-gb fixes the KV budget"))
     if config.fp8_kv is not None:
         pool_cls = pool_cls or fp8_pool_class(config.fp8_kv)
         hooks += [
-            (f"{_CONFIGURATOR}._resolve_kv_pool_class", after_resolve(pool_cls), HookType.AFTER),
-            (f"{_POOL_CONFIGURATOR}._compute_cell_size", _around_cell_size(pool_cls), HookType.AROUND),
-            (f"{_CONFIGURATOR}.configure", after_configure(pool_cls, f"--kv-cache-dtype {config.fp8_kv}"),
-             HookType.AFTER),
+            Hook(f"{_CONFIGURATOR}._resolve_kv_pool_class", after_resolve(pool_cls), "AFTER", ("kind",),
+                 "the FP8 pool class"),
+            Hook(f"{_POOL_CONFIGURATOR}._compute_cell_size", _around_cell_size(pool_cls), "AROUND",
+                 ("kvc", "num_layers"), "bytes per token of the FP8 pool"),
+            Hook(f"{_CONFIGURATOR}.configure", after_configure(pool_cls, f"--kv-cache-dtype {config.fp8_kv}"),
+                 "AFTER", (), "refuse a model that got another pool"),
         ]
-    for target, fn, kind in hooks:
-        HookRegistry.register(target, fn, kind)
+    return hooks
 
 
 def _around_profile(gb: float):

@@ -16,13 +16,11 @@
 from __future__ import annotations
 
 import logging
-import pkgutil
 from typing import Any, Callable
-
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sgl_kvc.adapter.requests import reject_invalid, released, request_settings
 from sgl_kvc.adapter.runtime import KvcRuntime, collect_stats, compressor_of, request_peak_tokens
+from sgl_kvc.adapter.sglang_api import Hook
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.policies import policy_class
 
@@ -39,61 +37,32 @@ _INTERNAL_STATE = (
 STATS_KEY = "sgl_kvc"
 
 
-Hook = tuple[str, Callable[..., Any], HookType]
-
-
-class HookTargetMissing(RuntimeError):
-    """A function sgl-kvc hooks does not exist in the installed SGLang (another version?)."""
-
-
-def register(config: KvcConfig) -> None:
-    """Register every hook with SGLang's registry; refuse if any target is missing, rather
-    than serve with a hook silently not applied (SGLang only logs a failed patch)."""
-    hooks = hook_table(config)
-    missing = missing_targets([target for target, _, _ in hooks])
-    if missing:
-        raise HookTargetMissing(
-            f"sgl-kvc cannot hook {', '.join(missing)} in this SGLang; it is pinned to "
-            "sglang==0.5.23"
-        )
-    for target, fn, kind in hooks:
-        HookRegistry.register(target, fn, kind)
-
-
-def missing_targets(targets: list[str]) -> list[str]:
-    """The dotted targets that do not resolve (same resolution as `HookRegistry`)."""
-    missing = []
-    for target in targets:
-        owner, _, attr = target.rpartition(".")
-        try:
-            if not hasattr(pkgutil.resolve_name(owner), attr):
-                missing.append(target)
-        except (ImportError, AttributeError, ValueError):
-            missing.append(target)
-    return missing
-
-
 def hook_table(config: KvcConfig) -> list[Hook]:
-    """(target, hook, kind) for this config."""
-    hooks: list[Hook] = [
-        (f"{_SCHEDULER}.get_next_batch_to_run", _after_next_batch(config), HookType.AFTER),
-        (f"{_INTERNAL_STATE}.get_internal_state", _after_internal_state(config), HookType.AFTER),
-        (f"{_SCHEDULER}.update_running_batch", _around_update_running(config), HookType.AROUND),
-        (f"{_REQ_TO_TOKEN}.free", _before_free, HookType.BEFORE),
+    """The scheduler hooks for this config (each with the target's parameters it reads)."""
+    hooks = [
+        Hook(f"{_SCHEDULER}.get_next_batch_to_run", _after_next_batch(config), "AFTER", (),
+             "peak requests in flight"),
+        Hook(f"{_INTERNAL_STATE}.get_internal_state", _after_internal_state(config), "AFTER", (),
+             "/v1/kvc/stats"),
+        Hook(f"{_SCHEDULER}.update_running_batch", _around_update_running(config), "AROUND", ("batch",),
+             "decode and preempt moments"),
+        Hook(f"{_REQ_TO_TOKEN}.free", _before_free, "BEFORE", ("req",), "a request's row released"),
     ]
     if config.compressing:
         # With --policy none nothing below may touch SGLang's per-step path.
         hooks += [
-            (f"{_FORWARD_BATCH}.init_new", _after_forward_batch(config), HookType.AFTER),
-            (f"{_SCHEDULER}.process_batch_result", _after_batch_result(config), HookType.AFTER),
-            (f"{_REQ}._compute_max_prefix_len", _around_max_prefix(config), HookType.AROUND),
-            (f"{_SCHEDULER}._add_request_to_queue", _around_add_to_queue, HookType.AROUND),
-            (f"{_ADDER}.add_one_req", _around_add_one_req(config), HookType.AROUND),
-            (
-                f"{_ADDER}._get_running_request_total_token_offset",
-                _around_running_offset(config),
-                HookType.AROUND,
-            ),
+            Hook(f"{_FORWARD_BATCH}.init_new", _after_forward_batch(config), "AFTER",
+                 ("batch", "model_runner"), "request state; logical positions"),
+            Hook(f"{_SCHEDULER}.process_batch_result", _after_batch_result(config), "AFTER", ("batch",),
+                 "prefill moment"),
+            Hook(f"{_REQ}._compute_max_prefix_len", _around_max_prefix(config), "AROUND", ("input_len",),
+                 "the observation window is recomputed on a prefix hit"),
+            Hook(f"{_SCHEDULER}._add_request_to_queue", _around_add_to_queue, "AROUND", ("req",),
+                 "per-request settings checked once"),
+            Hook(f"{_ADDER}.add_one_req", _around_add_one_req(config), "AROUND", ("req",),
+                 "admission by compressed footprint"),
+            Hook(f"{_ADDER}._get_running_request_total_token_offset", _around_running_offset(config),
+                 "AROUND", ("req",), "admission by compressed footprint"),
         ]
     return hooks
 

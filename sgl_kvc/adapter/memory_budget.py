@@ -28,6 +28,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from sgl_kvc.adapter.sglang_api import Hook
 from sgl_kvc.config import KvcConfig
 
 logger = logging.getLogger(__name__)
@@ -73,16 +74,16 @@ def fit_pool(budget: int, cell: int, tokens: int, requests: int, r: Reservation)
     return PoolFit(tokens, requests, requests * r.per_request + tokens * r.per_token)
 
 
-def register(config: KvcConfig) -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
+def hook_table(config: KvcConfig) -> list[Hook]:
     if not config.compressing:  # --policy none keeps no buffers: SGLang's sizing, untouched
-        return
+        return []
     probe = _BudgetProbe()  # the configurator has __slots__: the budget travels here
-    HookRegistry.register(f"{_CONFIGURATOR}._profile_available_bytes", probe.after_profile, HookType.AFTER)
-    HookRegistry.register(
-        f"{_CONFIGURATOR}._resolve_memory_pool_config", _around_resolve(config, probe), HookType.AROUND
-    )
+    return [
+        Hook(f"{_CONFIGURATOR}._profile_available_bytes", probe.after_profile, "AFTER", (),
+             "the KV byte budget SGLang profiled"),
+        Hook(f"{_CONFIGURATOR}._resolve_memory_pool_config", _around_resolve(config, probe), "AROUND", (),
+             "sgl-kvc's buffers charged to that budget"),
+    ]
 
 
 RESERVED_ATTR = "kvc_reserved_bytes"  # on SGLang's MemoryPoolConfig (model_runner.memory_pool_config)

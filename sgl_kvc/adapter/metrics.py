@@ -73,4 +73,6 @@ def maybe_metrics(model_runner: Any, policy: str) -> CompressionMetrics | None:
     server_args = getattr(model_runner, "server_args", None)
     if not getattr(server_args, "enable_metrics", False):
         return None
-    return CompressionMetrics({"policy": policy, "tp_rank": str(getattr(model_runner, "tp_rank", 0))})
+    from sgl_kvc.adapter.tp import tp_rank
+
+    return CompressionMetrics({"policy": policy, "tp_rank": str(tp_rank())})

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from sgl_kvc.adapter.sglang_api import Hook
+
 TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 
 
-def register() -> None:
-    """Called from `sgl_kvc.adapter.install` in every SGLang process; the hook only ever runs
-    in the process that owns the TokenizerManager (the HTTP server)."""
-    # Imported here: `out_of_vocab_message` is also used by the HTTP layer and by unit tests,
-    # which should not pay for importing SGLang.
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(TARGET, _before_validate_one_request, HookType.BEFORE)
+def hook_table() -> list[Hook]:
+    """Installed in every SGLang process; the hook only ever runs in the process that owns the
+    TokenizerManager (the HTTP server)."""
+    return [Hook(TARGET, _before_validate_one_request, "BEFORE", ("obj", "input_ids"),
+                 "out-of-vocabulary prompt token ids are a 400")]
 
 
 def out_of_vocab_message(input_ids: Sequence[Any] | None, vocab_size: int) -> str | None:

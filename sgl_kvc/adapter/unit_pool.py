@@ -27,10 +27,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from torch import Tensor
 
-from sgl_kvc.adapter.fp8_pool import KvcFp8TokenToKVPool, after_configure, after_resolve, fp8_pool_class
+from sgl_kvc.adapter.fp8_pool import KvcFp8TokenToKVPool, after_configure, after_resolve, fp8_pool_class, write_target
+from sgl_kvc.adapter.sglang_api import Hook
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.kernels.fp8 import Fp8Rows
 
@@ -62,18 +63,14 @@ class KvcUnitTokenToKVPool(MHATokenToKVPool):
     ) -> None:
         """Write by indexing: SGLang's fused store kernels (CUDA; CPU with AMX) take a layer's
         rows as contiguous, and this pool's per-layer rows are strided."""
-        if dcp_kv_mask is not None:
-            raise NotImplementedError("sgl-kvc unit pool: decode context parallelism is not supported")
-        self._check_physical_write_loc(loc_info, "set_kv_buffer (sgl-kvc unit pool)")
-        loc, _, _ = unwrap_write_loc(loc_info)
-        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+        i, loc = write_target(self, layer, loc_info, layer_id_override, dcp_kv_mask, "sgl-kvc unit pool")
         if cache_k.dtype != self.dtype:  # a checkpoint's static scales, as SGLang applies them
             cache_k = (cache_k if k_scale is None else cache_k / k_scale).to(self.dtype)
             cache_v = (cache_v if v_scale is None else cache_v / v_scale).to(self.dtype)
         if self.store_dtype != self.dtype:
             cache_k, cache_v = cache_k.view(self.store_dtype), cache_v.view(self.store_dtype)
-        self.k_buffer[layer_id - self.start_layer][loc] = cache_k
-        self.v_buffer[layer_id - self.start_layer][loc] = cache_v
+        self.k_buffer[i][loc] = cache_k
+        self.v_buffer[i][loc] = cache_v
 
     def unit_buffers(self) -> tuple[Tensor, Tensor]:
         """The flat unit pools K [U, d] and V [U, d_v] in the model's dtype (free views)."""
@@ -153,21 +150,19 @@ def _refuse_unsupported_model(flag: str) -> Callable[..., Any]:
     return hook
 
 
-def register(config: KvcConfig) -> None:
+def hook_table(config: KvcConfig) -> list[Hook]:
     """Variable budgets: refuse a model the unit pool cannot serve; in the model's dtype, the
-    unit pool class (FP8: `fp8_pool.register(config, fp8_unit_pool_class(config))`)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
+    unit pool class (FP8: `fp8_pool.hook_table(config, fp8_unit_pool_class(config))`)."""
     if not config.variable_budget:
-        return
+        return []
     flag = f"--kv-head-budget {config.kv_head_budget}"
-    hooks: list[tuple[str, Callable[..., Any], HookType]] = [
-        (f"{_CONFIGURATOR}.configure", _refuse_unsupported_model(flag), HookType.AFTER),
-    ]
+    hooks = [Hook(f"{_CONFIGURATOR}.configure", _refuse_unsupported_model(flag), "AFTER", (),
+                  "refuse a model the unit pool's kernel does not serve")]
     if config.fp8_kv is None:
         hooks += [
-            (f"{_CONFIGURATOR}._resolve_kv_pool_class", after_resolve(KvcUnitTokenToKVPool), HookType.AFTER),
-            (f"{_CONFIGURATOR}.configure", after_configure(KvcUnitTokenToKVPool, flag), HookType.AFTER),
+            Hook(f"{_CONFIGURATOR}._resolve_kv_pool_class", after_resolve(KvcUnitTokenToKVPool), "AFTER",
+                 ("kind",), "the unit pool class"),
+            Hook(f"{_CONFIGURATOR}.configure", after_configure(KvcUnitTokenToKVPool, flag), "AFTER", (),
+                 "refuse a model that got another pool"),
         ]
-    for target, fn, kind in hooks:
-        HookRegistry.register(target, fn, kind)
+    return hooks

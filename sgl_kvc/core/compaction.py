@@ -36,16 +36,6 @@ def move_units_many(pool: Any, moves: Sequence[tuple[Tensor, Tensor, Tensor]]) -
             buf[dst, heads] = buf[src, heads]
 
 
-def copy_slots(pool: Any, dst: Tensor, src: Tensor) -> None:
-    """Copy the KV of slots `src` into slots `dst`, every layer (SGLang's own move needs a
-    copy kernel that is only set up for speculative decoding)."""
-    start = int(getattr(pool, "start_layer", 0))
-    for layer_id in range(start, start + int(pool.layer_num)):
-        k, v = pool.get_kv_buffer(layer_id)
-        k[dst] = k[src]
-        v[dst] = v[src]
-
-
 @dataclass(frozen=True)
 class UnitMoves:
     """Where a packed request's kept entries go on the unit pool (KV-Compress §4.2)."""

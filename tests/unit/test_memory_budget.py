@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sgl_kvc.adapter.memory_budget import MAX_QUERY_SHARE, Reservation, fit_pool
+from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.core.store import KvcStore
+from sgl_kvc.policies import get_policy
 
 SMOLLM2 = Reservation.for_model(window=8, num_layers=30, q_heads=9, kv_heads=3, head_dim=64, q_bytes=2)
 SMOLLM2_CELL = 30 * 3 * 64 * 2 * 2  # K and V, bf16
 
 
-def test_smollm2_sizes() -> None:
-    assert SMOLLM2.per_request == 8 * 30 * 9 * 64 * 2  # 276 KB: 12 tokens' worth of KV
-    assert SMOLLM2.per_token == 30 * 3 * 4
+def test_the_reservation_is_what_the_store_allocates() -> None:
+    """What is reserved per request slot and per pool token is what the store really holds for
+    a SmolLM2-shaped model: its window queries (bf16) and a statistic per layer and KV head."""
+    layers, q_heads, kv_heads, d, window, n = 30, 9, 3, 64, 8, 40
+    store = KvcStore(layers, window, torch.zeros(4, 64, dtype=torch.int32), kv_pool=None)
+    state = ReqKvState(policy=get_policy("h2o"), budget=16)
+    store.begin(3, state)  # the top row: the ring buffer holds one request
+    g = torch.Generator().manual_seed(0)
+    for layer in range(layers):
+        q = torch.randn(n, q_heads, d, generator=g).to(torch.bfloat16)
+        store.record_extend(layer, 3, q, pool_rows=4)
+        probs = torch.softmax(torch.randn(q_heads, n, n, generator=g), dim=-1)
+        state.stats[layer] = state.policy.accumulate(state.stats[layer], probs, kv_heads)
+    assert store.query_buffer_bytes == SMOLLM2.per_request  # one request slot's queries
+    assert store.state_bytes == SMOLLM2.per_token * n  # n cached tokens' statistics
 
 
 def test_a_token_cap_below_the_budget_is_kept_and_the_buffers_use_the_rest() -> None:

@@ -1,0 +1,217 @@
+"""Every SGLang internal sgl-kvc patches, calls, subclasses or reads, in one place, and the
+start-up check of each. Written for sglang==0.5.23.
+
+SGLang's public surface (the plugin entry point, `HookRegistry`, the attention and radix-cache
+registries) is not enough for KV-cache eviction: the scheduler's moments, the request rows and
+the KV pools are internals, and they change between SGLang versions. So each one sgl-kvc relies
+on is named here with what it is used for, and `problems()` checks them when the plugin installs,
+in every SGLang process: that each exists, that a function's leading parameters are the ones
+sgl-kvc passes or receives (by name, not only `hasattr`), and that a class still has the
+attributes sgl-kvc reads of its instances. Hooks are listed by the modules that register them
+(`Hook`, `adapter.install`), with the parameters each relies on, and checked the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import dis
+import functools
+import inspect
+import pkgutil
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+SGLANG_VERSION = "0.5.23"
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One SGLang internal: a dotted path, the leading parameters sgl-kvc relies on (after
+    `self` / `cls`; None: not a callable sgl-kvc calls), the attributes it reads of a class's
+    instances, and what for."""
+
+    path: str
+    params: tuple[str, ...] | None = None
+    attrs: tuple[str, ...] = ()
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Hook:
+    """A patch through SGLang's `HookRegistry`: target, hook function, kind (a `HookType` name)
+    and the target's leading parameters the hook reads (after `self` / `cls`)."""
+
+    target: str
+    fn: Callable[..., Any]
+    kind: str
+    params: tuple[str, ...] = ()
+    why: str = ""
+
+    def internal(self) -> Internal:
+        return Internal(self.target, self.params, why=f"{self.kind.lower()} hook: {self.why}")
+
+
+_MM = "sglang.srt.mem_cache"
+_MGR = "sglang.srt.managers"
+
+# Called, subclassed or read (the hooks are in each module's `hook_table`).
+INTERNALS: tuple[Internal, ...] = (
+    # --- request and batch state the scheduler hooks read and rewrite ---------------------------
+    Internal(f"{_MGR}.schedule_batch.Req", attrs=(
+        "rid", "kv", "sampling_params", "origin_input_ids", "output_ids", "lock", "is_retracted",
+        "skip_radix_cache_insert", "cached_tokens", "to_finish", "inflight_middle_chunks",
+    ), why="per-request settings, rows, tree locks, finish and abort"),
+    Internal(f"{_MGR}.schedule_batch.Req.finished", (), why="skip finished requests"),
+    Internal(f"{_MGR}.schedule_batch.Req.set_finish_with_abort", ("error_msg", "status_code"),
+             why="a bad per-request setting is a 400"),
+    Internal(f"{_MGR}.schedule_batch.FINISH_ABORT", ("message", "status_code", "err_type"),
+             why="a request sgl-kvc failed on is aborted with a 500"),
+    Internal(f"{_MGR}.schedule_batch.ReqKvInfo", attrs=(
+        "req_pool_idx", "cache_protected_len", "kv_committed_len", "kv_allocated_len", "holds_kv",
+    ), why="a request's row, its tree-owned prefix and its lengths (Req.kv)"),
+    Internal(f"{_MGR}.schedule_batch.ScheduleBatch", attrs=(
+        "reqs", "seq_lens", "seq_lens_cpu", "orig_seq_lens", "seq_lens_sum", "req_to_token_pool",
+        "token_to_kv_pool_allocator", "tree_cache", "batch_is_full", "chunked_req", "forward_mode",
+    ), why="compaction rewrites rows and lengths; admission reopens"),
+    Internal(f"{_MGR}.schedule_batch.ScheduleBatch.check_decode_mem", (),
+             why="compress before a retraction when the next decode step does not fit"),
+    Internal(f"{_MGR}.scheduler.Scheduler", attrs=(
+        "tp_worker", "running_batch", "tree_cache", "token_to_kv_pool_allocator",
+        "max_total_num_tokens", "max_running_requests", "req_to_token_pool",
+    ), why="the compressor and /v1/kvc/stats"),
+    Internal("sglang.srt.model_executor.forward_batch_info.ForwardBatch", attrs=(
+        "positions", "req_pool_indices", "seq_lens_cpu", "extend_seq_lens_cpu",
+        "extend_prefix_lens_cpu", "forward_mode", "encoder_lens",
+    ), why="logical RoPE positions; observation of extends and decodes"),
+    Internal("sglang.srt.model_executor.model_runner.ModelRunner", attrs=(
+        "token_to_kv_pool", "req_to_token_pool", "attn_backend", "server_args", "is_draft_worker",
+        "memory_pool_config", "kv_cache_dtype",
+    ), why="the store, the pools and the attention backend of a scheduler process"),
+    Internal("sglang.srt.layers.radix_attention.RadixAttention", attrs=(
+        "layer_id", "tp_q_head_num", "qk_head_dim", "scaling", "logit_cap", "sliding_window_size",
+        "is_cross_attention",
+    ), why="decode attention and observation per layer"),
+    # --- pools and the radix tree ---------------------------------------------------------------
+    Internal(f"{_MM}.memory_pool.ReqToTokenPool", attrs=("req_to_token",), why="rows of slots"),
+    Internal(f"{_MM}.memory_pool.MHATokenToKVPool", ("size", "page_size", "dtype", "head_num", "head_dim"),
+             attrs=("start_layer", "layer_num", "k_buffer", "v_buffer", "store_dtype", "head_num",
+                    "head_dim", "v_head_dim", "layer_transfer_counter", "memory_saver_adapter"),
+             why="subclassed by the FP8 and unit pools"),
+    Internal(f"{_MM}.memory_pool.MHATokenToKVPool.set_kv_buffer",
+             ("layer", "loc_info", "cache_k", "cache_v", "k_scale", "v_scale"), why="overridden by both pools"),
+    Internal(f"{_MM}.memory_pool.MHATokenToKVPool._create_buffers", (), why="overridden by the FP8 pool"),
+    Internal(f"{_MM}.memory_pool.MHATokenToKVPool._create_buffers_normal", (), why="overridden by the unit pool"),
+    Internal(f"{_MM}.memory_pool.MHATokenToKVPool.get_key_buffer", ("layer_id",), why="keys a policy scores"),
+    Internal(f"{_MM}.memory_pool.MHATokenToKVPool.get_kv_buffer", ("layer_id",), why="compaction moves"),
+    Internal(f"{_MM}.memory_pool.MHATokenToKVPool.get_cpu_copy", ("indices",), why="FP8 retraction offload"),
+    Internal(f"{_MM}.memory_pool.MHATokenToKVPool.load_cpu_copy", ("kv_cache_cpu", "indices"),
+             why="FP8 retraction offload"),
+    Internal(f"{_MM}.memory_pool.MHATokenToKVPool.get_kv_size_bytes", (), why="pool bytes in /v1/kvc/stats"),
+    Internal(f"{_MM}.memory_pool.MHATokenToKVPool._finalize_allocation_log", ("num_tokens",),
+             why="the FP8 pool logs its layout"),
+    Internal(f"{_MM}.memory_pool.unwrap_write_loc", ("loc_info",), why="pool writes"),
+    Internal(f"{_MM}.common.evict_from_tree_cache", ("tree_cache", "num_tokens"),
+             why="room for a long prefix hit's kept entries"),
+    Internal(f"{_MM}.radix_cache.RadixCache", ("params",), why="the tree of compressing servers"),
+    Internal(f"{_MM}.radix_cache.RadixCache.unlock", ("lock",), why="a compacted request drops its lock"),
+    Internal(f"{_MM}.radix_cache.RadixCache.all_values_flatten", (), why="SGLKVC_CHECK invariants"),
+    Internal(f"{_MM}.radix_cache.RadixCache.evictable_size", (), why="cached tokens in /v1/kvc/stats"),
+    Internal(f"{_MM}.registry.register_radix_cache_backend", ("name", "factory"), why="the tree backend"),
+    Internal(f"{_MM}.registry.get_radix_cache_factory", ("name",), why="the tree backend"),
+    Internal(f"{_MM}.registry.default_radix_cache_factory", ("ctx",), why="fallback tree"),
+    Internal(f"{_MM}.registry.TreeCacheBuildContext", attrs=(
+        "params", "disable_radix_cache", "is_hybrid_swa", "is_hybrid_ssm", "enable_hierarchical_cache",
+    ), why="what the tree is built for"),
+    # --- memory sizing --------------------------------------------------------------------------
+    Internal("sglang.srt.model_executor.pool_configurator.create_memory_pool_configurator", ("kvc",),
+             why="resize the pool after charging sgl-kvc's buffers"),
+    Internal(f"{_MM}.kv_cache_configurator.KVCacheConfigurator", attrs=(
+        "model", "model_config", "is_draft_worker", "use_mla_backend", "is_hybrid_swa", "mambaish_config",
+        "kv_cache_dtype",
+    ), why="pool class, sizing and model checks"),
+    # --- attention --------------------------------------------------------------------------------
+    Internal("sglang.srt.layers.attention.attention_registry.ATTENTION_BACKENDS",
+             why="the torch_native and flashinfer backends are wrapped"),
+    Internal("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
+             ("q", "k", "v", "layer", "forward_batch", "save_kv_cache"), why="observation of extends"),
+    Internal("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode",
+             ("q", "k", "v", "layer", "forward_batch", "save_kv_cache"), why="observation of decodes"),
+    Internal("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_decode",
+             ("query", "output", "k_cache", "v_cache"), why="replaced by sgl-kvc's batched kernel"),
+    # --- runtime ----------------------------------------------------------------------------------
+    Internal("sglang.srt.runtime_context.get_parallel", (), why="tensor-parallel group and sizes"),
+    Internal("sglang.srt.runtime_context.get_schedule", (), why="page size when resizing the pool"),
+    Internal("sglang.srt.entrypoints.http_server.get_global_state", (), why="/v1/kvc/stats"),
+    Internal("sglang.srt.plugins.hook_registry.HookRegistry", attrs=("_patched",), why="hooks applied"),
+)
+
+
+def resolve(path: str) -> Any:
+    owner, _, attr = path.rpartition(".")
+    return getattr(pkgutil.resolve_name(owner), attr)
+
+
+def problems(internals: tuple[Internal, ...] | list[Internal]) -> list[str]:
+    """What does not match in the installed SGLang, one line each (empty: all as written for)."""
+    found = []
+    for item in internals:
+        try:
+            obj = resolve(item.path)
+        except (ImportError, AttributeError, ValueError):
+            found.append(f"{item.path}: missing")
+            continue
+        if item.params is not None:
+            have = _leading_params(obj, len(item.params))
+            if have is not None and have != item.params:
+                found.append(f"{item.path}: takes ({', '.join(have)}), sgl-kvc needs ({', '.join(item.params)})")
+        missing = [a for a in item.attrs if not _has_attribute(obj, a)]
+        if missing:
+            found.append(f"{item.path}: no attribute {', '.join(missing)}")
+    return found
+
+
+def _leading_params(obj: Any, n: int) -> tuple[str, ...] | None:
+    """The first n parameter names of a callable, `self` / `cls` left out (None: no signature)."""
+    try:
+        params = list(inspect.signature(obj).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    names = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if names and names[0] in ("self", "cls"):
+        names = names[1:]
+    return tuple(names[:n])
+
+
+def _has_attribute(cls: Any, name: str) -> bool:
+    """Whether instances of `cls` have attribute `name`: a class attribute, a dataclass field, an
+    annotation, or an attribute a method of the class or a base assigns."""
+    if not inspect.isclass(cls):
+        return hasattr(cls, name)
+    if hasattr(cls, name):
+        return True
+    for klass in inspect.getmro(cls):
+        if dataclasses.is_dataclass(klass) and name in {f.name for f in dataclasses.fields(klass)}:
+            return True
+        if name in getattr(klass, "__annotations__", {}) or name in _assigned_attributes(klass):
+            return True
+    return False
+
+
+@functools.cache
+def _assigned_attributes(klass: type) -> frozenset[str]:
+    """Attribute names stored (`x.name = ...`, tuple targets included) by the methods the class
+    itself defines, read from their bytecode (no source parsing)."""
+    names: set[str] = set()
+    pending = []
+    for member in vars(klass).values():
+        func = getattr(member, "__func__", member)
+        func = getattr(func, "fget", func)  # a property's getter
+        code = getattr(func, "__code__", None)
+        if code is not None:
+            pending.append(code)
+    while pending:
+        code = pending.pop()
+        names.update(i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR")
+        pending.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return frozenset(names)
