@@ -21,7 +21,7 @@ Then compression seconds per pass at 1K/4K/8K-token prompts (from `/v1/kvc/stats
 single requests). Then, when its venv exists (`--kvpress-python`), NVIDIA kvpress's presses on the
 same samples (`benchmarks/kvpress_runner.py`). A failed request, or a server that dies, is
 recorded as a failure and the benchmark goes on (a dead server is started again).
-Writes `<out>/quality.json`, `<out>/quality.md` and `<out>/quality.png`.
+Writes `<out>/quality.json`, `<out>/quality.md` and `<out>/quality.png` (`quality-<tag>.*` with `--tag`).
 """
 
 from __future__ import annotations
@@ -531,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a previous quality.json: keep its outcomes (and timing) for what is not run now")
     p.add_argument("--quick", action="store_true", help="a handful of samples (checks the set-up)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--tag", default="", help="result files are quality-<tag>.* (default quality.*)")
     return p  # fmt: skip
 
 
@@ -649,19 +650,19 @@ def main(argv: list[str] | None = None) -> dict:
         "failures": sum(o.text is None for o in outcomes),
         "outcomes": [asdict(o) for o in outcomes],
     }  # fmt: skip
-    write(data, args.out)
+    write(data, args.out, "quality" + (f"-{args.tag}" if args.tag else ""))
     return data
 
 
-def write(data: dict, out: Path) -> None:
+def write(data: dict, out: Path, stem: str = "quality") -> None:
     table = markdown(data)
     s = data["setup"]
     title = (f"{metadata_markdown(data.get('meta', {}))}\n"
              f"{s['model']} on `python -m sgl_kvc.launch` (CPU), greedy; {s['machine']}; "
              f"{s['date']}; total {s['total_seconds'] / 60:.0f} min.\n\n")  # fmt: skip
-    (out / "quality.json").write_text(json.dumps(data, indent=1) + "\n")
-    (out / "quality.md").write_text(title + table)
-    plot(data, out / "quality.png")
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(title + table)
+    plot(data, out / f"{stem}.png")
     print(title + table, flush=True)
 
 
