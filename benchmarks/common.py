@@ -1,19 +1,161 @@
-"""Shared by the benchmark scripts: a one-line description of the machine for result files."""
+"""Shared by the benchmark scripts: what produced a result, written into every results file.
+
+`run_metadata(module)` returns, for the run in progress: the commit (`git rev-parse HEAD`, with
+"-dirty" when tracked files differ from it), the date (UTC, ISO 8601), the machine (CPU model,
+the CPU flags that decide CPU speed here, cores, memory), the GPU (or "none"), the torch and
+sglang versions and the command. Each benchmark stores it under the key "meta" of its JSON and
+prints `metadata_markdown(meta)` at the top of its .md. Call it when the run starts, before the
+run writes into the repository, so its own output does not count as a change of the tree.
+"""
 
 from __future__ import annotations
 
 import os
 import platform
+import shlex
 import subprocess
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+# CPU flags that change how fast a CPU runs this project: AVX2 / AVX-512 for float32 matrix
+# products; bfloat16 is emulated (several times slower) without AVX512-BF16 or AMX.
+SPEED_FLAGS: tuple[str, ...] = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+NOT_RECORDED = "not recorded"
+
+
+def git_commit(repo: Path = REPO) -> str:
+    """HEAD's commit id, plus "-dirty" if tracked files differ from it (untracked files do not
+    count, as with `git describe --dirty`); "not recorded (...)" outside a git checkout."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        changes = subprocess.run(
+            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return f"{NOT_RECORDED} (no git checkout)"
+    return head + ("-dirty" if changes else "")
+
+
+def _cpuinfo(text: str) -> tuple[str, set[str]]:
+    """(model name, flags) of the first processor in /proc/cpuinfo's text."""
+    model, flags = "", set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    return model, flags
+
+
+def _memory_gib(text: str) -> float | None:
+    """MemTotal of /proc/meminfo's text, in GiB."""
+    for line in text.splitlines():
+        if line.startswith("MemTotal:"):
+            return round(int(line.split()[1]) / (1 << 20), 1)  # kB
+    return None
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, which of `SPEED_FLAGS` it has, logical cores and memory (Linux /proc; the
+    flags are "not recorded" where /proc/cpuinfo has none, e.g. on macOS)."""
+    model, flags = _cpuinfo(_read("/proc/cpuinfo"))
+    return {
+        "cpu": model or platform.processor() or platform.machine() or NOT_RECORDED,
+        "speed_flags": {f: f in flags for f in SPEED_FLAGS} if flags else NOT_RECORDED,
+        "cores": os.cpu_count(),
+        "memory_gib": _memory_gib(_read("/proc/meminfo")) or NOT_RECORDED,
+        "os": platform.system(),
+    }
+
+
+def gpu_name() -> str:
+    try:
+        import torch
+    except ImportError:
+        return "none"
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def command(module: str, argv: list[str] | None = None) -> str:
+    """The command line as a user would type it: `python -m MODULE ARGS` (ARGS: `argv`, or this
+    process's own arguments)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return " ".join(["python", "-m", module, *([shlex.join(args)] if args else [])])
+
+
+def run_metadata(module: str, argv: list[str] | None = None) -> dict[str, Any]:
+    """What produced this run's results (see the module doc)."""
+    return {
+        "commit": git_commit(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "gpu": gpu_name(),
+        "torch": _version("torch"),
+        "sglang": _version("sglang"),
+        "command": command(module, argv),
+    }
+
+
+def describe_machine(m: dict[str, Any] | str) -> str:
+    """One line for `machine_info()`'s dict (a string is returned as it is)."""
+    if isinstance(m, str):
+        return m
+    parts = [str(m.get("cpu", NOT_RECORDED))]
+    cores, mem = m.get("cores"), m.get("memory_gib")
+    parts.append(f"{cores} cores" if isinstance(cores, int) else f"cores {cores or NOT_RECORDED}")
+    parts.append(f"{mem} GiB" if isinstance(mem, (int, float)) else f"memory {mem or NOT_RECORDED}")
+    flags = m.get("speed_flags", NOT_RECORDED)
+    if isinstance(flags, dict):
+        have = [f for f, on in flags.items() if on]
+        lack = [f for f, on in flags.items() if not on]
+        text = "CPU flags: " + (", ".join(have) if have else "none of " + ", ".join(flags))
+        if have and lack:
+            text += " (no " + ", ".join(lack) + ")"
+        parts.append(text)
+    else:
+        parts.append(f"CPU flags: {flags}")
+    return ", ".join(parts)
+
+
+def metadata_markdown(meta: dict[str, Any]) -> str:
+    """The lines every results .md starts with."""
+    lines = [
+        f"- Commit: `{meta.get('commit', NOT_RECORDED)}`",
+        f"- Date: {meta.get('date', NOT_RECORDED)}",
+        f"- Machine: {describe_machine(meta.get('machine', NOT_RECORDED))}",
+        f"- GPU: {meta.get('gpu', NOT_RECORDED)}",
+        f"- Versions: torch {meta.get('torch', NOT_RECORDED)}, sglang {meta.get('sglang', NOT_RECORDED)}",
+        f"- Command: `{meta.get('command', NOT_RECORDED)}`",
+    ]
+    if meta.get("notes"):
+        lines.append(f"- Notes: {meta['notes']}")
+    return "\n".join(lines) + "\n"
 
 
 def machine() -> str:
-    try:
-        cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name"))
-    except (OSError, StopIteration):
-        model = platform.processor()
-    import torch
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{model}, {os.cpu_count()} cores, {platform.system()} ({gpu})"
+    """A short description of the machine for plot titles."""
+    m = machine_info()
+    return f"{m['cpu']}, {m['cores']} cores, {m['os']} (GPU: {gpu_name()})"

@@ -1,7 +1,7 @@
 """Side-by-side serving benchmark: plain SGLang (`--policy none`) against each eviction policy,
 at one fixed KV pool size, in one run.
 
-    python -m benchmarks.eviction                      # the README's table (CPU, demo model)
+    python -m benchmarks.eviction                      # docs/benchmarks.md has the commands of the results
     python -m benchmarks.eviction --configs none rkv --requests 16 --output-len 256
 
 Every configuration gets a fresh server (`python -m sgl_kvc.launch`, the demo model unless
@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from benchmarks.common import machine
+from benchmarks.common import machine, metadata_markdown, run_metadata
 from loadtest.server import ServerProcess
 
 DEFAULT_CONFIGS = ["none", "rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress"]
@@ -253,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    meta = run_metadata("benchmarks.eviction", argv)  # before the run writes anything
+    print(metadata_markdown(meta), flush=True)
     args.server_args = shlex.split(args.server_args)
     args.out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="eviction-logs-"))
@@ -274,13 +276,17 @@ def main(argv: list[str] | None = None) -> None:
         "model": "see server_args" if "--model-path" in args.server_args else "built-in demo model",
         "date": time.strftime("%Y-%m-%d"),
     }
-    print(report(results, setup, args.out, "eviction" + (f"-{args.tag}" if args.tag else "")))
+    print(report(results, setup, args.out, "eviction" + (f"-{args.tag}" if args.tag else ""), meta))
 
 
-def report(results: list[ConfigResult], setup: dict, out: Path, stem: str = "eviction") -> str:
-    """Write <stem>.json, <stem>.md and <stem>.png; return the markdown table."""
+def report(
+    results: list[ConfigResult], setup: dict, out: Path, stem: str = "eviction", meta: dict | None = None
+) -> str:
+    """Write <stem>.json, <stem>.md and <stem>.png; return the markdown table. `meta`: what
+    produced the run (`benchmarks.common.run_metadata`), at the top of the JSON and the .md."""
+    meta = meta or {}
     (out / f"{stem}.json").write_text(
-        json.dumps({"setup": setup, "results": [asdict(r) for r in results]}, indent=2)
+        json.dumps({"meta": meta, "setup": setup, "results": [asdict(r) for r in results]}, indent=2)
     )
     pool = " ".join(["--max-total-tokens", str(setup["max_total_tokens"]), *setup["server_args"]])
     title = (
@@ -291,7 +297,7 @@ def report(results: list[ConfigResult], setup: dict, out: Path, stem: str = "evi
     if setup.get("rounds", 1) > 1:
         title += f"; {setup['rounds']} rounds, interleaved (the median round's row is shown)"
     table = markdown(results)
-    (out / f"{stem}.md").write_text(f"{title}\n\n{table}")
+    (out / f"{stem}.md").write_text(f"{metadata_markdown(meta)}\n{title}\n\n{table}")
     plot(results, out / f"{stem}.png", title)
     return table
 

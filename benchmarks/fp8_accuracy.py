@@ -1,6 +1,6 @@
 """Accuracy of FP8 KV-cache storage against the 16-bit cache, scale choice by scale choice.
 
-    python -m benchmarks.fp8_accuracy                    # writes benchmarks/results/fp8_accuracy.{json,png}
+    python -m benchmarks.fp8_accuracy                    # writes benchmarks/results/fp8-accuracy.{json,md,png}
     python -m benchmarks.fp8_accuracy --new-tokens 64 --prompts 1 --out /tmp/x   # quick
 
 The model is the built-in demo Llama (transformers, float32 arithmetic). Its KV cache is stored
@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from benchmarks.common import machine
+from benchmarks.common import machine, metadata_markdown, run_metadata
 from sgl_kvc.kernels import fp8 as F
 
 PROMPTS = [
@@ -370,6 +370,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
+    meta = run_metadata("benchmarks.fp8_accuracy", argv)
+    print(metadata_markdown(meta), flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -381,11 +383,13 @@ def main(argv: list[str] | None = None) -> None:
         "reference": "bfloat16 KV cache", "prompts": args.prompts, "new_tokens_per_prompt": args.new_tokens,
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    (args.out / "fp8_accuracy.json").write_text(json.dumps({"setup": setup, "results": results}, indent=2))
+    (args.out / "fp8-accuracy.json").write_text(
+        json.dumps({"meta": meta, "setup": setup, "results": results}, indent=2))
     table = markdown(results)
-    (args.out / "fp8_accuracy.md").write_text(
+    (args.out / "fp8-accuracy.md").write_text(
+        f"{metadata_markdown(meta)}\n"
         f"{setup['model']}; {args.prompts} prompts x {args.new_tokens} greedy tokens; {setup['machine']}\n{table}")
-    plot(results, args.out / "fp8_accuracy.png")
+    plot(results, args.out / "fp8-accuracy.png")
     print(table)
 
 

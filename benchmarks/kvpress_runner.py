@@ -2,7 +2,7 @@
 
     /path/to/kvpress-venv/bin/python benchmarks/kvpress_runner.py IN.json OUT.json
 
-kvpress pins its own transformers, so it lives in a separate venv (README, "Quality"); this
+kvpress pins its own transformers, so it lives in a separate venv (docs/benchmarks.md, "Quality"); this
 script imports nothing from sgl-kvc. IN.json (written by `benchmarks.quality`): the converted
 checkpoint folder, budgets, press names and samples as token ids. OUT.json: one outcome per
 sample and configuration (`kvpress:full`, `kvpress:<press>@<budget>`), in the main benchmark's

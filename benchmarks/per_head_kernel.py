@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import machine
+from benchmarks.common import metadata_markdown, run_metadata
 from sgl_kvc.kernels.decode_attention import decode_attention
 from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode
 from sgl_kvc.kernels.triton_per_head import triton_per_head_decode
@@ -79,22 +79,24 @@ def case(b: int, n: int, reps: int, seed: int = 0) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tag", default="gpu")
     ap.add_argument("--batches", default="8,32,128")
     ap.add_argument("--kept", default="256,1024,4096")
     ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.per_head_kernel needs a CUDA GPU")
+    meta = run_metadata("benchmarks.per_head_kernel", argv)
+    print(metadata_markdown(meta), flush=True)
     rows = [case(int(b), int(n), args.reps) for b in args.batches.split(",") for n in args.kept.split(",")]
-    result = {"machine": machine(), "shape": {"h_q": H_Q, "h_kv": H_KV, "d": D, "dtype": "bfloat16"}, "rows": rows}
+    result = {"meta": meta, "shape": {"h_q": H_Q, "h_kv": H_KV, "d": D, "dtype": "bfloat16"}, "rows": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"per-head-kernel-{args.tag}.json").write_text(json.dumps(result, indent=1) + "\n")
     cols = ["batch", "mean_kept", "kv_mb", "triton_ms", "triton_gbps", "triton_probs_ms", "torch_ms",
             "uniform_torch_ms", "max_abs_diff"]
-    lines = [f"Machine: {result['machine']}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = [metadata_markdown(meta), "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
     (RESULTS / f"per-head-kernel-{args.tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,6 +1,6 @@
 """What compression costs in answer quality, on the real default model (SmolLM2-135M-Instruct).
 
-    python -m benchmarks.quality                      # the README's table (~40 min on 2 CPU cores)
+    python -m benchmarks.quality                      # every policy, budget and task
     python -m benchmarks.quality --quick              # a few samples, to check the set-up
     python -m benchmarks.quality --policies snapkv rkv --budgets 128 512 --passkey 1024:2
 
@@ -21,7 +21,7 @@ Then compression seconds per pass at 1K/4K/8K-token prompts (from `/v1/kvc/stats
 single requests). Then, when its venv exists (`--kvpress-python`), NVIDIA kvpress's presses on the
 same samples (`benchmarks/kvpress_runner.py`). A failed request, or a server that dies, is
 recorded as a failure and the benchmark goes on (a dead server is started again).
-Writes `<out>/quality.json`, `<out>/quality.md` and `<out>/quality.png`.
+Writes `<out>/quality.json`, `<out>/quality.md` and `<out>/quality.png` (`quality-<tag>.*` with `--tag`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any
 
 import requests
 
-from benchmarks.common import machine
+from benchmarks.common import NOT_RECORDED, machine, metadata_markdown, run_metadata
 from benchmarks.quality_samples import (
     Sample,
     is_correct,
@@ -531,11 +531,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a previous quality.json: keep its outcomes (and timing) for what is not run now")
     p.add_argument("--quick", action="store_true", help="a handful of samples (checks the set-up)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--tag", default="", help="result files are quality-<tag>.* (default quality.*)")
     return p  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    meta = run_metadata("benchmarks.quality", argv)  # before the run writes anything
+    print(metadata_markdown(meta), flush=True)
     if args.quick:
         args.passkey, args.multikey, args.longgen, args.longgen_tokens = {1024: 1}, 1, 1, 128
         args.depths, args.timing_lengths = [0.5], [1024]
@@ -619,7 +622,10 @@ def main(argv: list[str] | None = None) -> dict:
             f"kvpress: failed ({kvpress['error']})." if "error" in kvpress else
             f"kvpress {kvpress.get('version')} rows: its presses on the same token ids, scored against "
             "its own full-cache run under transformers.")  # fmt: skip
+    if prev:
+        meta["merged_from"] = prev.get("meta", NOT_RECORDED)  # the run whose outcomes were kept
     data = {
+        "meta": meta,
         "setup": {
             "model": SMOLLM2_MODEL_NAME, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
             "policies": args.policies, "budgets": args.budgets,
@@ -644,18 +650,19 @@ def main(argv: list[str] | None = None) -> dict:
         "failures": sum(o.text is None for o in outcomes),
         "outcomes": [asdict(o) for o in outcomes],
     }  # fmt: skip
-    write(data, args.out)
+    write(data, args.out, "quality" + (f"-{args.tag}" if args.tag else ""))
     return data
 
 
-def write(data: dict, out: Path) -> None:
+def write(data: dict, out: Path, stem: str = "quality") -> None:
     table = markdown(data)
     s = data["setup"]
-    title = (f"{s['model']} on `python -m sgl_kvc.launch` (CPU), greedy; {s['machine']}; "
+    title = (f"{metadata_markdown(data.get('meta', {}))}\n"
+             f"{s['model']} on `python -m sgl_kvc.launch` (CPU), greedy; {s['machine']}; "
              f"{s['date']}; total {s['total_seconds'] / 60:.0f} min.\n\n")  # fmt: skip
-    (out / "quality.json").write_text(json.dumps(data, indent=1) + "\n")
-    (out / "quality.md").write_text(title + table)
-    plot(data, out / "quality.png")
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(title + table)
+    plot(data, out / f"{stem}.png")
     print(title + table, flush=True)
 
 

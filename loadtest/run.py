@@ -21,7 +21,9 @@ Per configuration, under OUT/NAME/: locust_stats.csv, locust_stats_history.csv,
 locust_failures.csv, locust_exceptions.csv (locust's CSV; Type = E2E/TTFT/TPOT/ITL),
 requests.csv (one row per request), summary.json, locust.log and server.log (started servers).
 In OUT/: results.md (one side-by-side table of all configurations), results.png (one plot),
-summaries.json. OUT defaults to loadtest/results/.
+summaries.json. OUT defaults to loadtest/results/. Every summary.json, summaries.json and
+results.md records what produced the run: commit, date, machine, GPU, versions and the command
+(`benchmarks.common.run_metadata`).
 
 Each load runs `--duration` seconds (locust -t), then users get `--stop-timeout` seconds to
 finish the request in flight (then locust stops them, which closes their streams); requests/s,
@@ -49,6 +51,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.common import metadata_markdown, run_metadata
 from loadtest.metrics import Limits, Summary, summarize
 from loadtest.prompts import SCENARIOS, PromptSettings
 from loadtest.report import write_markdown, write_plot
@@ -129,7 +132,8 @@ def locust_command(url: str, load: LoadSettings, out: Path) -> list[str]:
 
 
 def run_load(
-    config: ServerConfig, url: str, load: LoadSettings, limits: Limits, out: Path
+    config: ServerConfig, url: str, load: LoadSettings, limits: Limits, out: Path,
+    meta: dict | None = None,
 ) -> Summary:
     """Load one healthy server and summarize the run into OUT/summary.json."""
     out.mkdir(parents=True, exist_ok=True)
@@ -151,14 +155,15 @@ def run_load(
         flags=config.url or shlex.join(config.flags),
     )  # fmt: skip
     (out / "summary.json").write_text(
-        json.dumps({**asdict(summary), "load": asdict(load), "kvc_stats_before": before,
+        json.dumps({"meta": meta or {}, **asdict(summary), "load": asdict(load), "kvc_stats_before": before,
                     "kvc_stats_after": after}, indent=2) + "\n"
     )  # fmt: skip
     return summary
 
 
 def run_config(
-    config: ServerConfig, load: LoadSettings, limits: Limits, out: Path, server_timeout_s: float
+    config: ServerConfig, load: LoadSettings, limits: Limits, out: Path, server_timeout_s: float,
+    meta: dict | None = None,
 ) -> Summary:
     (out / config.name).mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
@@ -168,7 +173,7 @@ def run_config(
         else:
             log = out / config.name / "server.log"
             url = stack.enter_context(launched(list(config.flags), log, server_timeout_s))
-        return run_load(config, url, load, limits, out / config.name)
+        return run_load(config, url, load, limits, out / config.name, meta)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> list[Summary]:
     args = build_parser().parse_args(argv)
+    meta = run_metadata("loadtest.run", argv)  # before the run writes anything
     try:
         configs = [ServerConfig.parse(spec) for spec in args.config]
     except ValueError as e:
@@ -227,15 +233,16 @@ def main(argv: list[str] | None = None) -> list[Summary]:
         t0 = time.monotonic()
         print(f"[loadtest] {config.name}: {config.url or shlex.join(config.flags) or '(defaults)'}",
               flush=True)  # fmt: skip
-        summaries.append(run_config(config, load, limits, out, args.server_timeout))
+        summaries.append(run_config(config, load, limits, out, args.server_timeout, meta))
         s = summaries[-1]
         took = time.monotonic() - t0
         print(f"[loadtest] {config.name}: {s.requests} ok, {s.failures} failed, "
               f"{s.output_tokens_per_s:.1f} tok/s ({took:.0f} s)", flush=True)  # fmt: skip
-    command = "python -m loadtest.run " + shlex.join(sys.argv[1:] if argv is None else argv)
-    write_markdown(summaries, out / "results.md", preamble=f"Command: `{command}`")
+    write_markdown(summaries, out / "results.md", preamble=metadata_markdown(meta).rstrip())
     write_plot(summaries, out / "results.png")
-    (out / "summaries.json").write_text(json.dumps([asdict(s) for s in summaries], indent=2) + "\n")
+    (out / "summaries.json").write_text(
+        json.dumps({"meta": meta, "summaries": [asdict(s) for s in summaries]}, indent=2) + "\n"
+    )
     print(f"[loadtest] wrote {out / 'results.md'} and {out / 'results.png'}", flush=True)
     return summaries
 

@@ -253,7 +253,7 @@ def _native_bf16() -> bool:
 def dtype_hint(device: str, dtype: str, native_bf16: bool) -> str | None:
     """A start-up hint where the model will likely run in bfloat16 on a CPU that emulates it.
 
-    Measured on a 2-core AVX2 EPYC (benchmarks/results/eviction-session8-cpu-dtype.md): SmolLM2
+    Measured on a 2-core AVX2 EPYC (benchmarks/results/eviction-cpu-dtype.md): SmolLM2
     in float32 pre-fills 5.4x faster and serves 1.8x the tokens/s. Not made the default: it
     doubles the bytes of every KV entry, and it is SGLang's `--dtype` to choose."""
     if device != "cpu" or dtype != "auto" or native_bf16:
