@@ -61,7 +61,7 @@ class ConfigResult:
     compression_passes: int = 0
     compression_share: float = 0.0
     compression_s_per_pass: float = 0.0
-    compression_max_pass_s: float = 0.0  # the longest compression work in one step: the worst stall
+    compression_max_step_s: float = 0.0  # the longest compression work in one step: the worst stall
     retractions: int = 0
     total_tokens: int = 0
     round: int = 0  # with --rounds: which round of the interleaved repeats
@@ -143,7 +143,7 @@ def run_config(name: str, flags: list[str], args: argparse.Namespace, log: Path)
         tpot_ms=percentiles([r.tpot_s for r in ok], scale=1000.0),
         compression_passes=comp["passes"], compression_share=comp["seconds"] / wall,
         compression_s_per_pass=comp["seconds"] / max(comp["passes"], 1),
-        compression_max_pass_s=comp.get("max_pass_seconds", 0.0),
+        compression_max_step_s=comp.get("max_step_seconds", 0.0),
         retractions=comp.get("retractions", 0), total_tokens=stats["pool"]["total_tokens"],
     )
 
@@ -183,7 +183,7 @@ def markdown(results: list[ConfigResult]) -> str:
     vs = "vs none" if rounds == 1 else f"vs none, median (min-max) of {rounds} rounds"
     rows = [
         f"| config | max running | output tok/s | {vs} | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
-        "| compressing | passes | s/pass mean / max | failures |",
+        "| compressing | passes | s/pass mean / max step | failures |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in shown.items():
@@ -197,7 +197,7 @@ def markdown(results: list[ConfigResult]) -> str:
             f"| {r.ttft_s.get('p50', 0):.2f} / {r.ttft_s.get('p99', 0):.2f} "
             f"| {r.tpot_ms.get('p50', 0):.1f} / {r.tpot_ms.get('p99', 0):.1f} "
             f"| {100 * r.compression_share:.1f}% | {r.compression_passes} "
-            f"| {r.compression_s_per_pass:.3f} / {r.compression_max_pass_s:.3f} "
+            f"| {r.compression_s_per_pass:.3f} / {r.compression_max_step_s:.3f} "
             f"| {sum(x.failures for x in groups[name])} |"
         )
     return "\n".join(rows) + "\n"

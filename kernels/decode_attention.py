@@ -1,9 +1,9 @@
 """Batched decode attention over SGLang's slot layout (installed as `sgl_kvc.kernels.decode_attention`).
 
-Layout: one slot list per request (a `req_to_token` row, page size 1); slot s holds the key and
-value of every KV head of one cache entry, K [S, H_kv, d] and V [S, H_kv, d_v]. After a uniform
-per-head compaction, entry j of each head may be a different token, but all heads keep the same
-count, so one slot list still describes every head (the variable-length per-head form is
+Layout: one slot list per request (a `req_to_token` row, page size 1); slot s holds the entries
+(key and value) of every KV head of one token, K [S, H_kv, d] and V [S, H_kv, d_v]. After a
+uniform per-head compaction, entry j of each head may be a different token, but all heads keep
+the same count, so one slot list still describes every head (the variable-length per-head form is
 `per_head_attention.per_head_decode`).
 
 Why a kernel of our own: SGLang's CPU backend (`torch_native`) runs decode attention with a Python

@@ -42,7 +42,9 @@ class KvcConfig:
         metadata=_flag("KV-cache eviction policy; 'none' behaves exactly like plain SGLang."),
     )
     kv_budget: int = field(
-        default=_P.budget, metadata=_flag("Tokens kept per request after a compression.")
+        default=_P.budget,
+        metadata=_flag("Entries each (layer, KV head) keeps after a compression (with --kv-selection "
+                       "shared: tokens per request)."),
     )
     kv_selection: str = field(
         default=DEFAULT_SELECTION,

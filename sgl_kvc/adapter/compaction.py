@@ -42,7 +42,7 @@ from sgl_kvc.policies import HeadSelection
 
 @dataclass(frozen=True)
 class CompactionResult:
-    kept: int  # entries (slots) the request's row holds after it
+    kept: int  # slots the request's row holds after it (G for a packed request)
     freed: int  # slots returned to the allocator
     copied: int  # slots newly allocated for kept tree-owned entries (a long prefix hit)
     units: Tensor | None = None  # a packed request's new tables [L, H_kv, K] (unit pool)

@@ -372,7 +372,7 @@ class Compressor:
         """Time spent compressing: the step's total is the stall it caused the scheduler."""
         self.stats.seconds += seconds
         self._step_seconds += seconds
-        self.stats.max_pass_seconds = max(self.stats.max_pass_seconds, self._step_seconds)
+        self.stats.max_step_seconds = max(self.stats.max_step_seconds, self._step_seconds)
         if self.metrics:
             self.metrics.spent(seconds)
         return seconds

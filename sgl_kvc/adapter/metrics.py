@@ -15,7 +15,7 @@ from typing import Any
 @dataclass
 class CompressionStats:
     passes: int = 0
-    evicted_tokens: int = 0
+    evicted_tokens: int = 0  # slots given back by compactions (a slot holds one token's entries of every layer and head)
     seconds: float = 0.0
     prefill_passes: int = 0
     decode_passes: int = 0
@@ -24,7 +24,7 @@ class CompressionStats:
     retractions: int = 0
     skipped: int = 0
     failed_requests: int = 0  # requests aborted because sgl-kvc raised while handling them
-    max_pass_seconds: float = 0.0  # the longest compression work in one scheduler step: the worst stall
+    max_step_seconds: float = 0.0  # the longest compression work in one scheduler step: the worst stall
     staged_passes: int = 0  # passes spread over several scheduler steps (--kv-pass-work)
     max_compacted_together: int = 0  # most requests compacted by one batched move (same step)
 
@@ -40,7 +40,7 @@ class CompressionMetrics:
             names + ["moment"],
         )
         self.evicted = Counter(
-            "sgl_kvc:evicted_tokens_total", "KV tokens evicted by compression", names
+            "sgl_kvc:evicted_tokens_total", "KV slots (token x every layer and head) given back by compression", names
         )
         self.seconds = Counter(
             "sgl_kvc:compression_seconds_total", "Seconds spent compressing", names

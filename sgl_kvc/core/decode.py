@@ -76,10 +76,10 @@ class DecodeStep:
         cls, rows: list[int], lens: list[int], states: dict[int, "ReqKvState"], req_to_token: Tensor,
         token_elems: int, attends: bool, units: tuple[int, int] | None = None, first_layer: int = 0,
     ) -> "DecodeStep":
-        """`rows`/`lens`: the batch's `req_to_token` rows and cached entries, in batch order
-        (host-side lists: no device sync); `token_elems`: key elements per entry (H_kv x d),
-        which sizes the blocks; `units`: (layers, KV heads) of the unit pool, whose blocks get
-        per-head tables."""
+        """`rows`/`lens`: the batch's `req_to_token` rows and their lengths (slots), in batch
+        order (host-side lists: no device sync); `token_elems`: key elements per slot and layer
+        (H_kv x d), which sizes the blocks; `units`: (layers, KV heads) of the unit pool, whose
+        blocks get per-head tables (as wide as their widest table)."""
         stats = {i for i, row in enumerate(rows) if (s := states.get(row)) is not None and s.policy.uses_stats}
         picked = list(range(len(rows))) if attends else sorted(stats)
         row_lens = lens

@@ -99,7 +99,7 @@ class DueCompaction:
     began_at: int
     staged: bool
     units: Tensor | None = None  # the request's tables [L, H_kv, N] (variable budgets)
-    n: int = 0  # cache entries (row slots) when it was selected; 0: selection.n (no tables)
+    n: int = 0  # the request's row length (slots) when it was selected; 0: selection.n (no tables)
 
 
 def start_pass(

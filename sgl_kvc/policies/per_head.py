@@ -2,7 +2,7 @@
 
 :meth:`Policy.select` averages the per-head scores over heads and layers and keeps ONE set for the
 whole request, because SGLang's single ``req_to_token`` table can hold only one. That shared set
-is what loses quality (issue 10: per-head SnapKV keeps 5/6 pass keys where the shared set keeps
+is what loses quality (measured: per-head SnapKV keeps 5/6 pass keys where the shared set keeps
 0/6). Here each (layer, KV head) ranks its own scores ``Policy.score(view)[h]`` and keeps its own
 tokens, as the papers do (SnapKV and R-KV select per head; KV-Compress §4.1 per KV head with the
 query group summed, eq. 9-10). Nothing here changes a policy's scoring, protection or timing.
@@ -43,7 +43,7 @@ tokens, newest first. In the variable mode's global sort, equal metrics go to th
 rank first, then to the lower (layer, head): when all heads hold identical scores the allocation
 is therefore exactly uniform.
 
-The result is a :class:`HeadSelection`: kept token indices per (layer, head), ascending, padded
+The result is a :class:`HeadSelection`: kept columns per (layer, head), ascending, padded
 to a rectangle, plus per-head lengths. Tensor parallelism: a rank scores and selects only its own
 KV heads; see ``docs/per-head-eviction.md`` for why no all-reduce is needed.
 """
@@ -72,10 +72,11 @@ DEFAULT_SELECTION = "per-head"
 class HeadSelection:
     """Kept tokens of one request per (layer, KV head).
 
-    indices: int64 [L, H_kv, max_keep]: token indices (into the n cached tokens the views held),
+    indices: int64 [L, H_kv, max_keep]: kept columns (indices into the n entries each head's view
+             held: physical indices of the row, or columns of a head's table),
              ascending per head; entries at or beyond ``lengths[l, h]`` are :attr:`PAD`.
     lengths: int64 [L, H_kv]: how many tokens each head keeps.
-    n:       number of tokens the views held before the selection.
+    n:       number of columns the views held before the selection.
     """
 
     indices: Tensor
@@ -105,7 +106,7 @@ class HeadSelection:
 
     @property
     def total(self) -> int:
-        """(token, head) pairs kept over all layers: the request's footprint in pool slots."""
+        """Entries kept over all layers and heads: the request's footprint in units."""
         return int(self.lengths.sum())
 
     def valid(self) -> Tensor:
@@ -124,7 +125,7 @@ class HeadSelection:
         return out[..., : self.n]
 
     def kept(self, layer: int, head: int) -> Tensor:
-        """Ascending int64 token indices kept by one (layer, head)."""
+        """Ascending int64 columns kept by one (layer, head)."""
         return self.indices[layer, head, : int(self.lengths[layer, head])]
 
     def gather(self, layer: int, x: Tensor, fill: float = 0.0) -> Tensor:
@@ -180,7 +181,7 @@ def rank_per_head(
     """Each head's tokens, best first.
 
     scores [L, H, N]; protected [L, N] or [L, H, N]; lengths [L, H] or None (all N real) ->
-    (order [L, H, N] int64 token indices, keys [L, H, N] float32 sort keys in that order,
+    (order [L, H, N] int64 columns, keys [L, H, N] float32 sort keys in that order,
     non-increasing). Protected tokens come first (key +inf), newest first; then candidates by
     score, ties to the lower index; NaN ranks last (-inf); padding (index >= length) after all.
     """

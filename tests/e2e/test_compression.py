@@ -72,8 +72,8 @@ def test_logits_after_compaction_match_dense_reference(
     err = error()
     print(f"max |logprob error|: {err:.4f}; without eviction {error(evict=False):.3f}; "
           f"physical positions {error(logical=False):.3f}")
-    # bf16 serving against a float32 reference: small differences only.
-    assert err < 0.15, f"served logprobs differ from the dense reference by {err}"
+    # bf16 serving against a float32 reference: small differences only (measured 0.020-0.023).
+    assert err < 0.05, f"served logprobs differ from the dense reference by {err}"
     # The test can fail: ignoring the evictions, or using physical positions, is far off.
     assert error(evict=False) > 3 * max(err, 0.05)
     assert error(logical=False) > 3 * max(err, 0.05)

@@ -2,13 +2,14 @@
 
 - `--policy none` gives the same greedy tokens as plain `python -m sglang.launch_server`;
 - a compressing request whose prompt and output fit its budget answers exactly as the full cache
-  on the same server, and as plain SGLang up to the decode kernel's rounding (sgl-kvc's batched
-  kernel sums in float32 where SGLang's SDPA rounds in bfloat16: the same tokens until a near-tie);
+  on the same server, and as plain SGLang (sgl-kvc's batched decode kernel against SGLang's);
 - retrieval: SnapKV at a generous budget keeps a pass key that StreamingLLM at 64 tokens loses
   (fixed seeded ~1K-token samples, a count threshold; `benchmarks.quality` measures the rest).
 Two sgl-kvc servers start together once for the module; plain SGLang runs only during its test
 (an extra server competing for two cores slows every other one several-fold). Requests are sent
-one at a time: greedy decoding in bfloat16 on CPU is not batch-invariant.
+one at a time: greedy decoding on CPU is not batch-invariant. The servers run in float32: on a
+CPU without native bfloat16 (AVX2 only) a bfloat16 forward is emulated and several times slower,
+and nothing tested here depends on the dtype.
 """
 
 from __future__ import annotations
@@ -117,16 +118,13 @@ def test_under_budget_request_answers_as_the_full_cache(servers, smollm2_path: s
     assert servers["rkv"].stats()["compression"]["passes"] == before  # nothing was compressed
     # Exactly the full cache of the same server (same attention kernel).
     assert got == _complete(servers["rkv"], ids, 48, {"policy": "none"})
-    # Against plain SGLang's attention: the same tokens until a near-tie, where the rounding of
-    # the two kernels may choose differently; until then, the same log-probabilities.
+    # Against plain SGLang's attention: in float32 the two kernels round alike, so the same 48
+    # tokens with the same log-probabilities (measured: within 4e-6). A wrong kernel (another
+    # head mapping, a missing key) changes the answer from its first tokens.
     ours, ours_lp = _tokens(servers["rkv"], ids, 48, {"policy": "snapkv", "budget": 1024})
     plain, plain_lp = _tokens(servers["none"], ids, 48)
-    same = next((i for i, (a, b) in enumerate(zip(ours, plain)) if a != b), len(ours))
-    print(f"equal greedy tokens: {same} of {len(ours)}")
-    assert same >= 16, (same, ours, plain)
-    # Measured: 35 equal tokens, log-probabilities within 0.13 (bf16 rounding through 30 layers);
-    # a wrong kernel (another head mapping, a missing key) changes the answer from its first tokens.
-    assert max(abs(a - b) for a, b in zip(ours_lp[:same], plain_lp[:same])) < 0.25
+    assert ours == plain
+    assert max(abs(a - b) for a, b in zip(ours_lp, plain_lp)) < 1e-4
     assert servers["rkv"].stats()["decode_attention"]["layers"] > 0  # the kernel served it
 
 

@@ -74,7 +74,7 @@ def test_variable_budgets_match_the_dense_reference(variable_server, trace, demo
     err = error()
     print(f"{policy}: max |logprob error| {err:.4f}; without eviction {error(evict=False):.3f}; "
           f"physical positions {error(logical=False):.3f}")
-    assert err < 0.15, f"served logprobs differ from the dense reference by {err}"
+    assert err < 0.05, f"served logprobs differ from the dense reference by {err}"  # measured 0.025-0.031
     assert error(evict=False) > 3 * max(err, 0.05)  # the test can fail
     assert error(logical=False) > 3 * max(err, 0.05)
 
@@ -112,6 +112,6 @@ def test_fp8_layer_budgets_match_a_dense_fp8_reference(servers, trace, demo_mode
     plain = error()  # the same reference without FP8 rounding
     print(f"fp8 rkv/layer: max |logprob error| {err:.4f}; without FP8 rounding {plain:.4f}; "
           f"without eviction {error(evict=False):.3f}")
-    assert err < 0.15, f"served logprobs differ from the dense FP8 reference by {err}"
+    assert err < 0.08, f"served logprobs differ from the dense FP8 reference by {err}"  # measured 0.060
     assert err < plain  # the served K/V are rounded as the reference rounds them (measured 0.06 vs 0.11)
     assert error(evict=False, attn_implementation=fp8_attention("fp8_e4m3")) > 3 * max(err, 0.05)
