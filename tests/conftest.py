@@ -60,7 +60,16 @@ def pytest_configure(config: pytest.Config) -> None:
         sys.meta_path.insert(0, _NoSGLang())
 
 
+# The modules that take longest (several servers, or the 30-layer model), started first: with
+# two workers taking one file at a time, a long file left for the end keeps one worker busy
+# alone while the other idles.
+LONGEST_FIRST = ("test_smollm2.py", "test_tensor_parallel.py", "test_fp8_serving.py",
+                 "test_failure_isolation.py", "test_long_prompts.py", "test_scheduler_moments.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept within
     try:
         import torch
 
