@@ -65,8 +65,6 @@ class Compressor:
         # With tensor parallelism each rank sees only its own KV heads: a shared selection's
         # scores are averaged over the TP group first, so every rank keeps the same tokens.
         self.reduce_scores = ScoreReducer.for_sglang_tp_group()
-        if failpoints.active("tp_local_scores"):
-            self.reduce_scores = None  # planted: each rank chooses from its own heads
         self.tp_rank = tp_rank()
         self.trace = CompactionTrace.from_env(self.tp_rank)
         self.scheduler: Any = None  # set by the scheduler hooks; read for the other running batch
@@ -285,7 +283,8 @@ class Compressor:
         policy = self.policy(state.policy.name, state.effective_budget(n))
         positions = state.positions(n)
         views = layer_views(self.store, row, state, n, positions, self._layers())
-        chosen = policy.select(views, target, reduce=self.reduce_scores)
+        planted = failpoints.hits("tp_local_scores", batch.reqs[i])  # each rank from its own heads
+        chosen = policy.select(views, target, reduce=None if planted else self.reduce_scores)
         stats = None
         if policy.uses_stats:
             stats = with_gaps(self.first_layer, [policy.carry_stats(v, chosen) for v in views])

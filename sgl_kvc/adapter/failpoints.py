@@ -8,8 +8,10 @@ is active unless the variable names it; a client cannot turn one on.
 - `rewrite_raise`: rewriting the row of a request whose id starts with `failpoint-rewrite`
   raises, after its kept entries moved (with others of the same step) and before any row or
   slot of it changed.
-- `leak_slot`: a compaction forgets to free one evicted slot (an accounting error).
-- `tp_local_scores`: with tensor parallelism, each rank chooses from its own heads' scores.
+- `leak_slot`: compacting a request whose id starts with `failpoint-leak` forgets to free one
+  evicted slot (an accounting error).
+- `tp_local_scores`: with tensor parallelism, each rank chooses the shared selection of a
+  request whose id starts with `failpoint-tp` from its own heads' scores.
 """
 
 from __future__ import annotations

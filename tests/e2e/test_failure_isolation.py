@@ -34,7 +34,7 @@ def _generate(server: ServerProcess, rid: str, n: int = 24, **sampling) -> reque
 
 @pytest.fixture(scope="module")
 def faulty_server():
-    env = {"SGLKVC_FAILPOINTS": "compress_raise,rewrite_raise", "SGLKVC_CHECK": "1"}
+    env = {"SGLKVC_FAILPOINTS": "compress_raise,rewrite_raise,leak_slot", "SGLKVC_CHECK": "1"}
     with ServerProcess.launch(CMD, env=env) as server:
         yield server
 
@@ -79,15 +79,14 @@ def test_bad_custom_params_are_a_400_for_that_request(faulty_server, settings) -
     assert faulty_server.get("/health").status_code == 200
 
 
-def test_invariant_check_stops_a_server_with_a_planted_accounting_error() -> None:
-    env = {"SGLKVC_FAILPOINTS": "leak_slot", "SGLKVC_CHECK": "1"}
-    with ServerProcess.launch(CMD, env=env) as server:
-        try:
-            _generate(server, "leaky", n=40)  # decode-time compactions evict owned slots
-        except requests.RequestException:
-            pass  # the scheduler died mid-request
-        deadline = time.monotonic() + 60
-        while server.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-        log = server.log_path.read_text(errors="replace")
+def test_invariant_check_stops_a_server_with_a_planted_accounting_error(faulty_server) -> None:
+    """The last test of the module: the server it stops is the module's."""
+    try:
+        _generate(faulty_server, "failpoint-leak-1", n=40)  # decode-time compactions evict owned slots
+    except requests.RequestException:
+        pass  # the scheduler died mid-request
+    deadline = time.monotonic() + 60
+    while faulty_server.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    log = faulty_server.log_path.read_text(errors="replace")
     assert "InvariantViolation" in log and "pool accounting" in log, log[-2000:]

@@ -1,6 +1,7 @@
 """The built-in real model (SmolLM2-135M-Instruct) served by `python -m sgl_kvc.launch`.
 
-- `--policy none` gives the same greedy tokens as plain `python -m sglang.launch_server`;
+- `--policy none` is plain SGLang: the same prefix-cache class and greedy tokens as
+  `python -m sglang.launch_server`;
 - a compressing request whose prompt and output fit its budget answers exactly as the full cache
   on the same server, and as plain SGLang (sgl-kvc's batched decode kernel against SGLang's);
 - retrieval: SnapKV at a generous budget keeps a pass key that StreamingLLM at 64 tokens loses
@@ -15,6 +16,7 @@ and nothing tested here depends on the dtype.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -90,13 +92,23 @@ def test_default_model_is_smollm2(servers) -> None:
     assert [m["id"] for m in models] == ["SmolLM2-135M-Instruct"]
 
 
-def test_policy_none_same_greedy_tokens_as_plain_sglang(servers, smollm2_path: str) -> None:
+def _tree_class(server: ServerProcess) -> str:
+    found = re.search(r"Tree cache initialized: .*?impl=(\w+)", server.log_path.read_text(errors="replace"))
+    assert found, "SGLang logged no tree cache"
+    return found.group(1)
+
+
+def test_policy_none_is_plain_sglang(servers, smollm2_path: str) -> None:
     prompts = [_chat_ids(smollm2_path, text) for text in PROMPTS]
     ours = [_complete(servers["none"], ids, 48) for ids in prompts]
     with _plain_sglang(smollm2_path) as plain_server:
         plain = [_complete(plain_server, ids, 48) for ids in prompts]
+        plain_tree = _tree_class(plain_server)
     assert ours == plain
     assert "Paris" in ours[0]  # a real model: it knows the capital of France
+    assert _tree_class(servers["none"]) == plain_tree  # SGLang's own prefix cache
+    assert servers["none"].stats()["prefix_cache"]["backend"] == plain_tree
+    assert _tree_class(servers["rkv"]) == "RadixCache"  # the tree compaction is written for
 
 
 def _tokens(server: ServerProcess, prompt: list[int], max_tokens: int, kvc: dict | None = None):

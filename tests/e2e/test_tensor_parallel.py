@@ -3,7 +3,8 @@
 Each rank runs its own scheduler and compresses with the scores of its own KV heads. With the
 shared selection both ranks must keep the same tokens: the scores are averaged over the TP group
 before choosing (`sgl_kvc.adapter.tp`); the planted fault `tp_local_scores` turns the averaging
-off, to show that this test can fail. Per head, each rank chooses for its own heads alone (no
+off for requests named `failpoint-tp-...`, to show that this test can fail. One server serves both
+tests. Per head, each rank chooses for its own heads alone (no
 all-reduce): the ranks keep different tokens but the same number of entries, so their slot
 tables stay identical. The compaction trace records each rank's kept logical positions.
 """
@@ -27,7 +28,8 @@ CMD = [
     "--kv-budget", "32", "--kv-buffer", "16", "--tp-size", "2", "--max-total-tokens", "4096",
 ]
 # SGLang's CPU engine wants one NUMA node per rank unless cores are bound explicitly.
-ENV = {"SGLKVC_CHECK": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+ENV = {"SGLKVC_CHECK": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLKVC_FAILPOINTS": "tp_local_scores"}
+POLICIES = ("rkv", "snapkv", "h2o", "kvcompress")
 
 
 def _kept_by_rank(trace: Path) -> dict[tuple[str, int], list[list]]:
@@ -39,17 +41,20 @@ def _kept_by_rank(trace: Path) -> dict[tuple[str, int], list[list]]:
     return out
 
 
-def _run(
-    tmp_path: Path, faults: str, selections: tuple[str, ...] = ("shared", "per-head")
-) -> dict[str, list[tuple[list, list]]]:
-    """selection -> (rank 0's, rank 1's) kept positions of every compaction. The requests run
-    concurrently (one batch: each rank compacts several requests in the same step)."""
-    trace = tmp_path / f"trace-{faults or 'none'}.jsonl"
-    env = {**ENV, "SGLKVC_TRACE": str(trace), "SGLKVC_FAILPOINTS": faults}
+@pytest.fixture(scope="module")
+def tp_server(trace: Path):
+    with ServerProcess.launch(CMD, env={**ENV, "SGLKVC_TRACE": str(trace)}, timeout_s=400) as server:
+        yield server
 
-    def one(server: ServerProcess, selection: str, k: int, policy: str) -> None:
+
+def _run(server: ServerProcess, trace: Path, prefix: str, selections: tuple[str, ...]) -> dict[str, list[tuple[list, list]]]:
+    """selection -> (rank 0's, rank 1's) kept positions of every compaction of the requests
+    named `<prefix>-<selection>-<policy>`. They run concurrently (one batch: each rank compacts
+    several requests in the same step)."""
+
+    def one(selection: str, k: int, policy: str) -> None:
         r = server.post("/generate", json={
-            "rid": f"tp-{selection}-{policy}",
+            "rid": f"{prefix}-{selection}-{policy}",
             "input_ids": [(37 * i + k) % 1900 + 10 for i in range(160)],
             "sampling_params": {
                 "max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True,
@@ -58,24 +63,24 @@ def _run(
         })
         assert r.status_code == 200, r.text[:300]
 
-    with ServerProcess.launch(CMD, env=env, timeout_s=400) as server, ThreadPoolExecutor(8) as pool:
-        jobs = [pool.submit(one, server, selection, k, policy) for selection in selections
-                for k, policy in enumerate(("rkv", "snapkv", "h2o", "kvcompress"))]
+    with ThreadPoolExecutor(8) as pool:
+        jobs = [pool.submit(one, selection, k, policy) for selection in selections
+                for k, policy in enumerate(POLICIES)]
         for job in jobs:
             job.result()
     kept = _kept_by_rank(trace)
     pairs: dict[str, list[tuple[list, list]]] = defaultdict(list)
     for (rid, rank), events in kept.items():
-        if rank != 0:
+        if rank != 0 or not rid.startswith(prefix + "-"):
             continue
         other = kept[(rid, 1)]
         assert len(other) == len(events), rid  # same number of compactions on both ranks
-        pairs[rid.split("-")[1]] += list(zip(events, other))
+        pairs[rid.removeprefix(prefix + "-").split("-")[0]] += list(zip(events, other))
     return pairs
 
 
-def test_ranks_keep_the_same_tokens_or_choose_per_head(tmp_path: Path) -> None:
-    pairs = _run(tmp_path, "")
+def test_ranks_keep_the_same_tokens_or_choose_per_head(tp_server, trace: Path) -> None:
+    pairs = _run(tp_server, trace, "tp", ("shared", "per-head"))
     shared = pairs["shared"]
     assert len(shared) >= 8 and all(a == b for a, b in shared)
     per_head = pairs["per"]  # rids "tp-per-head-<policy>"
@@ -85,6 +90,6 @@ def test_ranks_keep_the_same_tokens_or_choose_per_head(tmp_path: Path) -> None:
     assert any(a != b for a, b in per_head)
 
 
-def test_without_the_all_reduce_ranks_diverge(tmp_path: Path) -> None:
-    shared = _run(tmp_path, "tp_local_scores", selections=("shared",))["shared"]
+def test_without_the_all_reduce_ranks_diverge(tp_server, trace: Path) -> None:
+    shared = _run(tp_server, trace, "failpoint-tp", ("shared",))["shared"]
     assert len(shared) >= 8 and any(a != b for a, b in shared)
