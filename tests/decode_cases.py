@@ -8,8 +8,9 @@ import torch
 H_KV, GROUP, D = 2, 3, 8
 
 
-def case(seed: int, lens: list[int], slots_total: int = 96):
-    """(q, k, v, req_to_token, slots [b, n_max] padded with slot 0, pad mask)."""
+def case(seed: int, lens: list[int], slots_total: int = 96, device: torch.device | str = "cpu"):
+    """(q, k, v, req_to_token, slots [b, n_max] padded with slot 0, pad mask) on `device`, drawn
+    on the CPU so that every device gets the same numbers."""
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(slots_total, H_KV, D, generator=g)
     v = torch.randn(slots_total, H_KV, D, generator=g)
@@ -24,4 +25,4 @@ def case(seed: int, lens: list[int], slots_total: int = 96):
     pad = torch.arange(n_max)[None, :] >= torch.tensor(lens)[:, None]
     slots = slots.masked_fill(pad, 0)
     q = torch.randn(len(lens), H_KV * GROUP, D, generator=g)
-    return q, k, v, r2t, slots, pad
+    return q.to(device), k.to(device), v.to(device), r2t.to(device), slots.to(device), pad.to(device)

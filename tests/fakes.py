@@ -10,20 +10,23 @@ import torch
 class FakeAllocator:
     """SGLang's token-slot allocator surface (`alloc`, `free`, `available_size`,
     `get_kvcache`). Slot 0 is SGLang's padding slot and is never handed out; `seed` shuffles the
-    free list, so rows are not runs of consecutive slots."""
+    free list, so rows are not runs of consecutive slots. `alloc` hands slots out on `device`,
+    the device of the KV pool (SGLang's allocator keeps its free list there)."""
 
-    def __init__(self, slots: int, pool: Any = None, seed: int | None = None) -> None:
+    def __init__(
+        self, slots: int, pool: Any = None, seed: int | None = None, device: torch.device | str = "cpu"
+    ) -> None:
         order = torch.arange(1, slots)
         if seed is not None:
             order = order[torch.randperm(slots - 1, generator=torch.Generator().manual_seed(seed))]
-        self.pool, self.free_slots = pool, order.tolist()
+        self.pool, self.free_slots, self.device = pool, order.tolist(), torch.device(device)
 
     def available_size(self) -> int:
         return len(self.free_slots)
 
     def alloc(self, k: int) -> torch.Tensor:
         out, self.free_slots = self.free_slots[:k], self.free_slots[k:]
-        return torch.tensor(out, dtype=torch.int64)
+        return torch.tensor(out, dtype=torch.int64, device=self.device)
 
     def free(self, slots: torch.Tensor) -> None:
         self.free_slots += slots.tolist()

@@ -18,7 +18,8 @@ from sgl_kvc.policies import get_policy
 
 
 def _reference(q, k, v, r2t, lens, scale):
-    """Dense float64 attention, request by request (query head h reads KV head h // G)."""
+    """Dense float64 attention, request by request (query head h reads KV head h // G), on the
+    inputs' device."""
     out = []
     for b, n in enumerate(lens):
         idx = r2t[b, :n].long()
@@ -30,36 +31,37 @@ def _reference(q, k, v, r2t, lens, scale):
 
 
 @pytest.mark.parametrize("lens", [[5], [7, 1, 12, 3], [16, 16]])
-def test_kernel_matches_dense_attention_per_request(lens: list[int]) -> None:
-    q, k, v, r2t, slots, pad = _case(0, lens)
+def test_kernel_matches_dense_attention_per_request(device: torch.device, lens: list[int]) -> None:
+    q, k, v, r2t, slots, pad = _case(0, lens, device=device)
     out, probs = decode_attention(q, k, v, slots, pad, 0.3)
-    assert out.dtype == q.dtype and out.shape == q.shape
+    assert out.dtype == q.dtype and out.shape == q.shape and out.device == device
     assert torch.allclose(out.double(), _reference(q, k, v, r2t, lens, 0.3), atol=1e-5)
-    assert probs.shape == (len(lens), H_KV, GROUP, max(lens))
-    assert torch.allclose(probs.sum(-1), torch.ones(len(lens), H_KV, GROUP))
+    assert probs.shape == (len(lens), H_KV, GROUP, max(lens)) and probs.device == device
+    assert torch.allclose(probs.sum(-1), torch.ones(len(lens), H_KV, GROUP, device=device))
     assert (probs.masked_select(pad[:, None, None, :].expand_as(probs)) == 0).all()
     assert torch.equal(decode_probs(q, k, slots, pad, 0.3), probs)
 
 
-def test_padding_never_reaches_the_output() -> None:
+def test_padding_never_reaches_the_output(device: torch.device) -> None:
     """Padding reads slot 0 (SGLang's dummy slot); whatever it holds must not leak."""
     lens = [3, 8]
-    q, k, v, r2t, slots, pad = _case(2, lens)
+    q, k, v, r2t, slots, pad = _case(2, lens, device=device)
     k[0], v[0] = float("nan"), float("inf")
     out, probs = decode_attention(q, k, v, slots, pad, 0.3)
     assert torch.isfinite(out).all() and torch.isfinite(probs).all()
     assert torch.allclose(out.double(), _reference(q, k, v, r2t, lens, 0.3), atol=1e-5)
 
 
-def test_kernel_reads_fp8_rows_dequantized() -> None:
+def test_kernel_reads_fp8_rows_dequantized(device: torch.device) -> None:
     lens = [6, 11]
-    q, k, v, r2t, slots, pad = _case(3, lens)
-    k8 = Fp8Rows.empty(k.shape[0], H_KV, D, dtype=torch.float32)
-    v8 = Fp8Rows.empty(v.shape[0], H_KV, D, dtype=torch.float32)
-    k8[torch.arange(k.shape[0])] = k
-    v8[torch.arange(v.shape[0])] = v
-    everything = torch.arange(k.shape[0])
+    q, k, v, r2t, slots, pad = _case(3, lens, device=device)
+    k8 = Fp8Rows.empty(k.shape[0], H_KV, D, dtype=torch.float32, device=device)
+    v8 = Fp8Rows.empty(v.shape[0], H_KV, D, dtype=torch.float32, device=device)
+    everything = torch.arange(k.shape[0], device=device)
+    k8[everything] = k
+    v8[everything] = v
     out, _ = decode_attention(q, k8, v8, slots, pad, 0.3)
+    assert out.device == device
     expected = _reference(q, k8[everything], v8[everything], r2t, lens, 0.3)
     assert torch.allclose(out.double(), expected, atol=1e-5)
 
@@ -73,13 +75,13 @@ class _Pool:
 
 
 @pytest.mark.parametrize("elems", [decode_module.DECODE_BLOCK_ELEMS, 1])  # one block; one per request
-def test_store_attends_the_whole_batch_and_feeds_the_statistics(monkeypatch, elems: int) -> None:
+def test_store_attends_the_whole_batch_and_feeds_the_statistics(device: torch.device, monkeypatch, elems: int) -> None:
     """With `attends`, the step's plan holds every request (longest first, in blocks); the
     output lands at each request's batch index, and statistics equal those computed beside
     another kernel (`DecodeStep.accumulate`)."""
     monkeypatch.setattr(decode_module, "DECODE_BLOCK_ELEMS", elems)
     lens = [7, 1, 12, 3]
-    q, k, v, r2t, _, _ = _case(4, lens)
+    q, k, v, r2t, _, _ = _case(4, lens, device=device)
     rows = list(range(len(lens)))
     policies = {0: "h2o", 1: "rkv", 2: "kvcompress", 3: "h2o"}  # request 1 keeps no statistic
     attending = KvcStore(1, 4, r2t, _Pool(k, v))
@@ -87,7 +89,7 @@ def test_store_attends_the_whole_batch_and_feeds_the_statistics(monkeypatch, ele
     attending.attends = True
     for store in (attending, beside):
         for row, name in policies.items():
-            store.begin(row, ReqKvState(policy=get_policy(name), budget=8))
+            store.begin(row, ReqKvState(policy=get_policy(name), budget=8, device=device))
         store.begin_decode(rows, lens)
     assert attending.decode_step.attends and attending.decode_step.size == 4
     assert sorted(i for b in attending.decode_step.blocks for i in b.index.tolist()) == rows
@@ -104,4 +106,5 @@ def test_store_attends_the_whole_batch_and_feeds_the_statistics(monkeypatch, ele
         if name == "rkv":
             assert a is None and b is None
         else:
-            assert a.shape == (H_KV, lens[row]) and torch.allclose(a, b, atol=1e-6), name
+            assert a.shape == (H_KV, lens[row]) and a.device == device, name
+            assert torch.allclose(a, b, atol=1e-6), name

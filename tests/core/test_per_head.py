@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvc_reference import maxpool, softmax
@@ -89,6 +89,12 @@ def build_tables(
     return k_pool, v_pool, HeadTables(slots=slots, lengths=lengths, positions=positions)
 
 
+def on_device(tables: HeadTables, device: torch.device) -> HeadTables:
+    """The tables on `device` (they are built on the CPU, beside the dense reference)."""
+    positions = None if tables.positions is None else tables.positions.to(device)
+    return HeadTables(slots=tables.slots.to(device), lengths=tables.lengths.to(device), positions=positions)
+
+
 def dense_reference(
     r: dict, q: torch.Tensor, q_pos: torch.Tensor, scale: float, mask_evicted: bool = True
 ) -> torch.Tensor:
@@ -117,14 +123,18 @@ def tolerance(dtype: torch.dtype) -> dict:
 
 def run_decode_case(
     seed: int, n_list: list[int], h_kv: int, group: int, d: int, dv: int, dtype: torch.dtype,
-    keep_prob: float,
+    keep_prob: float, device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the kernel's output on `device`, brought back to the CPU; the masked and the unmasked
+    dense references)."""
     gen = torch.Generator().manual_seed(seed)
     reqs = make_requests(gen, n_list, h_kv, d, dv, dtype, keep_prob, must_keep_last=0)
     k_pool, v_pool, tables = build_tables(gen, reqs, h_kv)
     q = torch.randn(len(reqs), h_kv * group, d, generator=gen).to(dtype)
     scale = 1.0 / math.sqrt(d)
-    out = per_head_decode(q, k_pool, v_pool, tables)
+    out = per_head_decode(q.to(device), k_pool.to(device), v_pool.to(device), on_device(tables, device))
+    assert out.device == device
+    out = out.cpu()
     ref = torch.stack([
         dense_reference(r, q[i: i + 1], r["pos"][-1:], scale)[0] for i, r in enumerate(reqs)
     ])
@@ -139,10 +149,12 @@ def run_decode_case(
 @pytest.mark.parametrize(
     "h_kv,group", [(1, 1), (2, 1), (2, 4), (3, 3)], ids=["mha1", "mha2", "gqa4", "gqa3"]
 )
-def test_decode_matches_dense_masked_attention(dtype: torch.dtype, h_kv: int, group: int) -> None:
+def test_decode_matches_dense_masked_attention(
+    device: torch.device, dtype: torch.dtype, h_kv: int, group: int
+) -> None:
     out, ref, unmasked = run_decode_case(
         seed=h_kv * 10 + group, n_list=[5, 37, 1, 20], h_kv=h_kv, group=group, d=16, dv=12,
-        dtype=dtype, keep_prob=0.6,
+        dtype=dtype, keep_prob=0.6, device=device,
     )
     assert out.dtype == dtype and out.shape == ref.shape
     torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
@@ -150,27 +162,30 @@ def test_decode_matches_dense_masked_attention(dtype: torch.dtype, h_kv: int, gr
     assert (out.double() - unmasked).abs().max() > 0.05
 
 
-def test_decode_empty_head_gives_zeros_and_probs_sum_to_one() -> None:
+def test_decode_empty_head_gives_zeros_and_probs_sum_to_one(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(3)
     reqs = make_requests(gen, [9, 4], 2, 8, 8, torch.float32, 0.7, must_keep_last=0)
     reqs[1]["keep"][1] = False  # request 1, head 1 holds nothing
     k_pool, v_pool, tables = build_tables(gen, reqs, 2)
-    q = torch.randn(2, 4, 8, generator=gen)
-    out, probs = per_head_decode(q, k_pool, v_pool, tables, return_probs=True)
-    assert torch.isfinite(out).all()
-    assert torch.equal(out[1, 2:], torch.zeros(2, 8))  # query heads 2, 3 read KV head 1
+    q = torch.randn(2, 4, 8, generator=gen).to(device)
+    tables = on_device(tables, device)
+    out, probs = per_head_decode(q, k_pool.to(device), v_pool.to(device), tables, return_probs=True)
+    assert out.device == probs.device == device and torch.isfinite(out).all()
+    assert torch.equal(out[1, 2:], torch.zeros(2, 8, device=device))  # query heads 2, 3 read KV head 1
     sums = probs.sum(dim=-1)  # [B, H_kv, G]
     assert torch.allclose(sums[0], torch.ones_like(sums[0]))
-    assert torch.allclose(sums[1, 0], torch.ones(2)) and torch.equal(sums[1, 1], torch.zeros(2))
+    assert torch.allclose(sums[1, 0], torch.ones(2, device=device))
+    assert torch.equal(sums[1, 1], torch.zeros(2, device=device))
     assert torch.equal(probs[~tables.valid().unsqueeze(2).expand_as(probs)],
-                       torch.zeros(int((~tables.valid()).sum()) * 2))
+                       torch.zeros(int((~tables.valid()).sum()) * 2, device=device))
 
 
 def run_extend_case(
     seed: int, n_list: list[int], new_list: list[int], h_kv: int, group: int, d: int, dv: int,
-    dtype: torch.dtype, keep_prob: float, q_block: int,
+    dtype: torch.dtype, keep_prob: float, q_block: int, device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request's last new_list[b] tokens are its extend queries (kept in every head)."""
+    """Each request's last new_list[b] tokens are its extend queries (kept in every head).
+    Returns the kernel's output on `device`, brought back to the CPU, and the dense reference."""
     gen = torch.Generator().manual_seed(seed)
     reqs = []
     for n, e in zip(n_list, new_list):
@@ -179,7 +194,12 @@ def run_extend_case(
     q = torch.randn(sum(new_list), h_kv * group, d, generator=gen).to(dtype)
     indptr = torch.tensor([0] + new_list).cumsum(0)
     q_pos = torch.cat([r["pos"][r["pos"].numel() - e:] for r, e in zip(reqs, new_list)])
-    out = per_head_extend(q, indptr, q_pos, k_pool, v_pool, tables, q_block=q_block)
+    out = per_head_extend(
+        q.to(device), indptr.to(device), q_pos.to(device), k_pool.to(device), v_pool.to(device),
+        on_device(tables, device), q_block=q_block,
+    )
+    assert out.device == device
+    out = out.cpu()
     scale = 1.0 / math.sqrt(d)
     ref = torch.cat([
         dense_reference(r, q[indptr[i]: indptr[i + 1]], q_pos[indptr[i]: indptr[i + 1]], scale)
@@ -190,37 +210,39 @@ def run_extend_case(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("q_block", [3, 256])
-def test_extend_matches_dense_masked_causal_attention(dtype: torch.dtype, q_block: int) -> None:
+def test_extend_matches_dense_masked_causal_attention(device: torch.device, dtype: torch.dtype, q_block: int) -> None:
     out, ref = run_extend_case(
         seed=11, n_list=[30, 12, 25, 8], new_list=[7, 12, 1, 3], h_kv=2, group=3, d=16, dv=8,
-        dtype=dtype, keep_prob=0.5, q_block=q_block,
+        dtype=dtype, keep_prob=0.5, q_block=q_block, device=device,
     )
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
 
 
-def test_extend_causal_mask_uses_logical_positions() -> None:
+def test_extend_causal_mask_uses_logical_positions(device: torch.device) -> None:
     """Permuting a head's table (slots with their positions) changes nothing; a table whose
     positions were replaced by table indices (physical order) gives a different answer."""
     gen = torch.Generator().manual_seed(5)
     reqs = make_requests(gen, [20], 1, 8, 8, torch.float32, 0.6, must_keep_last=4)
     k_pool, v_pool, t = build_tables(gen, reqs, 1)
-    q = torch.randn(4, 2, 8, generator=gen)
-    q_pos = reqs[0]["pos"][-4:]
-    indptr = torch.tensor([0, 4])
+    k_pool, v_pool, t = k_pool.to(device), v_pool.to(device), on_device(t, device)
+    q = torch.randn(4, 2, 8, generator=gen).to(device)
+    q_pos = reqs[0]["pos"][-4:].to(device)
+    indptr = torch.tensor([0, 4], device=device)
     base = per_head_extend(q, indptr, q_pos, k_pool, v_pool, t)
+    assert base.device == device
     m = int(t.lengths[0, 0])
-    perm = torch.randperm(m, generator=gen)
+    perm = torch.randperm(m, generator=gen).to(device)
     shuffled = HeadTables(
         slots=t.slots[:, :, perm], lengths=t.lengths, positions=t.positions[:, :, perm]
     )
     torch.testing.assert_close(per_head_extend(q, indptr, q_pos, k_pool, v_pool, shuffled), base)
     physical = HeadTables(slots=t.slots, lengths=t.lengths,
-                          positions=torch.arange(m).reshape(1, 1, m))
+                          positions=torch.arange(m, device=device).reshape(1, 1, m))
     assert not torch.allclose(per_head_extend(q, indptr, q_pos, k_pool, v_pool, physical), base)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     seed=st.integers(0, 10_000),
     h_kv=st.integers(1, 3),
@@ -230,13 +252,13 @@ def test_extend_causal_mask_uses_logical_positions() -> None:
     keep_prob=st.floats(0.2, 1.0),
     bf16=st.booleans(),
 )
-def test_decode_property(seed, h_kv, group, d, n_list, keep_prob, bf16) -> None:
+def test_decode_property(device, seed, h_kv, group, d, n_list, keep_prob, bf16) -> None:
     dtype = torch.bfloat16 if bf16 else torch.float32
-    out, ref, _ = run_decode_case(seed, n_list, h_kv, group, d, d, dtype, keep_prob)
+    out, ref, _ = run_decode_case(seed, n_list, h_kv, group, d, d, dtype, keep_prob, device)
     torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     seed=st.integers(0, 10_000),
     h_kv=st.integers(1, 3),
@@ -248,21 +270,23 @@ def test_decode_property(seed, h_kv, group, d, n_list, keep_prob, bf16) -> None:
     q_block=st.integers(1, 8),
     bf16=st.booleans(),
 )
-def test_extend_property(seed, h_kv, group, sizes, keep_prob, q_block, bf16) -> None:
+def test_extend_property(device, seed, h_kv, group, sizes, keep_prob, q_block, bf16) -> None:
     dtype = torch.bfloat16 if bf16 else torch.float32
     n_list = [n + e for n, e in sizes]
     new_list = [e for _, e in sizes]
     out, ref = run_extend_case(
-        seed, n_list, new_list, h_kv, group, 8, 8, dtype, keep_prob, q_block
+        seed, n_list, new_list, h_kv, group, 8, 8, dtype, keep_prob, q_block, device
     )
     torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
 
 
-def test_flatten_is_csr_of_the_per_head_sequences() -> None:
+def test_flatten_is_csr_of_the_per_head_sequences(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(8)
     reqs = make_requests(gen, [6, 11, 3], 2, 4, 4, torch.float32, 0.5, must_keep_last=0)
     _, _, t = build_tables(gen, reqs, 2)
+    t = on_device(t, device)
     indptr, indices = t.flatten()
+    assert indptr.device == indices.device == device
     assert indptr.tolist()[-1] == int(t.lengths.sum()) == indices.numel()
     for b in range(3):
         for h in range(2):
@@ -271,21 +295,22 @@ def test_flatten_is_csr_of_the_per_head_sequences() -> None:
             assert indices[indptr[s]: indptr[s + 1]].tolist() == expect
 
 
-def test_decode_reads_one_head_fp8_rows_pool() -> None:
+def test_decode_reads_one_head_fp8_rows_pool(device: torch.device) -> None:
     """A head-flattened FP8 pool (Fp8Rows with one head per slot) plugs in as k/v pool."""
     from sgl_kvc.kernels.fp8 import Fp8Rows
 
     gen = torch.Generator().manual_seed(4)
     reqs = make_requests(gen, [10, 7], 2, 8, 8, torch.float32, 0.7, must_keep_last=0)
     k_pool, v_pool, t = build_tables(gen, reqs, 2)
-    k8 = Fp8Rows.empty(k_pool.shape[0], 1, 8, dtype=torch.float32)
-    v8 = Fp8Rows.empty(v_pool.shape[0], 1, 8, dtype=torch.float32)
-    all_slots = torch.arange(k_pool.shape[0])
-    k8[all_slots] = k_pool[:, None, :]
-    v8[all_slots] = v_pool[:, None, :]
-    q = torch.randn(2, 4, 8, generator=gen)
+    t = on_device(t, device)
+    k8 = Fp8Rows.empty(k_pool.shape[0], 1, 8, dtype=torch.float32, device=device)
+    v8 = Fp8Rows.empty(v_pool.shape[0], 1, 8, dtype=torch.float32, device=device)
+    all_slots = torch.arange(k_pool.shape[0], device=device)
+    k8[all_slots] = k_pool[:, None, :].to(device)
+    v8[all_slots] = v_pool[:, None, :].to(device)
+    q = torch.randn(2, 4, 8, generator=gen).to(device)
     expect = per_head_decode(q, k8[all_slots][:, 0], v8[all_slots][:, 0], t)
-    torch.testing.assert_close(per_head_decode(q, k8, v8, t), expect)
+    torch.testing.assert_close(per_head_decode(q, k8, v8, t), expect)  # devices compared too
 
 
 # ==================================================================================================
@@ -298,9 +323,10 @@ BUDGET = 16
 
 
 def make_views(
-    seed: int, n: int, h_kv: int, group: int, d: int, layers: int = LAYERS,
+    seed: int, n: int, h_kv: int, group: int, d: int, device: torch.device, layers: int = LAYERS,
     identical_heads: bool = False, with_stats: bool = False,
 ) -> list[LayerView]:
+    """Views drawn on the CPU and moved to `device`."""
     gen = torch.Generator().manual_seed(seed)
     views = []
     base_k = torch.randn(n, 1, d, generator=gen)
@@ -318,7 +344,10 @@ def make_views(
             stats = torch.rand(h_kv, n, generator=gen) if not identical_heads else (
                 torch.rand(1, n, generator=torch.Generator().manual_seed(seed)).expand(h_kv, n)
             )
-        views.append(LayerView(keys=keys, queries=queries, positions=positions, stats=stats))
+        views.append(LayerView(
+            keys=keys.to(device), queries=queries.to(device), positions=positions.to(device),
+            stats=None if stats is None else stats.to(device),
+        ))
     return views
 
 
@@ -326,18 +355,20 @@ POLICIES = ["snapkv", "kvcompress", "rkv", "h2o", "avgattn", "streamingllm"]
 STATS = {"h2o", "avgattn"}
 
 
-def policy_and_views(name: str, seed: int, n: int = 40, h_kv: int = 3, group: int = 2, **kw):
+def policy_and_views(
+    name: str, seed: int, device: torch.device, n: int = 40, h_kv: int = 3, group: int = 2, **kw
+):
     p = PolicyParams(budget=BUDGET, window=WINDOW, sink_tokens=3)
-    views = make_views(seed, n, h_kv, group, 8, with_stats=name in STATS, **kw)
+    views = make_views(seed, n, h_kv, group, 8, device, with_stats=name in STATS, **kw)
     return get_policy(name, p), views
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_uniform_keeps_budget_per_head_and_protected(name: str) -> None:
-    policy, views = policy_and_views(name, seed=1)
+def test_uniform_keeps_budget_per_head_and_protected(device: torch.device, name: str) -> None:
+    policy, views = policy_and_views(name, seed=1, device=device)
     sel = select_per_head(policy, views, BUDGET)
-    assert sel.indices.shape == (LAYERS, 3, BUDGET)
-    assert torch.equal(sel.lengths, torch.full((LAYERS, 3), BUDGET))
+    assert sel.indices.shape == (LAYERS, 3, BUDGET) and sel.indices.device == device
+    assert torch.equal(sel.lengths, torch.full((LAYERS, 3), BUDGET, device=device))
     mask = sel.mask()
     assert torch.equal(mask.sum(-1), sel.lengths)
     for layer, view in enumerate(views):
@@ -349,11 +380,11 @@ def test_uniform_keeps_budget_per_head_and_protected(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_variable_total_floor_and_protected(name: str) -> None:
-    policy, views = policy_and_views(name, seed=2)
+def test_variable_total_floor_and_protected(device: torch.device, name: str) -> None:
+    policy, views = policy_and_views(name, seed=2, device=device)
     for floor in (1, 5, BUDGET):
         sel = select_per_head(policy, views, BUDGET, mode="variable", min_per_head=floor)
-        assert sel.total == BUDGET * LAYERS * 3
+        assert sel.total == BUDGET * LAYERS * 3 and sel.indices.device == sel.lengths.device == device
         mask = sel.mask()
         assert torch.equal(mask.sum(-1), sel.lengths)
         for layer, view in enumerate(views):
@@ -368,10 +399,10 @@ def test_variable_total_floor_and_protected(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["snapkv", "kvcompress", "rkv", "h2o"])
-def test_variable_is_one_global_sort(name: str) -> None:
+def test_variable_is_one_global_sort(device: torch.device, name: str) -> None:
     """Every dropped candidate scores at most as high as every kept non-mandatory one, over all
     layers and heads (eq. 18 with block size 1), and the lengths really vary between heads."""
-    policy, views = policy_and_views(name, seed=3)
+    policy, views = policy_and_views(name, seed=3, device=device)
     sel = select_per_head(policy, views, BUDGET, mode="variable", min_per_head=1)
     scores = torch.stack([policy.score(v) for v in views])  # protected = +inf
     mask = sel.mask()
@@ -385,9 +416,9 @@ def test_variable_is_one_global_sort(name: str) -> None:
     assert len(set(sel.lengths.flatten().tolist())) > 1
 
 
-def test_variable_handles_no_protected_tokens_with_floor() -> None:
+def test_variable_handles_no_protected_tokens_with_floor(device: torch.device) -> None:
     """avgattn protects nothing; a strongly skewed head gets most of the budget but never all."""
-    policy, views = policy_and_views("avgattn", seed=4)
+    policy, views = policy_and_views("avgattn", seed=4, device=device)
     for v in views:
         v.stats[1:] *= 1e-3  # heads 1, 2 score far lower than head 0
     sel = select_per_head(policy, views, BUDGET, mode="variable", min_per_head=2)
@@ -397,8 +428,8 @@ def test_variable_handles_no_protected_tokens_with_floor() -> None:
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_per_head_differs_from_shared_selection_on_random_data(name: str) -> None:
-    policy, views = policy_and_views(name, seed=5)
+def test_per_head_differs_from_shared_selection_on_random_data(device: torch.device, name: str) -> None:
+    policy, views = policy_and_views(name, seed=5, device=device)
     shared = HeadSelection.broadcast(policy.select(views, BUDGET), LAYERS, 3, views[0].n)
     sel = select_per_head(policy, views, BUDGET)
     if name == "streamingllm":  # recency is the same in every head: per head == shared
@@ -408,8 +439,8 @@ def test_per_head_differs_from_shared_selection_on_random_data(name: str) -> Non
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_identical_heads_give_the_shared_selection(name: str) -> None:
-    policy, views = policy_and_views(name, seed=6, identical_heads=True)
+def test_identical_heads_give_the_shared_selection(device: torch.device, name: str) -> None:
+    policy, views = policy_and_views(name, seed=6, device=device, identical_heads=True)
     shared = HeadSelection.broadcast(policy.select(views, BUDGET), LAYERS, 3, views[0].n)
     for mode in ("uniform", "variable", "layer"):
         sel = select_per_head(policy, views, BUDGET, mode=mode)
@@ -417,25 +448,25 @@ def test_identical_heads_give_the_shared_selection(name: str) -> None:
         assert torch.equal(sel.indices, shared.indices), mode
 
 
-def test_protected_overflow_keeps_newest_like_select() -> None:
+def test_protected_overflow_keeps_newest_like_select(device: torch.device) -> None:
     p = PolicyParams(budget=4, window=6)
     policy = get_policy("snapkv", p)
-    views = make_views(7, 20, 2, 2, 8)
+    views = make_views(7, 20, 2, 2, 8, device)
     shared = policy.select(views, 4)
     for mode in ("uniform", "variable", "layer"):
         sel = select_per_head(policy, views, 4, mode=mode)
         assert torch.equal(sel.mask(), HeadSelection.broadcast(shared, LAYERS, 2, 20).mask())
 
 
-def test_short_cache_keeps_everything() -> None:
-    policy, views = policy_and_views("snapkv", seed=8, n=10)
+def test_short_cache_keeps_everything(device: torch.device) -> None:
+    policy, views = policy_and_views("snapkv", seed=8, device=device, n=10)
     for mode in ("uniform", "variable", "layer"):
         sel = select_per_head(policy, views, BUDGET, mode=mode)
         assert sel.total == 10 * LAYERS * 3 and sel.mask().all()
 
 
-def test_select_per_head_rejects_bad_arguments() -> None:
-    policy, views = policy_and_views("snapkv", seed=9)
+def test_select_per_head_rejects_bad_arguments(device: torch.device) -> None:
+    policy, views = policy_and_views("snapkv", seed=9, device=device)
     with pytest.raises(ValueError, match="mode"):
         select_per_head(policy, views, BUDGET, mode="pyramid")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="min_per_head"):
@@ -444,19 +475,19 @@ def test_select_per_head_rejects_bad_arguments() -> None:
         select_per_head(policy, views, BUDGET, mode="variable", min_per_head=0)
     with pytest.raises(ValueError, match="budget"):
         select_per_head(policy, views, 0)
-    short = make_views(9, 30, 3, 2, 8)[:1]
+    short = make_views(9, 30, 3, 2, 8, device)[:1]
     with pytest.raises(ValueError, match="same tokens"):
         select_per_head(policy, [views[0], short[0]], BUDGET)
 
 
-def test_gather_and_carry_stats_per_head() -> None:
-    policy, views = policy_and_views("kvcompress", seed=10)
+def test_gather_and_carry_stats_per_head(device: torch.device) -> None:
+    policy, views = policy_and_views("kvcompress", seed=10, device=device)
     sel = select_per_head(policy, views, BUDGET, mode="variable")
     carried = carry_stats_per_head(policy, views, sel)
     for layer, view in enumerate(views):
         metric = policy.prefill_metric(view)  # eq. (8)/(10): what seeds eq. (20)
         got = carried[layer]
-        assert got is not None and got.shape == (3, sel.max_keep)
+        assert got is not None and got.shape == (3, sel.max_keep) and got.device == device
         for h in range(3):
             m = int(sel.lengths[layer, h])
             assert torch.equal(got[h, :m], metric[h, sel.kept(layer, h)])
@@ -466,22 +497,23 @@ def test_gather_and_carry_stats_per_head() -> None:
 
 
 @pytest.mark.parametrize("mode", ["uniform", "variable", "layer"])
-def test_ragged_tables_never_keep_padding(mode: str) -> None:
+def test_ragged_tables_never_keep_padding(device: torch.device, mode: str) -> None:
     """After a first per-head compaction heads hold different lengths: selection over padded
     [L, H, N] scores must ignore the padding whatever it contains, and equal the selection over
     each head's real entries."""
     gen = torch.Generator().manual_seed(12)
     layers, heads, n = 2, 3, 30
-    lengths = torch.tensor([[30, 12, 5], [20, 30, 1]])
-    scores = torch.rand(layers, heads, n, generator=gen)
-    real = torch.arange(n) < lengths.unsqueeze(-1)
-    protected = torch.zeros(layers, heads, n, dtype=torch.bool)
+    lengths = torch.tensor([[30, 12, 5], [20, 30, 1]], device=device)
+    scores = torch.rand(layers, heads, n, generator=gen).to(device)
+    real = torch.arange(n, device=device) < lengths.unsqueeze(-1)
+    protected = torch.zeros(layers, heads, n, dtype=torch.bool, device=device)
     for l in range(layers):  # the last 3 real entries of each head are its observation window
         for h in range(heads):
             m = int(lengths[l, h])
             protected[l, h, max(0, m - 3): m] = True
     budget = 8
     base = select_from_scores(scores, protected, budget, lengths=lengths, mode=mode)
+    assert base.indices.device == base.lengths.device == device
     for garbage in (math.inf, -math.inf, math.nan, 1e9):
         noisy = torch.where(real, scores, garbage)
         noisy_prot = protected | ~real  # padding claims to be protected: ignored too
@@ -504,31 +536,32 @@ def test_ragged_tables_never_keep_padding(mode: str) -> None:
         assert (base.lengths <= lengths).all()
 
 
-def test_ragged_variable_small_heads_lend_their_budget() -> None:
+def test_ragged_variable_small_heads_lend_their_budget(device: torch.device) -> None:
     """Heads shorter than the budget keep everything; the rest of the total goes elsewhere."""
-    scores = torch.rand(1, 2, 10, generator=torch.Generator().manual_seed(13))
-    protected = torch.zeros(1, 2, 10, dtype=torch.bool)
+    scores = torch.rand(1, 2, 10, generator=torch.Generator().manual_seed(13)).to(device)
+    protected = torch.zeros(1, 2, 10, dtype=torch.bool, device=device)
     sel = select_from_scores(
-        scores, protected, 6, lengths=torch.tensor([[10, 2]]), mode="variable"
+        scores, protected, 6, lengths=torch.tensor([[10, 2]], device=device), mode="variable"
     )
-    assert sel.lengths.tolist() == [[10, 2]]  # total min(6 x 2, 12) = 12
+    assert sel.lengths.device == device and sel.lengths.tolist() == [[10, 2]]  # total min(6 x 2, 12) = 12
 
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     layers=st.integers(1, 4), heads=st.integers(1, 4), n=st.integers(1, 24), budget=st.integers(1, 8),
     floor=st.integers(1, 8), seed=st.integers(0, 10_000),
 )
-def test_layer_mode_is_the_variable_sort_of_each_layer_alone(layers, heads, n, budget, floor, seed) -> None:
+def test_layer_mode_is_the_variable_sort_of_each_layer_alone(device, layers, heads, n, budget, floor, seed) -> None:
     """Ada-SnapKV (`mode="layer"`): layer l keeps min(budget x H, its entries), chosen as the
     variable mode chooses for a request of that one layer; ties, floors and protection alike."""
     floor = min(floor, budget)
     g = torch.Generator().manual_seed(seed)
-    scores = torch.randint(0, 5, (layers, heads, n), generator=g).float()  # ties on purpose
-    protected = torch.rand(layers, heads, n, generator=g) < 0.2
-    lengths = torch.randint(0, n + 1, (layers, heads), generator=g)
+    scores = torch.randint(0, 5, (layers, heads, n), generator=g).float().to(device)  # ties on purpose
+    protected = (torch.rand(layers, heads, n, generator=g) < 0.2).to(device)
+    lengths = torch.randint(0, n + 1, (layers, heads), generator=g).to(device)
     sel = select_from_scores(scores, protected, budget, lengths=lengths, mode="layer", min_per_head=floor)
+    assert sel.lengths.device == device
     for layer in range(layers):
         alone = select_from_scores(scores[layer : layer + 1], protected[layer : layer + 1], budget,
                                    lengths=lengths[layer : layer + 1], mode="variable", min_per_head=floor)
@@ -651,22 +684,22 @@ REF_CASES = [(11, 40, 2, 1), (12, 48, 2, 4), (13, 36, 1, 3), (14, 44, 3, 2)]  # 
 
 @pytest.mark.parametrize("seed,n,h_kv,group", REF_CASES)
 def test_snapkv_per_head_matches_dense_reference(
-    seed: int, n: int, h_kv: int, group: int
+    device: torch.device, seed: int, n: int, h_kv: int, group: int
 ) -> None:
     p = PolicyParams(budget=BUDGET, window=WINDOW)
-    views = make_views(seed, n, h_kv, group, 8)
+    views = make_views(seed, n, h_kv, group, 8, device)
     sel = select_per_head(get_policy("snapkv", p), views, BUDGET)
     ref = ref_uniform([ref_snapkv_head_scores(v, p) for v in views], n, WINDOW, BUDGET)
-    assert as_sets(sel) == ref
+    assert sel.indices.device == device and as_sets(sel) == ref
 
 
-def test_snapkv_per_head_reference_is_discriminative() -> None:
+def test_snapkv_per_head_reference_is_discriminative(device: torch.device) -> None:
     """The per-head reference with the wrong GQA rule (max), and the shared selection, differ."""
     p = PolicyParams(budget=BUDGET, window=WINDOW)
     policy = get_policy("snapkv", p)
     ours, wrong, shared = [], [], []
     for seed, n, h_kv, group in REF_CASES:
-        views = make_views(seed, n, h_kv, group, 8)
+        views = make_views(seed, n, h_kv, group, 8, device)
         sel = select_per_head(policy, views, BUDGET)
         ours.append(as_sets(sel))
         wrong_scores = [ref_snapkv_head_scores(v, p, "max") for v in views]
@@ -679,25 +712,25 @@ def test_snapkv_per_head_reference_is_discriminative() -> None:
 
 @pytest.mark.parametrize("seed,n,h_kv,group", REF_CASES)
 def test_kvcompress_variable_matches_dense_reference(
-    seed: int, n: int, h_kv: int, group: int
+    device: torch.device, seed: int, n: int, h_kv: int, group: int
 ) -> None:
     p = PolicyParams(budget=BUDGET, window=WINDOW)
-    views = make_views(seed, n, h_kv, group, 8)
+    views = make_views(seed, n, h_kv, group, 8, device)
     policy = get_policy("kvcompress", p)
     metric = [ref_kvc_head_metric(v, p) for v in views]
     sel = select_per_head(policy, views, BUDGET, mode="variable", min_per_head=1)
-    assert as_sets(sel) == ref_variable(metric, n, WINDOW, BUDGET)
+    assert sel.indices.device == device and as_sets(sel) == ref_variable(metric, n, WINDOW, BUDGET)
     uni = select_per_head(policy, views, BUDGET, mode="uniform")
     assert as_sets(uni) == ref_uniform(metric, n, WINDOW, BUDGET)
 
 
-def test_kvcompress_variable_reference_is_discriminative() -> None:
+def test_kvcompress_variable_reference_is_discriminative(device: torch.device) -> None:
     """Variable differs from uniform allocation, and from a per-layer (not cross-layer) sort."""
     p = PolicyParams(budget=BUDGET, window=WINDOW)
     policy = get_policy("kvcompress", p)
     ours, uniform, per_layer = [], [], []
     for seed, n, h_kv, group in REF_CASES:
-        views = make_views(seed, n, h_kv, group, 8)
+        views = make_views(seed, n, h_kv, group, 8, device)
         metric = [ref_kvc_head_metric(v, p) for v in views]
         ours.append(as_sets(select_per_head(policy, views, BUDGET, mode="variable")))
         uniform.append(ref_uniform(metric, n, WINDOW, BUDGET))

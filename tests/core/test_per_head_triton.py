@@ -20,21 +20,31 @@ from sgl_kvc.kernels.fp8 import Fp8Rows  # noqa: E402
 from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode  # noqa: E402
 from sgl_kvc.kernels.triton_per_head import supports, triton_per_head_decode  # noqa: E402
 
+# Where Triton runs in this process: compiled on CUDA where there is a GPU, under its interpreter
+# on the CPU where there is none. On the other device of a GPU machine it has nothing to run on.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _case(b: int, h_kv: int, group: int, d: int, n: int, seed: int, fp8: str | None):
+def _runs_triton(device: torch.device) -> None:
+    if device.type != DEVICE:
+        pytest.skip(f"Triton runs on {DEVICE} here (compiled on a GPU, interpreted without one)")
+
+
+def _case(b: int, h_kv: int, group: int, d: int, n: int, seed: int, fp8: str | None,
+          device: torch.device | str = DEVICE):
+    """(q, K and V unit pools, per-head tables) on `device`, drawn on the CPU."""
     g = torch.Generator().manual_seed(seed)
     units = 4 * b * h_kv * n + 8
     k = torch.randn(units, d, generator=g) * 2
     v = torch.randn(units, d, generator=g)
     if fp8 is None:
-        k_pool, v_pool = k.to(torch.bfloat16).to(DEVICE), v.to(torch.bfloat16).to(DEVICE)
+        k_pool, v_pool = k.to(torch.bfloat16).to(device), v.to(torch.bfloat16).to(device)
     else:
-        k_pool = Fp8Rows.empty(units, 1, d, fp8=fp8, dtype=torch.bfloat16, device=DEVICE)
-        v_pool = Fp8Rows.empty(units, 1, d, fp8=fp8, dtype=torch.bfloat16, device=DEVICE)
-        k_pool[torch.arange(units)] = k[:, None].to(DEVICE)
-        v_pool[torch.arange(units)] = v[:, None].to(DEVICE)
+        k_pool = Fp8Rows.empty(units, 1, d, fp8=fp8, dtype=torch.bfloat16, device=device)
+        v_pool = Fp8Rows.empty(units, 1, d, fp8=fp8, dtype=torch.bfloat16, device=device)
+        everything = torch.arange(units, device=device)
+        k_pool[everything] = k[:, None].to(device)
+        v_pool[everything] = v[:, None].to(device)
         # the flat unit view the FP8 unit pool gives: codes [U, d], scales [U]
         k_pool = Fp8Rows(k_pool.codes[:, 0], k_pool.scales[:, 0], fp8, k_pool.scale_format, torch.bfloat16)
         v_pool = Fp8Rows(v_pool.codes[:, 0], v_pool.scales[:, 0], fp8, v_pool.scale_format, torch.bfloat16)
@@ -42,8 +52,8 @@ def _case(b: int, h_kv: int, group: int, d: int, n: int, seed: int, fp8: str | N
     lens.view(-1)[0] = n  # the widest head fills the table
     slots = torch.stack([torch.randperm(units, generator=g)[:n] for _ in range(b * h_kv)]).reshape(b, h_kv, n)
     slots *= torch.arange(n) < lens[..., None]  # padding reads unit 0
-    q = torch.randn(b, h_kv * group, d, generator=g).to(torch.bfloat16).to(DEVICE)
-    return q, k_pool, v_pool, HeadTables(slots.to(DEVICE), lens.to(DEVICE))
+    q = torch.randn(b, h_kv * group, d, generator=g).to(torch.bfloat16).to(device)
+    return q, k_pool, v_pool, HeadTables(slots.to(device), lens.to(device))
 
 
 @pytest.mark.parametrize(
@@ -56,11 +66,12 @@ def _case(b: int, h_kv: int, group: int, d: int, n: int, seed: int, fp8: str | N
         (2, 1, 2, 16, 17, "fp8_e5m2"),
     ],
 )
-def test_triton_decode_matches_the_torch_version(b, h_kv, group, d, n, fp8) -> None:
-    q, k_pool, v_pool, tables = _case(b, h_kv, group, d, n, seed=b * 100 + n, fp8=fp8)
+def test_triton_decode_matches_the_torch_version(device, b, h_kv, group, d, n, fp8) -> None:
+    _runs_triton(device)
+    q, k_pool, v_pool, tables = _case(b, h_kv, group, d, n, seed=b * 100 + n, fp8=fp8, device=device)
     want, want_probs = per_head_decode(q, k_pool, v_pool, tables, 0.3, return_probs=True)
     got, probs = triton_per_head_decode(q, k_pool, v_pool, tables, 0.3, return_probs=True, split_n=16, block_n=8)
-    assert got.dtype == q.dtype and got.shape == want.shape
+    assert got.dtype == q.dtype and got.shape == want.shape and got.device == probs.device == device
     assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)  # bf16 outputs
     # float32 on both sides; from an FP8 pool the torch version reads keys rounded to bf16 (the
     # model dtype `Fp8Rows` returns) while the kernel keeps code x scale in float32
@@ -69,8 +80,9 @@ def test_triton_decode_matches_the_torch_version(b, h_kv, group, d, n, fp8) -> N
     assert torch.equal(alone, got)
 
 
-def test_an_empty_head_reads_zeros_and_a_split_past_its_length_adds_nothing() -> None:
-    q, k_pool, v_pool, tables = _case(2, 2, 2, 16, 30, seed=7, fp8=None)
+def test_an_empty_head_reads_zeros_and_a_split_past_its_length_adds_nothing(device: torch.device) -> None:
+    _runs_triton(device)
+    q, k_pool, v_pool, tables = _case(2, 2, 2, 16, 30, seed=7, fp8=None, device=device)
     lens = tables.lengths.clone()
     lens[1, 1] = 0
     lens[0, 1] = 3  # one block of its first split; its other splits are empty
@@ -82,13 +94,14 @@ def test_an_empty_head_reads_zeros_and_a_split_past_its_length_adds_nothing() ->
     assert torch.allclose(probs, want_probs, atol=1e-5)
 
 
-def test_supported_operands() -> None:
-    q, k_pool, v_pool, _ = _case(1, 1, 2, 16, 4, seed=1, fp8="fp8_e4m3")
+def test_supported_operands(device: torch.device) -> None:
+    """A check of shapes and formats that launches nothing: it runs on every device."""
+    q, k_pool, v_pool, _ = _case(1, 1, 2, 16, 4, seed=1, fp8="fp8_e4m3", device=device)
     assert supports(q, k_pool, v_pool)
     e8m0 = Fp8Rows(k_pool.codes, k_pool.scales.to(torch.uint8), "fp8_e4m3", "e8m0", torch.bfloat16)
     assert not supports(q, e8m0, v_pool)  # the torch version dequantizes e8m0 scales
-    odd = torch.zeros(8, 12)
-    assert not supports(torch.zeros(1, 2, 12), odd, odd)  # head dim 12: not a power of two
+    odd = torch.zeros(8, 12, device=device)
+    assert not supports(torch.zeros(1, 2, 12, device=device), odd, odd)  # head dim 12: not a power of two
 
 
 @pytest.mark.gpu

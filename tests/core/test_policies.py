@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvc_reference import dot, maxpool, softmax
@@ -64,8 +64,9 @@ WINDOW = 8
 KEEP = 24
 
 
-def make_layer(case: Case, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """keys [n, H_kv, d], queries [q, H_q, d], positions [n] (with gaps)."""
+def make_layer(case: Case, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """keys [n, H_kv, d], queries [q, H_q, d], positions [n] (with gaps), drawn on the CPU and
+    moved to `device`."""
     g = torch.Generator().manual_seed(1000 * case.seed + layer)
     keys = torch.randn(case.n, case.h_kv, case.d, generator=g)
     if case.outliers:
@@ -80,7 +81,7 @@ def make_layer(case: Case, layer: int) -> tuple[torch.Tensor, torch.Tensor, torc
     queries = q_scale * torch.randn(case.q, case.h_kv * case.group, case.d, generator=g)
     gaps = torch.randint(1, 4, (case.n,), generator=g)
     positions = torch.cumsum(gaps, 0) - gaps[0]
-    return keys, queries, positions
+    return keys.to(device), queries.to(device), positions.to(device)
 
 
 def random_probs(
@@ -147,6 +148,7 @@ def ref_select(
 
 def kept(policy: Policy, views: list[LayerView], keep: int) -> set[int]:
     idx = policy.select(views, keep)
+    assert idx.device == views[0].keys.device
     return set(idx.tolist())
 
 
@@ -200,11 +202,11 @@ def ref_rkv_layer(keys_t, queries_t, p: PolicyParams, gqa: str = "max", beta: in
     return scores, set(range(nc, n))
 
 
-def rkv_case(case: Case, **variant):
+def rkv_case(case: Case, device: torch.device, **variant):
     p = PolicyParams(budget=KEEP, window=WINDOW)
     views, layer_scores = [], []
     for layer in range(LAYERS):
-        keys, queries, positions = make_layer(case, layer)
+        keys, queries, positions = make_layer(case, layer, device)
         views.append(LayerView(keys=keys, queries=queries, positions=positions))
         s, prot = ref_rkv_layer(keys, queries, p, **variant)
         layer_scores.append(s)
@@ -212,41 +214,42 @@ def rkv_case(case: Case, **variant):
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_rkv_matches_dense_reference(case: Case) -> None:
-    p, views, ref = rkv_case(case)
+def test_rkv_matches_dense_reference(device: torch.device, case: Case) -> None:
+    p, views, ref = rkv_case(case, device)
     assert kept(get_policy("rkv", p), views, KEEP) == ref
 
 
-def test_rkv_reference_is_discriminative() -> None:
+def test_rkv_reference_is_discriminative(device: torch.device) -> None:
     """Mean (not max) over the GQA group, or no beta exemption, changes the kept set somewhere."""
     gqa_cases = [c for c in CASES if c.group > 1]
     policy_sets, mean_sets = [], []
     for case in gqa_cases:
-        p, views, _ = rkv_case(case)
+        p, views, _ = rkv_case(case, device)
         policy_sets.append(kept(get_policy("rkv", p), views, KEEP))
-        mean_sets.append(rkv_case(case, gqa="mean")[2])
+        mean_sets.append(rkv_case(case, device, gqa="mean")[2])
     assert policy_sets != mean_sets
     # the redundancy threshold / beta exemption matters on the duplicated-keys cases
     dup_cases = [c for c in CASES if c.dup]
-    assert any(rkv_case(c)[2] != rkv_case(c, beta=0)[2] for c in dup_cases)
+    assert any(rkv_case(c, device)[2] != rkv_case(c, device, beta=0)[2] for c in dup_cases)
 
 
-def test_rkv_similarity_blocking_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rkv_similarity_blocking_is_exact(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     case = CASES[3]
-    p, views, ref = rkv_case(case)
+    p, views, ref = rkv_case(case, device)
     full = get_policy("rkv", p).score(views[0])
+    assert full.device == device
     monkeypatch.setattr(rkv_module, "_SIM_CHUNK_ELEMS", 300)
     blocked = get_policy("rkv", p).score(views[0])
     torch.testing.assert_close(full, blocked)
     assert kept(get_policy("rkv", p), views, KEEP) == ref
 
 
-def test_rkv_keeps_budget_total_including_observation_window() -> None:
+def test_rkv_keeps_budget_total_including_observation_window(device: torch.device) -> None:
     case = CASES[1]
-    p, views, _ = rkv_case(case)
+    p, views, _ = rkv_case(case, device)
     pol = get_policy("rkv", p)
     idx = pol.select(views, p.budget)
-    assert idx.numel() == p.budget
+    assert idx.numel() == p.budget and idx.device == device
     assert set(range(case.n - p.window, case.n)) <= set(idx.tolist())
 
 
@@ -276,11 +279,11 @@ def ref_snapkv_layer(keys_t, queries_t, p: PolicyParams, gqa: str = "mean", pool
     return scores, set(range(nc, n))
 
 
-def snapkv_case(case: Case, **variant):
+def snapkv_case(case: Case, device: torch.device, **variant):
     p = PolicyParams(budget=KEEP, window=WINDOW)
     views, layer_scores = [], []
     for layer in range(LAYERS):
-        keys, queries, positions = make_layer(case, layer)
+        keys, queries, positions = make_layer(case, layer, device)
         views.append(LayerView(keys=keys, queries=queries, positions=positions))
         s, prot = ref_snapkv_layer(keys, queries, p, **variant)
         layer_scores.append(s)
@@ -288,16 +291,16 @@ def snapkv_case(case: Case, **variant):
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_snapkv_matches_dense_reference(case: Case) -> None:
-    p, views, ref = snapkv_case(case)
+def test_snapkv_matches_dense_reference(device: torch.device, case: Case) -> None:
+    p, views, ref = snapkv_case(case, device)
     assert kept(get_policy("snapkv", p), views, KEEP) == ref
 
 
-def test_snapkv_reference_is_discriminative() -> None:
-    results = [snapkv_case(c) for c in CASES]
+def test_snapkv_reference_is_discriminative(device: torch.device) -> None:
+    results = [snapkv_case(c, device) for c in CASES]
     ours = [kept(get_policy("snapkv", p), v, KEEP) for p, v, _ in results]
-    assert ours != [snapkv_case(c, gqa="max")[2] for c in CASES]
-    assert ours != [snapkv_case(c, pool=False)[2] for c in CASES]
+    assert ours != [snapkv_case(c, device, gqa="max")[2] for c in CASES]
+    assert ours != [snapkv_case(c, device, pool=False)[2] for c in CASES]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -322,11 +325,11 @@ def ref_kvc_prefill_metric(keys_t, queries_t, p: PolicyParams, squared: bool = T
     return metric
 
 
-def kvc_case(case: Case, squared: bool = True):
+def kvc_case(case: Case, device: torch.device, squared: bool = True):
     p = PolicyParams(budget=KEEP, window=WINDOW)
     views, layer_scores = [], []
     for layer in range(LAYERS):
-        keys, queries, positions = make_layer(case, layer)
+        keys, queries, positions = make_layer(case, layer, device)
         views.append(LayerView(keys=keys, queries=queries, positions=positions))
         layer_scores.append(ref_kvc_prefill_metric(keys, queries, p, squared))
     prot = set(range(case.n - p.window, case.n))
@@ -334,23 +337,23 @@ def kvc_case(case: Case, squared: bool = True):
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_kvcompress_prefill_matches_dense_reference(case: Case) -> None:
-    p, views, _, ref = kvc_case(case)
+def test_kvcompress_prefill_matches_dense_reference(device: torch.device, case: Case) -> None:
+    p, views, _, ref = kvc_case(case, device)
     assert kept(get_policy("kvcompress", p), views, KEEP) == ref
 
 
-def test_kvcompress_reference_is_discriminative() -> None:
+def test_kvcompress_reference_is_discriminative(device: torch.device) -> None:
     ours = []
     for c in CASES:
-        p, views, _, _ = kvc_case(c)
+        p, views, _, _ = kvc_case(c, device)
         ours.append(kept(get_policy("kvcompress", p), views, KEEP))
-    assert ours != [kvc_case(c, squared=False)[3] for c in CASES]
+    assert ours != [kvc_case(c, device, squared=False)[3] for c in CASES]
 
 
 @pytest.mark.parametrize("case", CASES[:4], ids=CASE_IDS[:4])
-def test_kvcompress_continual_matches_eq20(case: Case) -> None:
+def test_kvcompress_continual_matches_eq20(device: torch.device, case: Case) -> None:
     """Prefill compression seeds M^(pool); decode adds squared group-summed attention (eq. 20)."""
-    p, views, metrics, first = kvc_case(case)
+    p, views, metrics, first = kvc_case(case, device)
     pol = get_policy("kvcompress", p)
     keep_idx = pol.select(views, KEEP)
     assert set(keep_idx.tolist()) == first
@@ -364,8 +367,8 @@ def test_kvcompress_continual_matches_eq20(case: Case) -> None:
         ref = [[metrics[layer][h][i] for i in order] for h in range(case.h_kv)]
         keys = view.keys[keep_idx]
         for _ in range(steps):
-            keys = torch.cat([keys, torch.randn(1, case.h_kv, case.d, generator=gen)])
-            probs = random_probs(gen, h_q, 1, keys.shape[0], None)
+            keys = torch.cat([keys, torch.randn(1, case.h_kv, case.d, generator=gen).to(device)])
+            probs = random_probs(gen, h_q, 1, keys.shape[0], None).to(device)
             stats = pol.accumulate(stats, probs, case.h_kv)
             pl = probs.double().tolist()
             for h in range(case.h_kv):
@@ -373,6 +376,7 @@ def test_kvcompress_continual_matches_eq20(case: Case) -> None:
                 for g in range(case.group):
                     for i in range(keys.shape[0]):
                         ref[h][i] += pl[h * case.group + g][0][i] ** 2  # eq. (20)
+        assert stats.device == device
         new_views.append(LayerView(keys=keys, stats=stats))
         layer_scores.append(ref)
     n = new_views[0].n
@@ -385,12 +389,12 @@ def test_kvcompress_continual_matches_eq20(case: Case) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def simulate_stats(policy: Policy, case: Case, layer: int, steps: int = 20):
+def simulate_stats(policy: Policy, case: Case, layer: int, device: torch.device, steps: int = 20):
     """Prefill (causal, in two row blocks) then ``steps`` decode steps; returns view + ref sums."""
     gen = torch.Generator().manual_seed(500 * case.seed + layer)
     n0 = case.n - steps
     h_q = case.h_kv * case.group
-    prefill = random_probs(gen, h_q, n0, n0, causal_from=0)
+    prefill = random_probs(gen, h_q, n0, n0, causal_from=0).to(device)
     ref = [[0.0] * case.n for _ in range(case.h_kv)]
     stats = None
     blocks = [(0, n0 // 3), (n0 // 3, n0)]  # accumulate is additive over query rows
@@ -398,25 +402,26 @@ def simulate_stats(policy: Policy, case: Case, layer: int, steps: int = 20):
         stats = policy.accumulate(stats, prefill[:, lo:hi], case.h_kv)
     passes = [prefill]
     for t in range(steps):
-        probs = random_probs(gen, h_q, 1, n0 + t + 1, None)
+        probs = random_probs(gen, h_q, 1, n0 + t + 1, None).to(device)
         stats = policy.accumulate(stats, probs, case.h_kv)
         passes.append(probs)
+    assert stats.device == device
     for probs in passes:
         pl = probs.double().tolist()
         for hq in range(h_q):
             for row in pl[hq]:
                 for i, a in enumerate(row):
                     ref[hq // case.group][i] += a  # sum over queries and the query group
-    keys, _, positions = make_layer(case, layer)
+    keys, _, positions = make_layer(case, layer, device)
     return LayerView(keys=keys, positions=positions, stats=stats), ref, positions.tolist()
 
 
-def stats_case(name: str, case: Case, recent: bool = True, average: bool = True):
+def stats_case(name: str, case: Case, device: torch.device, recent: bool = True, average: bool = True):
     p = PolicyParams(budget=KEEP, window=WINDOW)
     pol = get_policy(name, p)
     views, layer_scores = [], []
     for layer in range(LAYERS):
-        view, sums, pos = simulate_stats(pol, case, layer)
+        view, sums, pos = simulate_stats(pol, case, layer, device)
         views.append(view)
         if name == "avgattn" and average:
             # Batch-Max §3.2: ave_weights = sum_weights / (curr_id + 1 - kv_ids)
@@ -429,42 +434,42 @@ def stats_case(name: str, case: Case, recent: bool = True, average: bool = True)
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("name", ["h2o", "avgattn"])
-def test_accumulated_attention_policies_match_reference(name: str, case: Case) -> None:
-    pol, views, ref = stats_case(name, case)
+def test_accumulated_attention_policies_match_reference(device: torch.device, name: str, case: Case) -> None:
+    pol, views, ref = stats_case(name, case, device)
     assert kept(pol, views, KEEP) == ref
 
 
-def test_accumulated_attention_references_are_discriminative() -> None:
-    h2o = [stats_case("h2o", c) for c in CASES]
+def test_accumulated_attention_references_are_discriminative(device: torch.device) -> None:
+    h2o = [stats_case("h2o", c, device) for c in CASES]
     ours = [kept(pol, views, KEEP) for pol, views, _ in h2o]
-    assert ours != [stats_case("h2o", c, recent=False)[2] for c in CASES]
-    avg = [stats_case("avgattn", c) for c in CASES]
+    assert ours != [stats_case("h2o", c, device, recent=False)[2] for c in CASES]
+    avg = [stats_case("avgattn", c, device) for c in CASES]
     ours = [kept(pol, views, KEEP) for pol, views, _ in avg]
-    assert ours != [stats_case("avgattn", c, average=False)[2] for c in CASES]
+    assert ours != [stats_case("avgattn", c, device, average=False)[2] for c in CASES]
 
 
-def test_h2o_half_recent_half_heavy() -> None:
-    pol, views, _ = stats_case("h2o", CASES[0])
+def test_h2o_half_recent_half_heavy(device: torch.device) -> None:
+    pol, views, _ = stats_case("h2o", CASES[0], device)
     idx = pol.select(views, KEEP).tolist()
     n = CASES[0].n
     assert set(range(n - KEEP // 2, n)) <= set(idx)
     assert sum(1 for i in idx if i < n - KEEP // 2) == KEEP - KEEP // 2
 
 
-def test_stats_narrower_than_n_are_zero_padded() -> None:
+def test_stats_narrower_than_n_are_zero_padded(device: torch.device) -> None:
     pol = get_policy("h2o", PolicyParams(budget=4))
-    probs = torch.softmax(torch.randn(4, 1, 5), dim=-1)
+    probs = torch.softmax(torch.randn(4, 1, 5, device=device), dim=-1)
     stats = pol.accumulate(None, probs, 2)
-    probs2 = torch.softmax(torch.randn(4, 2, 7), dim=-1)
+    probs2 = torch.softmax(torch.randn(4, 2, 7, device=device), dim=-1)
     out = pol.accumulate(stats, probs2, 2)
     expect = torch.nn.functional.pad(stats, (0, 2)) + probs2.reshape(2, 2, 2, 7).sum(dim=(1, 2))
-    torch.testing.assert_close(out, expect)
-    view = LayerView(keys=torch.randn(9, 2, 4), stats=out)
+    torch.testing.assert_close(out, expect)  # devices compared too
+    view = LayerView(keys=torch.randn(9, 2, 4, device=device), stats=out)
     assert pol.score(view).shape == (2, 9)
 
 
-def test_stats_policies_require_stats() -> None:
-    view = LayerView(keys=torch.randn(20, 2, 4))
+def test_stats_policies_require_stats(device: torch.device) -> None:
+    view = LayerView(keys=torch.randn(20, 2, 4, device=device))
     for name in ["h2o", "avgattn", "kvcompress", "rkv", "snapkv"]:
         with pytest.raises(ValueError, match=name):
             get_policy(name, PolicyParams(budget=4)).select([view], 4)
@@ -476,11 +481,11 @@ def test_stats_policies_require_stats() -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-def test_streamingllm_keeps_sinks_and_most_recent(case: Case) -> None:
+def test_streamingllm_keeps_sinks_and_most_recent(device: torch.device, case: Case) -> None:
     p = PolicyParams(budget=KEEP)
     views = []
     for layer in range(LAYERS):
-        keys, queries, positions = make_layer(case, layer)
+        keys, queries, positions = make_layer(case, layer, device)
         views.append(LayerView(keys=keys, queries=queries, positions=positions))
     ref = set(range(p.sink_tokens)) | set(range(case.n - (KEEP - p.sink_tokens), case.n))
     assert kept(get_policy("streamingllm", p), views, KEEP) == ref
@@ -493,7 +498,7 @@ def test_streamingllm_keeps_sinks_and_most_recent(case: Case) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_registry_names() -> None:
+def test_registry_names(device: torch.device) -> None:
     assert available_policies() == ALL_POLICIES
     for name in ALL_POLICIES:
         pol = get_policy(name)
@@ -502,7 +507,7 @@ def test_registry_names() -> None:
         assert isinstance(pol, Policy)
 
 
-def test_unknown_policy_names_the_choices() -> None:
+def test_unknown_policy_names_the_choices(device: torch.device) -> None:
     with pytest.raises(ValueError) as err:
         get_policy("lru")
     msg = str(err.value)
@@ -511,7 +516,7 @@ def test_unknown_policy_names_the_choices() -> None:
         assert name in msg
 
 
-def test_duplicate_registration_rejected() -> None:
+def test_duplicate_registration_rejected(device: torch.device) -> None:
     with pytest.raises(ValueError, match="already registered"):
 
         @register_policy
@@ -541,12 +546,12 @@ def test_duplicate_registration_rejected() -> None:
         ("budget", True),
     ],
 )
-def test_params_validation(field: str, value: object) -> None:
+def test_params_validation(device: torch.device, field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         PolicyParams(**{field: value})
 
 
-def test_params_defaults_and_frozen() -> None:
+def test_params_defaults_and_frozen(device: torch.device) -> None:
     p = PolicyParams()
     assert (p.budget, p.buffer, p.window, p.rkv_lambda, p.rkv_threshold, p.rkv_beta) == (
         128, 128, 8, 0.1, 0.5, 1)
@@ -555,22 +560,23 @@ def test_params_defaults_and_frozen() -> None:
         p.budget = 3  # type: ignore[misc]
 
 
-def test_layer_view_validation() -> None:
+def test_layer_view_validation(device: torch.device) -> None:
+    randn = lambda *shape: torch.randn(*shape, device=device)  # noqa: E731
     with pytest.raises(ValueError):
-        LayerView(keys=torch.randn(5, 2))
+        LayerView(keys=randn(5, 2))
     with pytest.raises(ValueError):
-        LayerView(keys=torch.randn(5, 2, 4), queries=torch.randn(2, 3, 4))  # 3 % 2 != 0
+        LayerView(keys=randn(5, 2, 4), queries=randn(2, 3, 4))  # 3 % 2 != 0
     with pytest.raises(ValueError):
-        LayerView(keys=torch.randn(5, 2, 4), positions=torch.arange(4))
+        LayerView(keys=randn(5, 2, 4), positions=torch.arange(4, device=device))
     with pytest.raises(ValueError):
-        LayerView(keys=torch.randn(5, 2, 4), stats=torch.zeros(2, 6))
-    view = LayerView(keys=torch.randn(5, 2, 16))
+        LayerView(keys=randn(5, 2, 4), stats=torch.zeros(2, 6, device=device))
+    view = LayerView(keys=randn(5, 2, 16))
     assert view.scale == pytest.approx(0.25)
-    assert view.positions.tolist() == [0, 1, 2, 3, 4]
+    assert view.positions.device == device and view.positions.tolist() == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("name", ["rkv", "snapkv", "kvcompress", "h2o", "streamingllm"])
-def test_amortised_target_length(name: str) -> None:
+def test_amortised_target_length(device: torch.device, name: str) -> None:
     pol = get_policy(name, PolicyParams(budget=16, buffer=8))
     assert pol.target_length(10) is None
     assert pol.target_length(23) is None
@@ -581,7 +587,7 @@ def test_amortised_target_length(name: str) -> None:
     assert pol0.target_length(17) == 16
 
 
-def test_avgattn_target_length_evicts_chunks() -> None:
+def test_avgattn_target_length_evicts_chunks(device: torch.device) -> None:
     pol = get_policy("avgattn", PolicyParams(budget=128, evict_chunk=64))
     assert pol.target_length(127) is None
     assert pol.target_length(128) == 64
@@ -592,7 +598,7 @@ def test_avgattn_target_length_evicts_chunks() -> None:
     assert tiny.target_length(1) is None and tiny.target_length(2) == 1
 
 
-def test_prefill_target_length() -> None:
+def test_prefill_target_length(device: torch.device) -> None:
     p = PolicyParams(budget=16)
     for name in ["snapkv", "kvcompress", "h2o", "streamingllm", "avgattn"]:
         pol = get_policy(name, p)
@@ -602,7 +608,7 @@ def test_prefill_target_length() -> None:
     assert get_policy("rkv", p).prefill_target_length(1000) is None
 
 
-def test_none_policy_never_compresses() -> None:
+def test_none_policy_never_compresses(device: torch.device) -> None:
     pol = get_policy("none", PolicyParams(budget=1, buffer=0))
     assert not pol.uses_stats and not pol.compress_after_prefill
     for n in [0, 1, 2, 100, 10**6]:
@@ -610,27 +616,28 @@ def test_none_policy_never_compresses() -> None:
         assert pol.prefill_target_length(n) is None
 
 
-def test_score_marks_protected_as_inf_and_bf16_inputs_work() -> None:
+def test_score_marks_protected_as_inf_and_bf16_inputs_work(device: torch.device) -> None:
     case = CASES[1]
-    keys, queries, positions = make_layer(case, 0)
+    keys, queries, positions = make_layer(case, 0, device)
     view = LayerView(keys=keys.bfloat16(), queries=queries.bfloat16(), positions=positions)
     for name in ["rkv", "snapkv", "kvcompress"]:
         pol = get_policy(name, PolicyParams(budget=KEEP))
         s = pol.score(view)
-        assert s.dtype == torch.float32 and s.shape == (case.h_kv, case.n)
+        assert s.dtype == torch.float32 and s.shape == (case.h_kv, case.n) and s.device == device
         assert torch.isinf(s[:, -WINDOW:]).all() and torch.isfinite(s[:, :-WINDOW]).all()
         assert pol.select([view], KEEP).numel() == KEEP
 
 
-def test_select_rejects_mismatched_layers() -> None:
+def test_select_rejects_mismatched_layers(device: torch.device) -> None:
     pol = get_policy("streamingllm")
     with pytest.raises(ValueError):
-        pol.select([LayerView(keys=torch.randn(5, 1, 4)), LayerView(keys=torch.randn(6, 1, 4))], 3)
+        views = [LayerView(keys=torch.randn(n, 1, 4, device=device)) for n in (5, 6)]
+        pol.select(views, 3)
     with pytest.raises(ValueError):
         pol.select([], 3)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     name=st.sampled_from(ALL_POLICIES),
     n=st.integers(1, 40),
@@ -642,23 +649,23 @@ def test_select_rejects_mismatched_layers() -> None:
     layers=st.integers(1, 3),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_select_property(name, n, keep, h_kv, group, budget, window, layers, seed) -> None:
+def test_select_property(device, name, n, keep, h_kv, group, budget, window, layers, seed) -> None:
     """select returns exactly min(keep, n) sorted unique indices, all protected ones if they fit."""
     gen = torch.Generator().manual_seed(seed)
     pol = get_policy(name, PolicyParams(budget=budget, window=window))
     d = 4
     rng = random.Random(seed)
-    positions = torch.tensor(sorted(rng.sample(range(3 * n + 1), n)))
+    positions = torch.tensor(sorted(rng.sample(range(3 * n + 1), n)), device=device)
     views = []
     for _ in range(layers):
-        keys = torch.randn(n, h_kv, d, generator=gen)
-        queries = torch.randn(min(window, n), h_kv * group, d, generator=gen)
+        keys = torch.randn(n, h_kv, d, generator=gen).to(device)
+        queries = torch.randn(min(window, n), h_kv * group, d, generator=gen).to(device)
         stats = None
         if pol.uses_stats and name != "kvcompress":
-            stats = pol.accumulate(None, random_probs(gen, h_kv * group, 2, n, None), h_kv)
+            stats = pol.accumulate(None, random_probs(gen, h_kv * group, 2, n, None).to(device), h_kv)
         views.append(LayerView(keys=keys, queries=queries, positions=positions, stats=stats))
     idx = pol.select(views, keep)
-    assert idx.dtype == torch.int64
+    assert idx.dtype == torch.int64 and idx.device == device
     lst = idx.tolist()
     assert len(lst) == min(keep, n)
     assert lst == sorted(set(lst))
@@ -673,12 +680,14 @@ def test_select_property(name, n, keep, h_kv, group, budget, window, layers, see
         assert carried is None or carried.shape == (h_kv, len(lst))
 
 
-def test_rkv_sampled_redundancy_is_exact_below_and_close_above_the_reference_count() -> None:
+def test_rkv_sampled_redundancy_is_exact_below_and_close_above_the_reference_count(device: torch.device) -> None:
     """Long prompts: eq. (6)'s mean similarity estimated from evenly spaced reference keys."""
     g = torch.Generator().manual_seed(3)
     base = torch.randn(40, 2, 16, generator=g)
     keys = base[torch.randint(0, 40, (1500,), generator=g)] + 0.3 * torch.randn(1500, 2, 16, generator=g)
+    keys = keys.to(device)
     exact = rkv_module.redundancy_scores(keys, 0.5, 1)
+    assert exact.device == device
     assert torch.equal(rkv_module.redundancy_scores(keys, 0.5, 1, reference_keys=1500), exact)
     approx = rkv_module.redundancy_scores(keys, 0.5, 1, reference_keys=512)
     corr = torch.corrcoef(torch.stack([exact.flatten(), approx.flatten()]))[0, 1]

@@ -12,52 +12,57 @@ from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import get_policy
 
 
-def _state(budget: int = 8, ratio: float | None = None) -> ReqKvState:
-    return ReqKvState(policy=get_policy("rkv"), budget=budget, budget_ratio=ratio)
+def _state(device: torch.device, budget: int = 8, ratio: float | None = None) -> ReqKvState:
+    return ReqKvState(policy=get_policy("rkv"), budget=budget, budget_ratio=ratio, device=device)
 
 
-def test_positions_follow_compactions() -> None:
-    s = _state()
-    assert s.positions(5).tolist() == [0, 1, 2, 3, 4]
+def test_positions_follow_compactions(device: torch.device) -> None:
+    s = _state(device)
+    first = s.positions(5)
+    assert first.device == device and first.tolist() == [0, 1, 2, 3, 4]
     # compact 10 tokens to those at logical 0, 3, 7, 9; the next token is logical 10
-    s.kept_positions = torch.tensor([0, 3, 7, 9])
+    s.kept_positions = torch.tensor([0, 3, 7, 9], device=device)
     s.offset = 10 - 4
     assert s.positions(7).tolist() == [0, 3, 7, 9, 10, 11, 12]
     # a second compaction keeps physical 1, 4, 6 -> logical 3, 10, 12
-    s.kept_positions = s.positions(7)[torch.tensor([1, 4, 6])]
+    s.kept_positions = s.positions(7)[torch.tensor([1, 4, 6], device=device)]
     s.offset = 13 - 3
     assert s.positions(5).tolist() == [3, 10, 12, 13, 14]
 
 
-def test_effective_budget_ratio_uses_logical_length() -> None:
-    s = _state(budget=8, ratio=0.5)
+def test_effective_budget_ratio_uses_logical_length(device: torch.device) -> None:
+    s = _state(device, budget=8, ratio=0.5)
     s.offset = 100
     assert s.effective_budget(100) == 100  # half of 200 logical tokens
-    assert _state(budget=8).effective_budget(10_000) == 8
+    assert _state(device, budget=8).effective_budget(10_000) == 8
 
 
-def test_query_window_keeps_the_last_queries_in_order() -> None:
-    store = KvcStore(num_layers=2, window=3, req_to_token=torch.zeros(4, 16, dtype=torch.int32), kv_pool=None)
-    store.begin(1, _state())
-    q = lambda v: torch.full((1, 2, 4), float(v))  # noqa: E731  [1 token, 2 heads, d=4]
+def test_query_window_keeps_the_last_queries_in_order(device: torch.device) -> None:
+    r2t = torch.zeros(4, 16, dtype=torch.int32, device=device)
+    store = KvcStore(num_layers=2, window=3, req_to_token=r2t, kv_pool=None)
+    store.begin(1, _state(device))
+    q = lambda v: torch.full((1, 2, 4), float(v), device=device)  # noqa: E731  [1 token, 2 heads, d=4]
     store.record_extend(0, 1, torch.cat([q(1), q(2)]), pool_rows=4)
-    assert store.queries(1, 0, n=10)[:, 0, 0].tolist() == [1.0, 2.0]
+    first = store.queries(1, 0, n=10)
+    assert first.device == device and first[:, 0, 0].tolist() == [1.0, 2.0]
     for v in (3, 4):
-        store.record_decode(0, torch.tensor([1]), q(v), pool_rows=4)
+        store.record_decode(0, torch.tensor([1], device=device), q(v), pool_rows=4)
     assert store.queries(1, 0, n=10)[:, 0, 0].tolist() == [2.0, 3.0, 4.0]
     assert store.queries(1, 0, n=2)[:, 0, 0].tolist() == [3.0, 4.0]  # never more than n tokens
-    store.begin(1, _state())  # the row is reused by a new request: no stale queries
+    store.begin(1, _state(device))  # the row is reused by a new request: no stale queries
     assert store.queries(1, 0, n=10) is None
 
 
-def test_query_ring_survives_many_wraps_and_trims() -> None:
-    store = KvcStore(num_layers=1, window=4, req_to_token=torch.zeros(3, 8, dtype=torch.int32), kv_pool=None)
-    store.begin(0, _state())
-    store.begin(2, _state())
-    q = lambda *vs: torch.tensor(vs, dtype=torch.float32)[:, None, None].expand(-1, 1, 2)  # noqa: E731
+def test_query_ring_survives_many_wraps_and_trims(device: torch.device) -> None:
+    r2t = torch.zeros(3, 8, dtype=torch.int32, device=device)
+    store = KvcStore(num_layers=1, window=4, req_to_token=r2t, kv_pool=None)
+    store.begin(0, _state(device))
+    store.begin(2, _state(device))
+    q = lambda *vs: torch.tensor(vs, dtype=torch.float32, device=device)[:, None, None].expand(-1, 1, 2)  # noqa: E731
     store.record_extend(0, 0, q(1, 2, 3, 4, 5, 6), pool_rows=3)
+    rows = torch.tensor([0, 2], device=device)
     for v in range(7, 20):
-        store.record_decode(0, torch.tensor([0, 2]), q(v, 100 + v), pool_rows=3)
+        store.record_decode(0, rows, q(v, 100 + v), pool_rows=3)
     assert store.queries(0, 0, n=99)[:, 0, 0].tolist() == [16, 17, 18, 19]
     assert store.queries(2, 0, n=99)[:, 0, 0].tolist() == [116, 117, 118, 119]
     store.trim_queries(0, 2)
@@ -73,22 +78,23 @@ class _Pool:
 
 
 @pytest.mark.parametrize("elems", [decode_module.DECODE_BLOCK_ELEMS, 1])  # one block; one per request
-def test_batched_decode_statistics_equal_the_per_request_ones(monkeypatch, elems: int) -> None:
+def test_batched_decode_statistics_equal_the_per_request_ones(device: torch.device, monkeypatch, elems: int) -> None:
     """`DecodeStep.accumulate` (one padded computation) == `accumulate` request by request; the
     step's statistics requests are picked from host-side rows (`begin_decode`)."""
     monkeypatch.setattr(decode_module, "DECODE_BLOCK_ELEMS", elems)
     g = torch.Generator().manual_seed(0)
     h_kv, group, d, rows = 2, 3, 8, 4
-    keys = torch.randn(64, h_kv, d, generator=g)
-    r2t = torch.randperm(64, generator=g)[: rows * 16].reshape(rows, 16).to(torch.int32)
+    keys = torch.randn(64, h_kv, d, generator=g).to(device)
+    r2t = torch.randperm(64, generator=g)[: rows * 16].reshape(rows, 16).to(device, torch.int32)
     batch_rows, batch_lens = [3, 1, 0, 2], [5, 7, 16, 9]  # row 1's policy keeps no statistics
-    q = torch.randn(4, h_kv * group, d, generator=g)
+    q = torch.randn(4, h_kv * group, d, generator=g).to(device)
     for name in ("h2o", "avgattn", "kvcompress"):
         batched = KvcStore(1, 4, r2t, _Pool(keys))
         looped = KvcStore(1, 4, r2t, _Pool(keys))
         for store in (batched, looped):
             for row in range(rows):
-                store.begin(row, ReqKvState(policy=get_policy("rkv" if row == 1 else name), budget=8))
+                policy = get_policy("rkv" if row == 1 else name)
+                store.begin(row, ReqKvState(policy=policy, budget=8, device=device))
         batched.begin_decode(batch_rows, batch_lens)
         planned = sorted(i for block in batched.decode_step.blocks for i in block.index.tolist())
         assert planned == [0, 2, 3]  # the statistics requests only: SGLang attends
@@ -97,56 +103,63 @@ def test_batched_decode_statistics_equal_the_per_request_ones(monkeypatch, elems
             if row == 1:
                 continue
             k = keys[r2t[row, :n].long()]
-            looped.accumulate(row, 0, q[i : i + 1], k, torch.tensor([n - 1]), torch.arange(n), 0.3)
-            assert torch.allclose(batched.states[row].stats[0], looped.states[row].stats[0], atol=1e-6), name
+            looped.accumulate(row, 0, q[i : i + 1], k, torch.tensor([n - 1], device=device),
+                              torch.arange(n, device=device), 0.3)
+            got = batched.states[row].stats[0]
+            assert got.device == device
+            assert torch.allclose(got, looped.states[row].stats[0], atol=1e-6), name
         assert batched.states[1].stats[0] is None
 
 
-def test_batched_decode_statistics_with_a_policy_per_request() -> None:
+def test_batched_decode_statistics_with_a_policy_per_request(device: torch.device) -> None:
     """Requests of one step may each have chosen their own statistics policy."""
     g = torch.Generator().manual_seed(2)
     h_kv, group, d = 2, 2, 8
-    keys = torch.randn(64, h_kv, d, generator=g)
-    r2t = torch.randperm(64, generator=g)[:48].reshape(4, 12).to(torch.int32)
+    keys = torch.randn(64, h_kv, d, generator=g).to(device)
+    r2t = torch.randperm(64, generator=g)[:48].reshape(4, 12).to(device, torch.int32)
     names = {0: "h2o", 1: "kvcompress", 2: "avgattn", 3: "kvcompress"}
     rows, lens = [2, 0, 3, 1], [7, 12, 5, 9]
     batched = KvcStore(1, 4, r2t, _Pool(keys))
     looped = KvcStore(1, 4, r2t, _Pool(keys))
     for store in (batched, looped):
         for row, name in names.items():
-            store.begin(row, ReqKvState(policy=get_policy(name), budget=8))
+            store.begin(row, ReqKvState(policy=get_policy(name), budget=8, device=device))
     for step in range(3):  # statistics grow by one token per step, old ones carried
-        q = torch.randn(4, h_kv * group, d, generator=g)
+        q = torch.randn(4, h_kv * group, d, generator=g).to(device)
         step_lens = [n - 2 + step for n in lens]
         batched.begin_decode(rows, step_lens)
         batched.decode_step.accumulate(0, q, keys, 0.3)
         for i, (row, n) in enumerate(zip(rows, step_lens)):
             k = keys[r2t[row, :n].long()]
-            looped.accumulate(row, 0, q[i : i + 1], k, torch.tensor([n - 1]), torch.arange(n), 0.3)
+            looped.accumulate(row, 0, q[i : i + 1], k, torch.tensor([n - 1], device=device),
+                              torch.arange(n, device=device), 0.3)
     for row in names:
-        assert torch.allclose(batched.states[row].stats[0], looped.states[row].stats[0], atol=1e-5), names[row]
+        got = batched.states[row].stats[0]
+        assert got.device == device
+        assert torch.allclose(got, looped.states[row].stats[0], atol=1e-5), names[row]
 
 
-def test_no_decode_step_without_statistics_requests() -> None:
-    store = KvcStore(1, 4, torch.zeros(2, 8, dtype=torch.int32), kv_pool=None)
-    store.begin(0, _state())
+def test_no_decode_step_without_statistics_requests(device: torch.device) -> None:
+    store = KvcStore(1, 4, torch.zeros(2, 8, dtype=torch.int32, device=device), kv_pool=None)
+    store.begin(0, _state(device))
     store.begin_decode([0], [3])
     assert store.decode_step is None
 
 
-def test_query_buffer_grows_with_the_rows_in_use_not_the_row_count() -> None:
-    store = KvcStore(num_layers=2, window=2, req_to_token=torch.zeros(1000, 4, dtype=torch.int32), kv_pool=None)
-    q = lambda v: torch.full((1, 3, 4), float(v))  # noqa: E731
+def test_query_buffer_grows_with_the_rows_in_use_not_the_row_count(device: torch.device) -> None:
+    r2t = torch.zeros(1000, 4, dtype=torch.int32, device=device)
+    store = KvcStore(num_layers=2, window=2, req_to_token=r2t, kv_pool=None)
+    q = lambda v: torch.full((1, 3, 4), float(v), device=device)  # noqa: E731
     for k, row in enumerate((999, 998, 997)):  # SGLang hands out rows from the top
-        store.begin(row, _state())
+        store.begin(row, _state(device))
         store.record_extend(0, row, q(k), pool_rows=1000)
     assert store.query_buffer_bytes == 4 * 2 * 2 * 3 * 4 * 4  # capacity 4 of 1000 rows
-    store.begin(5, _state())  # a low row (rare) grows the buffer, keeping earlier queries
+    store.begin(5, _state(device))  # a low row (rare) grows the buffer, keeping earlier queries
     store.record_extend(0, 5, q(9), pool_rows=1000)
     assert [store.queries(r, 0, 9)[0, 0, 0].item() for r in (999, 998, 997, 5)] == [0, 1, 2, 9]
 
 
-def test_prefill_statistics_equal_dense_causal_attention(monkeypatch) -> None:
+def test_prefill_statistics_equal_dense_causal_attention(device: torch.device, monkeypatch) -> None:
     """`accumulate` over an extend (several blocks of queries, causal by physical index) adds to
     H2O's statistic exactly the attention each key received, summed over the query group."""
     monkeypatch.setattr(store_module, "STATS_BLOCK", 3)  # several blocks
@@ -154,11 +167,13 @@ def test_prefill_statistics_equal_dense_causal_attention(monkeypatch) -> None:
     h_kv, group, d, n = 2, 3, 8, 10
     keys = torch.randn(n, h_kv, d, generator=g)
     q = torch.randn(7, h_kv * group, d, generator=g)  # queries of entries 3..9
-    store = KvcStore(1, 4, torch.zeros(1, 16, dtype=torch.int32), kv_pool=None)
-    store.begin(0, ReqKvState(policy=get_policy("h2o"), budget=8))
-    store.accumulate(0, 0, q, keys, torch.arange(3, 10), torch.arange(n), 0.3)
+    store = KvcStore(1, 4, torch.zeros(1, 16, dtype=torch.int32, device=device), kv_pool=None)
+    store.begin(0, ReqKvState(policy=get_policy("h2o"), budget=8, device=device))
+    store.accumulate(0, 0, q.to(device), keys.to(device), torch.arange(3, 10, device=device),
+                     torch.arange(n, device=device), 0.3)
     k = keys.double().repeat_interleave(group, dim=1)  # query head h reads KV head h // G
     logits = torch.einsum("qhd,nhd->hqn", q.double(), k) * 0.3
     logits.masked_fill_(torch.arange(n)[None, None, :] > torch.arange(3, 10)[None, :, None], float("-inf"))
     expected = torch.softmax(logits, -1).sum(1).reshape(h_kv, group, n).sum(1)
-    assert torch.allclose(store.states[0].stats[0].double(), expected, atol=1e-5)
+    got = store.states[0].stats[0]
+    assert got.device == device and torch.allclose(got.cpu().double(), expected, atol=1e-5)

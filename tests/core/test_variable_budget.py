@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fakes import FakeAllocator
@@ -28,10 +28,10 @@ D = 4
 class UnitPool:
     """The unit pool's surface: per-layer strided views of one [S, L, H, d] allocation."""
 
-    def __init__(self, slots: int, layers: int, heads: int, seed: int) -> None:
+    def __init__(self, slots: int, layers: int, heads: int, seed: int, device: torch.device) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.k_all = torch.randn(slots, layers, heads, D, generator=g)
-        self.v_all = torch.randn(slots, layers, heads, D, generator=g)
+        self.k_all = torch.randn(slots, layers, heads, D, generator=g).to(device)
+        self.v_all = torch.randn(slots, layers, heads, D, generator=g).to(device)
         self.start_layer, self.layer_num = 0, layers
 
     def get_key_buffer(self, layer: int) -> torch.Tensor:
@@ -45,12 +45,15 @@ class UnitPool:
 
 
 def _batch(allocator: FakeAllocator, n: int, state: ReqKvState):
-    r2t = torch.zeros(2, 256, dtype=torch.int32)
+    """A batch of one request of n entries, on the allocator's device (`seq_lens_cpu` is
+    SGLang's host-side copy)."""
+    device = allocator.device
+    r2t = torch.zeros(2, 256, dtype=torch.int32, device=device)
     r2t[0, :n] = allocator.alloc(n).to(torch.int32)
     kv = SimpleNamespace(req_pool_idx=0, cache_protected_len=0)
     req = SimpleNamespace(kv=kv, state=state)
     return SimpleNamespace(
-        reqs=[req], seq_lens_cpu=torch.tensor([n]), seq_lens=torch.tensor([n]), tree_cache=None,
+        reqs=[req], seq_lens_cpu=torch.tensor([n]), seq_lens=torch.tensor([n], device=device), tree_cache=None,
         req_to_token_pool=SimpleNamespace(req_to_token=r2t), token_to_kv_pool_allocator=allocator,
     )
 
@@ -61,8 +64,9 @@ def _compact(batch, pool: UnitPool, state: ReqKvState, budget: int, seed: int):
     layers, heads = pool.layer_num, pool.k_all.shape[2]
     n = int(batch.seq_lens_cpu[0])
     tables = state.tables(batch.req_to_token_pool.req_to_token[0, :n], layers, heads)
-    scores = torch.rand(layers, heads, tables.width, generator=torch.Generator().manual_seed(seed))
-    protected = torch.zeros(scores.shape, dtype=torch.bool)
+    device = tables.units.device
+    scores = torch.rand(layers, heads, tables.width, generator=torch.Generator().manual_seed(seed)).to(device)
+    protected = torch.zeros(scores.shape, dtype=torch.bool, device=device)
     selection = select_from_scores(scores, protected, budget, lengths=tables.lens, mode="variable")
     k_units, v_units = pool.unit_buffers()
     want = [[(k_units[tables.units[l, h, selection.kept(l, h)]].clone(),
@@ -71,7 +75,7 @@ def _compact(batch, pool: UnitPool, state: ReqKvState, budget: int, seed: int):
     free_before = batch.token_to_kv_pool_allocator.available_size()
     [outcome] = compact_requests_units(batch, [(0, selection, tables.units)], pool.unit_buffers())
     g = math.ceil(selection.total / (layers * heads))
-    assert outcome.kept == g and batch.seq_lens_cpu.tolist() == [g]
+    assert outcome.kept == g and batch.seq_lens_cpu.tolist() == [g] and outcome.units.device == device
     assert batch.token_to_kv_pool_allocator.available_size() == free_before + n - g  # really freed
     logical = n + state.offset
     state.units, state.unit_lens, state.packed = outcome.units, selection.lengths, g
@@ -81,17 +85,17 @@ def _compact(batch, pool: UnitPool, state: ReqKvState, budget: int, seed: int):
     return selection, want
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     n=st.integers(4, 30), budget=st.integers(1, 6), layers=st.integers(1, 3), heads=st.integers(1, 3),
     tail=st.integers(0, 5), seed=st.integers(0, 10_000),
 )
-def test_variable_compactions_pack_every_heads_kept_entries(n, budget, layers, heads, tail, seed) -> None:
+def test_variable_compactions_pack_every_heads_kept_entries(device, n, budget, layers, heads, tail, seed) -> None:
     """Two variable compactions (the second over packed entries plus new tokens): after each,
     head (l, h) reads through its table exactly the keys, values and positions it kept, the
     request holds ceil(total / (L x H)) slots and gives every other slot back."""
-    pool, allocator = UnitPool(128, layers, heads, seed), FakeAllocator(128, seed=seed)
-    state = ReqKvState(policy=get_policy("snapkv"), budget=budget)
+    pool, allocator = UnitPool(128, layers, heads, seed, device), FakeAllocator(128, seed=seed, device=device)
+    state = ReqKvState(policy=get_policy("snapkv"), budget=budget, device=device)
     batch = _batch(allocator, n, state)
     for round_ in range(2):
         selection, want = _compact(batch, pool, state, budget, seed + round_)
@@ -112,37 +116,39 @@ def test_variable_compactions_pack_every_heads_kept_entries(n, budget, layers, h
         r2t[0, g : g + tail] = new.to(torch.int32)
         batch.seq_lens_cpu = torch.tensor([g + tail])
         grown = state.tables(r2t[0, : g + tail], layers, heads)
-        cols = now.lens[..., None] + torch.arange(tail)
+        cols = now.lens[..., None] + torch.arange(tail, device=device)
+        assert grown.units.device == device
         assert torch.equal(grown.units.gather(-1, cols), unit_index(new, layers, heads))
-        logical = torch.arange(g, g + tail) + state.offset
+        logical = torch.arange(g, g + tail, device=device) + state.offset
         assert torch.equal(grown.positions.gather(-1, cols), logical.expand(layers, heads, tail))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     rows=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 12), st.integers(0, 6)), min_size=1, max_size=6),
     layers=st.integers(1, 3), heads=st.integers(1, 3), token_elems=st.sampled_from([1, 1 << 20]),
     seed=st.integers(0, 10_000),
 )
-def test_decode_step_tables_are_each_requests_own(rows, layers, heads, token_elems, seed) -> None:
+def test_decode_step_tables_are_each_requests_own(device, rows, layers, heads, token_elems, seed) -> None:
     """The decode plan builds a block's per-head tables at once (`block_tables`); for every
     request (packed, unpacked, or with no state) they equal what `ReqKvState.tables` gives it
     alone, in every block size (`token_elems` of 2^20 puts each request in its own block)."""
     g = torch.Generator().manual_seed(seed)
-    r2t = torch.randint(1, 500, (len(rows), 64), generator=g, dtype=torch.int32)
+    r2t = torch.randint(1, 500, (len(rows), 64), generator=g, dtype=torch.int32).to(device)
     states: dict[int, ReqKvState] = {}
     lens = []
     for row, (kind, k, tail) in enumerate(rows):
         if kind == 0:  # no sgl-kvc state: every head reads the whole row
             lens.append(k + tail)
             continue
-        state = ReqKvState(policy=get_policy("snapkv"), budget=k)
+        state = ReqKvState(policy=get_policy("snapkv"), budget=k, device=device)
         if kind == 2:  # packed into its first `packed` slots
-            state.unit_lens = torch.randint(0, k + 1, (layers, heads), generator=g)
-            state.unit_lens.view(-1)[0] = k  # the widest head fills the packed table
-            state.units = torch.randint(0, 9999, (layers, heads, k), generator=g)
-            state.units *= torch.arange(k) < state.unit_lens[..., None]
-            state.kept_positions = torch.zeros(layers, heads, k, dtype=torch.int64)
+            unit_lens = torch.randint(0, k + 1, (layers, heads), generator=g)
+            unit_lens.view(-1)[0] = k  # the widest head fills the packed table
+            units = torch.randint(0, 9999, (layers, heads, k), generator=g)
+            units *= torch.arange(k) < unit_lens[..., None]
+            state.unit_lens, state.units = unit_lens.to(device), units.to(device)
+            state.kept_positions = torch.zeros(layers, heads, k, dtype=torch.int64, device=device)
             state.packed = math.ceil(int(state.unit_lens.sum()) / (layers * heads))
             lens.append(state.packed + tail)
         else:
@@ -155,33 +161,34 @@ def test_decode_step_tables_are_each_requests_own(rows, layers, heads, token_ele
         for j, i in enumerate(block.index.tolist()):
             seen.append(i)
             slots = r2t[i, : lens[i]]
-            want = (states[i].tables(slots, layers, heads) if i in states
-                    else ReqKvState(policy=get_policy("snapkv"), budget=1).tables(slots, layers, heads))
+            alone = states[i] if i in states else ReqKvState(policy=get_policy("snapkv"), budget=1, device=device)
+            want = alone.tables(slots, layers, heads)
             got_lens = block.lens[:, j]
-            assert torch.equal(got_lens, want.lens)
+            assert block.units.device == device and torch.equal(got_lens, want.lens)
             w = want.width
             assert w <= block.units.shape[-1]
-            cols = torch.arange(w) < got_lens[..., None]
+            cols = torch.arange(w, device=device) < got_lens[..., None]
             assert torch.equal(block.units[:, j, :, :w] * cols, want.units * cols)
     assert sorted(seen) == list(range(len(rows)))
 
 
-def test_unit_index_is_the_flat_view_of_the_per_layer_buffers() -> None:
-    pool = UnitPool(10, 3, 2, 0)
-    slots = torch.tensor([7, 2, 5])
+def test_unit_index_is_the_flat_view_of_the_per_layer_buffers(device: torch.device) -> None:
+    pool = UnitPool(10, 3, 2, 0, device)
+    slots = torch.tensor([7, 2, 5], device=device)
     k_units, _ = pool.unit_buffers()
     units = unit_index(slots, 3, 2)
+    assert units.device == device
     for l in range(3):
         assert torch.equal(k_units[units[l]], pool.get_key_buffer(l)[slots].transpose(0, 1))
 
 
-def test_decode_reads_packed_requests_through_their_tables() -> None:
+def test_decode_reads_packed_requests_through_their_tables(device: torch.device) -> None:
     """A decode step over a packed request and an unpacked one, on the unit pool: the output is
     each query head's attention over exactly its KV head's entries, and the attention it
     computed becomes the packed request's statistic, column by column of its tables."""
     layers, heads, group = 2, 2, 2
-    pool, allocator = UnitPool(128, layers, heads, 3), FakeAllocator(128, seed=3)
-    packed = ReqKvState(policy=get_policy("h2o"), budget=4)
+    pool, allocator = UnitPool(128, layers, heads, 3, device), FakeAllocator(128, seed=3, device=device)
+    packed = ReqKvState(policy=get_policy("h2o"), budget=4, device=device)
     batch = _batch(allocator, 20, packed)
     _compact(batch, pool, packed, 4, 5)
     g = packed.packed
@@ -193,13 +200,14 @@ def test_decode_reads_packed_requests_through_their_tables() -> None:
     assert store.unit_layout == (layers, heads)
     store.attends = True
     store.begin(0, packed)
-    store.begin(1, ReqKvState(policy=get_policy("snapkv"), budget=4))
+    store.begin(1, ReqKvState(policy=get_policy("snapkv"), budget=4, device=device))
     packed.stats = [None] * layers
     store.begin_decode([0, 1], lens)
     [block] = store.decode_step.blocks
-    # Layers differ in width: the torch kernel reads each only as wide as its widest head.
-    assert block.widths == (8, 7) and block.units.shape[-1] == 8
-    q = torch.randn(2, heads * group, D, generator=torch.Generator().manual_seed(9))
+    # Layers differ in width: the torch kernel reads each only as wide as its widest head (on
+    # CUDA the plan leaves them unread: the Triton kernel walks each head's own length).
+    assert block.widths == ((8, 7) if device.type == "cpu" else None) and block.units.shape[-1] == 8
+    q = torch.randn(2, heads * group, D, generator=torch.Generator().manual_seed(9)).to(device)
     k_units, v_units = pool.unit_buffers()
     for layer in range(layers):
         out = torch.full_like(q, float("nan"))
@@ -225,37 +233,42 @@ class _RaisingPool(torch.Tensor):
 
 
 @pytest.mark.parametrize("where", ["move", "tables"])
-def test_a_failed_variable_compaction_gives_back_the_slots_it_allocated(monkeypatch, where) -> None:
+def test_a_failed_variable_compaction_gives_back_the_slots_it_allocated(
+    device: torch.device, monkeypatch, where
+) -> None:
     """A long prefix hit owns fewer slots than its packed entries need, so the compaction
     allocates new ones first; a failure after that (in the batched move, or while its tables are
     built) gives them back and leaves the request's row as it was."""
     from sgl_kvc.adapter import compaction
 
     layers, heads, n = 2, 2, 12
-    pool, allocator = UnitPool(64, layers, heads, 1), FakeAllocator(64, seed=1)
-    state = ReqKvState(policy=get_policy("snapkv"), budget=4)
+    pool, allocator = UnitPool(64, layers, heads, 1, device), FakeAllocator(64, seed=1, device=device)
+    state = ReqKvState(policy=get_policy("snapkv"), budget=4, device=device)
     batch = _batch(allocator, n, state)
     batch.reqs[0].kv.cache_protected_len = n - 1  # owns one slot; 4 x L x H kept need 4
     monkeypatch.setattr(compaction, "_make_room_in_tree", lambda tree, need: None)  # a fake tree: nothing to evict
     row = batch.req_to_token_pool.req_to_token[0, :n].clone()
     tables = state.tables(row, layers, heads)
-    scores = torch.rand(layers, heads, n, generator=torch.Generator().manual_seed(2))
-    selection = select_from_scores(scores, torch.zeros(scores.shape, dtype=torch.bool), 4,
+    scores = torch.rand(layers, heads, n, generator=torch.Generator().manual_seed(2)).to(device)
+    selection = select_from_scores(scores, torch.zeros(scores.shape, dtype=torch.bool, device=device), 4,
                                    lengths=tables.lens, mode="variable")
     k_units, v_units = pool.unit_buffers()
     buffers = (k_units, v_units)
     if where == "move":
         buffers = (k_units.as_subclass(_RaisingPool), v_units)
     else:
-        real = compaction._destinations
+        real = compaction.unit_moves
 
-        def short(*args):  # one destination short: the unit arithmetic fails after allocating
-            dest, evicted, copied = real(*args)
-            return dest[1:], evicted, copied
+        # The unit arithmetic fails after the slots were allocated. Planted as an exception, not
+        # as a destination list one short: an index out of range is an exception on the CPU
+        # but a device-side assert on CUDA, which no caller can recover from.
+        def failing(*args):
+            real(*args)
+            raise RuntimeError("planted failure while the tables are built")
 
-        monkeypatch.setattr(compaction, "_destinations", short)
+        monkeypatch.setattr(compaction, "unit_moves", failing)
     free_before = allocator.available_size()
-    with pytest.raises((RuntimeError, IndexError)):
+    with pytest.raises(RuntimeError, match="planted"):
         compaction.compact_requests_units(batch, [(0, selection, tables.units)], buffers)
     assert allocator.available_size() == free_before  # the new slots came back
     assert torch.equal(batch.req_to_token_pool.req_to_token[0, :n], row) and batch.seq_lens_cpu.tolist() == [n]
