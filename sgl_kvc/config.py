@@ -23,7 +23,7 @@ from sgl_kvc.policies import (
 )
 
 ENV_VAR = "SGLKVC_CONFIG"
-MOMENTS: tuple[str, ...] = ("prefill", "decode", "preempt")
+MOMENTS: tuple[str, ...] = ("prefill", "chunk", "decode", "preempt")
 FP8_KV_DTYPES: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2")  # served by sgl-kvc's FP8 pool
 DECODE_ATTENTION: tuple[str, ...] = ("batched", "sglang")
 _P = PolicyParams()
@@ -99,7 +99,11 @@ class KvcConfig:
     )
     compress_on: tuple[str, ...] = field(
         default=MOMENTS,
-        metadata=_flag("When to compress: any of prefill,decode,preempt (comma separated)."),
+        metadata=_flag(
+            "When to compress (comma separated): prefill (after a prompt's last chunk), chunk "
+            "(between two chunks of a long prompt, Batch-Max: it never holds more than budget + "
+            "one chunk), decode, preempt."
+        ),
     )
     kv_cache_dtype: str = field(
         default="auto",

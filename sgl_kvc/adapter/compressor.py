@@ -1,7 +1,10 @@
-"""The three compression moments, run by the scheduler between forward steps.
+"""The compression moments, run by the scheduler between forward steps.
 
 (a) right after prefill: policies that compress after prefill (SnapKV, KV-Compress, H2O, ...)
     and any request whose prompt is over its budget;
+(a') between two chunks of a long prompt (Batch-Max's prefill-time eviction, Algorithm 1): the
+    cache is cut back to the budget after every chunk, so the prompt never holds more than
+    budget + one chunk; the next chunk's queries attend to what was kept, at logical positions;
 (b) before a decode step: when a request's cache reaches its policy's trigger (R-KV: budget +
     buffer, §3.1), compress it back to the budget;
 (c) when SGLang's decode memory check fails: compress running requests that are over their
@@ -20,6 +23,8 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable
 
+import torch
+
 from sgl_kvc.adapter import failpoints
 from sgl_kvc.adapter.compaction import (
     CompactionResult,
@@ -29,7 +34,9 @@ from sgl_kvc.adapter.compaction import (
 )
 from sgl_kvc.adapter.invariants import InvariantViolation
 from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
-from sgl_kvc.adapter.requests import abort_running, is_middle_chunk, on_release, request_settings
+from sgl_kvc.adapter.requests import (
+    abort_running, chunk_compressible, is_middle_chunk, on_release, publish_exact_prefix, request_settings,
+)
 from sgl_kvc.adapter.tp import ScoreReducer, tp_rank
 from sgl_kvc.adapter.trace import CompactionTrace
 from sgl_kvc.config import KvcConfig
@@ -128,33 +135,50 @@ class Compressor:
         rows = [req.kv.req_pool_idx for req in batch.reqs]
         self.store.begin_decode(rows, fb.seq_lens_cpu.tolist())  # a CPU tensor: no device sync
 
+    def extend_position_offsets(self, batch: Any, fb: Any) -> Any:
+        """Per-token RoPE offsets of an extend batch (on the device), or None if all are 0: the
+        chunks after a compaction between chunks continue at logical positions."""
+        if not self.store.offset_rows or not any(r.kv.req_pool_idx in self.store.offset_rows for r in batch.reqs):
+            return None
+        per_request = self.store.offsets[fb.req_pool_indices]
+        return torch.repeat_interleave(per_request, fb.extend_seq_lens, output_size=int(fb.positions.numel()))
+
     def decode_position_offsets(self, req_pool_indices: Any) -> Any:
         """Per-request RoPE offsets of a decode batch (on the device), or None if all are 0."""
         if not self.store.offset_rows:
             return None
         return self.store.offsets[req_pool_indices]
 
-    # --- the three moments ----------------------------------------------------------------------
+    # --- the moments ---------------------------------------------------------------------------
     def after_prefill(self, batch: Any) -> None:
-        starts = []
+        """After an extend: the chunk moment for requests between two chunks of their prompt,
+        the prefill moment for those whose prompt is done."""
+        self._step_seconds = 0.0
+        starts, chunks = [], []
         for i, req in enumerate(batch.reqs):
-            # A request between two chunks of its prompt is never compacted: its earlier chunks
-            # are in the radix tree as exact KV and the next chunk extends exactly them.
-            if req.finished() or is_middle_chunk(batch, req):
-                continue
             state = self.state(req)
-            if state is None or state.policy.name == "none":
+            if req.finished() or state is None or state.policy.name == "none":
                 continue
             n = int(batch.seq_lens_cpu[i])
             budget = state.effective_budget(n)
+            if is_middle_chunk(batch, req):
+                # Never staged: the next chunk extends what this pass leaves.
+                if "chunk" in self.config.compress_on and n > budget and chunk_compressible(req, self.config):
+                    self._guarded(req, "compress", publish_exact_prefix, req, batch.tree_cache)
+                    chunks.append((i, state, budget))
+                continue
+            if "prefill" not in self.config.compress_on:
+                continue
             target = self.policy(state.policy.name, budget).prefill_target_length(n)
             if target is None and n > budget:
                 target = budget  # any policy, with a prompt over budget
             if target is not None and target < n:
                 starts.append((i, state, target))
+        self._run_moment(batch, [], chunks, "chunk", whole=True)
         self._run_moment(batch, [], starts, "prefill")
 
     def before_decode(self, batch: Any) -> None:
+        self._step_seconds = 0.0
         pending, starts = [], []
         for i, req in enumerate(batch.reqs):
             state = self.state(req)
@@ -196,16 +220,16 @@ class Compressor:
 
     def _run_moment(
         self, batch: Any, pending: list[tuple[int, ReqKvState]], starts: list[tuple[int, ReqKvState, int]],
-        moment: str,
+        moment: str, whole: bool = False,
     ) -> None:
         """Advance the staged passes and start the new ones of one moment. The step's work
         (`--kv-pass-work`) is shared equally among them, so no request waits behind another's
-        whole pass (each still makes progress every step); then the finished ones are compacted."""
-        self._step_seconds = 0.0
+        whole pass (each still makes progress every step); `whole`: every pass runs to its end.
+        Then the finished ones are compacted."""
         runs = len(pending) + len(starts)
         if not runs:
             return
-        limit = self.config.kv_pass_work
+        limit = 0 if whole else self.config.kv_pass_work
         share = max(1, limit // runs) if limit > 0 else 0
 
         def work() -> StepWork:
@@ -331,6 +355,12 @@ class Compressor:
             raise outcome
         state, row = d.state, req.kv.req_pool_idx
         n = d.n or d.selection.n  # a packed request's tables are wider than its row
+        if d.moment == "chunk":
+            # The next chunk extends the kept entries (SGLang resumes at `prefix_len`, which it
+            # sets from `extend_end` when it stashes a chunk), and its tokens are read `offset`
+            # further on (`shifted_fill_ids`).
+            req.prefix_len = req.extend_end = outcome.kept
+            state.fill_shift = True
         logical_len = state.logical_len(n)  # the offset is still the one before compaction
         if d.stats is not None:
             state.stats = d.stats
@@ -348,6 +378,7 @@ class Compressor:
         self.stats.passes += 1
         self.stats.staged_passes += int(d.staged)
         self.stats.evicted_tokens += n - outcome.kept
+        self.stats.max_row_slots = max(self.stats.max_row_slots, n)
         setattr(self.stats, f"{d.moment}_passes", getattr(self.stats, f"{d.moment}_passes") + 1)
         if self.metrics:
             self.metrics.compressed(d.moment, n - outcome.kept)

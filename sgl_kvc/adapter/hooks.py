@@ -6,6 +6,9 @@
 | Scheduler.process_batch_result                  | after  | compression moment (a), after prefill  |
 | Scheduler.update_running_batch                  | around | moments (b) before decode, (c) before retraction; counts retractions |
 | PrefillAdder.add_one_req / running-token offset | around | admission by compressed footprint      |
+| PrefillAdder._check_prefill_budget              | around | a chunk-compressed prompt needs one chunk + budget |
+| Scheduler.handle_generate_request / init_req_max_new_tokens | around | prompts longer than the pool, compressed between chunks |
+| Req.refresh_fill_ids                            | around | the next chunk of a prompt compressed between chunks |
 | Req._compute_max_prefix_len                     | around | recompute the observation window on a prefix hit |
 | Scheduler.get_next_batch_to_run                 | after  | peak number of requests in flight      |
 | Scheduler._add_request_to_queue                 | around | validate per-request settings (400)    |
@@ -18,7 +21,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from sgl_kvc.adapter.requests import reject_invalid, released, request_settings
+from sgl_kvc.adapter.requests import (
+    chunk_compressible, reject_invalid, released, request_settings, shifted_fill_ids,
+)
+from sgl_kvc.adapter.compressor import STATE_ATTR
 from sgl_kvc.adapter.runtime import KvcRuntime, collect_stats, compressor_of, request_peak_tokens
 from sgl_kvc.adapter.sglang_api import Hook
 from sgl_kvc.config import KvcConfig
@@ -64,6 +70,17 @@ def hook_table(config: KvcConfig) -> list[Hook]:
             Hook(f"{_ADDER}._get_running_request_total_token_offset", _around_running_offset(config),
                  "AROUND", ("req",), "admission by compressed footprint"),
         ]
+    if config.compressing and "chunk" in config.compress_on:
+        hooks += [
+            Hook(f"{_ADDER}._check_prefill_budget", _around_check_prefill_budget(config), "AROUND",
+                 ("req", "extend_input_len", "total_tokens"), "one chunk + budget for a long prompt"),
+            Hook(f"{_SCHEDULER}.handle_generate_request", _around_handle_generate(config), "AROUND",
+                 ("recv_req",), "a prompt longer than the pool is accepted"),
+            Hook(f"{_SCHEDULER}.init_req_max_new_tokens", _around_max_new_tokens(config), "AROUND",
+                 ("req",), "a compressing request's output is not bounded by the pool"),
+            Hook(f"{_REQ}.refresh_fill_ids", _around_refresh_fill_ids, "AROUND", (),
+                 "the next chunk's tokens after a compaction between chunks"),
+        ]
     return hooks
 
 
@@ -89,15 +106,17 @@ def _after_forward_batch(config: KvcConfig):
         if getattr(batch, "reqs", None) is None or model_runner.is_draft_worker:
             return fb
         compressor = compressor_of(model_runner, config)
+        offsets = None
         if fb.forward_mode.is_extend():
             compressor.begin_extend(batch)  # per-request failures abort that request only
+            offsets = compressor.extend_position_offsets(batch, fb)
         elif fb.forward_mode.is_decode():
             compressor.begin_decode(batch, fb)
             offsets = compressor.decode_position_offsets(fb.req_pool_indices)
-            if offsets is not None:
-                # RoPE positions stay logical: a compacted request's next token sits at the
-                # position it has in the full sequence, not at its (shorter) physical length.
-                fb.positions = fb.positions + offsets.to(fb.positions.dtype)
+        if offsets is not None:
+            # RoPE positions stay logical: a compacted request's next tokens sit at the positions
+            # they have in the full sequence, not at its (shorter) physical length.
+            fb.positions = fb.positions + offsets.to(fb.positions.dtype)
         return fb
 
     return hook
@@ -113,7 +132,7 @@ def _after_batch_result(config: KvcConfig):
     def hook(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         compressor = compressor_of(scheduler.tp_worker.model_runner, config)
         compressor.scheduler = scheduler
-        if batch.forward_mode.is_extend() and "prefill" in config.compress_on:
+        if batch.forward_mode.is_extend() and ("prefill" in config.compress_on or "chunk" in config.compress_on):
             compressor.after_prefill(batch)
         return result
 
@@ -183,6 +202,71 @@ def _around_max_prefix(config: KvcConfig):
         return min(limit, max(input_len - config.kv_window, 0))
 
     return hook
+
+
+def _around_check_prefill_budget(config: KvcConfig):
+    def hook(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any):
+        peak = request_peak_tokens(config, req)
+        chunk = kwargs.get("chunk_limit")
+        if peak is not None and chunk and "total_tokens" in kwargs and chunk_compressible(req, config):
+            # Compressed after every chunk: it never holds more than one chunk beyond its budget.
+            kwargs["total_tokens"] = min(kwargs["total_tokens"], chunk + peak)
+        return original(adder, req, *args, **kwargs)
+
+    return hook
+
+
+def _around_handle_generate(config: KvcConfig):
+    def hook(original: Callable[..., Any], scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any):
+        chunk = getattr(scheduler, "chunked_prefill_size", None)
+        if not chunk or chunk <= 0 or not chunk_compressible(recv_req, config):
+            return original(scheduler, recv_req, *args, **kwargs)
+        # A prompt compressed between its chunks is bounded by the model's context, not by
+        # the pool: SGLang's limits (`TpModelWorker.get_worker_info`: the smaller of the two)
+        # are lifted for this request only.
+        saved = scheduler.max_req_len, scheduler.max_req_input_len
+        scheduler.max_req_len = int(scheduler.model_config.context_len) - 1
+        scheduler.max_req_input_len = scheduler.max_req_len - 5
+        try:
+            return original(scheduler, recv_req, *args, **kwargs)
+        finally:
+            scheduler.max_req_len, scheduler.max_req_input_len = saved
+
+    return hook
+
+
+def _around_max_new_tokens(config: KvcConfig):
+    def hook(original: Callable[..., Any], scheduler: Any, req: Any, *args: Any, **kwargs: Any):
+        chunk = getattr(scheduler, "chunked_prefill_size", None)
+        peak = request_peak_tokens(config, req)
+        if peak is None or req.finished() or not chunk or chunk <= 0 or not chunk_compressible(req, config):
+            return original(scheduler, req, *args, **kwargs)
+        # SGLang bounds prompt + output by the pool; a request compressed between chunks and
+        # during decode holds at most one chunk + its peak, so only the context bounds it.
+        sp = req.sampling_params
+        input_len = len(req.origin_input_ids)
+        wanted = sp.max_new_tokens if sp.max_new_tokens is not None else 1 << 30
+        limit = getattr(scheduler, "max_new_tokens_limit", None)
+        if limit:
+            wanted = min(wanted, limit)
+        sp.max_new_tokens = max(0, min(wanted, int(scheduler.model_config.context_len) - 1 - input_len - 1))
+        if sp.min_new_tokens > sp.max_new_tokens:
+            sp.min_new_tokens = sp.max_new_tokens
+        if min(input_len, chunk) + peak >= int(scheduler.max_total_num_tokens):
+            req.set_finish_with_abort(
+                f"The KV pool ({scheduler.max_total_num_tokens} tokens) cannot hold this request even "
+                f"compressed: one prefill chunk ({chunk}) + its budget and buffer ({peak})"
+            )
+
+    return hook
+
+
+def _around_refresh_fill_ids(original: Callable[..., Any], req: Any, *args: Any, **kwargs: Any):
+    out = original(req, *args, **kwargs)
+    state = getattr(req, STATE_ATTR, None)
+    if state is not None and state.fill_shift and state.offset:
+        shifted_fill_ids(req, state.offset)
+    return out
 
 
 def _around_running_offset(config: KvcConfig):

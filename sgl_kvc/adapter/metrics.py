@@ -18,6 +18,7 @@ class CompressionStats:
     evicted_tokens: int = 0  # slots given back by compactions (a slot holds one token's entries of every layer and head)
     seconds: float = 0.0
     prefill_passes: int = 0
+    chunk_passes: int = 0  # between two chunks of a long prompt
     decode_passes: int = 0
     preempt_passes: int = 0
     avoided_retractions: int = 0
@@ -27,6 +28,7 @@ class CompressionStats:
     max_step_seconds: float = 0.0  # the longest compression work in one scheduler step: the worst stall
     staged_passes: int = 0  # passes spread over several scheduler steps (--kv-pass-work)
     max_compacted_together: int = 0  # most requests compacted by one batched move (same step)
+    max_row_slots: int = 0  # the longest row a compaction found: what one compressing request held at most
 
 
 class CompressionMetrics:

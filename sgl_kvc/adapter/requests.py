@@ -84,3 +84,47 @@ def released(req_to_token_pool: Any, req: Any) -> None:
     """Tell the listeners of `req_to_token_pool` that `req` releases its row."""
     for listener in getattr(req_to_token_pool, _RELEASE_ATTR, ()):
         listener(req)
+
+
+def chunk_compressible(req: Any, config: Any) -> bool:
+    """Whether `req` (SGLang's `Req`, or the `TokenizedGenerateReqInput` it is made from) is
+    compressed between two chunks of its prompt (the chunk moment): a compressing request on a
+    server with that moment on, unless it asked for prompt log-probabilities (they index the
+    prompt's tokens), carries multimodal inputs (their positions are not logical ones), or
+    compresses on the unit pool (variable and layer budgets: a later chunk would attend to
+    packed entries through SGLang's per-layer rows)."""
+    if "chunk" not in config.compress_on or config.variable_budget:
+        return False
+    prompt = getattr(req, "origin_input_ids", None)
+    if prompt is None:  # the tokenized input, before its Req exists
+        prompt = getattr(req, "input_ids", None) or ()
+        settings, _ = _parse(req)
+    else:
+        settings = request_settings(req)
+    if (settings.policy or config.policy) == "none":
+        return False
+    if getattr(req, "return_logprob", False) and 0 <= getattr(req, "logprob_start_len", -1) < len(prompt):
+        return False
+    return getattr(req, "multimodal_inputs", None) is None and getattr(req, "mm_inputs", None) is None
+
+
+def shifted_fill_ids(req: Any, offset: int) -> None:
+    """A request compacted between two chunks holds `offset` fewer entries than the tokens it
+    has processed: SGLang reads the next chunk's tokens at `prefix_len` (its physical length) in
+    `full_untruncated_fill_ids`, so that array starts `offset` tokens later (SGLang's
+    `prepare_for_extend`: `get_fill_ids()[prefix_len:]`; its remaining prompt: `len(...) -
+    prefix_len`)."""
+    req.full_untruncated_fill_ids = (req.origin_input_ids + req.output_ids)[offset:]
+
+
+def publish_exact_prefix(req: Any, tree_cache: Any) -> None:
+    """Before the first compaction between chunks: what the request computed so far is still
+    exact KV of its prompt, so the radix tree gets it, as SGLang would have published it before
+    the next chunk (`checkpoint_kv_cache`); a later request with the same prefix hits it. Chunks
+    computed after a compaction attended to a compressed cache: their KV is not the prompt's and
+    is never published (the compaction sets `skip_radix_cache_insert`)."""
+    if req.skip_radix_cache_insert:
+        return
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache
+
+    checkpoint_kv_cache(req, tree_cache)

@@ -61,7 +61,9 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_MGR}.schedule_batch.Req", attrs=(
         "rid", "kv", "sampling_params", "origin_input_ids", "output_ids", "lock", "is_retracted",
         "skip_radix_cache_insert", "cached_tokens", "to_finish", "inflight_middle_chunks",
-    ), why="per-request settings, rows, tree locks, finish and abort"),
+        "prefix_len", "extend_end", "full_untruncated_fill_ids", "return_logprob", "logprob_start_len",
+        "multimodal_inputs",
+    ), why="per-request settings, rows, tree locks, finish and abort; chunks"),
     Internal(f"{_MGR}.schedule_batch.Req.finished", (), why="skip finished requests"),
     Internal(f"{_MGR}.schedule_batch.Req.set_finish_with_abort", ("error_msg", "status_code"),
              why="a bad per-request setting is a 400"),
@@ -78,10 +80,14 @@ INTERNALS: tuple[Internal, ...] = (
              why="compress before a retraction when the next decode step does not fit"),
     Internal(f"{_MGR}.scheduler.Scheduler", attrs=(
         "tp_worker", "running_batch", "tree_cache", "token_to_kv_pool_allocator",
-        "max_total_num_tokens", "max_running_requests", "req_to_token_pool",
-    ), why="the compressor and /v1/kvc/stats"),
+        "max_total_num_tokens", "max_running_requests", "req_to_token_pool", "chunked_prefill_size",
+        "max_req_len", "max_req_input_len", "max_new_tokens_limit", "model_config",
+    ), why="the compressor, /v1/kvc/stats and a prompt compressed between chunks"),
+    Internal("sglang.srt.managers.io_struct.TokenizedGenerateReqInput", attrs=(
+        "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "mm_inputs",
+    ), why="whether a new request is compressed between chunks"),
     Internal("sglang.srt.model_executor.forward_batch_info.ForwardBatch", attrs=(
-        "positions", "req_pool_indices", "seq_lens_cpu", "extend_seq_lens_cpu",
+        "positions", "req_pool_indices", "seq_lens_cpu", "extend_seq_lens", "extend_seq_lens_cpu",
         "extend_prefix_lens_cpu", "forward_mode", "encoder_lens",
     ), why="logical RoPE positions; observation of extends and decodes"),
     Internal("sglang.srt.model_executor.model_runner.ModelRunner", attrs=(
@@ -111,6 +117,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_MM}.memory_pool.MHATokenToKVPool._finalize_allocation_log", ("num_tokens",),
              why="the FP8 pool logs its layout"),
     Internal(f"{_MM}.memory_pool.unwrap_write_loc", ("loc_info",), why="pool writes"),
+    Internal(f"{_MM}.common.checkpoint_kv_cache", ("req", "tree_cache"),
+             why="a prompt's exact first chunks are published before it is compressed between chunks"),
     Internal(f"{_MM}.common.evict_from_tree_cache", ("tree_cache", "num_tokens"),
              why="room for a long prefix hit's kept entries"),
     Internal(f"{_MM}.radix_cache.RadixCache", ("params",), why="the tree of compressing servers"),

@@ -115,6 +115,9 @@ class ReqKvState:
     units: Tensor | None = None  # [L, H_kv, K] once packed (0 past unit_lens)
     unit_lens: Tensor | None = None  # [L, H_kv]
     packed: int = 0  # slots the packed entries fill
+    # Compacted between two chunks of its prompt: its token ids are read `offset` further on
+    # than its row (the engine's fill ids are shifted by the adapter).
+    fill_shift: bool = False
 
     @property
     def compressed(self) -> bool:

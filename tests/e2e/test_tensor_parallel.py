@@ -26,18 +26,19 @@ pytestmark = pytest.mark.e2e
 CMD = [
     sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv",
     "--kv-budget", "32", "--kv-buffer", "16", "--tp-size", "2", "--max-total-tokens", "4096",
+    "--chunked-prefill-size", "64",  # 160-token prompts: compressed between their chunks too
 ]
 # SGLang's CPU engine wants one NUMA node per rank unless cores are bound explicitly.
 ENV = {"SGLKVC_CHECK": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLKVC_FAILPOINTS": "tp_local_scores"}
 POLICIES = ("rkv", "snapkv", "h2o", "kvcompress")
 
 
-def _kept_by_rank(trace: Path) -> dict[tuple[str, int], list[list]]:
-    """(rid, rank) -> kept positions of each compaction, in order."""
-    out: dict[tuple[str, int], list[list]] = defaultdict(list)
+def _kept_by_rank(trace: Path) -> dict[tuple[str, int], list[tuple[str, list]]]:
+    """(rid, rank) -> (moment, kept positions) of each compaction, in order."""
+    out: dict[tuple[str, int], list[tuple[str, list]]] = defaultdict(list)
     for line in trace.read_text().splitlines():
         e = json.loads(line)
-        out[(e["rid"], e["tp_rank"])].append(e["kept_positions"])
+        out[(e["rid"], e["tp_rank"])].append((e["moment"], e["kept_positions"]))
     return out
 
 
@@ -86,8 +87,10 @@ def test_ranks_keep_the_same_tokens_or_choose_per_head(tp_server, trace: Path) -
     per_head = pairs["per"]  # rids "tp-per-head-<policy>"
     assert len(per_head) >= 8
     # [layer][the rank's one KV head] lists: same count on both ranks, chosen by each rank
-    assert all(len(a[0][0]) == len(b[0][0]) for a, b in per_head)
+    assert all(a[0] == b[0] and len(a[1][0][0]) == len(b[1][0][0]) for a, b in per_head)
     assert any(a != b for a, b in per_head)
+    moments = {a[0] for a, _ in shared + per_head}
+    assert {"chunk", "prefill", "decode"} <= moments, moments  # every moment, in step on both ranks
 
 
 def test_without_the_all_reduce_ranks_diverge(tp_server, trace: Path) -> None:
