@@ -278,11 +278,6 @@ class Fp8Rows:
         """`rows[idx] = value` for `value` of shape `[n, H * D]` or `[n, H, D]`."""
         self[idx] = value.reshape(-1, *self.codes.shape[1:])
 
-    def copy_rows(self, dst: Tensor, src: Tensor) -> None:
-        """Raw copy of codes and scales (no re-quantization)."""
-        self.codes[dst] = self.codes[src]
-        self.scales[dst] = self.scales[src]
-
     def __repr__(self) -> str:
         return (f"Fp8Rows(slots={self.codes.shape[0]}, heads={self.codes.shape[1]}, "
                 f"dim={self.codes.shape[2]}, {self.fp8}, scales={self.scale_format}, dtype={self.dtype})")

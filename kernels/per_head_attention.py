@@ -1,10 +1,10 @@
 """Attention over head-flattened KV tables (installed as `sgl_kvc.kernels.per_head_attention`).
 
-Layout (KV-Compress §4.2.1, eq. 12, with page size 1): per layer, ONE flat pool of slots, each
-slot holding the key (and, in a second pool, the value) of one token for ONE KV head: K [S, d],
-V [S, d_v]. A request is B x H_kv independent sequences, one per (request, KV head), each with its
-own slot list and length (:class:`HeadTables`). After a per-head compaction each head keeps its own
-tokens, so lengths differ between heads; the evicted (token, head) slots go back to the pool.
+Layout (KV-Compress §4.2.1, eq. 12, with page size 1): ONE flat pool of units, each unit holding
+the key (and, in a second pool, the value) of one token for one layer and ONE KV head: K [U, d],
+V [U, d_v] (the unit pool, `adapter/unit_pool.py`). A request is B x H_kv independent sequences,
+one per (request, KV head), each with its own table of units and length (:class:`HeadTables`).
+After a variable compaction each head keeps its own tokens, so lengths differ between heads.
 
 Attention then treats every (request, KV head) as a sequence with ONE KV head and G = H_q / H_kv
 query heads (its GQA group: query head h reads KV head h // G, KV-Compress eq. 11). RoPE is applied
@@ -21,22 +21,22 @@ same results, one program per (request, KV head, split), FP8 dequantized as it l
 is the other way a CUDA path could plug in (not implemented here): its paged kernels already take
 ragged sequences, so the flattened tables drive them directly. Decode:
 ``BatchDecodeWithPagedKVCacheWrapper.plan(indptr, indices, last_page_len=ones, num_qo_heads=G,
-num_kv_heads=1, head_dim=d, page_size=1)`` with ``indptr, indices`` from
-:meth:`HeadTables.flatten` (B x H_kv sequences), queries viewed as [B x H_kv, G, d] (a free
+num_kv_heads=1, head_dim=d, page_size=1)`` with ``indptr`` the cumulated lengths of the
+B x H_kv sequences and ``indices`` their units, queries viewed as [B x H_kv, G, d] (a free
 reshape of [B, H_q, d]), and the pool viewed as pages of one token and one head ([S, 1, 1, d],
 NHD). Extend: ``BatchPrefillWithPagedKVCacheWrapper`` with the same KV tables, ``qo_indptr``
 repeating each request's query block once per KV head, and ``causal=True``: FlashInfer aligns the
 last query with the last key, which equals causality by logical position as long as every head's
 table ends with the extend's new tokens (they are appended to every head, and evicted tokens are
 always older), which the integration guarantees. FP8 pools need a dequantizing kernel (scales
-per (token, head) are per slot here) or the torch path.
+per (token, head) are per unit here) or the torch path.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -48,63 +48,52 @@ Q_BLOCK = 256  # query rows per block in `per_head_extend` (bounds the [.., q, N
 class HeadTables:
     """Index tables of B requests x H_kv KV heads over one layer's flat pool.
 
-    slots:     int64 [B, H_kv, N]: slot of the j-th kept token of (request b, head h), in cache
+    units:     int64 [B, H_kv, N]: unit of the j-th kept token of (request b, head h), in cache
                order (increasing logical position); entries at j >= lengths[b, h] are ignored.
     lengths:   int64 [B, H_kv]: tokens held by each (request, head); may be 0.
     positions: int64 [B, H_kv, N] or None: logical (RoPE) position of each entry. Needed by
                :func:`per_head_extend` only (decode queries see every cached token).
     """
 
-    slots: Tensor
+    units: Tensor
     lengths: Tensor
     positions: Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.slots.dim() != 3:
-            raise ValueError(f"slots must be [B, H_kv, N], got {tuple(self.slots.shape)}")
-        if tuple(self.lengths.shape) != tuple(self.slots.shape[:2]):
+        if self.units.dim() != 3:
+            raise ValueError(f"units must be [B, H_kv, N], got {tuple(self.units.shape)}")
+        if tuple(self.lengths.shape) != tuple(self.units.shape[:2]):
             raise ValueError(
-                f"lengths must be {tuple(self.slots.shape[:2])}, got {tuple(self.lengths.shape)}"
+                f"lengths must be {tuple(self.units.shape[:2])}, got {tuple(self.lengths.shape)}"
             )
-        if self.positions is not None and self.positions.shape != self.slots.shape:
+        if self.positions is not None and self.positions.shape != self.units.shape:
             raise ValueError(
-                f"positions must be {tuple(self.slots.shape)}, got {tuple(self.positions.shape)}"
+                f"positions must be {tuple(self.units.shape)}, got {tuple(self.positions.shape)}"
             )
 
     @property
     def batch_size(self) -> int:
-        return int(self.slots.shape[0])
+        return int(self.units.shape[0])
 
     @property
     def num_kv_heads(self) -> int:
-        return int(self.slots.shape[1])
+        return int(self.units.shape[1])
 
     def valid(self) -> Tensor:
         """Bool [B, H_kv, N]: which table entries are real."""
-        cols = torch.arange(self.slots.shape[2], device=self.slots.device)
+        cols = torch.arange(self.units.shape[2], device=self.units.device)
         return cols < self.lengths.unsqueeze(-1)
 
-    def flatten(self) -> tuple[Tensor, Tensor]:
-        """CSR form of the B x H_kv sequences, in (request, head) order: (indptr [B*H_kv + 1],
-        indices [sum(lengths)]), as paged kernels with page size 1 take them."""
-        lens = self.lengths.reshape(-1).to(torch.int64)
-        indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
-        indptr[1:] = torch.cumsum(lens, 0)
-        indices = self.slots.reshape(-1, self.slots.shape[2])[
-            self.valid().reshape(-1, self.slots.shape[2])
-        ]
-        return indptr, indices.to(torch.int64)
 
-
-def _gather(pool: Any, slots: Tensor, valid: Tensor) -> Tensor:
-    """pool rows at slots [B, H, N] -> float32 [B, H, N, dim] (padding reads slot 0).
+def _gather(pool: Any, units: Tensor, valid: Tensor) -> Tensor:
+    """pool rows at units [B, H, N] -> float32 [B, H, N, dim] (padding reads unit 0).
 
     ``pool`` is a [S, dim] tensor, or anything whose ``pool[idx]`` returns [len(idx), dim] or
     [len(idx), 1, dim] (e.g. an FP8 ``Fp8Rows`` with one head per slot, dequantizing on read).
     """
-    safe = torch.where(valid, slots, 0).reshape(-1)
+    safe = torch.where(valid, units, 0).reshape(-1)
     rows = pool[safe.to(pool.device)]
-    return rows.reshape(*slots.shape, -1).to(device=slots.device, dtype=torch.float32)
+    return rows.reshape(*units.shape, -1).to(device=units.device, dtype=torch.float32)
 
 
 def _masked_attention(logits: Tensor, visible: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
@@ -144,8 +133,8 @@ def per_head_decode(
     group = h_q // h_kv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     valid = tables.valid()
-    keys = _gather(k_pool, tables.slots, valid)  # [B, H_kv, N, d]
-    values = _gather(v_pool, tables.slots, valid)  # [B, H_kv, N, d_v]
+    keys = _gather(k_pool, tables.units, valid)  # [B, H_kv, N, d]
+    values = _gather(v_pool, tables.units, valid)  # [B, H_kv, N, d_v]
     qg = q.float().reshape(b, h_kv, group, d)  # query head h -> KV head h // G (eq. 11)
     logits = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [B, H_kv, G, N]
     out, probs = _masked_attention(logits, valid.unsqueeze(2), values)
@@ -179,6 +168,7 @@ def per_head_extend(
     scale: float | None = None,
     *,
     q_block: int = Q_BLOCK,
+    on_probs: Callable[[int, int, Tensor], None] | None = None,
 ) -> Tensor:
     """A block of new queries per request (prefill or extend) over its per-head tables.
 
@@ -186,7 +176,10 @@ def per_head_extend(
     q_indptr[b]:q_indptr[b+1]); q_positions [T]: their logical positions. The new tokens' KV must
     already be in the pool and in every head's table. Key j of (b, h) is visible to a query of b
     at position p iff j < lengths[b, h] and positions[b, h, j] <= p (causal by LOGICAL position).
-    Returns [T, H_q, d_v] in q's dtype.
+    Returns [T, H_q, d_v] in q's dtype. `on_probs(start, stop, probs)`: called for each block of
+    query rows [start, stop) of every request (padded to the longest) with the float32 attention
+    it computed, [B, H_kv, G, stop - start, N] (0 at invisible keys), for policies that add it to
+    their statistic.
     """
     if tables.positions is None:
         raise ValueError("per_head_extend needs HeadTables.positions (logical positions)")
@@ -210,8 +203,8 @@ def per_head_extend(
     qg = qp.reshape(b, q_max, h_kv, group, d).permute(0, 2, 3, 1, 4)  # [B, H_kv, G, Q, d]
 
     valid = tables.valid()
-    keys = _gather(k_pool, tables.slots, valid)  # [B, H_kv, N, d]
-    values = _gather(v_pool, tables.slots, valid)
+    keys = _gather(k_pool, tables.units, valid)  # [B, H_kv, N, d]
+    values = _gather(v_pool, tables.units, valid)
     kv_pos = tables.positions.to(device=device, dtype=torch.int64)
     out = torch.zeros(b, h_kv, group, q_max, values.shape[-1], device=device)
     for start in range(0, q_max, q_block):  # blocks of query rows, never a loop over requests
@@ -219,8 +212,10 @@ def per_head_extend(
         logits = torch.matmul(qg[:, :, :, start:stop], keys.unsqueeze(2).transpose(-1, -2))
         causal = kv_pos[:, :, None, :] <= pos[:, None, start:stop, None]  # [B, H_kv, q, N]
         visible = (valid[:, :, None, :] & causal).unsqueeze(2)  # [B, H_kv, 1, q, N]
-        out[:, :, :, start:stop], _ = _masked_attention(
+        out[:, :, :, start:stop], probs = _masked_attention(
             logits * scale, visible, values.unsqueeze(2)
         )
+        if on_probs is not None:
+            on_probs(start, stop, probs)
     out = out.permute(0, 3, 1, 2, 4).reshape(b, q_max, h_q, -1)  # back to [B, Q, H_q, d_v]
     return out[req, col].to(q.dtype)

@@ -2,7 +2,7 @@
 `sgl_kvc.kernels.triton_per_head`): the CUDA path of `per_head_attention.per_head_decode`.
 
 Same contract as the torch version: one query per request, each (request, KV head) a sequence
-of its own length whose entry j is unit `tables.slots[b, h, j]` of a flat pool K [U, d],
+of its own length whose entry j is unit `tables.units[b, h, j]` of a flat pool K [U, d],
 V [U, d_v] (KV-Compress §4.2.1, eq. 12, with page size 1); query head h reads KV head h // G
 (eq. 11). The pool may be the FP8 unit pool (`Fp8Rows`: uint8 codes [U, d] and one scale per
 unit, bf16 or fp32 storage), dequantized as it is loaded.
@@ -133,11 +133,11 @@ def triton_per_head_decode(
     k, k_scales, fp8 = _pool_parts(k_pool)
     v, v_scales, _ = _pool_parts(v_pool)
     d_v = int(v.shape[-1])
-    n = int(tables.slots.shape[-1])
+    n = int(tables.units.shape[-1])
     splits = max(1, -(-n // split_n))
     group_pad = triton.next_power_of_2(group)
     device = q.device
-    units = tables.slots.contiguous()
+    units = tables.units.contiguous()
     lens = tables.lengths.to(torch.int64).contiguous()
     acc = torch.empty(b * h_kv, splits, group_pad, d_v, dtype=torch.float32, device=device)
     run_max = torch.empty(b * h_kv, splits, group_pad, dtype=torch.float32, device=device)

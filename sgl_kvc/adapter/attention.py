@@ -15,7 +15,10 @@ Decode attention on the CPU backend (`torch_native`) is sgl-kvc's batched kernel
 (`sgl_kvc.core.decode`) instead of SGLang's loop over requests, unless
 `--kv-decode-attention sglang`: it replaces only the backend's inner SDPA loop, so SGLang still
 writes the new token's KV, and it hands the attention it computed to the statistics. Other
-backends (FlashInfer on CUDA) keep their kernel; statistics are then computed beside it.
+backends (FlashInfer on CUDA) keep their kernel; statistics are then computed beside it. An extend
+of a packed request (variable budgets, the next chunk of a prompt compacted between chunks)
+attends through its per-head tables (`KvcStore.attend_extend`); the batch's other requests keep
+SGLang's extend loop.
 """
 
 from __future__ import annotations
@@ -42,17 +45,23 @@ class KvcAttentionMixin:
     kvc_store: KvcStore | None = None
     kvc_attends: bool = False  # whether sgl-kvc's kernel can run this class's decode attention
     _kvc_attend_layer: Any = None  # the layer whose decode attention the kernel runs now
+    _kvc_extend: Any = None  # (layer, forward batch) of an extend with packed requests, while it runs
 
     @property
     def kvc_name(self) -> str:
         return f"sgl_kvc({self.kvc_wrapped_name})"
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        out = self.kvc_base.forward_extend(
-            self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs
-        )
-        if self.kvc_store is not None and save_kv_cache:
-            _observe(_observe_extend, self.kvc_store, q, layer, forward_batch)
+        store = self.kvc_store
+        self._kvc_extend = (layer, forward_batch) if store is not None and store.extend_tables else None
+        try:
+            out = self.kvc_base.forward_extend(
+                self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs
+            )
+        finally:
+            self._kvc_extend = None
+        if store is not None and save_kv_cache:
+            _observe(_observe_extend, store, q, layer, forward_batch)
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -70,9 +79,36 @@ class KvcAttentionMixin:
         return out
 
 
-class TorchNativeDecodeMixin:
-    """`torch_native`'s inner decode loop (`_run_sdpa_forward_decode`, sglang 0.5.23), replaced
-    by the batched kernel while `forward_decode` has chosen it for this layer."""
+class TorchNativeKernelMixin:
+    """`torch_native`'s inner loops (sglang 0.5.23): decode (`_run_sdpa_forward_decode`) replaced
+    by the batched kernel while `forward_decode` has chosen it for this layer; extend
+    (`_run_sdpa_forward_extend`) through per-head tables for the packed requests of the batch."""
+
+    def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                                 seq_lens, extend_prefix_lens, extend_seq_lens, *args, **kwargs):
+        current = self._kvc_extend
+        if current is None:
+            return self.kvc_base._run_sdpa_forward_extend(
+                self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                extend_prefix_lens, extend_seq_lens, *args, **kwargs,
+            )
+        layer, fb = current
+        store = self.kvc_store
+        start = 0
+        for i, (row, e) in enumerate(zip(store.extend_rows, fb.extend_seq_lens_cpu)):
+            stop = start + e
+            if e and row in store.extend_tables:
+                output[start:stop] = store.attend_extend(
+                    layer.layer_id, row, query[start:stop], fb.positions[start:stop], layer.scaling
+                )
+            elif e:  # SGLang's loop, for this request alone
+                self.kvc_base._run_sdpa_forward_extend(
+                    self, query[start:stop], output[start:stop], k_cache, v_cache, req_to_token,
+                    req_pool_indices[i : i + 1], seq_lens[i : i + 1], extend_prefix_lens[i : i + 1],
+                    extend_seq_lens[i : i + 1], *args, **kwargs,
+                )
+            start = stop
+        return output
 
     def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, *args, **kwargs):
         layer = self._kvc_attend_layer
@@ -144,6 +180,8 @@ def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> No
             continue
         store.record_extend(layer.layer_id, row, qi, pool_rows)
         state = store.states.get(row)
+        if row in store.extend_tables:
+            continue  # its attention, through its tables, fed its statistic (`attend_extend`)
         if state is not None and state.policy.uses_stats and state.policy.accumulate_prefill:
             keys = _layer_keys(store, layer, row, p + e)
             dev = keys.device
@@ -159,7 +197,7 @@ def _kvc_class(base: type, wrapped_name: str) -> type:
     # assignment to a class with an extra base, even one that adds no instance layout.
     members = {k: v for k, v in vars(KvcAttentionMixin).items() if not k.startswith("__")}
     if wrapped_name == "torch_native":
-        members.update({k: v for k, v in vars(TorchNativeDecodeMixin).items() if not k.startswith("__")})
+        members.update({k: v for k, v in vars(TorchNativeKernelMixin).items() if not k.startswith("__")})
         members["kvc_attends"] = hasattr(base, "_run_sdpa_forward_decode")
     return type(
         f"Kvc{base.__name__}",

@@ -110,13 +110,14 @@ class Compressor:
     def state(self, req: Any) -> ReqKvState | None:
         return getattr(req, STATE_ATTR, None)
 
-    def begin_extend(self, batch: Any) -> None:
+    def begin_extend(self, batch: Any, fb: Any) -> None:
         """Before a prefill (chunk): give requests seen for the first time their state, and tell
-        the observation store the batch's rows (host-side: no device sync in the forward)."""
-        self.store.extend_rows = [req.kv.req_pool_idx for req in batch.reqs]
+        the observation store the batch's rows and the tables of its packed requests (host-side:
+        no device sync in the forward)."""
         for req in batch.reqs:
             if getattr(req, STATE_ATTR, None) is None and not req.finished():
                 self._guarded(req, "start", self._begin, req)
+        self.store.begin_extend([req.kv.req_pool_idx for req in batch.reqs], batch.seq_lens_cpu.tolist())
 
     def _begin(self, req: Any) -> None:
         state = self.new_state(req)

@@ -90,10 +90,8 @@ def chunk_compressible(req: Any, config: Any) -> bool:
     """Whether `req` (SGLang's `Req`, or the `TokenizedGenerateReqInput` it is made from) is
     compressed between two chunks of its prompt (the chunk moment): a compressing request on a
     server with that moment on, unless it asked for prompt log-probabilities (they index the
-    prompt's tokens), carries multimodal inputs (their positions are not logical ones), or
-    compresses on the unit pool (variable and layer budgets: a later chunk would attend to
-    packed entries through SGLang's per-layer rows)."""
-    if "chunk" not in config.compress_on or config.variable_budget:
+    prompt's tokens) or carries multimodal inputs (their positions are not logical ones)."""
+    if "chunk" not in config.compress_on:
         return False
     prompt = getattr(req, "origin_input_ids", None)
     if prompt is None:  # the tokenized input, before its Req exists

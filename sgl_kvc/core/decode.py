@@ -145,7 +145,7 @@ class DecodeStep:
                 units, width = block.units[local], block.units.shape[-1]
                 if block.widths is not None:
                     units = units[..., : block.widths[local]]
-                tables = HeadTables(slots=units, lengths=block.lens[local])
+                tables = HeadTables(units=units, lengths=block.lens[local])
                 k_units, v_units = unit_pools
                 o, probs = fast_per_head_decode(q[block.index], k_units, v_units, tables, scale, return_probs=True)
                 if block.groups and probs.shape[-1] < width:  # statistics columns span the block

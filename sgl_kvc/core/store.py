@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from sgl_kvc.core.decode import DecodeStep
-from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.core.request_state import ReqKvState, RequestTables
+from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_extend
 from sgl_kvc.policies import gqa_logits
 
 STATS_BLOCK = 256  # query rows per block when accumulating prefill attention statistics
@@ -64,6 +65,9 @@ class KvcStore:
         self.offset_rows: set[int] = set()  # rows with a non-zero offset (host-side, no sync)
         self.decode_step: DecodeStep | None = None  # set by the scheduler before each decode
         self.extend_rows: list[int] = []  # rows of the current extend batch, set before it
+        # Packed requests of the current extend batch (a prompt compacted between chunks on the
+        # unit pool): their tables, new tokens included; they attend through them.
+        self.extend_tables: dict[int, RequestTables] = {}
 
     @property
     def unit_layout(self) -> tuple[int, int] | None:
@@ -179,6 +183,40 @@ class KvcStore:
             logits.masked_fill_(causal, -math.inf)
             probs = torch.softmax(logits, dim=-1).reshape(h_q, qb.shape[0], -1)
             state.stats[layer] = state.policy.accumulate(state.stats[layer], probs, h_kv)
+
+    # --- extend -------------------------------------------------------------------------------
+    def begin_extend(self, rows: list[int], lens: list[int]) -> None:
+        """Before an extend forward: its rows and, for its packed requests, their per-head tables
+        over `lens` slots (the new tokens' slots are in the row already), from host-side data."""
+        self.extend_rows = rows
+        self.extend_tables = {}
+        layout = self.unit_layout
+        if layout is None:
+            return
+        for row, n in zip(rows, lens):
+            state = self.states.get(row)
+            if state is not None and state.units is not None:
+                self.extend_tables[row] = state.tables(self.req_to_token[row, :n], *layout)
+
+    def attend_extend(self, layer: int, row: int, q: Tensor, positions: Tensor, scale: float) -> Tensor:
+        """Extend attention of a packed request (q: [e, H_q, d] at logical `positions`) through
+        its per-head tables, causal by logical position; the attention feeds its statistic when
+        its policy adds prefill attention (H2O, Batch-Max). Returns [e, H_q, d_v]."""
+        tables, state = self.extend_tables[row], self.states[row]
+        local = layer - self.first_layer
+        heads = HeadTables(units=tables.units[local][None], lengths=tables.lens[local][None],
+                           positions=tables.positions[local][None])
+        on_probs = None
+        if state.policy.uses_stats and state.policy.accumulate_prefill:
+
+            def on_probs(start: int, stop: int, probs: Tensor) -> None:  # [1, H_kv, G, q, N]
+                h_kv = probs.shape[1]
+                grouped = probs[0].reshape(-1, stop - start, probs.shape[-1])  # query head h: KV head h // G
+                state.stats[layer] = state.policy.accumulate(state.stats[layer], grouped, h_kv)
+
+        indptr = torch.tensor([0, q.shape[0]], dtype=torch.int64, device="cpu").to(q.device)
+        k_units, v_units = self.unit_pools
+        return per_head_extend(q, indptr, positions, k_units, v_units, heads, scale, on_probs=on_probs)
 
     # --- decode ---------------------------------------------------------------------------------
     def begin_decode(self, rows: list[int], lens: list[int]) -> None:

@@ -114,16 +114,6 @@ class HeadSelection:
         cols = torch.arange(self.max_keep, device=self.indices.device)
         return cols < self.lengths.unsqueeze(-1)
 
-    def mask(self) -> Tensor:
-        """Bool [L, H, n]: True where (layer, head) keeps the token."""
-        out = torch.zeros(
-            self.num_layers, self.num_heads, self.n + 1, dtype=torch.bool,
-            device=self.indices.device,
-        )
-        idx = torch.where(self.valid(), self.indices, self.n)  # padding -> spare column n
-        out.scatter_(-1, idx, True)
-        return out[..., : self.n]
-
     def kept(self, layer: int, head: int) -> Tensor:
         """Ascending int64 columns kept by one (layer, head)."""
         return self.indices[layer, head, : int(self.lengths[layer, head])]

@@ -32,6 +32,13 @@ from sgl_kvc.policies.per_head import (
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
+def kept_mask(sel: HeadSelection) -> torch.Tensor:
+    """Bool [L, H, n]: True where (layer, head) keeps the token (a reference view for tests)."""
+    out = torch.zeros(sel.num_layers, sel.num_heads, sel.n + 1, dtype=torch.bool, device=sel.indices.device)
+    out.scatter_(-1, torch.where(sel.valid(), sel.indices, sel.n), True)  # padding -> spare column n
+    return out[..., : sel.n]
+
+
 # ==================================================================================================
 # (a) attention over head-flattened tables
 # ==================================================================================================
@@ -86,13 +93,13 @@ def build_tables(
             slots[i, h, :m] = s
             positions[i, h, :m] = r["pos"][kept]
             lengths[i, h] = m
-    return k_pool, v_pool, HeadTables(slots=slots, lengths=lengths, positions=positions)
+    return k_pool, v_pool, HeadTables(units=slots, lengths=lengths, positions=positions)
 
 
 def on_device(tables: HeadTables, device: torch.device) -> HeadTables:
     """The tables on `device` (they are built on the CPU, beside the dense reference)."""
     positions = None if tables.positions is None else tables.positions.to(device)
-    return HeadTables(slots=tables.slots.to(device), lengths=tables.lengths.to(device), positions=positions)
+    return HeadTables(units=tables.units.to(device), lengths=tables.lengths.to(device), positions=positions)
 
 
 def dense_reference(
@@ -234,10 +241,10 @@ def test_extend_causal_mask_uses_logical_positions(device: torch.device) -> None
     m = int(t.lengths[0, 0])
     perm = torch.randperm(m, generator=gen).to(device)
     shuffled = HeadTables(
-        slots=t.slots[:, :, perm], lengths=t.lengths, positions=t.positions[:, :, perm]
+        units=t.units[:, :, perm], lengths=t.lengths, positions=t.positions[:, :, perm]
     )
     torch.testing.assert_close(per_head_extend(q, indptr, q_pos, k_pool, v_pool, shuffled), base)
-    physical = HeadTables(slots=t.slots, lengths=t.lengths,
+    physical = HeadTables(units=t.units, lengths=t.lengths,
                           positions=torch.arange(m, device=device).reshape(1, 1, m))
     assert not torch.allclose(per_head_extend(q, indptr, q_pos, k_pool, v_pool, physical), base)
 
@@ -278,21 +285,6 @@ def test_extend_property(device, seed, h_kv, group, sizes, keep_prob, q_block, b
         seed, n_list, new_list, h_kv, group, 8, 8, dtype, keep_prob, q_block, device
     )
     torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
-
-
-def test_flatten_is_csr_of_the_per_head_sequences(device: torch.device) -> None:
-    gen = torch.Generator().manual_seed(8)
-    reqs = make_requests(gen, [6, 11, 3], 2, 4, 4, torch.float32, 0.5, must_keep_last=0)
-    _, _, t = build_tables(gen, reqs, 2)
-    t = on_device(t, device)
-    indptr, indices = t.flatten()
-    assert indptr.device == indices.device == device
-    assert indptr.tolist()[-1] == int(t.lengths.sum()) == indices.numel()
-    for b in range(3):
-        for h in range(2):
-            s = b * 2 + h
-            expect = t.slots[b, h, : t.lengths[b, h]].tolist()
-            assert indices[indptr[s]: indptr[s + 1]].tolist() == expect
 
 
 def test_decode_reads_one_head_fp8_rows_pool(device: torch.device) -> None:
@@ -369,7 +361,7 @@ def test_uniform_keeps_budget_per_head_and_protected(device: torch.device, name:
     sel = select_per_head(policy, views, BUDGET)
     assert sel.indices.shape == (LAYERS, 3, BUDGET) and sel.indices.device == device
     assert torch.equal(sel.lengths, torch.full((LAYERS, 3), BUDGET, device=device))
-    mask = sel.mask()
+    mask = kept_mask(sel)
     assert torch.equal(mask.sum(-1), sel.lengths)
     for layer, view in enumerate(views):
         prot = policy.protected(view)
@@ -385,7 +377,7 @@ def test_variable_total_floor_and_protected(device: torch.device, name: str) -> 
     for floor in (1, 5, BUDGET):
         sel = select_per_head(policy, views, BUDGET, mode="variable", min_per_head=floor)
         assert sel.total == BUDGET * LAYERS * 3 and sel.indices.device == sel.lengths.device == device
-        mask = sel.mask()
+        mask = kept_mask(sel)
         assert torch.equal(mask.sum(-1), sel.lengths)
         for layer, view in enumerate(views):
             prot = policy.protected(view)
@@ -395,7 +387,7 @@ def test_variable_total_floor_and_protected(device: torch.device, name: str) -> 
     # with the floor at the budget there is nothing left to move: uniform
     uni = select_per_head(policy, views, BUDGET)
     full = select_per_head(policy, views, BUDGET, mode="variable", min_per_head=BUDGET)
-    assert torch.equal(full.mask(), uni.mask())
+    assert torch.equal(kept_mask(full), kept_mask(uni))
 
 
 @pytest.mark.parametrize("name", ["snapkv", "kvcompress", "rkv", "h2o"])
@@ -405,7 +397,7 @@ def test_variable_is_one_global_sort(device: torch.device, name: str) -> None:
     policy, views = policy_and_views(name, seed=3, device=device)
     sel = select_per_head(policy, views, BUDGET, mode="variable", min_per_head=1)
     scores = torch.stack([policy.score(v) for v in views])  # protected = +inf
-    mask = sel.mask()
+    mask = kept_mask(sel)
     prot = torch.stack([policy.protected(v) for v in views]).unsqueeze(1).expand_as(mask)
     dropped_max = scores[~mask].max()
     # a head's kept candidates beyond its floor: all of them when the floor is only protected
@@ -433,9 +425,9 @@ def test_per_head_differs_from_shared_selection_on_random_data(device: torch.dev
     shared = HeadSelection.broadcast(policy.select(views, BUDGET), LAYERS, 3, views[0].n)
     sel = select_per_head(policy, views, BUDGET)
     if name == "streamingllm":  # recency is the same in every head: per head == shared
-        assert torch.equal(sel.mask(), shared.mask())
+        assert torch.equal(kept_mask(sel), kept_mask(shared))
     else:
-        assert not torch.equal(sel.mask(), shared.mask())
+        assert not torch.equal(kept_mask(sel), kept_mask(shared))
 
 
 @pytest.mark.parametrize("name", POLICIES)
@@ -444,7 +436,7 @@ def test_identical_heads_give_the_shared_selection(device: torch.device, name: s
     shared = HeadSelection.broadcast(policy.select(views, BUDGET), LAYERS, 3, views[0].n)
     for mode in ("uniform", "variable", "layer"):
         sel = select_per_head(policy, views, BUDGET, mode=mode)
-        assert torch.equal(sel.mask(), shared.mask()), mode
+        assert torch.equal(kept_mask(sel), kept_mask(shared)), mode
         assert torch.equal(sel.indices, shared.indices), mode
 
 
@@ -455,14 +447,14 @@ def test_protected_overflow_keeps_newest_like_select(device: torch.device) -> No
     shared = policy.select(views, 4)
     for mode in ("uniform", "variable", "layer"):
         sel = select_per_head(policy, views, 4, mode=mode)
-        assert torch.equal(sel.mask(), HeadSelection.broadcast(shared, LAYERS, 2, 20).mask())
+        assert torch.equal(kept_mask(sel), kept_mask(HeadSelection.broadcast(shared, LAYERS, 2, 20)))
 
 
 def test_short_cache_keeps_everything(device: torch.device) -> None:
     policy, views = policy_and_views("snapkv", seed=8, device=device, n=10)
     for mode in ("uniform", "variable", "layer"):
         sel = select_per_head(policy, views, BUDGET, mode=mode)
-        assert sel.total == 10 * LAYERS * 3 and sel.mask().all()
+        assert sel.total == 10 * LAYERS * 3 and kept_mask(sel).all()
 
 
 def test_select_per_head_rejects_bad_arguments(device: torch.device) -> None:
@@ -519,8 +511,8 @@ def test_ragged_tables_never_keep_padding(device: torch.device, mode: str) -> No
         noisy_prot = protected | ~real  # padding claims to be protected: ignored too
         sel = select_from_scores(noisy, noisy_prot, budget, lengths=lengths, mode=mode)
         assert torch.equal(sel.indices, base.indices) and torch.equal(sel.lengths, base.lengths)
-    assert not (base.mask() & ~real).any()
-    assert (base.mask() | ~protected).all()  # protected always kept
+    assert not (kept_mask(base) & ~real).any()
+    assert (kept_mask(base) | ~protected).all()  # protected always kept
     if mode == "uniform":
         assert torch.equal(base.lengths, lengths.clamp(max=budget))
         for l in range(layers):

@@ -86,7 +86,7 @@ def test_an_empty_head_reads_zeros_and_a_split_past_its_length_adds_nothing(devi
     lens = tables.lengths.clone()
     lens[1, 1] = 0
     lens[0, 1] = 3  # one block of its first split; its other splits are empty
-    tables = HeadTables(tables.slots, lens)
+    tables = HeadTables(tables.units, lens)
     got, probs = triton_per_head_decode(q, k_pool, v_pool, tables, None, return_probs=True, split_n=8, block_n=4)
     want, want_probs = per_head_decode(q, k_pool, v_pool, tables, None, return_probs=True)
     assert float(got[1, 2:].float().abs().max()) == 0.0 and float(probs[1, 1].abs().max()) == 0.0

@@ -5,12 +5,14 @@ the unit pool; decode reads them through per-head tables. The dense reference ch
 server computes: a float32 transformers forward where each layer's query heads see exactly their
 KV head's kept keys (whatever their number), at logical positions. `--kv-pass-work` is below one
 head, so every pass is staged (one KV head per step), and `SGLKVC_CHECK=1` checks the pool and
-the radix tree after every compaction.
+the radix tree after every compaction. Chunks are 64 tokens: a longer prompt is packed after every
+chunk, and the next chunk attends to the packed entries through the per-head tables.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -25,7 +27,7 @@ from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
 
-BUDGET, BUFFER, WINDOW = 24, 8, 4
+BUDGET, BUFFER, WINDOW, CHUNK = 24, 8, 4, 64
 LAYERS, KV_HEADS = 2, 2  # the demo model
 
 
@@ -36,7 +38,7 @@ def servers(trace: Path):
     cmd = [
         sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv",
         "--kv-head-budget", "variable", "--kv-budget", str(BUDGET), "--kv-buffer", str(BUFFER),
-        "--kv-window", str(WINDOW), "--kv-pass-work", "16",
+        "--kv-window", str(WINDOW), "--kv-pass-work", "16", "--chunked-prefill-size", str(CHUNK),
     ]
     # the FP8 server also runs the layer mode (Ada-SnapKV: one sort per layer)
     specs = {"bf16": cmd, "fp8": [*cmd, "--kv-cache-dtype", "fp8_e4m3", "--kv-head-budget", "layer"]}
@@ -115,3 +117,26 @@ def test_fp8_layer_budgets_match_a_dense_fp8_reference(servers, trace, demo_mode
     assert err < 0.08, f"served logprobs differ from the dense FP8 reference by {err}"  # measured 0.060
     assert err < plain  # the served K/V are rounded as the reference rounds them (measured 0.06 vs 0.11)
     assert error(evict=False, attn_implementation=fp8_attention("fp8_e4m3")) > 3 * max(err, 0.05)
+
+
+@pytest.mark.parametrize(("name", "policy"), [("bf16", "h2o"), ("bf16", "rkv"), ("fp8", "snapkv")])
+def test_chunks_after_a_variable_compaction_attend_through_the_tables(
+    servers, trace, demo_model_path, name: str, policy: str
+) -> None:
+    """A prompt of several chunks, packed after each (the unit pool): the next chunk's queries
+    read the packed entries through the per-head tables at logical positions (H2O's statistic
+    adds the attention they computed), and the served log-probs equal the dense reference."""
+    rng = random.Random({"h2o": 7, "rkv": 8, "snapkv": 9}[policy])  # prompts of their own: no prefix hit
+    prompt_ids = [rng.randrange(10, 2000) for _ in range(4 * CHUNK + 20)]
+    out = _generate(servers[name], prompt_ids, 24, sampling={"custom_params": {"sgl_kvc": {"policy": policy}}})
+    events = _events(trace, out["meta_info"]["id"])
+    assert [e["moment"] for e in events].count("chunk") == 4, [e["moment"] for e in events]
+    assert any(len({len(h) for layer in e["kept_positions"] for h in layer}) > 1 for e in events)
+    attention = fp8_attention("fp8_e4m3") if name == "fp8" else "eager"
+    error = logprob_error(demo_model_path, prompt_ids, out, events)
+    err = error(attn_implementation=attention)
+    print(f"{name} {policy} chunks: max |logprob error| {err:.4f}; "
+          f"without eviction {error(evict=False, attn_implementation=attention):.3f}")
+    assert err < (0.12 if name == "fp8" else 0.05), f"served logprobs differ from the dense reference by {err}"
+    assert error(evict=False, attn_implementation=attention) > 3 * max(err, 0.05)
+    assert_pool_whole(servers[name].wait_idle())
