@@ -64,6 +64,7 @@ class ConfigResult:
     compression_max_step_s: float = 0.0  # the longest compression work in one step: the worst stall
     retractions: int = 0
     total_tokens: int = 0
+    max_row_slots: int = 0  # the most slots one compressing request held (before a compaction)
     round: int = 0  # with --rounds: which round of the interleaved repeats
 
 
@@ -145,6 +146,7 @@ def run_config(name: str, flags: list[str], args: argparse.Namespace, log: Path)
         compression_s_per_pass=comp["seconds"] / max(comp["passes"], 1),
         compression_max_step_s=comp.get("max_step_seconds", 0.0),
         retractions=comp.get("retractions", 0), total_tokens=stats["pool"]["total_tokens"],
+        max_row_slots=comp.get("max_row_slots", 0),
     )
 
 
@@ -183,8 +185,8 @@ def markdown(results: list[ConfigResult]) -> str:
     vs = "vs none" if rounds == 1 else f"vs none, median (min-max) of {rounds} rounds"
     rows = [
         f"| config | max running | output tok/s | {vs} | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
-        "| compressing | passes | s/pass mean / max step | failures |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| compressing | passes | s/pass mean / max step | held at most | failures |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, r in shown.items():
         rs = per_round[name]
@@ -198,7 +200,7 @@ def markdown(results: list[ConfigResult]) -> str:
             f"| {r.tpot_ms.get('p50', 0):.1f} / {r.tpot_ms.get('p99', 0):.1f} "
             f"| {100 * r.compression_share:.1f}% | {r.compression_passes} "
             f"| {r.compression_s_per_pass:.3f} / {r.compression_max_step_s:.3f} "
-            f"| {sum(x.failures for x in groups[name])} |"
+            f"| {r.max_row_slots or '-'} | {sum(x.failures for x in groups[name])} |"
         )
     return "\n".join(rows) + "\n"
 

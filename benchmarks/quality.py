@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import math
 import os
 import subprocess
@@ -532,6 +533,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a handful of samples (checks the set-up)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--tag", default="", help="result files are quality-<tag>.* (default quality.*)")
+    p.add_argument("--server-args", default="",
+                   help="extra flags for the compressing server, e.g. \"--disable-radix-cache "
+                        "--chunked-prefill-size 512\" (without the radix cache no request reuses the "
+                        "uncompressed one's prefill, so a long prompt is compressed between its chunks)")
     return p  # fmt: skip
 
 
@@ -574,7 +579,7 @@ def main(argv: list[str] | None = None) -> dict:
     # Every pass in the step it is due (no staging over later steps): a short answer must be
     # generated from the compressed cache, not from the full one while a pass is under way.
     comp_flags = ["--policy", "rkv", "--kv-buffer", str(args.kv_buffer), "--kv-pass-work", "0",
-                  "--kv-head-budget", args.kv_head_budget, *common]
+                  "--kv-head-budget", args.kv_head_budget, *common, *shlex.split(args.server_args)]
     if args.kv_head_budget != "uniform":
         args.policies = [p if p.endswith("/shared") else f"{p}/{args.kv_head_budget}" for p in args.policies]
     comp_server = ManagedServer("compressing", comp_flags, logs, args.server_timeout)

@@ -219,11 +219,14 @@ def _around_check_prefill_budget(config: KvcConfig):
 def _around_handle_generate(config: KvcConfig):
     def hook(original: Callable[..., Any], scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any):
         chunk = getattr(scheduler, "chunked_prefill_size", None)
-        if not chunk or chunk <= 0 or not chunk_compressible(recv_req, config):
+        radix = not getattr(scheduler.tree_cache, "disable", True)  # else SGLang admits by the whole prompt
+        if not chunk or chunk <= 0 or not radix or not chunk_compressible(recv_req, config):
             return original(scheduler, recv_req, *args, **kwargs)
         # A prompt compressed between its chunks is bounded by the model's context, not by
         # the pool: SGLang's limits (`TpModelWorker.get_worker_info`: the smaller of the two)
-        # are lifted for this request only.
+        # are lifted for this request only. (Without the radix cache SGLang admits an
+        # `ignore_eos` request by its whole prompt, `PrefillAdder.add_one_req_ignore_eos`: the
+        # pool bounds it there.)
         saved = scheduler.max_req_len, scheduler.max_req_input_len
         scheduler.max_req_len = int(scheduler.model_config.context_len) - 1
         scheduler.max_req_input_len = scheduler.max_req_len - 5
