@@ -110,7 +110,7 @@ class Compressor:
     def state(self, req: Any) -> ReqKvState | None:
         return getattr(req, STATE_ATTR, None)
 
-    def begin_extend(self, batch: Any, fb: Any) -> None:
+    def begin_extend(self, batch: Any) -> None:
         """Before a prefill (chunk): give requests seen for the first time their state, and tell
         the observation store the batch's rows and the tables of its packed requests (host-side:
         no device sync in the forward)."""
@@ -164,8 +164,9 @@ class Compressor:
             budget = state.effective_budget(n)
             if is_middle_chunk(batch, req):
                 # Never staged: the next chunk extends what this pass leaves.
-                if "chunk" in self.config.compress_on and n > budget and chunk_compressible(req, self.config):
-                    self._guarded(req, "compress", publish_exact_prefix, req, batch.tree_cache)
+                if n > budget and chunk_compressible(req, self.config) and self._guarded(
+                    req, "compress", self._publish, req, batch.tree_cache
+                ):
                     chunks.append((i, state, budget))
                 continue
             if "prefill" not in self.config.compress_on:
@@ -177,6 +178,10 @@ class Compressor:
                 starts.append((i, state, target))
         self._run_moment(batch, [], chunks, "chunk", whole=True)
         self._run_moment(batch, [], starts, "prefill")
+
+    def _publish(self, req: Any, tree_cache: Any) -> bool:
+        publish_exact_prefix(req, tree_cache)
+        return True
 
     def before_decode(self, batch: Any) -> None:
         self._step_seconds = 0.0

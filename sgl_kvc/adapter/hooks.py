@@ -108,7 +108,7 @@ def _after_forward_batch(config: KvcConfig):
         compressor = compressor_of(model_runner, config)
         offsets = None
         if fb.forward_mode.is_extend():
-            compressor.begin_extend(batch, fb)  # per-request failures abort that request only
+            compressor.begin_extend(batch)  # per-request failures abort that request only
             offsets = compressor.extend_position_offsets(batch, fb)
         elif fb.forward_mode.is_decode():
             compressor.begin_decode(batch, fb)
