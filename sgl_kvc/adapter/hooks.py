@@ -242,7 +242,8 @@ def _around_max_new_tokens(config: KvcConfig):
     def hook(original: Callable[..., Any], scheduler: Any, req: Any, *args: Any, **kwargs: Any):
         chunk = getattr(scheduler, "chunked_prefill_size", None)
         peak = request_peak_tokens(config, req)
-        if peak is None or req.finished() or not chunk or chunk <= 0 or not chunk_compressible(req, config):
+        if (peak is None or req.finished() or not chunk or chunk <= 0 or "decode" not in config.compress_on
+                or not chunk_compressible(req, config)):
             return original(scheduler, req, *args, **kwargs)
         # SGLang bounds prompt + output by the pool; a request compressed between chunks and
         # during decode holds at most one chunk + its peak, so only the context bounds it.
