@@ -256,10 +256,12 @@ def _around_max_new_tokens(config: KvcConfig):
         sp.max_new_tokens = max(0, min(wanted, int(scheduler.model_config.context_len) - 1 - input_len - 1))
         if sp.min_new_tokens > sp.max_new_tokens:
             sp.min_new_tokens = sp.max_new_tokens
-        if min(input_len, chunk) + peak >= int(scheduler.max_total_num_tokens):
+        # What it holds at most: all of it, or one chunk of its prompt + its peak once compressed.
+        held = min(input_len + sp.max_new_tokens, min(input_len, chunk) + peak)
+        if held >= int(scheduler.max_total_num_tokens):
             req.set_finish_with_abort(
                 f"The KV pool ({scheduler.max_total_num_tokens} tokens) cannot hold this request even "
-                f"compressed: one prefill chunk ({chunk}) + its budget and buffer ({peak})"
+                f"compressed: one prefill chunk ({min(input_len, chunk)}) + its budget and buffer ({peak})"
             )
 
     return hook
