@@ -6,10 +6,14 @@ snapshot, or, for a gateway, the sum over its workers (the same sum a data-paral
 over its ranks, `merge_stats`) with each worker's snapshot under `per_worker`. So the load test
 and the benchmarks read a cluster's pool, compression passes, prefix hits and requests in flight
 in one place, through the URL they already have.
+
+    python -m sgl_kvc.cluster_stats http://127.0.0.1:30000     # prints the JSON
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -81,3 +85,20 @@ def kvc_stats(url: str) -> dict[str, Any] | None:
         return server_stats(url)
     stats = cluster_stats(workers)
     return stats if stats["cluster"]["answering"] else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1 or args[0].startswith("-"):
+        print("usage: python -m sgl_kvc.cluster_stats URL  (a server or a gateway)", file=sys.stderr)
+        return 2
+    stats = kvc_stats(args[0])
+    if stats is None:
+        print(f"{args[0]}: no /v1/kvc/stats answer (not sgl-kvc, or no worker answers)", file=sys.stderr)
+        return 1
+    print(json.dumps(stats, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

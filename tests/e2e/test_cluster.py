@@ -237,6 +237,8 @@ def test_a_killed_worker_fails_only_its_requests(cluster: LocalCluster, model: s
     while victim.url in healthy_workers(cluster.url):
         assert time.monotonic() < deadline, "the gateway still counts the killed worker healthy"
         time.sleep(0.5)
+    print(f"killed worker unhealthy at the gateway {30 - (deadline - time.monotonic()):.1f} s "
+          "after the survivor's requests")
     view = kvc_stats(cluster.url)  # the cluster view names the missing worker
     assert view is not None and view["cluster"] == {"workers": 2, "answering": 1}
 
@@ -246,7 +248,9 @@ def test_a_restarted_worker_rejoins(cluster: LocalCluster, model: str) -> None:
     if worker.proc.poll() is None:  # run alone: crash it first
         worker.kill()
     worker.restart(timeout_s=240)  # same command, same address
+    t0 = time.monotonic()
     wait_all_healthy(cluster.url, [w.url for w in cluster.workers], TIMEOUT_S)
+    print(f"restarted worker healthy at the gateway {time.monotonic() - t0:.1f} s after its own /health")
     before = worker.stats()["prefix_cache"]["requests"]
     for batch in range(4):  # new prompts: the gateway balances them over both workers
         with ThreadPoolExecutor(4) as pool:
