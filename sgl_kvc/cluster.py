@@ -85,7 +85,7 @@ class ClusterConfig:
                     f"{taken[0]} in the {what}: the cluster chooses the workers' ports; "
                     "--host/--port of the cluster command are the gateway's"
                 )
-        if "--worker-urls" in self.router_flags or "--policy" in self.router_flags:
+        if {f.split("=", 1)[0] for f in self.router_flags} & {"--worker-urls", "--policy"}:
             raise ValueError("--router-args: --worker-urls and --policy are set by the cluster")
 
     @classmethod
@@ -123,7 +123,8 @@ def build_parser(cls: type[argparse.ArgumentParser] = argparse.ArgumentParser) -
     p.add_argument("--host", default=d.host, help="the gateway's address")
     p.add_argument("--port", type=int, default=d.port, help="the gateway's port")
     p.add_argument("--router-args", default="", metavar="FLAGS",
-                   help="more `smg launch` flags, one shell-quoted string")
+                   help="more `smg launch` flags, one shell-quoted string "
+                   '(--router-args="--upstream-http2" for a single flag)')
     p.add_argument("--log-dir", type=Path, default=None,
                    help="write worker-<i>.log and gateway.log here (default: temporary files)")
     p.add_argument("--restart-workers", action="store_true",
@@ -266,10 +267,13 @@ class LocalCluster:
                 continue
             _say(f"worker {i} ({worker.url}) exited with {code} (log: {worker.log_path})")
             if self.config.restart_workers:
-                worker.restart(self.config.start_timeout_s)
-                _say(f"worker {i} restarted at {worker.url}")
-            else:
-                self.exited.add(i)
+                try:
+                    worker.restart(self.config.start_timeout_s)
+                    _say(f"worker {i} restarted at {worker.url}")
+                    continue
+                except (RuntimeError, TimeoutError) as e:  # PortTaken is a RuntimeError
+                    _say(f"worker {i} could not be restarted: {str(e).splitlines()[0]}")
+            self.exited.add(i)
         if len(self.exited) == len(self.workers):
             return "every worker has exited"
         return None

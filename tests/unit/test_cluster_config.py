@@ -32,6 +32,7 @@ def test_flags_before_the_double_dash_are_the_clusters_after_it_the_workers() ->
         (["--", "--host=0.0.0.0"], "--host=0.0.0.0 in the server flags"),
         (["--router-args", "--port 9"], "--port in the --router-args"),
         (["--router-args", "--policy random"], "set by the cluster"),
+        (["--router-args=--policy=random"], "set by the cluster"),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
