@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -31,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine
+from benchmarks.common import describe_machine, metadata_markdown, run_metadata
 from loadtest.metrics import Limits, Summary
 from loadtest.run import LoadSettings, ServerConfig, run_load
 from loadtest.server import ServerProcess, free_port
@@ -133,30 +132,6 @@ def run_config(name: str, flags: list[str], load: LoadSettings, work: Path) -> C
     )  # fmt: skip
 
 
-def cpu_flags() -> str:
-    """The CPU features that decide CPU inference speed here (bfloat16 and AMX or not)."""
-    try:
-        flags = set(
-            next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
-            .split(":", 1)[1].split()
-        )
-    except (OSError, StopIteration):
-        return "unknown"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
-    return " ".join(f for f in wanted if f in flags) or "none of avx2/avx512/amx"
-
-
-def _commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return sha + ("+uncommitted changes" if dirty else "")
-
-
 def _f(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -225,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--tag", default="", help="result files are cluster-<tag>.* (default cluster.*)")
     args = p.parse_args(argv)
+    meta = run_metadata("benchmarks.cluster", argv)  # before the run writes anything
+    print(metadata_markdown(meta), flush=True)
     flags = shlex.split(args.server_args)
     load = LoadSettings(users=args.users, spawn_rate=args.spawn_rate, duration_s=args.duration,
                         scenario="shared_prefix", system_prompts=args.system_prompts,
@@ -237,23 +214,21 @@ def main(argv: list[str] | None = None) -> None:
         results.append(run_config(name, flags, load, work))
         print(markdown(results[-1:]), flush=True)
     setup = {
-        "command": "python -m benchmarks.cluster " + shlex.join(argv),
-        "commit": _commit(), "machine": machine(), "cpu_flags": cpu_flags(),
-        "date": time.strftime("%Y-%m-%d %H:%M"), "server_args": flags,
-        "load": asdict(load), "gateway": "smg 1.13.0 (python -m sgl_kvc.cluster defaults)",
+        "server_args": flags, "load": asdict(load),
+        "gateway": "smg 1.13.0 with python -m sgl_kvc.cluster's defaults",
     }  # fmt: skip
     stem = "cluster" + (f"-{args.tag}" if args.tag else "")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.json").write_text(
-        json.dumps({"setup": setup, "results": [asdict(r) for r in results]}, indent=2) + "\n"
-    )
+    (args.out / f"{stem}.json").write_text(json.dumps(
+        {"meta": meta, "setup": setup, "results": [asdict(r) for r in results]}, indent=2
+    ) + "\n")  # fmt: skip
     title = (
         f"{args.users} streaming chat users, shared_prefix with {args.system_prompts} system "
         f"prompts, {args.duration} s per configuration; every server: {shlex.join(flags)}; "
-        f"{setup['machine']} ({setup['cpu_flags']}); commit {setup['commit']}, {setup['date']}"
+        f"{describe_machine(meta['machine'])}; commit {meta['commit']}"
     )
     table = markdown(results)
-    (args.out / f"{stem}.md").write_text(f"{title}\n\nCommand: `{setup['command']}`\n\n{table}")
+    (args.out / f"{stem}.md").write_text(f"{metadata_markdown(meta)}\n{title}\n\n{table}")
     plot(results, args.out / f"{stem}.png", title)
     print(table)
 
