@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import describe_machine, metadata_markdown, run_metadata
-from loadtest.metrics import Limits, Summary
+from loadtest.metrics import Limits, RequestRecord, read_requests
 from loadtest.run import LoadSettings, ServerConfig, run_load
 from loadtest.server import ServerProcess, free_port
 from sgl_kvc.cluster import ClusterConfig, LocalCluster
@@ -52,8 +52,7 @@ class ConfigResult:
     description: str
     summary: dict[str, Any]  # loadtest.metrics.Summary
     workers: list[WorkerShare] = field(default_factory=list)
-    killed_in_flight: int | None = None  # the -kill configuration: requests the victim held
-    killed_at_s: float | None = None
+    kill: dict[str, Any] | None = None  # the -kill configuration: see kill_outcome()
 
 
 def _describe(name: str, flags: list[str]) -> str:
@@ -115,11 +114,10 @@ def run_config(name: str, flags: list[str], load: LoadSettings, work: Path) -> C
                 victim = cluster.workers[1]
 
                 def kill() -> None:
-                    killed["in_flight"] = victim.stats()["requests"]["running"]
-                    killed["at_s"] = time.monotonic() - started
+                    killed["victim_running"] = victim.stats()["requests"]["running"]
+                    killed["at"] = time.time()
                     victim.kill()
 
-                started = time.monotonic()
                 timer = threading.Timer(load.duration_s / 2, kill)
                 timer.start()
                 stack.callback(timer.cancel)
@@ -128,8 +126,26 @@ def run_config(name: str, flags: list[str], load: LoadSettings, work: Path) -> C
     return ConfigResult(
         name=name, description=_describe(name, flags), summary=asdict(summary),
         workers=_shares(saved.get("kvc_stats_before"), saved.get("kvc_stats_after")),
-        killed_in_flight=killed.get("in_flight"), killed_at_s=killed.get("at_s"),
+        kill=kill_outcome(read_requests(out / "requests.csv"), killed) if killed else None,
     )  # fmt: skip
+
+
+def kill_outcome(records: list[RequestRecord], killed: dict[str, Any]) -> dict[str, Any]:
+    """What the kill cost, from the per-request CSV: requests in flight at the kill (started
+    before, ended after), which of them failed, and failures of requests sent after it (none,
+    if the gateway routes around the dead worker)."""
+    at = killed["at"]
+    in_flight = [r for r in records if r.t_start < at < r.t_end]
+    after = [r for r in records if r.t_start >= at]
+    return {
+        "at_s": round(at - min(r.t_start for r in records), 1),
+        "victim_running": killed["victim_running"],  # its running batch, sampled just before
+        "in_flight_all_workers": len(in_flight),
+        "failed_in_flight": sum(not r.ok for r in in_flight),
+        "sent_after": len(after),
+        "failed_after": sum(not r.ok for r in after),
+        "errors": sorted({r.error[:120] for r in records if not r.ok})[:5],
+    }
 
 
 def _f(value: float | None, fmt: str) -> str:
@@ -148,8 +164,10 @@ def markdown(results: list[ConfigResult]) -> str:
         per = " / ".join(str(w.requests) for w in r.workers) or "-"
         hits = " / ".join(_f(w.prefix_hit_rate, ".0%") for w in r.workers) or "-"
         failures = str(s["failures"])
-        if r.killed_in_flight is not None:
-            failures += f" (killed worker held {r.killed_in_flight})"
+        if r.kill is not None:
+            k = r.kill
+            failures += (f" ({k['failed_in_flight']} of {k['in_flight_all_workers']} in flight at the "
+                         f"kill, {k['failed_after']} of {k['sent_after']} sent after)")
         rows.append(
             f"| {r.name} | {s['requests']} | {failures} | {s['output_tokens_per_s']:.0f} "
             f"| {_f(s['prefix_hit_rate'], '.1%')} | {_f(s['peak_running_sampled'], 'd')} "

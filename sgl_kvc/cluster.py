@@ -42,14 +42,19 @@ ROUTER_POLICIES: tuple[str, ...] = (
     "consistent_hashing",
 )  # fmt: skip
 GATEWAY_PACKAGE = "smg"
-# Local defaults, given before the user's --router-args (the gateway's argparse keeps the last):
-# probe workers every 2 s (smg's default is 60 s, too slow to notice a restarted worker), log
-# warnings only (it logs every request at info), metrics on loopback on a free port (its
-# default, 0.0.0.0:29000, would clash between two gateways on one machine), and a 2 s grace on
-# stop instead of 180 s (the workers behind it are being stopped at the same time).
+# Defaults given before the user's --router-args (the gateway's argparse keeps the last):
+# - no worker overload protection: smg leaves a worker out of routing while its last load report
+#   (polled every 10 s) shows KV usage >= 0.8 or 8 queued requests. A compressing worker fills
+#   its pool by design (it admits by compressed footprint) and its scheduler queues the rest;
+#   with one worker left after a crash, that rule answered 503 "no available workers" to every
+#   request for the 10 s until the next poll (measured: benchmarks/results/cluster.md);
+# - probe workers every 2 s (smg's default is 60 s, too slow to notice a restarted worker);
+# - warnings only in the log (it logs every request at info); metrics on loopback on a free port
+#   (its default, 0.0.0.0:29000, would clash between two gateways on one machine); a 2 s grace
+#   on stop instead of 180 s (the workers behind it are being stopped at the same time).
 GATEWAY_DEFAULTS: tuple[str, ...] = (
-    "--health-check-interval-secs", "2", "--log-level", "warn", "--prometheus-host", LOOPBACK,
-    "--shutdown-grace-period-secs", "2",
+    "--disable-worker-overload-protection", "--health-check-interval-secs", "2",
+    "--log-level", "warn", "--prometheus-host", LOOPBACK, "--shutdown-grace-period-secs", "2",
 )  # fmt: skip
 
 
