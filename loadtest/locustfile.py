@@ -21,7 +21,7 @@ With `--requests-csv PATH` one row per request is also written there (the fields
 `loadtest.metrics.RequestRecord`); the runner computes throughput and goodput from it.
 
 Options added to locust's: --scenario {short,shared_prefix,long_gen,mix} (default mix),
---prompt-seed, --long-max-tokens, --model (default: the first of GET /v1/models),
+--prompt-seed, --long-max-tokens, --system-prompts, --model (default: the first of GET /v1/models),
 --requests-csv, --request-timeout.
 """
 
@@ -56,6 +56,10 @@ def _add_options(parser: Any) -> None:
     group.add_argument(
         "--long-max-tokens", type=int, default=PromptSettings.long_max_tokens,
         help="max_tokens (with ignore_eos) of the long_gen scenario",
+    )
+    group.add_argument(
+        "--system-prompts", type=int, default=PromptSettings.system_prompts,
+        help="shared_prefix: number of different system prompts requests draw from",
     )
     group.add_argument("--model", default="", help="model name (default: first of /v1/models)")
     group.add_argument("--requests-csv", default="", help="also write one row per request here")
@@ -135,6 +139,7 @@ class ChatUser(User):
         settings = PromptSettings(
             seed=_option(env, "prompt_seed", 0),
             long_max_tokens=_option(env, "long_max_tokens", PromptSettings.long_max_tokens),
+            system_prompts=_option(env, "system_prompts", PromptSettings.system_prompts),
         )
         self.prompts = PromptGenerator(self.label, settings, stream_id=next(_user_ids))
 

@@ -2,8 +2,10 @@
 
 Scenarios:
   short          a short question, a short answer (chat traffic)
-  shared_prefix  one long system prompt shared by every user, then a varied question
-                 (the radix cache computes the prefix once and reuses it)
+  shared_prefix  a long system prompt shared by every user, then a varied question
+                 (the radix cache computes the prefix once and reuses it); with
+                 `system_prompts` > 1, each request draws one of that many system prompts
+                 (several applications behind one endpoint: what prefix-aware routing sorts)
   long_gen       a short question, `ignore_eos` and a fixed `max_tokens` (reasoning-style
                  long outputs, where KV-cache compression matters)
   mix            a weighted draw of the three above, from the same seeded stream
@@ -73,6 +75,7 @@ class PromptSettings:
     shared_max_tokens: int = 32
     long_max_tokens: int = 256
     long_prompt_words: int = 0  # long_gen: pad the question with distinct sentences to this length
+    system_prompts: int = 1  # shared_prefix: how many different system prompts requests draw from
     mix_weights: dict[str, float] = field(default_factory=lambda: dict(MIX_WEIGHTS))
 
 
@@ -82,9 +85,10 @@ def _sentence(rng: random.Random) -> str:
     )
 
 
-def system_prompt(seed: int, words: int) -> str:
-    """The long system prompt of the shared_prefix scenario: fixed by the seed alone."""
-    rng = random.Random(f"system:{seed}")
+def system_prompt(seed: int, words: int, index: int = 0) -> str:
+    """A long system prompt of the shared_prefix scenario: fixed by the seed and its index (the
+    first one, index 0, is the one the scenario always used)."""
+    rng = random.Random(f"system:{seed}" if index == 0 else f"system:{seed}:{index}")
     out: list[str] = ["You are a careful assistant. Background notes follow."]
     count = len(out[0].split())
     while count < words:
@@ -103,7 +107,12 @@ class PromptGenerator:
         self.scenario = scenario
         self.settings = settings
         self._rng = random.Random(f"stream:{settings.seed}:{stream_id}")
-        self._system = system_prompt(settings.seed, settings.system_prompt_words)
+        if settings.system_prompts < 1:
+            raise ValueError(f"system_prompts must be at least 1, got {settings.system_prompts}")
+        self._systems = [
+            system_prompt(settings.seed, settings.system_prompt_words, i)
+            for i in range(settings.system_prompts)
+        ]
 
     def __iter__(self) -> "PromptGenerator":
         return self
@@ -125,8 +134,11 @@ class PromptGenerator:
         return ChatRequest("short", messages, self.settings.short_max_tokens)
 
     def _shared_prefix(self) -> ChatRequest:
+        system = self._systems[0]
+        if len(self._systems) > 1:
+            system = self._systems[self._rng.randrange(len(self._systems))]
         messages = (
-            {"role": "system", "content": self._system},
+            {"role": "system", "content": system},
             {"role": "user", "content": self._question(1)},
         )
         return ChatRequest("shared_prefix", messages, self.settings.shared_max_tokens)

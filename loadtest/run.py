@@ -13,6 +13,14 @@ Configurations:
                         `--config NAME` (no `=`) starts the server with its default flags.
                         Repeat --config for several configurations; they run one after
                         another, each on a fresh server, in the order given.
+  --config NAME=cluster:CLUSTER_FLAGS [-- FLAGS]
+                        start a local cluster instead (`python -m sgl_kvc.cluster`): workers
+                        with the launcher FLAGS behind the SGLang Model Gateway, loaded through
+                        the gateway; CLUSTER_FLAGS are the cluster command's (--workers,
+                        --router-policy, --router-args), e.g.
+                          --config "cluster2=cluster:--workers 2 --router-policy cache_aware
+                                    -- --model-path demo --policy rkv"
+                        Its /v1/kvc/stats numbers are the sum over the workers.
   --url URL             also (or only) load a server that is already running; it is listed as
                         the configuration --name (default "server"), first.
   Neither given: one configuration "default" (a server on the demo model: --model-path demo).
@@ -48,36 +56,55 @@ import sys
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from benchmarks.common import metadata_markdown, run_metadata
 from loadtest.metrics import Limits, Summary, summarize
 from loadtest.prompts import SCENARIOS, PromptSettings
 from loadtest.report import write_markdown, write_plot
-from loadtest.server import kvc_stats, launched, wait_healthy
+from loadtest.server import free_port, kvc_stats, launched, wait_healthy
+from sgl_kvc.cluster import ClusterConfig, LocalCluster
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 DEFAULT_OUT = Path(__file__).with_name("results")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
+CLUSTER_PREFIX = "cluster:"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    """One configuration: a name, and either launcher flags (start a server) or a URL."""
+    """One configuration: a name, and either launcher flags (start a server), a local cluster
+    (start workers and the gateway) or a URL."""
 
     name: str
     flags: tuple[str, ...] = ()
     url: str | None = None
+    cluster: ClusterConfig | None = None
 
     @classmethod
     def parse(cls, spec: str) -> "ServerConfig":
-        """`NAME=FLAGS` or `NAME` (see the module docstring)."""
+        """`NAME=FLAGS`, `NAME=cluster:CLUSTER_FLAGS [-- FLAGS]` or `NAME` (module docstring)."""
         name, _, flags = spec.partition("=")
         name = name.strip()
         if not _NAME.match(name):
             raise ValueError(f"bad configuration name {name!r} in {spec!r}; use [A-Za-z0-9_.-]")
+        if flags.lstrip().startswith(CLUSTER_PREFIX):
+            argv = shlex.split(flags.lstrip()[len(CLUSTER_PREFIX):])
+            try:
+                cluster = ClusterConfig.from_argv(argv)
+            except ValueError as e:
+                raise ValueError(f"configuration {name!r}: {e}") from e
+            return cls(name, tuple(argv), cluster=cluster)
         return cls(name, tuple(shlex.split(flags)))
+
+    def describe(self) -> str:
+        if self.url is not None:
+            return self.url
+        text = shlex.join(self.flags)
+        return CLUSTER_PREFIX + text if self.cluster is not None else text
 
 
 @dataclass(frozen=True)
@@ -90,6 +117,7 @@ class LoadSettings:
     scenario: str = "mix"
     seed: int = 0
     long_max_tokens: int = PromptSettings.long_max_tokens
+    system_prompts: int = PromptSettings.system_prompts
     stop_timeout_s: int = 120
     request_timeout_s: float = 300.0
 
@@ -126,7 +154,8 @@ def locust_command(url: str, load: LoadSettings, out: Path) -> list[str]:
         "--run-time", f"{load.duration_s}s", "--stop-timeout", str(load.stop_timeout_s),
         "--csv", str(out / "locust"), "--only-summary", "--exit-code-on-error", "0",
         "--scenario", load.scenario, "--prompt-seed", str(load.seed),
-        "--long-max-tokens", str(load.long_max_tokens), "--requests-csv", str(out / "requests.csv"),
+        "--long-max-tokens", str(load.long_max_tokens), "--system-prompts", str(load.system_prompts),
+        "--requests-csv", str(out / "requests.csv"),
         "--request-timeout", str(load.request_timeout_s),
     ]  # fmt: skip
 
@@ -152,7 +181,7 @@ def run_load(
         out / "locust_stats.csv", out / "requests.csv", limits,
         config=config.name, scenario=load.scenario, users=load.users,
         stats_before=before, stats_after=after, peak_running_sampled=peak.peak,
-        flags=config.url or shlex.join(config.flags),
+        flags=config.describe(),
     )  # fmt: skip
     (out / "summary.json").write_text(
         json.dumps({"meta": meta or {}, **asdict(summary), "load": asdict(load), "kvc_stats_before": before,
@@ -170,6 +199,12 @@ def run_config(
         if config.url is not None:
             url = config.url.rstrip("/")
             wait_healthy(url, None, min(server_timeout_s, 30.0), None)
+        elif config.cluster is not None:
+            cluster = replace(
+                config.cluster, port=free_port(), log_dir=out / config.name / "logs",
+                start_timeout_s=server_timeout_s,
+            )  # fmt: skip
+            url = stack.enter_context(LocalCluster.start(cluster)).url
         else:
             log = out / config.name / "server.log"
             url = stack.enter_context(launched(list(config.flags), log, server_timeout_s))
@@ -195,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="prompt generator seed")
     p.add_argument("--long-max-tokens", type=int, default=d.long_max_tokens,
                    help="max_tokens of long_gen requests (sent with ignore_eos)")
+    p.add_argument("--system-prompts", type=int, default=d.system_prompts,
+                   help="shared_prefix: how many different system prompts requests draw from")
     p.add_argument("--stop-timeout", type=int, default=d.stop_timeout_s,
                    help="seconds users get to finish their request after --duration")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
@@ -223,7 +260,8 @@ def main(argv: list[str] | None = None) -> list[Summary]:
     load = LoadSettings(
         users=args.users, spawn_rate=args.spawn_rate, duration_s=args.duration,
         scenario=args.scenario, seed=args.seed, long_max_tokens=args.long_max_tokens,
-        stop_timeout_s=args.stop_timeout, request_timeout_s=args.request_timeout,
+        system_prompts=args.system_prompts, stop_timeout_s=args.stop_timeout,
+        request_timeout_s=args.request_timeout,
     )  # fmt: skip
     limits = Limits(args.ttft_limit_ms, args.tpot_limit_ms)
     out: Path = args.out
@@ -231,8 +269,7 @@ def main(argv: list[str] | None = None) -> list[Summary]:
     summaries: list[Summary] = []
     for config in configs:
         t0 = time.monotonic()
-        print(f"[loadtest] {config.name}: {config.url or shlex.join(config.flags) or '(defaults)'}",
-              flush=True)  # fmt: skip
+        print(f"[loadtest] {config.name}: {config.describe() or '(defaults)'}", flush=True)
         summaries.append(run_config(config, load, limits, out, args.server_timeout, meta))
         s = summaries[-1]
         took = time.monotonic() - t0

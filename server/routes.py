@@ -1,7 +1,8 @@
 """`GET /v1/kvc/stats`: pool, prefix-cache, compression and request counters of the live server.
 
 The numbers come from the scheduler process(es), through SGLang's internal-state request (the
-adapter adds an `sgl_kvc` entry to each scheduler's answer), never from the HTTP process.
+adapter adds an `sgl_kvc` entry to each scheduler's answer), never from the HTTP process. With
+`--dp-size N` every data-parallel rank answers: the top level is their sum, `per_rank` each one.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse
 
 STATS_KEY = "sgl_kvc"  # same key as sgl_kvc.adapter.hooks.STATS_KEY (kept import-free of it)
+RANK_KEY = "dp_rank"  # each rank's snapshot names its data-parallel rank (adapter/hooks.py)
 
 router = APIRouter()
 
@@ -33,6 +35,15 @@ def merge_stats(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return merge(per_rank)
 
 
+def stats_answer(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The `/v1/kvc/stats` answer from every data-parallel rank's snapshot: the sum over ranks
+    at the top level (as one server answers), `dp_size`, and each rank's own snapshot under
+    `per_rank`, ordered by rank (ranks answer in arrival order)."""
+    ordered = sorted(per_rank, key=lambda s: s.get(RANK_KEY, 0))
+    total = merge_stats([{k: v for k, v in s.items() if k != RANK_KEY} for s in ordered])
+    return {**total, "dp_size": len(ordered), "per_rank": ordered}
+
+
 @router.get("/v1/kvc/stats")
 async def kvc_stats() -> JSONResponse:
     from sglang.srt.entrypoints.http_server import get_global_state
@@ -45,7 +56,7 @@ async def kvc_stats() -> JSONResponse:
         return openai_error(
             503, "sgl-kvc is not active in the scheduler", type_="service_unavailable"
         )
-    return JSONResponse(merge_stats(per_rank))
+    return JSONResponse(stats_answer(per_rank))
 
 
 def mount(app: FastAPI) -> None:

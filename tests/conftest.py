@@ -64,7 +64,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # two workers taking one file at a time, a long file left for the end keeps one worker busy
 # alone while the other idles.
 LONGEST_FIRST = ("test_smollm2.py", "test_tensor_parallel.py", "test_fp8_serving.py",
-                 "test_failure_isolation.py", "test_long_prompts.py", "test_scheduler_moments.py")
+                 "test_failure_isolation.py", "test_long_prompts.py", "test_scheduler_moments.py",
+                 "test_cluster.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

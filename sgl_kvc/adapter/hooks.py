@@ -27,6 +27,7 @@ from sgl_kvc.adapter.requests import (
 from sgl_kvc.adapter.compressor import STATE_ATTR
 from sgl_kvc.adapter.runtime import KvcRuntime, collect_stats, compressor_of, request_peak_tokens
 from sgl_kvc.adapter.sglang_api import Hook
+from sgl_kvc.adapter.tp import dp_rank
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.policies import policy_class
 
@@ -95,7 +96,10 @@ def _after_next_batch(config: KvcConfig):
 def _after_internal_state(config: KvcConfig):
     def hook(result: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:
         scheduler = controller.scheduler
-        result.internal_state[STATS_KEY] = collect_stats(scheduler, KvcRuntime.of(scheduler, config))
+        stats = collect_stats(scheduler, KvcRuntime.of(scheduler, config))
+        # With --dp-size N every rank answers; the HTTP side orders and sums them by rank.
+        stats["dp_rank"] = dp_rank()
+        result.internal_state[STATS_KEY] = stats
         return result
 
     return hook

@@ -111,6 +111,7 @@ def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
         },
         "prefix_cache": {
             "backend": type(tree).__name__,
+            "requests": prefix.requests,  # finished requests, counted below
             "prompt_tokens": prefix.prompt_tokens,
             "hit_tokens": prefix.hit_tokens,
         },

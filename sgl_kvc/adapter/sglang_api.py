@@ -148,7 +148,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_decode",
              ("query", "output", "k_cache", "v_cache"), why="replaced by sgl-kvc's batched kernel"),
     # --- runtime ----------------------------------------------------------------------------------
-    Internal("sglang.srt.runtime_context.get_parallel", (), why="tensor-parallel group and sizes"),
+    Internal("sglang.srt.runtime_context.get_parallel", (), why="tensor-parallel group and sizes; data-parallel rank"),
     Internal("sglang.srt.runtime_context.get_schedule", (), why="page size when resizing the pool"),
     Internal("sglang.srt.entrypoints.http_server.get_global_state", (), why="/v1/kvc/stats"),
     Internal("sglang.srt.plugins.hook_registry.HookRegistry", attrs=("_patched",), why="hooks applied"),

@@ -61,3 +61,12 @@ def tp_rank() -> int:
     from sglang.srt.runtime_context import get_parallel
 
     return int(get_parallel().tp_rank)
+
+
+def dp_rank() -> int:
+    """This process's data-parallel rank (0 without data parallelism): `--dp-size N` runs N
+    schedulers, each answering `/v1/kvc/stats` for its own rank."""
+    from sglang.srt.runtime_context import get_parallel
+
+    rank = get_parallel().dp_rank
+    return int(rank) if rank is not None else 0

@@ -32,6 +32,7 @@ from sgl_kvc.launch import build_sglang_argv, parse_args
         (["--policy", "rkv", "--enable-flexkv"], "does not support --enable-flexkv"),
         (["--policy", "rkv", "--enable-hierarchical-cache"], "does not support --enable-hierarchical-cache"),
         (["--policy", "rkv", "--enable-pdmux"], "does not support --enable-pdmux"),
+        (["--kv-cache-dtype", "fp8_e5m2", "--disaggregation-mode=decode"], "FP8 pool"),
     ],
 )
 def test_unsupported_setups_are_usage_errors(argv, message, capsys) -> None:
@@ -50,6 +51,7 @@ def test_unsupported_setups_are_usage_errors(argv, message, capsys) -> None:
         ["--policy", "rkv", "--tp-size", "2"],  # supported: scores are all-reduced over TP
         ["--policy", "rkv", "--attn-dp-size", "1", "--disaggregation-mode", "null"],
         ["--policy", "none", "--enable-dp-attention", "--enable-lmcache", "--disaggregation-mode", "prefill"],
+        ["--policy", "rkv", "--dp-size", "2"],  # every rank is a scheduler of its own
     ],
 )
 def test_supported_setups_pass(argv) -> None:
@@ -141,3 +143,22 @@ def test_the_unit_pool_refuses_layers_its_kernel_does_not_serve(layer, encoder_d
         assert problem is None
     else:
         assert problem.startswith("--kv-head-budget variable does not support") and message in problem
+
+
+@pytest.mark.parametrize(
+    ("ranks", "cpus", "nodes", "bind"),
+    [
+        (2, [0, 1], 1, "0|1"),  # --dp-size 2 on a 2-core, one-node VM
+        (2, list(range(8)), 1, "0-3|4-7"),
+        (3, list(range(8)), 1, "0-1|2-3|4-7"),  # the last rank takes the remainder
+        (4, [0, 1], 1, "0|1|0|1"),  # fewer CPUs than ranks: shared round-robin
+        (2, [0, 2, 4, 6], 1, "0,2|4,6"),
+        (2, list(range(8)), 2, None),  # one NUMA node per rank: SGLang's own placement
+        (1, [0, 1], 1, None),
+    ],
+)
+def test_cpu_ranks_get_cores_where_sglang_has_too_few_numa_nodes(ranks, cpus, nodes, bind) -> None:
+    from sgl_kvc.launch import cpu_threads_bind, parallel_ranks
+
+    assert cpu_threads_bind(ranks, cpus, nodes) == bind
+    assert parallel_ranks(["--dp-size", "2", "--tp-size=3"]) == 6 and parallel_ranks([]) == 1

@@ -1,0 +1,287 @@
+"""Start a server on a free loopback port, wait until it is healthy, and always stop it.
+
+One implementation for the local cluster (`sgl_kvc.cluster`), the load-test runner, the
+benchmarks and the test suite. Every server runs in its own session (process group), so stopping
+it reaches every process it started (SGLang's scheduler and detokenizer children too).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import requests
+
+from sgl_kvc.cluster_stats import kvc_stats  # noqa: F401  (one server's, or a gateway's workers')
+
+START_TIMEOUT_S = 300.0
+PORT_ATTEMPTS = 3
+# uvicorn's message when the HTTP port was taken between `free_port()` and the bind (servers
+# started together: one's internal ZMQ/NCCL ports may land on the port chosen for another).
+BIND_ERROR = "error while attempting to bind on address"
+LOOPBACK = "127.0.0.1"
+
+
+class PortTaken(RuntimeError):
+    """The server could not bind its HTTP port; a new port is tried."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(
+    url: str,
+    proc: subprocess.Popen | None,
+    timeout_s: float,
+    log: Path | None,
+    path: str = "/health",
+) -> None:
+    """Poll GET `path` until 200; fail early if `proc` (the server, when we started it) exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if log is not None and BIND_ERROR in log.read_text(errors="replace"):
+            # Its HTTP server gave up, but the process lingers: waiting would only time out.
+            raise PortTaken(f"{url}: port taken before the server bound it (log: {log})")
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:] if log else ""
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{tail}")
+        try:
+            if requests.get(url + path, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s (log: {log})")
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    # How it was started, so that `restart()` can start it again at the same address.
+    cmd: tuple[str, ...] = ()
+    env: dict[str, str] | None = None
+    host: str = LOOPBACK
+    port: int = 0
+    ready_path: str = "/health"
+    temp_log: bool = field(default=False, repr=False)
+
+    def log_tail(self, n: int = 60) -> str:
+        return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-n:])
+
+    def get(self, path: str, **kw: Any) -> requests.Response:
+        return requests.get(self.url + path, timeout=60, **kw)
+
+    def post(self, path: str, json: object, **kw: Any) -> requests.Response:
+        return requests.post(self.url + path, json=json, timeout=300, **kw)
+
+    def stats(self) -> dict:
+        r = self.get("/v1/kvc/stats")
+        r.raise_for_status()
+        return r.json()
+
+    def wait_idle(self, timeout_s: float = 60.0) -> dict:
+        """Poll `/v1/kvc/stats` until no request runs (or the timeout); return the last stats."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            if stats["requests"]["running"] == 0 or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.1)
+
+    @classmethod
+    @contextmanager
+    def launch(
+        cls,
+        cmd: list[str],
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+        timeout_s: float = START_TIMEOUT_S,
+        *,
+        host: str = LOOPBACK,
+        port: int | None = None,
+        ready_path: str = "/health",
+    ) -> Iterator["ServerProcess"]:
+        """Run `cmd --host HOST --port <free port, or PORT>`; stop it (and its children) on
+        exit. A free port taken before the server bound it is retried on another port.
+        `ready_path` is polled until it answers 200.
+
+        Without `log_path` the output goes to a temporary file, removed once the server has
+        stopped; a server that fails to start keeps it (the error names it)."""
+        with cls.launch_all(
+            [cmd], env=env, log_paths=[log_path], timeout_s=timeout_s, host=host,
+            ports=[port], ready_path=ready_path,
+        ) as (server,):  # fmt: skip
+            yield server
+
+    @classmethod
+    @contextmanager
+    def launch_all(
+        cls,
+        cmds: Sequence[Sequence[str]],
+        env: dict[str, str] | None = None,
+        log_paths: Sequence[Path | None] | None = None,
+        timeout_s: float = START_TIMEOUT_S,
+        *,
+        host: str = LOOPBACK,
+        ports: Sequence[int | None] | None = None,
+        ready_path: str = "/health",
+    ) -> Iterator[list["ServerProcess"]]:
+        """Start every command at once, wait until all are healthy, stop all on exit.
+        Start-up is mostly one busy core per server, so servers started together overlap."""
+        logs = list(log_paths) if log_paths is not None else [None] * len(cmds)
+        chosen = list(ports) if ports is not None else [None] * len(cmds)
+        servers: list[ServerProcess] = []
+        started = False  # a server that failed to start keeps its log (the error names it)
+        try:
+            for cmd, log, port in zip(cmds, logs, chosen):
+                servers.append(cls._start(tuple(cmd), env, log, host, port, ready_path))
+            for i in range(len(servers)):
+                servers[i] = servers[i]._wait_or_retry(timeout_s, retry=chosen[i] is None)
+            started = True
+            yield servers
+        finally:
+            stop_all(servers, remove_temp_logs=started)
+
+    @classmethod
+    def _start(
+        cls,
+        cmd: tuple[str, ...],
+        env: dict[str, str] | None,
+        log_path: Path | None,
+        host: str = LOOPBACK,
+        port: int | None = None,
+        ready_path: str = "/health",
+        log_mode: str = "w",
+    ) -> "ServerProcess":
+        port = free_port() if port is None else port
+        temp_log = log_path is None
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"server-{port}-", suffix=".log")
+            os.close(fd)
+            log_path = Path(name)
+        with open(log_path, log_mode) as log:
+            proc = subprocess.Popen(
+                [*cmd, "--host", host, "--port", str(port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,  # its own process group: stop() reaches every child
+            )
+        # A server bound to every interface still answers on loopback.
+        reach = LOOPBACK if host in ("0.0.0.0", "::", "") else host
+        return cls(
+            url=f"http://{reach}:{port}", proc=proc, log_path=log_path, cmd=cmd, env=env,
+            host=host, port=port, ready_path=ready_path, temp_log=temp_log,
+        )  # fmt: skip
+
+    def _wait_or_retry(self, timeout_s: float, retry: bool = True) -> "ServerProcess":
+        """Wait until healthy; where the port was taken first, start again on a new port."""
+        server = self
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                wait_healthy(server.url, server.proc, timeout_s, server.log_path, server.ready_path)
+                return server
+            except PortTaken:
+                server.stop()
+                if not retry or attempt + 1 == PORT_ATTEMPTS:
+                    raise
+                if server.temp_log:
+                    server.log_path.unlink(missing_ok=True)
+                server = self._start(
+                    server.cmd, server.env, None if server.temp_log else server.log_path,
+                    server.host, None, server.ready_path,
+                )  # fmt: skip
+            except BaseException:
+                server.stop()
+                raise
+        raise AssertionError("unreachable")
+
+    def restart(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Stop the server if it still runs and start it again with the same command at the
+        same address (a restarted worker comes back where a router expects it)."""
+        self.stop()
+        again = self._start(
+            self.cmd, self.env, self.log_path, self.host, self.port, self.ready_path, "a"
+        )
+        again.temp_log = self.temp_log
+        self.proc = again.proc
+        wait_healthy(self.url, self.proc, timeout_s, self.log_path, self.ready_path)
+
+    def kill(self) -> None:
+        """SIGKILL its whole process group at once (a crash, as far as clients can tell)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+    def stop(self) -> None:
+        stop_all([self], remove_temp_logs=False)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # SGLang's scheduler/detokenizer children too
+    except ProcessLookupError:
+        pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group `pgid`, from /proc (empty elsewhere)."""
+    members = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after its ')'
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended meanwhile
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.parent.name))
+    return members
+
+
+def stop_all(
+    servers: Sequence[ServerProcess], term_wait_s: float = 20.0, remove_temp_logs: bool = True
+) -> None:
+    """SIGTERM every server's process group at once, wait, then SIGKILL what is left. Stopping
+    them together bounds the whole stop by one server's grace time, not the sum. A group whose
+    leader has already exited is still signalled: its children may linger."""
+    for s in servers:
+        _signal_group(s.proc, signal.SIGTERM)
+    deadline = time.monotonic() + term_wait_s
+    for s in servers:
+        try:
+            s.proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            pass
+    for s in servers:
+        _signal_group(s.proc, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    for s in servers:
+        try:
+            s.proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            pass
+        # SIGKILL is delivered asynchronously: return once the whole group is gone.
+        while group_members(s.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = group_members(s.proc.pid)
+        if left:
+            print(f"sgl-kvc: process group {s.proc.pid} did not stop: {left}", file=sys.stderr)
+        if remove_temp_logs and s.temp_log:
+            s.log_path.unlink(missing_ok=True)
