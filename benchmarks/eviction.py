@@ -77,6 +77,7 @@ class ConfigResult:
     retractions: int = 0
     total_tokens: int = 0
     max_row_slots: int = 0  # the most slots one compressing request held (before a compaction)
+    errors: list[str] = field(default_factory=list)  # the distinct reasons requests failed
     round: int = 0  # with --rounds: which round of the interleaved repeats
 
 
@@ -102,6 +103,18 @@ async def sse_lines(response: httpx.Response):
         yield buffer
 
 
+async def raise_for_status(r: httpx.Response) -> None:
+    """A refused request's status and the server's own message (an OpenAI-style error body)."""
+    if r.status_code < 400:
+        return
+    body = (await r.aread()).decode(errors="replace")
+    try:
+        message = json.loads(body).get("error", {}).get("message", body)
+    except (ValueError, AttributeError):
+        message = body
+    raise RuntimeError(f"HTTP {r.status_code}: {message}")
+
+
 async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> RequestResult:
     body = {
         "model": "m", "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
@@ -111,7 +124,7 @@ async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: 
     first = last = None
     tokens = 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
+        await raise_for_status(r)
         async for line in sse_lines(r):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -136,7 +149,7 @@ async def one_generate(client: httpx.AsyncClient, prompt: list[int], output_len:
     first = last = None
     tokens = 0
     async with client.stream("POST", "/generate", json=body) as r:
-        r.raise_for_status()
+        await raise_for_status(r)
         async for line in sse_lines(r):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -205,6 +218,7 @@ def run_config(name: str, flags: list[str], args: argparse.Namespace, log: Path)
         compression_max_step_s=comp.get("max_step_seconds", 0.0),
         retractions=comp.get("retractions", 0), total_tokens=stats["pool"]["total_tokens"],
         max_row_slots=comp.get("max_row_slots", 0),
+        errors=sorted({str(r)[:300] for r in results if not isinstance(r, RequestResult)})[:3],
     )
 
 
@@ -260,6 +274,10 @@ def markdown(results: list[ConfigResult]) -> str:
             f"| {r.compression_s_per_pass:.3f} / {r.compression_max_step_s:.3f} "
             f"| {r.max_row_slots or '-'} | {sum(x.failures for x in groups[name])} |"
         )
+    reasons = [f"- {name}: {e}" for name, rs in groups.items()
+               for e in sorted({e for r in rs for e in r.errors})]  # fmt: skip
+    if reasons:
+        rows += ["", "Why requests failed:", "", *reasons]
     return "\n".join(rows) + "\n"
 
 
