@@ -45,6 +45,7 @@ from typing import Any
 import requests
 
 from benchmarks.common import NOT_RECORDED, machine, metadata_markdown, run_metadata
+from benchmarks.quality_fillers import STYLES
 from benchmarks.quality_samples import (
     Sample,
     is_correct,
@@ -86,6 +87,7 @@ class RetrievalScore:
     kept: int  # of those, answered correctly here
     relative: float | None  # kept / reference_correct
     by_length: dict[str, float | None] = field(default_factory=dict)
+    by_style: dict[str, list[int]] = field(default_factory=dict)  # style -> [kept, reference_correct]
 
 
 @dataclass
@@ -346,11 +348,16 @@ def score_retrieval(
     for length in sorted({s.meta["length"] for s in mine}):
         ref_l = {s.id for s in mine if s.meta["length"] == length} & ok_ref
         by_length[str(length)] = len(ref_l & correct) / len(ref_l) if ref_l else None
+    by_style = {}
+    for style in dict.fromkeys(s.meta.get("style", "templated") for s in mine):
+        ref_s = {s.id for s in mine if s.meta.get("style", "templated") == style} & ok_ref
+        by_style[style] = [len(ref_s & correct), len(ref_s)]
     return RetrievalScore(
         task=task, config=config, samples=len(mine),
         failures=sum(texts.get(s.id) is None for s in mine), correct=len(correct),
         reference_correct=len(ok_ref), kept=len(ok_ref & correct),
         relative=len(ok_ref & correct) / len(ok_ref) if ok_ref else None, by_length=by_length,
+        by_style=by_style,
     )  # fmt: skip
 
 
@@ -405,6 +412,7 @@ def markdown(data: dict) -> str:
                 r = rows_by.get((task, key))
                 cells.append(_cell(r["relative"]) if r else "–")
         out.append(f"| {name} | " + " | ".join(cells) + " |")
+    out += _by_style(data, names, rows_by)
     if data["longgen"]:
         n = lg_by.get("uncompressed", {}).get("samples", 0)
         out.append(
@@ -442,6 +450,36 @@ def markdown(data: dict) -> str:
     fails = data.get("failures", 0)
     out.append(f"\nFailed requests: {fails}. {data.get('kvpress_note', '')}".rstrip())
     return "\n".join(out) + "\n"
+
+
+def _by_style(data: dict, names: list[str], rows_by: dict) -> list[str]:
+    """Pass key and multi-key together, per filler style: kept / the full cache's correct answers
+    (kvpress rows against kvpress's own full cache)."""
+    styles = data["setup"].get("styles", ["templated"])
+    if len(styles) < 2:
+        return []
+    budgets = data["setup"]["budgets"]
+
+    def counts(config: str, style: str) -> tuple[int, int]:
+        rows = [rows_by.get((t, config)) for t in RETRIEVAL]
+        pairs = [r.get("by_style", {}).get(style, [0, 0]) for r in rows if r]
+        return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+
+    per_style = {st: sum(1 for x in data["setup"]["samples"] if x.get("style", "templated") == st
+                         and x["task"] in RETRIEVAL) for st in styles}  # fmt: skip
+    ref = ", ".join(f"{st} {counts('full', st)[0]}/{per_style[st]}" for st in styles)
+    out = [f"\nBy filler style (pass key and multi-key together): answers kept / the full cache's "
+           f"correct answers (full cache correct: {ref}).\n",
+           "| policy | " + " | ".join(f"{st} @{b}" for b in budgets for st in styles) + " |",
+           "| --- |" + " ---: |" * (len(budgets) * len(styles))]  # fmt: skip
+    for name in ["uncompressed", *names]:
+        cells = []
+        for b in budgets:
+            for st in styles:
+                kept, ref_n = counts(name if name == "uncompressed" else f"{name}@{b}", st)
+                cells.append(f"{kept}/{ref_n}" if ref_n else "–")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
 
 
 def _ref_txt(r: dict | None) -> str:
@@ -505,6 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passkey", type=parse_lengths, default=parse_lengths("1024:2,2048:1,4096:1"),
                    help="prompt length:samples per depth, comma separated")
     p.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
+    p.add_argument("--styles", nargs="+", choices=STYLES, default=list(STYLES),
+                   help="filler styles of the retrieval prompts (benchmarks/quality_fillers.py)")
     p.add_argument("--multikey", type=int, default=3, help="multi-key samples")
     p.add_argument("--multikey-len", type=int, default=1536)
     p.add_argument("--multikey-facts", type=int, default=5)
@@ -546,7 +586,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(metadata_markdown(meta), flush=True)
     if args.quick:
         args.passkey, args.multikey, args.longgen, args.longgen_tokens = {1024: 1}, 1, 1, 128
-        args.depths, args.timing_lengths = [0.5], [1024]
+        args.depths, args.timing_lengths, args.styles = [0.5], [1024], args.styles[:1]
     from transformers import AutoTokenizer
 
     from sgl_kvc.model import SMOLLM2_MODEL_NAME, ensure_smollm2
@@ -555,10 +595,11 @@ def main(argv: list[str] | None = None) -> dict:
     args.model_dir = ensure_smollm2()
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     samples = [
-        *passkey_samples(tok, args.passkey, args.depths, args.seed),
-        *multikey_samples(tok, args.multikey, args.multikey_len, args.multikey_facts, args.seed),
+        *(s for style in args.styles for s in passkey_samples(tok, args.passkey, args.depths, args.seed, style)),
+        *(s for style in args.styles
+          for s in multikey_samples(tok, args.multikey, args.multikey_len, args.multikey_facts, args.seed, style)),
         *longgen_samples(tok, args.longgen, args.longgen_len, args.longgen_tokens, args.seed),
-    ]
+    ]  # fmt: skip
     all_samples, samples = samples, [s for s in samples if s.task in args.tasks]
     print(f"[quality] {len(samples)} samples; {len(args.policies)} policies x {len(args.budgets)} "
           f"budgets", flush=True)  # fmt: skip
@@ -635,6 +676,7 @@ def main(argv: list[str] | None = None) -> dict:
             "model": SMOLLM2_MODEL_NAME, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
             "policies": args.policies, "budgets": args.budgets,
             "passkey": {str(k): v for k, v in args.passkey.items()}, "depths": args.depths,
+            "styles": args.styles,
             "multikey": args.multikey, "multikey_len": args.multikey_len,
             "multikey_facts": args.multikey_facts, "longgen": args.longgen,
             "longgen_len": args.longgen_len, "longgen_tokens": args.longgen_tokens,

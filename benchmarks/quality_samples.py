@@ -1,9 +1,9 @@
 """Seeded samples for the quality benchmark (`benchmarks.quality`) and the real-model tests.
 
-Filler text is built from sentence templates and word lists, so no two sentences in a prompt
-need be the same (a repeated sentence is easy to compress away and says little about a policy).
-Every sample is a chat prompt rendered with the model's own chat template into token ids, so
-every runtime (the sgl-kvc servers, kvpress under transformers) sees exactly the same tokens.
+Filler text comes in several styles (`benchmarks.quality_fillers`: templated sentences,
+documentation, source code, a table), so that a result is not one kind of text's. Every
+sample is a chat prompt rendered with the model's own chat template into token ids, so every
+runtime (the sgl-kvc servers, kvpress under transformers) sees exactly the same tokens.
 
 Tasks:
 - `passkey`: a 5-digit pass key stated once at a relative depth of the filler; asked at the end.
@@ -19,42 +19,12 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-SUBJECTS = [
-    "The old miller", "A young teacher", "The harbour master", "Our neighbour", "The baker's son",
-    "A travelling musician", "The village doctor", "Her grandmother", "The tired postman",
-    "A curious child", "The museum guard", "An elderly farmer", "The ship's cook", "A quiet student",
-    "The town mayor", "A retired pilot", "The night nurse", "Two fishermen", "The gardener",
-    "A street painter", "The librarian", "His cousin", "The blacksmith", "A group of hikers",
-]
-VERBS = [
-    "repaired", "painted", "carried", "described", "forgot", "found", "sold", "borrowed", "cleaned",
-    "measured", "photographed", "admired", "weighed", "hid", "delivered", "sketched", "examined",
-    "wrapped", "counted", "polished", "moved", "returned", "ordered", "inspected",
-]
-OBJECTS = [
-    "a wooden cart", "the broken clock", "an old map", "a basket of apples", "the red umbrella",
-    "a heavy iron kettle", "the brass telescope", "a pile of letters", "the blue bicycle",
-    "a jar of honey", "the stone statue", "a box of candles", "the silver spoon", "a winter coat",
-    "the garden gate", "a bundle of firewood", "the kitchen table", "a small sailboat",
-    "the church bell", "a leather satchel", "the oak cabinet", "a roll of canvas", "the copper pot",
-]
-PLACES = [
-    "near the harbour", "behind the mill", "in the market square", "at the train station",
-    "beside the river", "on the hill above the town", "in the school yard", "under the old bridge",
-    "at the edge of the forest", "in the bakery", "on the pier", "by the lighthouse",
-    "in the narrow lane", "outside the library", "at the crossroads", "in the orchard",
-]
-TIMES = [
-    "before sunrise", "late in the evening", "on a rainy Tuesday", "after the long winter",
-    "during the festival", "in the middle of the night", "one windy afternoon", "at noon",
-    "the day before the wedding", "while the bells were ringing", "early in spring",
-    "just after lunch", "on the first day of autumn", "as the fog lifted",
-]
-CLAUSES = [
-    "and nobody noticed", "because it was needed", "although it was raining", "as everyone watched",
-    "while humming a song", "without saying a word", "and then went home", "for the third time",
-    "to everyone's surprise", "as the sun went down", "with great care", "in a hurry",
-]
+from benchmarks.quality_fillers import FILLERS, sentence
+
+__all__ = ["FILLERS", "Sample", "is_correct", "longgen_samples", "multikey_samples",
+           "passkey_samples", "sentence"]
+
+LONG_PIECE_TOKENS = 64
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black", "grey", "pink"]
 THINGS = ["door", "box", "lamp", "chair", "boat", "book", "key", "vase", "clock", "bag", "drum", "kite"]
 TOPIC_OPENERS = [
@@ -90,15 +60,6 @@ class Sample:
         return asdict(self)
 
 
-def sentence(rng: random.Random) -> str:
-    parts = [rng.choice(SUBJECTS), rng.choice(VERBS), rng.choice(OBJECTS), rng.choice(PLACES)]
-    if rng.random() < 0.7:
-        parts.append(rng.choice(TIMES))
-    if rng.random() < 0.5:
-        parts.append(rng.choice(CLAUSES))
-    return " ".join(parts) + "."
-
-
 def _render(tok: Tokenizer, user: str) -> list[int]:
     ids = tok.apply_chat_template(
         [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True
@@ -110,54 +71,87 @@ def _render(tok: Tokenizer, user: str) -> list[int]:
 
 def _build(
     tok: Tokenizer, rng: random.Random, target_len: int, head: str, tail: str,
-    inserts: list[tuple[float, str]],
+    inserts: list[tuple[float, str]], style: str = "templated",
 ) -> list[int]:
     """Chat prompt `head + filler (with inserts at relative depths) + tail` of about target_len
-    tokens. Sentence lengths are measured once, so the filler is sized without re-rendering."""
-    overhead = len(_render(tok, head + tail + " ".join(s for _, s in inserts)))
+    tokens, filled in `style`. Piece lengths are measured once, so the filler is sized without
+    re-rendering."""
+    filler_style = FILLERS[style]
+    sep = filler_style.sep
+    overhead = len(_render(tok, head + tail + sep.join(s for _, s in inserts)))
     budget = max(target_len - overhead, 16)
     filler: list[str] = []
-    used = 0
+    sizes: list[int] = []
+    used, skipped, pieces = 0, 0, filler_style.pieces(rng)
     while used < budget:
-        s = sentence(rng)
-        used += len(tok.encode(" " + s, add_special_tokens=False))
-        filler.append(s)
+        piece = next(pieces)
+        n = len(tok.encode(sep + piece, add_special_tokens=False))
+        # A long piece (a docstring paragraph, a function) that would overshoot the length by
+        # more than half of itself is left out; a sentence or a table row never is.
+        if n > LONG_PIECE_TOKENS and filler and used + n - budget > n // 2 and skipped < 1000:
+            skipped += 1
+            continue
+        used += n
+        filler.append(piece)
+        sizes.append(n)
     for depth, text in sorted(inserts, key=lambda x: x[0], reverse=True):
-        filler.insert(round(depth * len(filler)), text)
-    return _render(tok, head + " ".join(filler) + tail)
+        # Pieces of about one size (sentences, rows): a depth counts pieces (and the facts
+        # already placed); else tokens.
+        at = round(depth * len(filler)) if filler_style.even_pieces else _depth_index(sizes, depth)
+        filler.insert(at, text)
+    return _render(tok, head + sep.join(filler) + tail)
+
+
+def _depth_index(sizes: list[int], depth: float) -> int:
+    """The first boundary between pieces of `sizes` tokens at or past `depth` of the tokens."""
+    total, run = sum(sizes), 0
+    for i, n in enumerate(sizes):
+        if run >= depth * total:
+            return i
+        run += n
+    return len(sizes)
+
+
+def _seed(task: str, style: str) -> str:
+    """The templated style keeps the seeds its samples were first drawn with."""
+    return task if style == "templated" else f"{task}-{style}"
+
+
+def _id(task: str, style: str) -> str:
+    return task if style == "templated" else f"{task}-{style}"
 
 
 def passkey_samples(
-    tok: Tokenizer, lengths: dict[int, int], depths: list[float], seed: int
+    tok: Tokenizer, lengths: dict[int, int], depths: list[float], seed: int, style: str = "templated"
 ) -> list[Sample]:
     """`lengths`: prompt length (tokens) -> samples per depth."""
     out = []
     for length, n in lengths.items():
         for depth in depths:
             for i in range(n):
-                rng = random.Random(f"passkey-{seed}-{length}-{depth}-{i}")
+                rng = random.Random(f"{_seed('passkey', style)}-{seed}-{length}-{depth}-{i}")
                 key = str(rng.randrange(10000, 100000))
                 needle = f"The pass key is {key}. Remember it. {key} is the pass key."
                 ids = _build(
                     tok, rng, length,
                     "There is a pass key hidden in the text below. Find it and remember it.\n\n",
                     "\n\nWhat is the pass key? Answer with the number only.",
-                    [(depth, needle)],
+                    [(depth, needle)], style,
                 )
                 out.append(Sample(
-                    id=f"passkey-{length}-d{int(depth * 100)}-{i}", task="passkey", prompt_ids=ids,
-                    answer=key, max_tokens=16,
-                    meta={"length": length, "depth": depth},
+                    id=f"{_id('passkey', style)}-{length}-d{int(depth * 100)}-{i}", task="passkey",
+                    prompt_ids=ids, answer=key, max_tokens=16,
+                    meta={"length": length, "depth": depth, "style": style},
                 ))  # fmt: skip
     return out
 
 
 def multikey_samples(
-    tok: Tokenizer, n: int, length: int, facts: int, seed: int
+    tok: Tokenizer, n: int, length: int, facts: int, seed: int, style: str = "templated"
 ) -> list[Sample]:
     out = []
     for i in range(n):
-        rng = random.Random(f"multikey-{seed}-{length}-{i}")
+        rng = random.Random(f"{_seed('multikey', style)}-{seed}-{length}-{i}")
         names = rng.sample([f"{c} {t}" for c in COLOURS for t in THINGS], facts)
         codes = rng.sample(range(1000, 10000), facts)
         depths = sorted(rng.uniform(0.05, 0.95) for _ in range(facts))
@@ -167,11 +161,12 @@ def multikey_samples(
             tok, rng, length,
             "The text below mentions the codes of several objects. Read it carefully.\n\n",
             f"\n\nWhat is the code of the {names[ask]}? Answer with the number only.",
-            inserts,
+            inserts, style,
         )
         out.append(Sample(
-            id=f"multikey-{length}-{i}", task="multikey", prompt_ids=ids, answer=str(codes[ask]),
-            max_tokens=16, meta={"length": length, "facts": facts, "asked_depth": depths[ask]},
+            id=f"{_id('multikey', style)}-{length}-{i}", task="multikey", prompt_ids=ids,
+            answer=str(codes[ask]), max_tokens=16,
+            meta={"length": length, "facts": facts, "asked_depth": depths[ask], "style": style},
         ))  # fmt: skip
     return out
 

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
+import pytest
+
 from benchmarks.quality import (
     common_prefix,
     is_looping,
+    markdown,
     parse_lengths,
     rouge_l,
     score_retrieval,
 )
-from benchmarks.quality_samples import Sample, sentence
+from benchmarks.quality_fillers import STYLES
+from benchmarks.quality_samples import Sample, multikey_samples, passkey_samples, sentence
 
 
 def test_rouge_l_prefix_and_loops() -> None:
@@ -37,3 +43,53 @@ def test_retrieval_is_scored_against_what_the_full_cache_answers() -> None:
     assert (r.reference_correct, r.kept, r.relative, r.failures) == (2, 1, 0.5, 0)
     assert r.by_length == {"1024": 0.5}
     assert parse_lengths("1024:3,4096") == {1024: 3, 4096: 1}
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word; the chat template is the user text itself."""
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], **kw: object) -> list[int]:
+        return self.encode(conversation[-1]["content"])
+
+    def decode(self, ids: list[int]) -> str:
+        words = {i: w for w, i in self.vocab.items()}
+        return " ".join(words[i] for i in ids)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_every_style_fills_to_the_length_with_the_key_at_its_depth(style: str) -> None:
+    tok = WordTokenizer()
+    for depth in (0.1, 0.9):
+        (s,) = passkey_samples(tok, {1024: 1}, [depth], 0, style)
+        assert 1024 * 0.9 <= s.prompt_len <= 1024 * 1.1
+        text = tok.decode(s.prompt_ids)
+        at = text.index(f"pass key is {s.answer}.") / len(text)
+        assert abs(at - depth) < 0.1, (style, depth, at)
+        assert s.meta["style"] == style and (style == "templated") == s.id.startswith("passkey-1024")
+        assert passkey_samples(tok, {1024: 1}, [depth], 0, style)[0].prompt_ids == s.prompt_ids
+    (m,) = multikey_samples(tok, 1, 1536, 5, 0, style)
+    assert tok.decode(m.prompt_ids).count("code of the ") == 5 + 1  # five facts and the question
+
+
+def test_styles_are_scored_apart_and_reported_side_by_side() -> None:
+    samples = [Sample(f"{st}{i}", "passkey", [0], answer=str(10000 + i), meta={"length": 1024, "style": st})
+               for st in ("templated", "code") for i in range(2)]  # fmt: skip
+    full = {s.id: s.answer for s in samples}
+    mine = {"templated0": "10000", "templated1": "10001", "code0": "10000", "code1": "x"}
+    r = score_retrieval("passkey", "snapkv@256", samples, mine, full)
+    assert r.by_style == {"templated": [2, 2], "code": [1, 2]}
+    ref = score_retrieval("passkey", "full", samples, full, full)
+    data = {
+        "setup": {"budgets": [256], "policies": ["snapkv"], "styles": ["templated", "code"],
+                  "samples": [{"id": s.id, "task": s.task, **s.meta} for s in samples]},
+        "retrieval": [asdict(r), asdict(ref)], "longgen": [], "timing": [],
+    }  # fmt: skip
+    table = markdown(data)
+    assert "| policy | templated @256 | code @256 |" in table
+    assert "| snapkv | 2/2 | 1/2 |" in table and "full cache correct: templated 2/2, code 2/2" in table
