@@ -129,6 +129,8 @@ async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: 
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("error"):  # a request refused after its stream began: SGLang's error event
+                raise RuntimeError(f"stream error: {chunk['error'].get('message', chunk['error'])}")
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             if chunk.get("choices") and chunk["choices"][0].get("text"):
@@ -153,7 +155,10 @@ async def one_generate(client: httpx.AsyncClient, prompt: list[int], output_len:
         async for line in sse_lines(r):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            done = json.loads(line[6:]).get("meta_info", {}).get("completion_tokens", 0)
+            chunk = json.loads(line[6:])
+            if chunk.get("error"):
+                raise RuntimeError(f"stream error: {chunk['error'].get('message', chunk['error'])}")
+            done = chunk.get("meta_info", {}).get("completion_tokens", 0)
             if done > tokens:  # chunks carry the running count of generated tokens
                 tokens, last = done, time.perf_counter()
                 first = first or last
