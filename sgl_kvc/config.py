@@ -24,6 +24,10 @@ from sgl_kvc.policies import (
 
 ENV_VAR = "SGLKVC_CONFIG"
 MOMENTS: tuple[str, ...] = ("prefill", "chunk", "decode", "preempt")
+# `chunk` is opt-in: compressed between its chunks, a long prompt is cut back before its end
+# (the question) is read, and on pass keys at budget 256 SnapKV kept 25-38% of what it keeps
+# compressing the whole prompt (docs/quality.md, "Prompts compressed between chunks").
+DEFAULT_MOMENTS: tuple[str, ...] = ("prefill", "decode", "preempt")
 FP8_KV_DTYPES: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2")  # served by sgl-kvc's FP8 pool
 DECODE_ATTENTION: tuple[str, ...] = ("batched", "sglang")
 _P = PolicyParams()
@@ -98,11 +102,12 @@ class KvcConfig:
         default=_P.sink_tokens, metadata=_flag("StreamingLLM attention-sink tokens kept.")
     )
     compress_on: tuple[str, ...] = field(
-        default=MOMENTS,
+        default=DEFAULT_MOMENTS,
         metadata=_flag(
-            "When to compress (comma separated): prefill (after a prompt's last chunk), chunk "
-            "(between two chunks of a long prompt, Batch-Max: it never holds more than budget + "
-            "one chunk), decode, preempt."
+            "When to compress (comma separated): prefill (after a prompt's last chunk), decode, "
+            "preempt, and chunk (opt-in; between two chunks of a long prompt, Batch-Max: it never "
+            "holds more than budget + one chunk, serves prompts longer than the pool, and forgets "
+            "more of what the prompt's end asks for)."
         ),
     )
     kv_cache_dtype: str = field(
@@ -203,7 +208,7 @@ class KvcConfig:
                 kwargs["type"] = str
             elif f.name == "compress_on":
                 kwargs["type"] = _moments
-                kwargs["default"] = ",".join(MOMENTS)
+                kwargs["default"] = ",".join(DEFAULT_MOMENTS)
             elif f.name in ("kv_budget_ratio", "kv_cache_memory_gb"):
                 kwargs["type"] = float
             else:

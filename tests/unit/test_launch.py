@@ -126,7 +126,8 @@ def test_flag_defaults_come_from_policy_params() -> None:
     p = PolicyParams()
     assert (config.kv_budget, config.kv_buffer, config.kv_window, config.rkv_lambda) == (
         p.budget, p.buffer, p.window, p.rkv_lambda)
-    assert config.compress_on == ("prefill", "chunk", "decode", "preempt")
+    assert config.compress_on == ("prefill", "decode", "preempt")  # chunk is opt-in (quality)
+    assert KvcConfig().compress_on == config.compress_on
     assert config.kv_selection == "per-head"  # what the papers do
     assert parse_args(["--kv-selection", "shared"])[0].kv_selection == "shared"
     assert config.kv_decode_attention == "batched"
