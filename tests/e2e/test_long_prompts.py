@@ -1,11 +1,11 @@
 """Prompts longer than the chunked-prefill size, under every policy, with the invariants on.
 
-The workload this project exists for: a prompt that SGLang prefills in several chunks. A request
-must never be compacted between its chunks (the tree holds its earlier chunks as exact KV and the
-next chunk extends them), and it must be compressed once its last chunk is in. One server per
-chunk size (SGLang's default 4096 on CPU, and 256), `SGLKVC_CHECK=1` so a broken pool or tree
-stops the server; each policy is chosen per request. Prompts go up to the model's context length.
-"""
+The workload this project exists for: a prompt that SGLang prefills in several chunks. Two servers:
+SGLang's default chunk (4096 on CPU) with the default moments, where a request is compressed once its
+last chunk is in and never between its chunks (the tree holds its earlier chunks as exact KV and the
+next chunk extends them); and chunks of 256 with the chunk moment on, where every policy cuts the
+request back after each chunk. `SGLKVC_CHECK=1` so a broken pool or tree stops the server; each
+policy is chosen per request. Prompts go up to the model's context length."""
 
 from __future__ import annotations
 
@@ -44,34 +44,42 @@ def _complete(server: ServerProcess, ids: list[int], policy: str, max_tokens: in
     return r.json()
 
 
-# (chunked-prefill size or None for SGLang's default 4096 on CPU, prompt length per policy)
-SERVERS = {"chunk-default": (None, 6000), "chunk-256": (256, 1500)}
+# (chunked-prefill size or None for SGLang's default 4096 on CPU, prompt length per policy,
+# compressed between chunks too)
+SERVERS = {"chunk-default": (None, 6000, False), "chunk-256-compressed": (256, 1500, True)}
 
 
 @pytest.fixture(scope="module", params=list(SERVERS))
 def long_server(request):
-    chunk, n = SERVERS[request.param]
+    chunk, n, between_chunks = SERVERS[request.param]
     cmd = [
         sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv",
         "--kv-budget", str(BUDGET), "--kv-buffer", "32", "--max-total-tokens", str(CONTEXT + 512),
     ]
     if chunk is not None:
         cmd += ["--chunked-prefill-size", str(chunk)]
+    if between_chunks:
+        cmd += ["--compress-on", "chunk,prefill,decode,preempt"]
     with ServerProcess.launch(cmd, env={"SGLKVC_CHECK": "1"}) as server:
         server.prompt_len = n  # type: ignore[attr-defined]
         server.chunked = chunk is not None  # type: ignore[attr-defined]
+        server.between_chunks = between_chunks  # type: ignore[attr-defined]
         yield server
 
 
 def test_long_prompt_every_policy(long_server: ServerProcess) -> None:
     """A prompt of several chunks under each policy, one after another."""
-    before = long_server.stats()["compression"]["prefill_passes"]
+    before = long_server.stats()["compression"]
     for k, policy in enumerate(POLICIES):
         out = _complete(long_server, _prompt(long_server.prompt_len, seed=k), policy)
         assert out["usage"]["completion_tokens"] == 4
     stats = long_server.wait_idle()
+    c = stats["compression"]
     # Every request was compressed after its prefill (its prompt is far over budget) ...
-    assert stats["compression"]["prefill_passes"] - before >= len(POLICIES), stats["compression"]
+    assert c["prefill_passes"] - before["prefill_passes"] >= len(POLICIES), c
+    # ... between its chunks only where that moment is on (1500 tokens: 5 chunks before the last) ...
+    chunk_passes = c["chunk_passes"] - before["chunk_passes"]
+    assert chunk_passes >= 5 * len(POLICIES) if long_server.between_chunks else chunk_passes == 0, c
     # ... and nothing is leaked: every slot is free or cached in the tree.
     assert_pool_whole(stats)
 
