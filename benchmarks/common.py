@@ -106,10 +106,23 @@ def command(module: str, argv: list[str] | None = None) -> str:
     return " ".join(["python", "-m", module, *([shlex.join(args)] if args else [])])
 
 
+def package_checkout() -> Path:
+    """The checkout whose `sgl_kvc` this process (and the servers it starts) imports: with the
+    project's editable install that is the installed checkout, not necessarily this script's
+    (a clone run with the same venv serves the installed code unless PYTHONPATH names the clone)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sgl_kvc")
+    return Path(spec.origin).resolve().parents[1] if spec and spec.origin else REPO
+
+
 def run_metadata(module: str, argv: list[str] | None = None) -> dict[str, Any]:
-    """What produced this run's results (see the module doc)."""
+    """What produced this run's results (see the module doc): the commit is that of the code
+    that serves, and `sgl_kvc_from` says where it was when that is not this checkout."""
+    code = package_checkout()
     return {
-        "commit": git_commit(),
+        "commit": git_commit(code),
+        **({"sgl_kvc_from": str(code)} if code != REPO else {}),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "gpu": gpu_name(),
@@ -143,7 +156,8 @@ def describe_machine(m: dict[str, Any] | str) -> str:
 def metadata_markdown(meta: dict[str, Any]) -> str:
     """The lines every results .md starts with."""
     lines = [
-        f"- Commit: `{meta.get('commit', NOT_RECORDED)}`",
+        f"- Commit: `{meta.get('commit', NOT_RECORDED)}`"
+        + (f" (sgl_kvc from {meta['sgl_kvc_from']})" if meta.get("sgl_kvc_from") else ""),
         f"- Date: {meta.get('date', NOT_RECORDED)}",
         f"- Machine: {describe_machine(meta.get('machine', NOT_RECORDED))}",
         f"- GPU: {meta.get('gpu', NOT_RECORDED)}",
