@@ -413,7 +413,7 @@ def markdown(data: dict) -> str:
                 cells.append(_cell(r["relative"]) if r else "–")
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     out += _by_style(data, names, rows_by)
-    if data["longgen"]:
+    if any(r["samples"] > r["failures"] for r in data["longgen"]):  # a run without it has empty rows
         n = lg_by.get("uncompressed", {}).get("samples", 0)
         out.append(
             f"\nLong generation ({n} prompts, {data['setup']['longgen_tokens']} greedy tokens, "
