@@ -36,6 +36,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -115,15 +116,15 @@ async def raise_for_status(r: httpx.Response) -> None:
     raise RuntimeError(f"HTTP {r.status_code}: {message}")
 
 
-async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> RequestResult:
-    body = {
-        "model": "m", "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-    }
+async def _timed_stream(
+    client: httpx.AsyncClient, path: str, body: dict, count: Callable[[dict, int], tuple[int, bool]]
+) -> RequestResult:
+    """Stream one request and time it. `count(chunk, tokens)` reads a chunk of the stream: the
+    generated-token count after it, and whether it carried new output."""
     start = time.perf_counter()
     first = last = None
     tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
+    async with client.stream("POST", path, json=body) as r:
         await raise_for_status(r)
         async for line in sse_lines(r):
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -131,14 +132,34 @@ async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: 
             chunk = json.loads(line[6:])
             if chunk.get("error"):  # a request refused after its stream began: SGLang's error event
                 raise RuntimeError(f"stream error: {chunk['error'].get('message', chunk['error'])}")
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
+            tokens, new = count(chunk, tokens)
+            if new:
                 last = time.perf_counter()
                 first = first or last
     if first is None or tokens == 0:
         raise RuntimeError("no tokens streamed")
     return RequestResult(first - start, (last - first) / max(tokens - 1, 1), tokens)
+
+
+def _completion_tokens(chunk: dict, tokens: int) -> tuple[int, bool]:
+    """An OpenAI completion chunk: text is new output; the final usage chunk has the count."""
+    if chunk.get("usage"):
+        tokens = chunk["usage"]["completion_tokens"]
+    return tokens, bool(chunk.get("choices") and chunk["choices"][0].get("text"))
+
+
+def _generate_tokens(chunk: dict, tokens: int) -> tuple[int, bool]:
+    """A `/generate` chunk carries the running count of generated tokens."""
+    done = chunk.get("meta_info", {}).get("completion_tokens", 0)
+    return (done, True) if done > tokens else (tokens, False)
+
+
+async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> RequestResult:
+    body = {
+        "model": "m", "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }
+    return await _timed_stream(client, "/v1/completions", body, _completion_tokens)
 
 
 async def one_generate(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> RequestResult:
@@ -147,24 +168,7 @@ async def one_generate(client: httpx.AsyncClient, prompt: list[int], output_len:
         "input_ids": prompt, "stream": True,
         "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True},
     }
-    start = time.perf_counter()
-    first = last = None
-    tokens = 0
-    async with client.stream("POST", "/generate", json=body) as r:
-        await raise_for_status(r)
-        async for line in sse_lines(r):
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("error"):
-                raise RuntimeError(f"stream error: {chunk['error'].get('message', chunk['error'])}")
-            done = chunk.get("meta_info", {}).get("completion_tokens", 0)
-            if done > tokens:  # chunks carry the running count of generated tokens
-                tokens, last = done, time.perf_counter()
-                first = first or last
-    if first is None or tokens == 0:
-        raise RuntimeError("no tokens streamed")
-    return RequestResult(first - start, (last - first) / max(tokens - 1, 1), tokens)
+    return await _timed_stream(client, "/generate", body, _generate_tokens)
 
 
 REQUESTS = {"completions": one_request, "generate": one_generate}
