@@ -149,8 +149,13 @@ def _completion_tokens(chunk: dict, tokens: int) -> tuple[int, bool]:
 
 
 def _generate_tokens(chunk: dict, tokens: int) -> tuple[int, bool]:
-    """A `/generate` chunk carries the running count of generated tokens."""
-    done = chunk.get("meta_info", {}).get("completion_tokens", 0)
+    """A `/generate` chunk carries the running count of generated tokens. A refused request
+    is a chunk that finishes with an abort (and counts one token), not an error event."""
+    meta = chunk.get("meta_info", {})
+    finish = meta.get("finish_reason") or {}
+    if finish.get("type") == "abort":
+        raise RuntimeError(f"aborted: {finish.get('message', finish)}")
+    done = meta.get("completion_tokens", 0)
     return (done, True) if done > tokens else (tokens, False)
 
 
