@@ -15,11 +15,14 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from sgl_kvc.policies import (
+    AUTO,
     BUDGET_MODES,
     DEFAULT_SELECTION,
     SELECTIONS,
     PolicyParams,
     available_policies,
+    prompt_policy_error,
+    prompt_policy_name,
 )
 
 ENV_VAR = "SGLKVC_CONFIG"
@@ -45,6 +48,14 @@ class KvcConfig:
     policy: str = field(
         default="none",
         metadata=_flag("KV-cache eviction policy; 'none' behaves exactly like plain SGLang."),
+    )
+    prompt_policy: str = field(
+        default=AUTO,
+        metadata=_flag(
+            "Policy that compresses prompts (after prefill, and between chunks); --policy compresses "
+            "the generated tokens (decode, preempt). auto: the one --policy names, SnapKV for rkv "
+            "(a decode-time method), else --policy itself."
+        ),
     )
     kv_budget: int = field(
         default=_P.budget,
@@ -130,6 +141,11 @@ class KvcConfig:
         choices = available_policies()
         if self.policy not in choices:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {choices}")
+        if self.prompt_policy != AUTO and self.prompt_policy not in choices:
+            raise ValueError(f"unknown --prompt-policy {self.prompt_policy!r}; choose auto or one of {choices}")
+        why = prompt_policy_error(self.policy, self.prompt_policy)
+        if why is not None:
+            raise ValueError(f"--prompt-policy {self.prompt_policy} with --policy {self.policy}: {why}")
         if self.kv_decode_attention not in DECODE_ATTENTION:
             raise ValueError(
                 f"--kv-decode-attention must be one of {list(DECODE_ATTENTION)}, got {self.kv_decode_attention!r}"
@@ -162,6 +178,11 @@ class KvcConfig:
     @property
     def compressing(self) -> bool:
         return self.policy != "none"
+
+    @property
+    def prompt_policy_name(self) -> str:
+        """The policy that compresses prompts (`--prompt-policy` resolved)."""
+        return prompt_policy_name(self.policy, self.prompt_policy)
 
     @property
     def variable_budget(self) -> bool:
@@ -204,6 +225,8 @@ class KvcConfig:
             kwargs: dict[str, Any] = {"default": default, "help": f.metadata.get("help", "")}
             if f.name == "policy":
                 kwargs["choices"] = available_policies()
+            elif f.name == "prompt_policy":
+                kwargs["choices"] = [AUTO, *(p for p in available_policies() if p != "none")]
             elif f.name in _CHOICES:
                 kwargs["choices"] = _CHOICES[f.name]
                 kwargs["type"] = str

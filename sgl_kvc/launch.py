@@ -371,8 +371,8 @@ def main(argv: list[str] | None = None) -> None:
 
     mount(app)
     logger.info(
-        "sgl-kvc: policy=%s, kv cache=%s, prefix cache backend=%s, attention backend=sgl_kvc(%s)",
-        config.policy,
+        "sgl-kvc: policy=%s (prompts: %s), kv cache=%s, prefix cache backend=%s, attention backend=sgl_kvc(%s)",
+        config.policy, config.prompt_policy_name if config.compressing else "-",
         config.fp8_kv or getattr(server_args, "kv_cache_dtype", "auto"),
         server_args.radix_cache_backend or "SGLang default",
         server_args.attention_backend,

@@ -2,6 +2,9 @@
 
     client.chat.completions.create(..., extra_body={"kv_compression": {"policy": "rkv", "budget": 256}})
 
+`policy` compresses the generated tokens, `prompt_policy` the prompt (default: the one `policy`
+names, see `--prompt-policy`).
+
 The HTTP layer validates it (a bad value is an OpenAI-style 400 naming the field) and forwards it
 to the scheduler inside SGLang's `custom_params`, under `CUSTOM_PARAMS_KEY`.
 """
@@ -11,11 +14,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sgl_kvc.policies import SELECTIONS, available_policies
+from sgl_kvc.policies import AUTO, SELECTIONS, available_policies
 
 FIELD = "kv_compression"
 CUSTOM_PARAMS_KEY = "sgl_kvc"
 MAX_BUDGET = 1 << 20
+ALLOWED = ("policy", "prompt_policy", "budget", "selection")
 
 
 class RequestSettingError(ValueError):
@@ -29,6 +33,17 @@ class RequestCompression:
     policy: str | None = None
     budget: int | None = None
     selection: str | None = None  # "per-head" or "shared" (see --kv-selection)
+    prompt_policy: str | None = None  # "auto" or a policy (see --prompt-policy)
+
+    def policies(self, server_policy: str, server_prompt_policy: str) -> tuple[str, str]:
+        """(decode policy, prompt policy as asked: a policy or "auto") of a request with these
+        settings on a server started with `--policy server_policy --prompt-policy
+        server_prompt_policy`. A request that names its policy alone gets that policy's own
+        prompt policy, not the server's."""
+        policy = self.policy or server_policy
+        if self.prompt_policy is not None:
+            return policy, self.prompt_policy
+        return policy, AUTO if self.policy is not None else server_prompt_policy
 
     def to_custom_params(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -39,11 +54,11 @@ def parse_kv_compression(obj: Any, field: str = FIELD) -> RequestCompression:
     (`field` is the name the caller knows the object by)."""
     if not isinstance(obj, dict):
         raise RequestSettingError(field, f"{field} must be an object, got {json_type_name(obj)}")
-    unknown = sorted(str(k) for k in set(obj) - {"policy", "budget", "selection"})
+    unknown = sorted(str(k) for k in set(obj) - set(ALLOWED))
     if unknown:
         raise RequestSettingError(
             f"{field}.{unknown[0]}",
-            f"unknown field(s) {', '.join(unknown)} in {field}; allowed: policy, budget, selection",
+            f"unknown field(s) {', '.join(unknown)} in {field}; allowed: {', '.join(ALLOWED)}",
         )
     policy = obj.get("policy")
     if policy is not None and (not isinstance(policy, str) or policy not in available_policies()):
@@ -66,7 +81,14 @@ def parse_kv_compression(obj: Any, field: str = FIELD) -> RequestCompression:
         raise RequestSettingError(
             f"{field}.selection", f"unknown selection {shown}; choose one of {', '.join(SELECTIONS)}"
         )
-    return RequestCompression(policy=policy, budget=budget, selection=selection)
+    prompt_policy = obj.get("prompt_policy")
+    choices = [AUTO, *(p for p in available_policies() if p != "none")]
+    if prompt_policy is not None and (not isinstance(prompt_policy, str) or prompt_policy not in choices):
+        shown = f'"{prompt_policy}"' if isinstance(prompt_policy, str) else json_type_name(prompt_policy)
+        raise RequestSettingError(
+            f"{field}.prompt_policy", f"unknown prompt policy {shown}; choose one of {', '.join(choices)}"
+        )
+    return RequestCompression(policy=policy, budget=budget, selection=selection, prompt_policy=prompt_policy)
 
 
 def from_custom_params(custom_params: Any) -> RequestCompression:

@@ -44,7 +44,7 @@ from sgl_kvc.core.passes import DueCompaction, StepWork, advance_uniform, advanc
 from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.core.views import layer_views, with_gaps
-from sgl_kvc.policies import HeadSelection, Policy, get_policy
+from sgl_kvc.policies import HeadSelection, Policy, get_policy, prompt_policy_error, prompt_policy_name
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +99,16 @@ class Compressor:
 
     def new_state(self, req: Any) -> ReqKvState:
         settings = request_settings(req)
-        name = settings.policy or self.config.policy
+        name, prompt = settings.policies(self.config.policy, self.config.prompt_policy)
+        why = prompt_policy_error(name, prompt)
+        if why is not None:  # the HTTP layer refuses it first; this guards the scheduler
+            raise ValueError(why)
         budget = settings.budget or self.config.kv_budget
         ratio = None if settings.budget else self.config.kv_budget_ratio
         return ReqKvState(
             policy=self.policy(name, budget), budget=budget, budget_ratio=ratio,
             selection=settings.selection or self.config.kv_selection, device=self.store.device,
+            prompt_policy=prompt_policy_name(name, prompt),
         )
 
     def state(self, req: Any) -> ReqKvState | None:
@@ -171,7 +175,7 @@ class Compressor:
                 continue
             if "prefill" not in self.config.compress_on:
                 continue
-            target = self.policy(state.policy.name, budget).prefill_target_length(n)
+            target = self.policy(state.policy_name("prefill"), budget).prefill_target_length(n)
             if target is None and n > budget:
                 target = budget  # any policy, with a prompt over budget
             if target is not None and target < n:
@@ -284,7 +288,7 @@ class Compressor:
         tables = None
         if self.config.variable_budget:
             tables = state.tables(self.store.req_to_token[row, :n], *self.store.unit_layout)
-        policy = self.policy(state.policy.name, state.effective_budget(n))
+        policy = self.policy(state.policy_name(moment), state.effective_budget(n))
         # a staged pass in progress is superseded
         state.pending = start_pass(self.store, row, state, policy, n, target, moment, tables)
         self._account(time.perf_counter() - t0)
@@ -310,14 +314,14 @@ class Compressor:
         t0 = time.perf_counter()
         row = batch.reqs[i].kv.req_pool_idx
         n = int(batch.seq_lens_cpu[i])
-        policy = self.policy(state.policy.name, state.effective_budget(n))
+        policy = self.policy(state.policy_name(moment), state.effective_budget(n))
         positions = state.positions(n)
         views = layer_views(self.store, row, state, n, positions, self._layers())
         planted = failpoints.hits("tp_local_scores", batch.reqs[i])  # each rank from its own heads
         chosen = policy.select(views, target, reduce=None if planted else self.reduce_scores)
         stats = None
-        if policy.uses_stats:
-            stats = with_gaps(self.first_layer, [policy.carry_stats(v, chosen) for v in views])
+        if state.policy.uses_stats:  # the decode policy's statistic, whichever policy chose
+            stats = with_gaps(self.first_layer, [state.policy.carry_stats(v, chosen) for v in views])
         selection = HeadSelection.broadcast(chosen, len(views), self.store.kv_heads, n)
         self._due.append(DueCompaction(
             i=i, state=state, policy=policy, moment=moment, selection=selection,

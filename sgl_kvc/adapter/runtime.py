@@ -93,6 +93,7 @@ def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
     kv_pool = model_runner.token_to_kv_pool
     return {
         "policy": runtime.config.policy,
+        "prompt_policy": runtime.config.prompt_policy_name,
         # sgl-kvc's FP8 pool names its format; SGLang's pools store model_runner.kv_cache_dtype
         "kv_cache_dtype": getattr(kv_pool, "kvc_dtype_name", None)
         or _dtype_name(model_runner.kv_cache_dtype),

@@ -154,8 +154,8 @@ def advance_uniform(
     selection = HeadSelection(indices=indices, lengths=lengths, n=n)
     positions = state.positions(n)
     stats = None
-    if p.policy.uses_stats:
-        stats = with_gaps(store.first_layer, carry_stats_uniform(store, row, state, p.policy, selection, n, positions))
+    if state.policy.uses_stats:  # the decode policy's statistic, whichever policy chose
+        stats = with_gaps(store.first_layer, carry_stats_uniform(store, row, state, state.policy, selection, n, positions))
     full = positions.expand(selection.num_layers, selection.num_heads, n)
     return DueCompaction(
         i=i, state=state, policy=p.policy, moment=p.moment, selection=selection,
@@ -205,9 +205,9 @@ def advance_variable(
     valid = selection.valid()
     safe = torch.where(valid, selection.indices, 0)
     stats = None
-    if p.policy.uses_stats:
+    if state.policy.uses_stats:  # the decode policy's statistic, whichever policy chose
         stats = with_gaps(store.first_layer, [
-            carry_stats_variable(store, row, state, p.policy, now, layer, selection) for layer in range(num_layers)
+            carry_stats_variable(store, row, state, state.policy, now, layer, selection) for layer in range(num_layers)
         ])  # fmt: skip
     return DueCompaction(
         i=i, state=state, policy=p.policy, moment=p.moment, selection=selection,

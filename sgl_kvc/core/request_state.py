@@ -102,7 +102,7 @@ class ReqKvState:
     Tensors live on `device`, the device of the request's KV.
     """
 
-    policy: Policy
+    policy: Policy  # compresses the generated tokens (decode, preempt); owns `stats`
     budget: int
     budget_ratio: float | None = None
     selection: str = DEFAULT_SELECTION
@@ -118,6 +118,15 @@ class ReqKvState:
     # Compacted between two chunks of its prompt: its token ids are read `offset` further on
     # than its row (the engine's fill ids are shifted by the adapter).
     fill_shift: bool = False
+    prompt_policy: str | None = None  # compresses the prompt (prefill, chunk); None: `policy`
+
+    PROMPT_MOMENTS = ("prefill", "chunk")
+
+    def policy_name(self, moment: str) -> str:
+        """The policy that chooses what a pass at `moment` keeps."""
+        if moment in self.PROMPT_MOMENTS and self.prompt_policy is not None:
+            return self.prompt_policy
+        return self.policy.name
 
     @property
     def compressed(self) -> bool:

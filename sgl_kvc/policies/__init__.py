@@ -21,12 +21,21 @@ from .per_head import (
     select_from_scores,
     select_per_head,
 )
-from .registry import available_policies, get_policy, policy_class, register_policy
+from .registry import (
+    AUTO,
+    available_policies,
+    get_policy,
+    policy_class,
+    prompt_policy_error,
+    prompt_policy_name,
+    register_policy,
+)
 from .rkv import RKVPolicy
 from .snapkv import SnapKVPolicy
 from .streamingllm import StreamingLLMPolicy
 
 __all__ = [
+    "AUTO",
     "BUDGET_MODES",
     "DEFAULT_SELECTION",
     "SELECTIONS",
@@ -46,6 +55,8 @@ __all__ = [
     "get_policy",
     "gqa_logits",
     "policy_class",
+    "prompt_policy_error",
+    "prompt_policy_name",
     "register_policy",
     "select_from_scores",
     "select_per_head",

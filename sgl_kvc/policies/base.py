@@ -188,6 +188,10 @@ class Policy(ABC):
     """Whether prefill queries are fed to :meth:`accumulate` too (else decode queries only)."""
     compress_after_prefill: ClassVar[bool] = False
     """Whether the policy compresses right after prefill (see :meth:`prefill_target_length`)."""
+    prompt_policy: ClassVar[str | None] = None
+    """The policy that compresses the prompt (the prefill and chunk moments) when the user leaves
+    it to this one (``--prompt-policy auto``); None: this policy itself. A decode-time method
+    names a prompt method here (R-KV: SnapKV)."""
 
     def __init__(self, params: PolicyParams | None = None) -> None:
         self.params = params if params is not None else PolicyParams()

@@ -41,3 +41,34 @@ def policy_class(name: str) -> type[Policy]:
 def get_policy(name: str, params: PolicyParams | None = None) -> Policy:
     """Instantiate the policy registered as ``name``; ValueError naming the choices otherwise."""
     return policy_class(name)(params if params is not None else PolicyParams())
+
+
+AUTO = "auto"
+
+
+def prompt_policy_name(policy: str, prompt: str | None = None) -> str:
+    """The policy that compresses the prompt of a request whose decode policy is ``policy``:
+    ``prompt`` unless it is None or ``"auto"``, then the one ``policy`` names
+    (:attr:`Policy.prompt_policy`), else ``policy`` itself."""
+    if prompt is not None and prompt != AUTO:
+        return prompt
+    return policy_class(policy).prompt_policy or policy
+
+
+def prompt_policy_error(policy: str, prompt: str) -> str | None:
+    """Why ``prompt`` cannot compress the prompt of a request decoded under ``policy``, or None.
+
+    A request keeps one attention statistic, its decode policy's (accumulated and carried over
+    every compaction by that policy). A prompt policy that scores from its own statistic can
+    therefore only be the decode policy too, except KV-Compress, which scores a prompt from the
+    observation queries when the request keeps no statistic (a decode policy without one).
+    """
+    if prompt == AUTO or policy == "none" or prompt == policy:
+        return None
+    if prompt == "none":
+        return "'none' compresses nothing; to keep a prompt whole, give the request a budget above its length"
+    cls, decode = policy_class(prompt), policy_class(policy)
+    if cls.uses_stats and (cls.accumulate_prefill or decode.uses_stats):
+        return (f"{prompt!r} scores from its own attention statistic, which a request keeps only "
+                f"for its decode policy ({policy!r}): use it with policy {prompt!r}")
+    return None

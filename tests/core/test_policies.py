@@ -696,3 +696,26 @@ def test_rkv_sampled_redundancy_is_exact_below_and_close_above_the_reference_cou
     least_exact = set((-exact[0]).topk(200).indices.tolist())
     least_approx = set((-approx[0]).topk(200).indices.tolist())
     assert len(least_exact & least_approx) / 200 > 0.8
+
+
+def test_prompt_policy_pairs() -> None:
+    """Which policy compresses a prompt: R-KV (decode-time, §3) names SnapKV; the others
+    themselves. A prompt policy scoring from a statistic pairs only with a decode policy that
+    keeps none it could misread."""
+    from sgl_kvc.policies import prompt_policy_error, prompt_policy_name
+
+    assert prompt_policy_name("rkv") == "snapkv"
+    assert all(prompt_policy_name(p) == p for p in available_policies() if p != "rkv")
+    ok = [("rkv", "rkv"), ("rkv", "kvcompress"), ("h2o", "snapkv"), ("kvcompress", "streamingllm"),
+          ("avgattn", "avgattn"), ("none", "h2o"), ("h2o", "auto")]
+    assert all(prompt_policy_error(*pair) is None for pair in ok)
+    refused = [("rkv", "h2o"), ("rkv", "avgattn"), ("h2o", "kvcompress"), ("h2o", "avgattn"), ("rkv", "none")]
+    assert all(prompt_policy_error(*pair) for pair in refused)
+
+
+def test_request_state_picks_the_policy_of_each_moment() -> None:
+    from sgl_kvc.core.request_state import ReqKvState
+
+    state = ReqKvState(policy=get_policy("rkv"), budget=8, prompt_policy="snapkv")
+    assert [state.policy_name(m) for m in ("prefill", "chunk", "decode", "preempt")] == ["snapkv", "snapkv", "rkv", "rkv"]
+    assert ReqKvState(policy=get_policy("h2o"), budget=8).policy_name("prefill") == "h2o"

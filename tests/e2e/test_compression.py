@@ -18,6 +18,7 @@ from kvc_reference import generate as _generate
 from kvc_reference import REASONING_PROMPT as PROMPT
 from kvc_reference import assert_pool_whole, complete_concurrently, kept_count, logprob_error, trace_events as _events
 from loadtest.server import ServerProcess
+from sgl_kvc.policies import prompt_policy_name
 
 pytestmark = pytest.mark.e2e
 
@@ -130,9 +131,47 @@ def test_every_policy_compresses_per_request(rkv_server, trace, policy: str) -> 
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 64
     events = _events(trace, r.json()["id"])
-    assert events and {e["policy"] for e in events} == {policy}
+    # The prompt is compressed by the policy's prompt policy (R-KV's: SnapKV), the rest by it.
+    prompt_policy = prompt_policy_name(policy)
+    assert events and {(e["moment"], e["policy"]) for e in events} == {("prefill", prompt_policy), ("decode", policy)}
     assert max(e["physical_len"] for e in events) <= 16 + BUFFER + len(PROMPT)  # bounded
     assert all(kept_count(e) - (e["physical_len"] - e["began_at"]) <= 16 for e in events)
+
+
+@pytest.mark.parametrize(
+    "policy, prompt_policy",
+    [("rkv", "rkv"), ("rkv", "kvcompress"), ("h2o", "snapkv"), ("kvcompress", "streamingllm"), ("snapkv", "rkv")],
+)
+def test_request_chooses_its_prompt_policy(rkv_server, trace, policy: str, prompt_policy: str) -> None:
+    """`prompt_policy` compresses the prompt and `policy` what is generated, also when the decode
+    policy keeps an attention statistic the prompt policy does not (H2O, KV-Compress): the
+    statistic is the decode policy's, carried over the prompt's compaction."""
+    r = rkv_server.post(
+        "/v1/completions",
+        json={"model": "m", "prompt": PROMPT, "max_tokens": 64, "temperature": 0.0, "ignore_eos": True,
+              "kv_compression": {"policy": policy, "prompt_policy": prompt_policy, "budget": 16}},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 64
+    events = _events(trace, r.json()["id"])
+    assert {(e["moment"], e["policy"]) for e in events} == {("prefill", prompt_policy), ("decode", policy)}
+    assert all(kept_count(e) - (e["physical_len"] - e["began_at"]) <= 16 for e in events)
+
+
+def test_statistics_prompt_policy_needs_its_own_decode_policy(rkv_server) -> None:
+    r = rkv_server.post(
+        "/v1/completions",
+        json={"model": "m", "prompt": "hi", "max_tokens": 4, "kv_compression": {"prompt_policy": "h2o"}},
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "kv_compression.prompt_policy" and "use it with policy 'h2o'" in error["message"]
+    ok = rkv_server.post(
+        "/v1/completions",
+        json={"model": "m", "prompt": "hi", "max_tokens": 4,
+              "kv_compression": {"policy": "h2o", "prompt_policy": "h2o"}},
+    )
+    assert ok.status_code == 200, ok.text
 
 
 @pytest.mark.parametrize("policy", ["rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress"])

@@ -119,6 +119,16 @@ def test_compression_flags_parse_into_config() -> None:
     assert (params.budget, params.rkv_lambda, params.sink_tokens) == (64, 0.2, 2)
 
 
+def test_prompt_policy_flag() -> None:
+    """auto: the policy's own prompt policy (R-KV, a decode-time method: SnapKV); a policy
+    given by name compresses every prompt of the server."""
+    assert parse_args(["--policy", "rkv"])[0].prompt_policy_name == "snapkv"
+    assert parse_args(["--policy", "h2o"])[0].prompt_policy_name == "h2o"
+    config = parse_args(["--policy", "rkv", "--prompt-policy", "kvcompress"])[0]
+    assert (config.prompt_policy, config.prompt_policy_name) == ("kvcompress", "kvcompress")
+    assert parse_args(["--policy", "h2o", "--prompt-policy", "snapkv"])[0].prompt_policy_name == "snapkv"
+
+
 def test_flag_defaults_come_from_policy_params() -> None:
     from sgl_kvc.policies import PolicyParams
 
@@ -155,6 +165,8 @@ def test_flag_defaults_come_from_policy_params() -> None:
         (["--policy", "rkv", "--kv-head-budget", "variable", "--kv-decode-attention", "sglang"],
          "--kv-decode-attention batched"),
         (["--policy", "rkv", "--kv-head-budget", "variable", "--attention-backend", "flashinfer"], "torch_native"),
+        (["--policy", "rkv", "--prompt-policy", "h2o"], "use it with policy 'h2o'"),
+        (["--policy", "rkv", "--prompt-policy", "none"], "--prompt-policy"),
     ],
 )
 def test_bad_flag_values_are_usage_errors(argv: list[str], needle: str, capsys) -> None:

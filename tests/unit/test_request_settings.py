@@ -29,6 +29,8 @@ def test_valid_settings_roundtrip_through_custom_params() -> None:
         ({"ratio": 0.5}, "kv_compression.ratio"),
         ({"selection": "per_layer"}, "kv_compression.selection"),
         ({"selection": 1}, "kv_compression.selection"),
+        ({"prompt_policy": "none"}, "kv_compression.prompt_policy"),
+        ({"prompt_policy": 3}, "kv_compression.prompt_policy"),
         ([1, 2], "kv_compression"),
     ],
 )
@@ -36,3 +38,16 @@ def test_invalid_settings_name_the_field(obj, param: str) -> None:
     with pytest.raises(RequestSettingError) as info:
         parse_kv_compression(obj)
     assert info.value.param == param
+
+
+def test_prompt_policy_resolution() -> None:
+    """A request that names its policy alone gets that policy's prompt policy, not the server's."""
+    from sgl_kvc.policies import prompt_policy_name
+
+    assert parse_kv_compression({"prompt_policy": "kvcompress"}).prompt_policy == "kvcompress"
+    assert RequestCompression().policies("rkv", "auto") == ("rkv", "auto")
+    assert RequestCompression().policies("rkv", "streamingllm") == ("rkv", "streamingllm")
+    assert RequestCompression(policy="h2o").policies("rkv", "streamingllm") == ("h2o", "auto")
+    assert RequestCompression(policy="rkv", prompt_policy="rkv").policies("h2o", "auto") == ("rkv", "rkv")
+    assert RequestCompression(prompt_policy="snapkv").policies("h2o", "h2o") == ("h2o", "snapkv")
+    assert prompt_policy_name("rkv", "auto") == "snapkv" and prompt_policy_name("rkv", "rkv") == "rkv"
