@@ -74,6 +74,7 @@ class Outcome:
     text: str | None
     error: str | None = None
     seconds: float = 0.0
+    rid: str | None = None  # the server's request id (its compactions in the trace)
 
 
 @dataclass
@@ -117,8 +118,8 @@ class ManagedServer:
     """A launcher server that is started again when it dies; requests never raise."""
 
     def __init__(self, name: str, flags: list[str], log_dir: Path, timeout_s: float,
-                 max_restarts: int = 3) -> None:
-        self.name, self.flags, self.log_dir = name, flags, log_dir
+                 max_restarts: int = 3, env: dict[str, str] | None = None) -> None:
+        self.name, self.flags, self.log_dir, self.env = name, flags, log_dir, env
         self.timeout_s, self.max_restarts = timeout_s, max_restarts
         self.starts = 0
         self._stack: ExitStack | None = None
@@ -142,7 +143,7 @@ class ManagedServer:
             print(f"[quality] start {self.name} ({self.starts}): {' '.join(self.flags)}", flush=True)
             self._stack = ExitStack()
             try:
-                self.server = self._stack.enter_context(ServerProcess.launch(cmd, log_path=log))
+                self.server = self._stack.enter_context(ServerProcess.launch(cmd, env=self.env, log_path=log))
             except Exception as e:  # noqa: BLE001 - a server that cannot start is a recorded failure
                 print(f"[quality] {self.name} did not start: {e!s:.500}", flush=True)
                 self.close_unlocked()
@@ -165,8 +166,9 @@ class ManagedServer:
             if r.status_code != 200:
                 return Outcome(sample.id, config, None, f"HTTP {r.status_code}: {r.text[:300]}",
                                time.perf_counter() - t0)
-            text = r.json()["choices"][0]["text"]
-            return Outcome(sample.id, config, text, None, time.perf_counter() - t0)
+            answer = r.json()
+            text = answer["choices"][0]["text"]
+            return Outcome(sample.id, config, text, None, time.perf_counter() - t0, answer.get("id"))
         except Exception as e:  # noqa: BLE001 - record and go on; ensure() restarts a dead server
             return Outcome(sample.id, config, None, f"{type(e).__name__}: {e!s:.300}",
                            time.perf_counter() - t0)

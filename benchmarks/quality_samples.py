@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 from benchmarks.quality_fillers import FILLERS, sentence
 
-__all__ = ["FILLERS", "Sample", "is_correct", "longgen_samples", "multikey_samples",
-           "passkey_samples", "sentence"]
+__all__ = ["FILLERS", "LONG_OUTPUT_KINDS", "Sample", "is_correct", "long_output_samples",
+           "longgen_samples", "multikey_samples", "passkey_samples", "sentence"]
 
 LONG_PIECE_TOKENS = 64
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black", "grey", "pink"]
@@ -185,6 +185,47 @@ def longgen_samples(tok: Tokenizer, n: int, length: int, max_tokens: int, seed: 
             id=f"longgen-{length}-{i}", task="longgen", prompt_ids=ids, max_tokens=max_tokens,
             ignore_eos=True, meta={"length": length},
         ))  # fmt: skip
+    return out
+
+
+LIST_TOPICS = [
+    "animals and where they live", "kitchen tools and what they are for", "board games and how they are won",
+    "trees and their leaves", "musical instruments and their sound", "jobs and what a day of each is like",
+]
+HOW_TO = [
+    "bake a loaf of bread at home", "build a wooden bookshelf", "plant and keep a vegetable garden",
+    "repair a flat bicycle tyre", "plan a week-long hiking trip", "set up a small freshwater aquarium",
+]
+LONG_OUTPUT_KINDS = ("retell", "list", "steps")
+
+
+def long_output_samples(tok: Tokenizer, per_kind: int, max_tokens: int, seed: int) -> list[Sample]:
+    """Prompts that make the model write at length (R-KV's regime: a short prompt, a long
+    output): retell a ~300-token passage, a long numbered list, a step-by-step explanation.
+    Greedy with `ignore_eos`, so every configuration writes `max_tokens` tokens."""
+    out = []
+    for kind in LONG_OUTPUT_KINDS:
+        for i in range(per_kind):
+            rng = random.Random(f"long-output-{kind}-{seed}-{i}")
+            if kind == "retell":
+                ids = _build(
+                    tok, rng, 300, rng.choice(TOPIC_OPENERS) + "\n\n",
+                    "\n\nRetell everything that happened in the text above in your own words, in great "
+                    "detail, one event after another, then describe the town and its people.", [],
+                )
+            elif kind == "list":
+                topic = LIST_TOPICS[i % len(LIST_TOPICS)]
+                ids = _render(tok, f"Write a numbered list of 200 different {topic}. Give every item "
+                                   "its own line with two sentences about it. Do not stop early.")
+            else:
+                task = HOW_TO[i % len(HOW_TO)]
+                ids = _render(tok, f"Explain step by step, in great detail, how to {task}. Number every "
+                                   "step, explain each one in a long paragraph, and list what can go "
+                                   "wrong at each step and how to fix it.")
+            out.append(Sample(
+                id=f"long-{kind}-{i}", task="long-output", prompt_ids=ids, max_tokens=max_tokens,
+                ignore_eos=True, meta={"kind": kind},
+            ))  # fmt: skip
     return out
 
 

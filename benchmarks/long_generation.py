@@ -1,0 +1,227 @@
+"""How close long compressed generations stay to the full cache's, on the real default model.
+
+    python -m benchmarks.long_generation                        # 9 prompts x 1024 tokens
+    python -m benchmarks.long_generation --tokens 2048 --per-kind 2 --configs rkv@256 snapkv@256
+
+R-KV's regime: a short prompt and a long output (a retelling, a long list, a step-by-step
+explanation; `benchmarks.quality_samples.long_output_samples`), greedy with `ignore_eos`, so every
+configuration writes `--tokens` tokens. One compressing server (`--policy rkv`) serves every
+configuration through the per-request `kv_compression` setting; `full` is the same server with a
+budget above any length. Each configuration sends all prompts at once, so every run decodes in
+batches of the same shape; `full` runs first and again last (`full (again)`: the noise floor of
+greedy decoding on this machine, a row any policy is compared against).
+
+Scores against `full`, per prompt, averaged: the share of the output identical to the full
+cache's before the first differing token, ROUGE-L F1 on words, and the share of outputs in a
+repetition loop (`benchmarks.quality.is_looping`) against the full cache's own loop rate. Each
+request's compactions are read from the server's compaction trace (`SGLKVC_TRACE`): a
+configuration whose requests were never compacted is reported as such, not as a quality result.
+Writes `<out>/long-generation.{json,md,png}` (`long-generation-<tag>.*` with `--tag`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from benchmarks.common import machine, metadata_markdown, run_metadata
+from benchmarks.quality import UNCOMPRESSED, ManagedServer, Outcome, common_prefix, is_looping, rouge_l
+from benchmarks.quality_samples import LONG_OUTPUT_KINDS, Sample, long_output_samples
+
+CONFIGS = ["rkv@128", "rkv@256", "rkv@512", "snapkv@256", "streamingllm@256", "h2o@256", "avgattn@256",
+           "kvcompress@256"]
+FULL, FULL_AGAIN = "full", "full (again)"
+
+
+@dataclass
+class LongOutputScore:
+    config: str
+    samples: int
+    failures: int
+    compacted: int  # requests with at least one compaction in the trace
+    compactions: float  # per request, mean
+    identical_share: float  # tokens before the first difference / tokens written, mean
+    identical_tokens: float
+    rouge_l: float
+    loop_rate: float
+    by_kind: dict[str, list[float]]  # kind -> [identical share, ROUGE-L]
+
+
+def settings(config: str) -> dict:
+    """'rkv@256' -> R-KV at 256 (its default prompt policy); 'snapkv>rkv@256' -> the prompt
+    compressed by SnapKV, the output by R-KV; 'full' -> nothing evicted."""
+    if config in (FULL, FULL_AGAIN):
+        return {"budget": UNCOMPRESSED}
+    name, _, budget = config.partition("@")
+    prompt, _, policy = name.rpartition(">")
+    return {"policy": policy, "budget": int(budget), **({"prompt_policy": prompt} if prompt else {})}
+
+
+def run_config(server: ManagedServer, samples: list[Sample], config: str, timeout_s: float) -> list[Outcome]:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(samples)) as pool:
+        out = list(pool.map(lambda s: server.complete(s, config, settings(config), timeout_s), samples))
+    bad = sum(o.text is None for o in out)
+    print(f"[long-generation] {config}: {time.perf_counter() - t0:.0f} s, {bad} failed", flush=True)
+    return out
+
+
+def compactions_by_rid(trace: Path) -> Counter:
+    lines = trace.read_text().splitlines() if trace.exists() else []
+    return Counter(json.loads(line)["rid"] for line in lines)
+
+
+def score(config: str, samples: list[Sample], outcomes: dict[str, Outcome], reference: dict[str, Outcome],
+          events: Counter, tok) -> LongOutputScore:
+    mine = [s for s in samples if reference[s.id].text is not None]
+    done = [s for s in mine if outcomes[s.id].text is not None]
+    per: dict[str, tuple[float, float, int, bool, str]] = {}
+    for s in done:
+        a = tok.encode(outcomes[s.id].text, add_special_tokens=False)
+        b = tok.encode(reference[s.id].text, add_special_tokens=False)
+        same = common_prefix(a, b)
+        per[s.id] = (same / max(len(b), 1), rouge_l(outcomes[s.id].text, reference[s.id].text), same,
+                     is_looping(a), s.meta["kind"])
+    mean = lambda v: sum(v) / len(v) if v else float("nan")  # noqa: E731
+    counts = [events.get(outcomes[s.id].rid, 0) for s in done]
+    by_kind = {k: [mean([v[0] for v in per.values() if v[4] == k]), mean([v[1] for v in per.values() if v[4] == k])]
+               for k in LONG_OUTPUT_KINDS}  # fmt: skip
+    return LongOutputScore(
+        config=config, samples=len(mine), failures=len(mine) - len(done),
+        compacted=sum(c > 0 for c in counts), compactions=mean(counts),
+        identical_share=mean([v[0] for v in per.values()]), identical_tokens=mean([v[2] for v in per.values()]),
+        rouge_l=mean([v[1] for v in per.values()]), loop_rate=mean([float(v[3]) for v in per.values()]),
+        by_kind=by_kind,
+    )  # fmt: skip
+
+
+def markdown(data: dict) -> str:
+    s = data["setup"]
+    rows = data["scores"]
+    full = next((r for r in rows if r["config"] == FULL), None)
+    out = [
+        f"{len(s['samples'])} prompts ({s['per_kind']} of each kind: {', '.join(LONG_OUTPUT_KINDS)}), "
+        f"{s['tokens']} greedy tokens each (ignore_eos), all prompts of a configuration at once; "
+        f"server: `{' '.join(s['server'])}`. Against `full` (the same server, nothing evicted): "
+        f"identical = the share of the output before its first token that differs from the full "
+        f"cache's; loops = outputs in a repetition loop (full cache: "
+        f"{_pct(full['loop_rate']) if full else '-'}); compacted = requests the trace shows compacted.\n",
+        "| config | identical | identical tokens | ROUGE-L | loops | compacted | compactions / request | "
+        + " | ".join(f"{k}: identical / ROUGE-L" for k in LONG_OUTPUT_KINDS) + " |",
+        "| --- |" + " ---: |" * (6 + len(LONG_OUTPUT_KINDS)),
+    ]
+    for r in rows:
+        if r["config"] == FULL:
+            continue
+        kinds = " | ".join(f"{_pct(r['by_kind'][k][0])} / {r['by_kind'][k][1]:.2f}" for k in LONG_OUTPUT_KINDS)
+        out.append(
+            f"| {r['config']} | {_pct(r['identical_share'])} | {r['identical_tokens']:.0f} | {r['rouge_l']:.2f} | "
+            f"{_pct(r['loop_rate'])} | {r['compacted']}/{r['samples'] - r['failures']} | {r['compactions']:.1f} | {kinds} |"
+        )
+    out.append(f"\nFailed requests: {data['failures']}.")
+    return "\n".join(out) + "\n"
+
+
+def _pct(x: float) -> str:
+    return "-" if x != x else f"{100 * x:.0f}%"
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in data["scores"] if r["config"] != FULL]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["identical_share"] for r in rows], 0.4, label="identical share")
+    ax.bar([i + 0.2 for i in x], [r["rouge_l"] for r in rows], 0.4, label="ROUGE-L")
+    ax.set_xticks(list(x), [r["config"] for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_ylim(0, 1.05)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    s = data["setup"]
+    ax.set_title(f"{s['model']}: {s['tokens']}-token greedy outputs against the full cache; {s['machine']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=CONFIGS,
+                   help="POLICY@BUDGET, or PROMPT_POLICY>POLICY@BUDGET (e.g. rkv>rkv@256: R-KV for the prompt too)")
+    p.add_argument("--tokens", type=int, default=1024, help="tokens every output is long")
+    p.add_argument("--per-kind", type=int, default=3, help="prompts of each kind (retell, list, steps)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32",
+                   help="the model's dtype (float32: greedy decoding far from rounding ties)")
+    p.add_argument("--kv-buffer", type=int, default=128)
+    p.add_argument("--server-args", default="", help="more flags for the server")
+    p.add_argument("--request-timeout", type=float, default=3600)
+    p.add_argument("--server-timeout", type=float, default=600)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--tag", default="")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    meta = run_metadata("benchmarks.long_generation", argv)
+    print(metadata_markdown(meta), flush=True)
+    from transformers import AutoTokenizer
+
+    from sgl_kvc.model import SMOLLM2_MODEL_NAME, ensure_smollm2
+
+    t_start = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(ensure_smollm2())
+    samples = long_output_samples(tok, args.per_kind, args.tokens, args.seed)
+    logs = Path(tempfile.mkdtemp(prefix="long-generation-"))
+    trace = logs / "trace.jsonl"
+    pool = len(samples) * (max(s.prompt_len for s in samples) + args.tokens + 8)
+    flags = ["--policy", "rkv", "--dtype", args.dtype, "--kv-buffer", str(args.kv_buffer),
+             "--max-total-tokens", str(pool), "--max-running-requests", str(len(samples)),
+             *shlex.split(args.server_args)]  # fmt: skip
+    server = ManagedServer("long-generation", flags, logs, args.server_timeout, env={"SGLKVC_TRACE": str(trace)})
+    outcomes: dict[str, list[Outcome]] = {}
+    try:
+        for config in [FULL, *args.configs, FULL_AGAIN]:
+            outcomes[config] = run_config(server, samples, config, args.request_timeout)
+    finally:
+        server.close()
+    events = compactions_by_rid(trace)
+    by_id = {c: {o.sample: o for o in outs} for c, outs in outcomes.items()}
+    scores = [score(c, samples, by_id[c], by_id[FULL], events, tok) for c in outcomes]
+    data = {
+        "meta": meta,
+        "setup": {
+            "model": SMOLLM2_MODEL_NAME, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+            "tokens": args.tokens, "per_kind": args.per_kind, "seed": args.seed, "server": flags,
+            "samples": [{"id": s.id, "prompt_tokens": s.prompt_len, **s.meta} for s in samples],
+            "total_seconds": time.perf_counter() - t_start,
+        },
+        "scores": [asdict(r) for r in scores],
+        "failures": sum(o.text is None for outs in outcomes.values() for o in outs),
+        "outcomes": [asdict(o) for outs in outcomes.values() for o in outs],
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "long-generation" + (f"-{args.tag}" if args.tag else "")
+    table = markdown(data)
+    title = (f"{metadata_markdown(meta)}\n{SMOLLM2_MODEL_NAME} on `python -m sgl_kvc.launch` (CPU); "
+             f"{data['setup']['machine']}; {data['setup']['date']}; total {data['setup']['total_seconds'] / 60:.0f} min.\n\n")
+    (args.out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+    (args.out / f"{stem}.md").write_text(title + table)
+    plot(data, args.out / f"{stem}.png")
+    print(title + table, flush=True)
+    return data
+
+
+if __name__ == "__main__":
+    main()
