@@ -13,7 +13,7 @@ greedy decoding on this machine, a row any policy is compared against).
 
 Scores against `full`, per prompt, averaged: the share of the output identical to the full
 cache's before the first differing token, ROUGE-L F1 on words, and the share of outputs in a
-repetition loop (`benchmarks.quality.is_looping`) against the full cache's own loop rate. Each
+repetition loop (`is_looping`) against the full cache's own loop rate. Each
 request's compactions are read from the server's compaction trace (`SGLKVC_TRACE`): a
 configuration whose requests were never compacted is reported as such, not as a quality result.
 Writes `<out>/long-generation.{json,md,png}` (`long-generation-<tag>.*` with `--tag`).
@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.common import machine, metadata_markdown, run_metadata
-from benchmarks.quality import UNCOMPRESSED, ManagedServer, Outcome, common_prefix, is_looping, rouge_l
+from benchmarks.quality import UNCOMPRESSED, ManagedServer, Outcome
 from benchmarks.quality_samples import LONG_OUTPUT_KINDS, Sample, long_output_samples
 
 CONFIGS = ["rkv@128", "rkv@256", "rkv@512", "snapkv@256", "streamingllm@256", "h2o@256", "avgattn@256",
@@ -52,6 +52,46 @@ class LongOutputScore:
     rouge_l: float
     loop_rate: float
     by_kind: dict[str, list[float]]  # kind -> [identical share, ROUGE-L]
+
+
+# --- text scores ------------------------------------------------------------------------------
+
+
+def lcs_len(a: list[str], b: list[str]) -> int:
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def rouge_l(candidate: str, reference: str) -> float:
+    c, r = candidate.split(), reference.split()
+    if not c or not r:
+        return float(c == r)
+    lcs = lcs_len(c, r)
+    if lcs == 0:
+        return 0.0
+    p, rec = lcs / len(c), lcs / len(r)
+    return 2 * p * rec / (p + rec)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def is_looping(ids: list[int], n: int = 8, threshold: float = 0.5) -> bool:
+    """Stuck in a loop: over half of the second half's n-grams already occurred in it."""
+    half = ids[len(ids) // 2 :]
+    grams = [tuple(half[i : i + n]) for i in range(len(half) - n + 1)]
+    return bool(grams) and 1 - len(set(grams)) / len(grams) > threshold
 
 
 def settings(config: str) -> dict:

@@ -13,14 +13,13 @@ Two servers, one after the other, both `python -m sgl_kvc.launch` on the built-i
   its KV and recompute only the last `--kv-window` tokens, whose queries score the prompt.
 
 Scores, all greedy (temperature 0): pass-key retrieval (5-digit key at 10/50/90% depth of
-~1K/2K/4K-token prompts), multi-key fact lookup (one of several codes), and long-generation
-fidelity (`--longgen-tokens` tokens with `ignore_eos` against the full cache's: common prefix in
-tokens, ROUGE-L F1 on words, share of generations stuck in a loop). Retrieval accuracy is reported
+~1K/2K/4K-token prompts) and multi-key fact lookup (one of several codes), each reported
 as the share of the samples the full cache answers correctly that a configuration still answers.
 Then compression seconds per pass at 1K/4K/8K-token prompts (from `/v1/kvc/stats` deltas around
 single requests). Then, when its venv exists (`--kvpress-python`), NVIDIA kvpress's presses on the
 same samples (`benchmarks/kvpress_runner.py`). A failed request, or a server that dies, is
 recorded as a failure and the benchmark goes on (a dead server is started again).
+Long outputs are `benchmarks.long_generation`'s.
 Writes `<out>/quality.json`, `<out>/quality.md` and `<out>/quality.png` (`quality-<tag>.*` with `--tag`).
 """
 
@@ -49,7 +48,6 @@ from benchmarks.quality_fillers import STYLES
 from benchmarks.quality_samples import (
     Sample,
     is_correct,
-    longgen_samples,
     multikey_samples,
     passkey_samples,
     sentence,
@@ -89,16 +87,6 @@ class RetrievalScore:
     relative: float | None  # kept / reference_correct
     by_length: dict[str, float | None] = field(default_factory=dict)
     by_style: dict[str, list[int]] = field(default_factory=dict)  # style -> [kept, reference_correct]
-
-
-@dataclass
-class LongGenScore:
-    config: str
-    samples: int
-    failures: int
-    common_prefix_tokens: float
-    rouge_l: float
-    loop_rate: float
 
 
 @dataclass
@@ -206,12 +194,8 @@ def combos(policies: list[str], budgets: list[int]) -> list[tuple[str, dict]]:
 
 
 def run_reference(server: ManagedServer, samples: list[Sample], args: argparse.Namespace) -> list[Outcome]:
-    short = [s for s in samples if s.task != "longgen"]
     with ThreadPoolExecutor(args.concurrency) as pool:
-        out = list(pool.map(lambda s: server.complete(s, "full", None, args.request_timeout), short))
-    # Long generations alone, so no other request's prefill interleaves with them.
-    return out + [server.complete(s, "full", None, args.request_timeout)
-                  for s in samples if s.task == "longgen"]  # fmt: skip
+        return list(pool.map(lambda s: server.complete(s, "full", None, args.request_timeout), samples))
 
 
 def run_compressed(server: ManagedServer, samples: list[Sample], args: argparse.Namespace) -> list[Outcome]:
@@ -226,10 +210,7 @@ def run_compressed(server: ManagedServer, samples: list[Sample], args: argparse.
             live = [c for c in todo if c[1]["budget"] < s.prompt_len + s.max_tokens]
             same = [Outcome(s.id, c[0], warm.text, warm.error, warm.seconds)
                     for c in todo if c not in live]  # fmt: skip
-            # Long generations one at a time: greedy decoding in bfloat16 on CPU is not
-            # batch-invariant (run in one batch of 18 they all left the full cache's tokens after
-            # ~110, compressed or not). Retrieval answers are short: `--concurrency` at a time.
-            width = 1 if s.task == "longgen" else args.concurrency
+            width = args.concurrency
             chunks = [live[j : j + width] for j in range(0, len(live), max(width, 1))]
             rest = []
             for chunk in chunks:
@@ -302,43 +283,6 @@ def run_kvpress(samples: list[Sample], args: argparse.Namespace, workdir: Path) 
 # --- scores -------------------------------------------------------------------------------------
 
 
-def lcs_len(a: list[str], b: list[str]) -> int:
-    prev = [0] * (len(b) + 1)
-    for x in a:
-        cur = [0]
-        for j, y in enumerate(b):
-            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
-        prev = cur
-    return prev[-1]
-
-
-def rouge_l(candidate: str, reference: str) -> float:
-    c, r = candidate.split(), reference.split()
-    if not c or not r:
-        return float(c == r)
-    lcs = lcs_len(c, r)
-    if lcs == 0:
-        return 0.0
-    p, rec = lcs / len(c), lcs / len(r)
-    return 2 * p * rec / (p + rec)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def is_looping(ids: list[int], n: int = 8, threshold: float = 0.5) -> bool:
-    """Stuck in a loop: over half of the second half's n-grams already occurred in it."""
-    half = ids[len(ids) // 2 :]
-    grams = [tuple(half[i : i + n]) for i in range(len(half) - n + 1)]
-    return bool(grams) and 1 - len(set(grams)) / len(grams) > threshold
-
-
 def score_retrieval(
     task: str, config: str, samples: list[Sample], texts: dict[str, str | None],
     reference: dict[str, str | None],
@@ -363,23 +307,6 @@ def score_retrieval(
     )  # fmt: skip
 
 
-def score_longgen(
-    config: str, samples: list[Sample], texts: dict[str, str | None],
-    reference: dict[str, str | None], tok: Any,
-) -> LongGenScore:
-    mine = [s for s in samples if s.task == "longgen" and reference.get(s.id) is not None]
-    done = [s for s in mine if texts.get(s.id) is not None]
-    pre, rl, loops = [], [], []
-    for s in done:
-        a = tok.encode(texts[s.id], add_special_tokens=False)
-        b = tok.encode(reference[s.id], add_special_tokens=False)
-        pre.append(common_prefix(a, b))
-        rl.append(rouge_l(texts[s.id], reference[s.id]))
-        loops.append(is_looping(a))
-    mean = lambda v: sum(v) / len(v) if v else float("nan")
-    return LongGenScore(config, len(mine), len(mine) - len(done), mean(pre), mean(rl), mean(loops))
-
-
 # --- report -------------------------------------------------------------------------------------
 
 
@@ -392,7 +319,6 @@ def _cell(x: float | None, pct: bool = True) -> str:
 def markdown(data: dict) -> str:
     budgets = data["setup"]["budgets"]
     rows_by = {(r["task"], r["config"]): r for r in data["retrieval"]}
-    lg_by = {r["config"]: r for r in data["longgen"]}
     names = [p for p in data["setup"]["policies"]] + [
         f"kvpress:{p}" for p in (data.get("kvpress") or {}).get("presses", [])
     ]
@@ -415,24 +341,6 @@ def markdown(data: dict) -> str:
                 cells.append(_cell(r["relative"]) if r else "–")
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     out += _by_style(data, names, rows_by)
-    if any(r["samples"] > r["failures"] for r in data["longgen"]):  # a run without it has empty rows
-        n = lg_by.get("uncompressed", {}).get("samples", 0)
-        out.append(
-            f"\nLong generation ({n} prompts, {data['setup']['longgen_tokens']} greedy tokens, "
-            f"ignore_eos) against the full cache: common prefix (tokens) / ROUGE-L F1 / loop rate "
-            f"(full cache's own loop rate: {_cell(lg_by.get('full', {}).get('loop_rate'))}).\n"
-        )
-        out.append("| policy | " + " | ".join(f"@{b}" for b in budgets) + " |")
-        out.append("| --- |" + " ---: |" * len(budgets))
-        for name in ["uncompressed", *data["setup"]["policies"]]:
-            cells = []
-            for b in budgets:
-                r = lg_by.get(name if name == "uncompressed" else f"{name}@{b}")
-                cells.append(
-                    f"{r['common_prefix_tokens']:.0f} / {r['rouge_l']:.2f} / {_cell(r['loop_rate'])}"
-                    if r and r["samples"] > r["failures"] else "–"
-                )
-            out.append(f"| {name} | " + " | ".join(cells) + " |")
     if data["timing"]:
         lengths = sorted({t["prompt_tokens"] for t in data["timing"]})
         tb = {(t["policy"], t["prompt_tokens"]): t for t in data["timing"]}
@@ -496,8 +404,7 @@ def plot(data: dict, path: Path) -> None:
 
     budgets = data["setup"]["budgets"]
     rows = {(r["task"], r["config"]): r for r in data["retrieval"]}
-    lg = {r["config"]: r for r in data["longgen"]}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     presses = (data.get("kvpress") or {}).get("presses", [])
     for name in [*data["setup"]["policies"], *(f"kvpress:{p}" for p in presses)]:
         ys = []
@@ -506,20 +413,14 @@ def plot(data: dict, path: Path) -> None:
             ref = sum((rows.get((t, f"{name}@{b}")) or {}).get("reference_correct", 0) for t in RETRIEVAL)
             ys.append(kept / ref if ref else float("nan"))
         style = "--" if name.startswith("kvpress") else "-"
-        axes[0].plot(budgets, ys, style, marker="o", label=name)
-        if not name.startswith("kvpress") and lg:
-            axes[1].plot(budgets, [(lg.get(f"{name}@{b}") or {}).get("rouge_l", float("nan"))
-                                   for b in budgets], marker="o", label=name)  # fmt: skip
-    axes[0].set_title("retrieval (pass key + multi-key): share of full-cache answers kept", fontsize=9)
-    axes[1].set_title(f"long generation: ROUGE-L vs full cache ({data['setup']['longgen_tokens']} tokens)",
-                      fontsize=9)  # fmt: skip
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.set_xlabel("KV budget (tokens)")
-        ax.set_ylim(-0.05, 1.05)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.plot(budgets, ys, style, marker="o", label=name)
+    ax.set_title("retrieval (pass key + multi-key): share of full-cache answers kept", fontsize=9)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel("KV budget (tokens)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.suptitle(f"{data['setup']['model']}; {data['setup']['machine']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -550,9 +451,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multikey", type=int, default=3, help="multi-key samples")
     p.add_argument("--multikey-len", type=int, default=1536)
     p.add_argument("--multikey-facts", type=int, default=5)
-    p.add_argument("--longgen", type=int, default=1, help="long-generation samples")
-    p.add_argument("--longgen-len", type=int, default=384, help="long-generation prompt tokens")
-    p.add_argument("--longgen-tokens", type=int, default=512)
     p.add_argument("--timing-lengths", nargs="*", type=int, default=[1024, 4096, 8000],
                    help="prompt tokens for compression timing (8000: the 8192 context less room)")
     p.add_argument("--timing-budget", type=int, default=128)
@@ -568,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvpress-presses", nargs="+", default=["snapkv", "streamingllm", "tova"])
     p.add_argument("--kvpress-timeout", type=float, default=1800)
     p.add_argument("--no-kvpress", action="store_true")
-    p.add_argument("--tasks", nargs="+", default=["passkey", "multikey", "longgen"],
+    p.add_argument("--tasks", nargs="+", default=list(RETRIEVAL),
                    help="tasks to run (the others' samples are still built, for --merge)")
     p.add_argument("--merge", type=Path, default=None,
                    help="a previous quality.json: keep its outcomes (and timing) for what is not run now")
@@ -587,7 +485,7 @@ def main(argv: list[str] | None = None) -> dict:
     meta = run_metadata("benchmarks.quality", argv)  # before the run writes anything
     print(metadata_markdown(meta), flush=True)
     if args.quick:
-        args.passkey, args.multikey, args.longgen, args.longgen_tokens = {1024: 1}, 1, 1, 128
+        args.passkey, args.multikey = {1024: 1}, 1
         args.depths, args.timing_lengths, args.styles = [0.5], [1024], args.styles[:1]
     from transformers import AutoTokenizer
 
@@ -600,7 +498,6 @@ def main(argv: list[str] | None = None) -> dict:
         *(s for style in args.styles for s in passkey_samples(tok, args.passkey, args.depths, args.seed, style)),
         *(s for style in args.styles
           for s in multikey_samples(tok, args.multikey, args.multikey_len, args.multikey_facts, args.seed, style)),
-        *longgen_samples(tok, args.longgen, args.longgen_len, args.longgen_tokens, args.seed),
     ]  # fmt: skip
     all_samples, samples = samples, [s for s in samples if s.task in args.tasks]
     print(f"[quality] {len(samples)} samples; {len(args.policies)} policies x {len(args.budgets)} "
@@ -657,15 +554,13 @@ def main(argv: list[str] | None = None) -> dict:
     for o in outcomes:
         texts.setdefault(o.config, {})[o.sample] = o.text
     kv_ref = texts.get("kvpress:full", {})
-    retrieval, longgen = [], []
+    retrieval = []
     for config, by_sample in texts.items():
         # kvpress rows against kvpress's own full cache (same model under transformers).
         ref = kv_ref if config.startswith("kvpress") else texts["full"]
         for task in RETRIEVAL:
             if any(s.task == task and s.id in by_sample for s in samples):
                 retrieval.append(score_retrieval(task, config, samples, by_sample, ref))
-        if not config.startswith("kvpress") and any(s.task == "longgen" for s in samples):
-            longgen.append(score_longgen(config, samples, by_sample, texts["full"], tok))
     note = ("kvpress: not run (--no-kvpress, or no venv at --kvpress-python)." if kvpress is None else
             f"kvpress: failed ({kvpress['error']})." if "error" in kvpress else
             f"kvpress {kvpress.get('version')} rows: its presses on the same token ids, scored against "
@@ -680,8 +575,7 @@ def main(argv: list[str] | None = None) -> dict:
             "passkey": {str(k): v for k, v in args.passkey.items()}, "depths": args.depths,
             "styles": args.styles,
             "multikey": args.multikey, "multikey_len": args.multikey_len,
-            "multikey_facts": args.multikey_facts, "longgen": args.longgen,
-            "longgen_len": args.longgen_len, "longgen_tokens": args.longgen_tokens,
+            "multikey_facts": args.multikey_facts,
             "timing_budget": args.timing_budget, "seed": args.seed,
             "servers": {"full": ref_server.flags, "compressing": comp_flags},
             "server_starts": {"full": ref_server.starts, "compressing": comp_server.starts},
@@ -692,7 +586,6 @@ def main(argv: list[str] | None = None) -> dict:
             "merged_from_previous_run": bool(prev), "tasks_run_last": args.tasks,
         },
         "retrieval": [asdict(r) for r in retrieval],
-        "longgen": [asdict(r) for r in longgen],
         "timing": [asdict(t) for t in timing],
         "kvpress": {k: v for k, v in (kvpress or {}).items() if k != "results"} or None,
         "kvpress_note": note,

@@ -9,8 +9,8 @@ Tasks:
 - `passkey`: a 5-digit pass key stated once at a relative depth of the filler; asked at the end.
 - `multikey`: several "the code of the <colour> <thing> is NNNN" facts scattered through the
   filler; one of them is asked for.
-- `longgen`: a passage of filler and a request to retell it at length; scored by fidelity of
-  `max_tokens` greedy tokens to the full cache's, not by an answer.
+- `long-output`: a short prompt that makes the model write at length (`benchmarks.long_generation`);
+  scored by fidelity of `max_tokens` greedy tokens to the full cache's, not by an answer.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from benchmarks.quality_fillers import FILLERS, sentence
 
 __all__ = ["FILLERS", "LONG_OUTPUT_KINDS", "Sample", "is_correct", "long_output_samples",
-           "longgen_samples", "multikey_samples", "passkey_samples", "sentence"]
+           "multikey_samples", "passkey_samples", "sentence"]
 
 LONG_PIECE_TOKENS = 64
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black", "grey", "pink"]
@@ -45,9 +45,9 @@ class Sample:
     """One prompt as token ids plus what scores it."""
 
     id: str
-    task: str  # passkey | multikey | longgen
+    task: str  # passkey | multikey | long-output
     prompt_ids: list[int]
-    answer: str = ""  # the string a correct output contains (empty for longgen)
+    answer: str = ""  # the string a correct output contains (empty for long-output)
     max_tokens: int = 16
     ignore_eos: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
@@ -167,23 +167,6 @@ def multikey_samples(
             id=f"{_id('multikey', style)}-{length}-{i}", task="multikey", prompt_ids=ids,
             answer=str(codes[ask]), max_tokens=16,
             meta={"length": length, "facts": facts, "asked_depth": depths[ask], "style": style},
-        ))  # fmt: skip
-    return out
-
-
-def longgen_samples(tok: Tokenizer, n: int, length: int, max_tokens: int, seed: int) -> list[Sample]:
-    out = []
-    for i in range(n):
-        rng = random.Random(f"longgen-{seed}-{length}-{i}")
-        ids = _build(
-            tok, rng, length, rng.choice(TOPIC_OPENERS) + "\n\n",
-            "\n\nRetell everything that happened in the text above in your own words, in great "
-            "detail, one event after another, then describe the town and its people.",
-            [],
-        )
-        out.append(Sample(
-            id=f"longgen-{length}-{i}", task="longgen", prompt_ids=ids, max_tokens=max_tokens,
-            ignore_eos=True, meta={"length": length},
         ))  # fmt: skip
     return out
 

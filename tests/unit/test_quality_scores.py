@@ -6,14 +6,8 @@ from dataclasses import asdict
 
 import pytest
 
-from benchmarks.quality import (
-    common_prefix,
-    is_looping,
-    markdown,
-    parse_lengths,
-    rouge_l,
-    score_retrieval,
-)
+from benchmarks.long_generation import common_prefix, is_looping, rouge_l
+from benchmarks.quality import markdown, parse_lengths, score_retrieval
 from benchmarks.quality_fillers import STYLES
 from benchmarks.quality_samples import Sample, multikey_samples, passkey_samples, sentence
 
@@ -88,8 +82,34 @@ def test_styles_are_scored_apart_and_reported_side_by_side() -> None:
     data = {
         "setup": {"budgets": [256], "policies": ["snapkv"], "styles": ["templated", "code"],
                   "samples": [{"id": s.id, "task": s.task, **s.meta} for s in samples]},
-        "retrieval": [asdict(r), asdict(ref)], "longgen": [], "timing": [],
+        "retrieval": [asdict(r), asdict(ref)], "timing": [],
     }  # fmt: skip
     table = markdown(data)
     assert "| policy | templated @256 | code @256 |" in table
     assert "| snapkv | 2/2 | 1/2 |" in table and "full cache correct: templated 2/2, code 2/2" in table
+
+
+def test_long_generation_settings_and_scores() -> None:
+    """A configuration name becomes the request's `kv_compression`; outputs are scored against
+    the full cache's, and a configuration whose requests were never compacted says so."""
+    from collections import Counter
+
+    from benchmarks.long_generation import FULL, score, settings
+    from benchmarks.quality import UNCOMPRESSED, Outcome
+    from benchmarks.quality_samples import long_output_samples
+
+    assert settings("rkv@256") == {"policy": "rkv", "budget": 256}
+    assert settings("rkv>rkv@128") == {"policy": "rkv", "budget": 128, "prompt_policy": "rkv"}
+    assert settings(FULL) == {"budget": UNCOMPRESSED}
+    tok = WordTokenizer()
+    samples = long_output_samples(tok, 1, 64, 0)
+    assert [s.meta["kind"] for s in samples] == ["retell", "list", "steps"]
+    assert all(s.ignore_eos and s.max_tokens == 64 for s in samples)
+    ref_text = " ".join(f"w{i}" for i in range(40))
+    reference = {s.id: Outcome(s.id, FULL, ref_text, rid=f"f{s.id}") for s in samples}
+    half = " ".join(f"w{i}" for i in range(20)) + " x" * 20
+    outs = {s.id: Outcome(s.id, "rkv@8", half if i else ref_text, rid=s.id) for i, s in enumerate(samples)}
+    r = score("rkv@8", samples, outs, reference, Counter({samples[0].id: 2, samples[1].id: 1}), tok)
+    assert (r.samples, r.failures, r.compacted) == (3, 0, 2) and r.compactions == 1.0
+    assert abs(r.identical_share - (1 + 0.5 + 0.5) / 3) < 1e-9 and r.by_kind["retell"][0] == 1.0
+    assert r.loop_rate == 2 / 3  # " x" repeated: the second half is one n-gram
