@@ -9,8 +9,9 @@ H_KV, GROUP, D = 2, 3, 8
 
 
 def case(seed: int, lens: list[int], slots_total: int = 96, device: torch.device | str = "cpu"):
-    """(q, k, v, req_to_token, slots [b, n_max] padded with slot 0, pad mask) on `device`, drawn
-    on the CPU so that every device gets the same numbers."""
+    """(q, k, v, req_to_token, slots [b, n_max], pad mask) on `device`, drawn on the CPU so that
+    every device gets the same numbers. Past its length a request's slots repeat its first
+    slot, as `DecodeStep.build` pads them."""
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(slots_total, H_KV, D, generator=g)
     v = torch.randn(slots_total, H_KV, D, generator=g)
@@ -23,6 +24,6 @@ def case(seed: int, lens: list[int], slots_total: int = 96, device: torch.device
         used += n
     slots = r2t[:, :n_max].long()
     pad = torch.arange(n_max)[None, :] >= torch.tensor(lens)[:, None]
-    slots = slots.masked_fill(pad, 0)
+    slots = torch.where(pad, slots[:, :1], slots)
     q = torch.randn(len(lens), H_KV * GROUP, D, generator=g)
     return q.to(device), k.to(device), v.to(device), r2t.to(device), slots.to(device), pad.to(device)

@@ -44,7 +44,7 @@ class DecodeBlock:
     """Requests of a decode step padded to the longest of them."""
 
     index: Tensor  # [b] their indices in the batch
-    slots: Tensor | None  # [b, n_max] int64: slot of entry j of each (slot 0 past its length)
+    slots: Tensor | None  # [b, n_max] int64: slot of entry j of each (its first slot past its length)
     pad: Tensor | None  # [b, n_max] bool: True past each request's length
     groups: tuple[StatGroup, ...]
     # On the unit pool (variable budgets) the block is read through per-head tables instead
@@ -126,7 +126,9 @@ class DecodeStep:
             b_lens = torch.tensor([lens[i] for i in members], dtype=torch.int64, device="cpu")
             pad = (torch.arange(n_max, device="cpu")[None, :] >= b_lens[:, None]).to(device, non_blocking=True)
             slots = req_to_token[b_rows, :n_max].long()
-            slots.masked_fill_(pad, 0)
+            # Padding reads the request's own first entry: finite, so its weight 0 stays 0 (the
+            # kernel does not mask the values; a stale slot may hold anything).
+            slots = torch.where(pad, slots[:, :1], slots)
             blocks.append(DecodeBlock(index=index, slots=slots, pad=pad, groups=groups))
         return cls(blocks=tuple(blocks), attends=attends, size=len(rows), first_layer=first_layer)
 

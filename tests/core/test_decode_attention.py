@@ -43,12 +43,17 @@ def test_kernel_matches_dense_attention_per_request(device: torch.device, lens: 
 
 
 def test_padding_never_reaches_the_output(device: torch.device) -> None:
-    """Padding reads slot 0 (SGLang's dummy slot); whatever it holds must not leak."""
+    """A step's plan pads a request with its own first slot, never SGLang's dummy slot 0:
+    whatever slot 0 holds must not leak (the kernel masks the softmax, not the values)."""
     lens = [3, 8]
-    q, k, v, r2t, slots, pad = _case(2, lens, device=device)
+    q, k, v, r2t, _, pad = _case(2, lens, device=device)
     k[0], v[0] = float("nan"), float("inf")
-    out, probs = decode_attention(q, k, v, slots, pad, 0.3)
-    assert torch.isfinite(out).all() and torch.isfinite(probs).all()
+    step = decode_module.DecodeStep.build([0, 1], lens, {}, r2t, H_KV * D, attends=True)
+    (block,) = step.blocks
+    assert not (block.slots == 0).any()
+    out = torch.full_like(q, float("nan"))
+    step.attend(0, q, k, v, 0.3, out)
+    assert torch.isfinite(out).all()
     assert torch.allclose(out.double(), _reference(q, k, v, r2t, lens, 0.3), atol=1e-5)
 
 

@@ -148,7 +148,10 @@ def _hit_rate(cluster: LocalCluster, run: Any) -> float:
     both caches emptied first."""
     for w in cluster.workers:
         w.wait_idle()
-        assert w.post("/flush_cache", json={}).status_code == 200
+        # SGLang refuses a flush while anything is queued, the gateway's health checks included:
+        # `timeout` makes it wait (up to 30 s) for the queue to empty instead.
+        flushed = w.post("/flush_cache?timeout=30", json={})
+        assert flushed.status_code == 200, flushed.text
     before = [w.stats()["prefix_cache"] for w in cluster.workers]
     run()
     after = [w.wait_idle()["prefix_cache"] for w in cluster.workers]
