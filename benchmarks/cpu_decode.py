@@ -4,9 +4,9 @@
         --openvino-model /work/ov-smollm2-fp32
 
 SmolLM2-135M-Instruct, greedy chat completions of `--output-len` tokens (`ignore_eos`) for 1 and
-16 users at once (seeded prompts of about `--prompt-len` tokens: a passage to retell). sgl-kvc:
-one fresh `python -m sgl_kvc.launch` per configuration (`make serve`'s `--policy rkv` in the
-model's bfloat16 and in float32, and plain SGLang); OpenVINO GenAI (its own venv,
+16 users at once (seeded prompts of about `--prompt-words` words: a passage to retell). sgl-kvc:
+one fresh `python -m sgl_kvc.launch` per configuration (`make serve`'s `--policy rkv` and plain
+SGLang, each in bfloat16 and in float32); OpenVINO GenAI (its own venv,
 `benchmarks/openvino_runner.py`; the model exported with `optimum-cli export openvino
 --weight-format fp32`) with and without its cache eviction at a comparable size. Configurations
 run one after another, each alone on the machine; tokens/s = users x output tokens / wall time,
@@ -33,10 +33,12 @@ from benchmarks.common import machine, metadata_markdown, run_metadata
 from benchmarks.quality_fillers import sentence
 from sgl_kvc.server_process import ServerProcess
 
+# Explicit dtypes, so that a row means the same whatever the launcher's default on this CPU.
 SGLKVC = {
-    "sgl-kvc rkv (bf16, make serve)": "--policy rkv",
+    "sgl-kvc rkv (bf16)": "--policy rkv --dtype bfloat16",
     "sgl-kvc rkv (float32)": "--policy rkv --dtype float32",
-    "sgl-kvc none (plain SGLang, bf16)": "--policy none",
+    "plain SGLang (--policy none, bf16)": "--policy none --dtype bfloat16",
+    "plain SGLang (--policy none, float32)": "--policy none --dtype float32",
 }
 USERS = (1, 16)
 
