@@ -36,6 +36,14 @@ CPU_DEFAULTS: dict[str, str | None] = {
     "--sleep-on-idle": None,
 }
 GPU_DEFAULTS: dict[str, str | None] = {"--attention-backend": "flashinfer"}
+# The model dtype on a CPU without native bfloat16 (no AVX512-BF16 or AMX), where a bfloat16 or
+# float16 model's matrix products are emulated. Measured on 2 AVX2 cores with SmolLM2-135M
+# (benchmarks/results/cpu-decode.md, eviction-cpu-dtype.md): float32 serves 16 users at 2.1x the
+# output tokens/s (78.6 against 36.6 for `--policy rkv`) and pre-fills 5.4x faster; one user alone
+# decodes at 0.68x (12.1 against 17.9 tokens/s: batch-1 decode reads the weights, twice the
+# bytes in float32). A server exists for many requests, so float32, at twice the bytes per KV
+# entry; `--dtype` overrides it.
+EMULATED_BF16_DTYPE = "float32"
 # `--model-path demo`: the tiny random-weight Llama (fast tests; its answers are noise).
 DEMO_ALIAS = "demo"
 
@@ -52,13 +60,16 @@ def _cuda_available() -> bool:
 
 def build_sglang_argv(
     argv: list[str], on_gpu: bool, compressing: bool = False, fp8_kv: bool = False,
-    kv_memory_budget: bool = False, unit_pool: bool = False,
+    kv_memory_budget: bool = False, unit_pool: bool = False, native_bf16: bool = True,
 ) -> list[str]:
-    """SGLang's argument list: the user's flags plus the defaults they did not override."""
+    """SGLang's argument list: the user's flags plus the defaults they did not override.
+    `native_bf16`: whether this CPU multiplies bfloat16 natively (see `EMULATED_BF16_DTYPE`)."""
     from sgl_kvc.adapter import RADIX_CACHE_BACKEND
 
     out = list(argv)
     defaults = dict(GPU_DEFAULTS if on_gpu else CPU_DEFAULTS)
+    if not on_gpu and not native_bf16:
+        defaults["--dtype"] = EMULATED_BF16_DTYPE
     if fp8_kv:
         # sgl-kvc's FP8 pool is read by indexing (dequantizing the rows read): torch-native
         # attention, also on CUDA. SGLang itself keeps the model's dtype (`auto`), so its
@@ -317,19 +328,6 @@ def _native_bf16() -> bool:
         return True
 
 
-def dtype_hint(device: str, dtype: str, native_bf16: bool) -> str | None:
-    """A start-up hint where the model will likely run in bfloat16 on a CPU that emulates it.
-
-    Measured on a 2-core AVX2 EPYC (benchmarks/results/eviction-cpu-dtype.md): SmolLM2
-    in float32 pre-fills 5.4x faster and serves 1.8x the tokens/s. Not made the default: it
-    doubles the bytes of every KV entry, and it is SGLang's `--dtype` to choose."""
-    if device != "cpu" or dtype != "auto" or native_bf16:
-        return None
-    return ("sgl-kvc: this CPU has no native bfloat16 (AVX512-BF16 or AMX), so a bfloat16 model's "
-            "matrix products run several times slower than in float32; `--dtype float32` is "
-            "faster here, at twice the bytes per KV entry")
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     config, rest = parse_args(argv)
@@ -347,10 +345,15 @@ def main(argv: list[str] | None = None) -> None:
             problem = problem or str(e)
         if problem:
             sys.exit(f"python -m sgl_kvc.launch: error: {problem}")
+    native_bf16 = on_gpu or _native_bf16()
     sglang_argv = build_sglang_argv(
         rest, on_gpu, config.compressing, fp8_kv=config.fp8_kv is not None,
         kv_memory_budget=config.kv_cache_memory_gb is not None, unit_pool=config.variable_budget,
+        native_bf16=native_bf16,
     )
+    if not native_bf16 and not _has_flag(rest, "--dtype"):
+        logger.info("sgl-kvc: --dtype %s (this CPU has no native bfloat16: AVX512-BF16 or AMX)",
+                    EMULATED_BF16_DTYPE)
     config.to_env()  # read by the plugin in this process and in SGLang's worker processes
 
     from sglang.launch_server import run_server
@@ -377,9 +380,6 @@ def main(argv: list[str] | None = None) -> None:
         server_args.radix_cache_backend or "SGLang default",
         server_args.attention_backend,
     )
-    hint = dtype_hint(server_args.device, server_args.dtype, _native_bf16())
-    if hint:
-        logger.warning(hint)
     try:
         run_server(server_args)
     finally:

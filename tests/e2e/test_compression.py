@@ -28,8 +28,9 @@ PASS_WORK = 16  # less than one KV head of any pass here: one head per step
 
 @pytest.fixture(scope="module")
 def rkv_server(trace: Path):
+    # bfloat16 (the demo model's dtype) on every CPU: the accuracy thresholds were measured in it
     cmd = [
-        sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv",
+        sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--dtype", "bfloat16", "--policy", "rkv",
         "--kv-budget", str(BUDGET), "--kv-buffer", str(BUFFER), "--kv-window", str(WINDOW),
         "--kv-pass-work", str(PASS_WORK),
     ]

@@ -39,8 +39,9 @@ NEW_TOKENS = 160
 
 @pytest.fixture(scope="module")
 def servers(trace: Path):
+    # bfloat16 (the demo model's dtype) on every CPU: the accuracy thresholds were measured in it
     launch = [
-        sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo",
+        sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--dtype", "bfloat16",
         "--kv-cache-memory-gb", str(MEMORY_GB),
     ]
     specs = {

@@ -35,8 +35,9 @@ LAYERS, KV_HEADS = 2, 2  # the demo model
 def servers(trace: Path):
     """Two servers started at once: the unit pool in the model's dtype (variable budgets), and
     in FP8 (layer budgets)."""
+    # bfloat16 (the demo model's dtype) on every CPU: the accuracy thresholds were measured in it
     cmd = [
-        sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv",
+        sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--dtype", "bfloat16", "--policy", "rkv",
         "--kv-head-budget", "variable", "--kv-budget", str(BUDGET), "--kv-buffer", str(BUFFER),
         "--kv-window", str(WINDOW), "--kv-pass-work", "16", "--chunked-prefill-size", str(CHUNK),
         "--compress-on", "chunk,prefill,decode,preempt",
