@@ -15,6 +15,10 @@ Two servers, one after the other, both `python -m sgl_kvc.launch` on the built-i
 Scores, all greedy (temperature 0): pass-key retrieval (5-digit key at 10/50/90% depth of
 ~1K/2K/4K-token prompts) and multi-key fact lookup (one of several codes), each reported
 as the share of the samples the full cache answers correctly that a configuration still answers.
+Beside every score, what the compactions kept (the compressing server's compaction trace,
+`benchmarks/quality_trace.py`): how many requests were compacted before they answered, the share
+of the answer's tokens an average (layer, KV head) kept, and the share of kept entries in the
+first quarter of the prompt.
 Then compression seconds per pass at 1K/4K/8K-token prompts (from `/v1/kvc/stats` deltas around
 single requests). Then, when its venv exists (`--kvpress-python`), NVIDIA kvpress's presses on the
 same samples (`benchmarks/kvpress_runner.py`). A failed request, or a server that dies, is
@@ -45,6 +49,7 @@ import requests
 
 from benchmarks.common import NOT_RECORDED, machine, metadata_markdown, run_metadata
 from benchmarks.quality_fillers import STYLES
+from benchmarks.quality_trace import answer_positions, evidence, prompt_compactions
 from benchmarks.quality_samples import (
     Sample,
     is_correct,
@@ -87,6 +92,18 @@ class RetrievalScore:
     relative: float | None  # kept / reference_correct
     by_length: dict[str, float | None] = field(default_factory=dict)
     by_style: dict[str, list[int]] = field(default_factory=dict)  # style -> [kept, reference_correct]
+
+
+@dataclass
+class KeptSummary:
+    """What the prompt compactions of one configuration's retrieval requests kept (trace)."""
+
+    config: str
+    requests: int  # answered retrieval requests
+    compacted: int  # of those, compacted before the answer (the others scored on the full cache)
+    answer_kept: float | None  # mean share of the answer's tokens an average (layer, KV head) kept
+    early_share: float | None  # mean share of kept entries in the first quarter of the prompt
+    answer_kept_by_style: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -307,6 +324,33 @@ def score_retrieval(
     )  # fmt: skip
 
 
+def kept_summaries(samples: list[Sample], outcomes: list[Outcome], trace: Path, tok: Any) -> list[KeptSummary]:
+    """Per compressing configuration, what its retrieval requests' prompt compactions kept."""
+    events = prompt_compactions(trace)
+    by_id = {s.id: s for s in samples if s.task in RETRIEVAL}
+    answers = {s.id: answer_positions(s.prompt_ids, tok.encode(s.answer, add_special_tokens=False))
+               for s in by_id.values()}  # fmt: skip
+    rows: dict[str, list[tuple[Sample, Any]]] = {}
+    for o in outcomes:
+        s = by_id.get(o.sample)
+        if s is None or o.text is None or o.config in ("full", "uncompressed") or o.config.startswith("kvpress"):
+            continue
+        rows.setdefault(o.config, []).append((s, evidence(events.get(str(o.rid)), s.prompt_len, answers[s.id])))
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    out = []
+    for config, pairs in rows.items():
+        kept = [(s, e.answer_kept) for s, e in pairs if e.answer_kept is not None]
+        styles = dict.fromkeys(s.meta.get("style", "templated") for s, _ in pairs)
+        out.append(KeptSummary(
+            config=config, requests=len(pairs), compacted=sum(e.landed for _, e in pairs),
+            answer_kept=mean([k for _, k in kept]),
+            early_share=mean([e.early_share for _, e in pairs if e.early_share is not None]),
+            answer_kept_by_style={st: mean([k for s, k in kept if s.meta.get("style", "templated") == st])
+                                  for st in styles},
+        ))  # fmt: skip
+    return out
+
+
 # --- report -------------------------------------------------------------------------------------
 
 
@@ -341,6 +385,7 @@ def markdown(data: dict) -> str:
                 cells.append(_cell(r["relative"]) if r else "–")
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     out += _by_style(data, names, rows_by)
+    out += _kept_table(data)
     if data["timing"]:
         lengths = sorted({t["prompt_tokens"] for t in data["timing"]})
         tb = {(t["policy"], t["prompt_tokens"]): t for t in data["timing"]}
@@ -389,6 +434,29 @@ def _by_style(data: dict, names: list[str], rows_by: dict) -> list[str]:
                 kept, ref_n = counts(name if name == "uncompressed" else f"{name}@{b}", st)
                 cells.append(f"{kept}/{ref_n}" if ref_n else "–")
         out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _kept_table(data: dict) -> list[str]:
+    """What the prompt compactions kept, per policy and budget (from the compaction trace)."""
+    kept = {k["config"]: k for k in data.get("kept", [])}
+    if not kept:
+        return []
+    styles = data["setup"].get("styles", ["templated"])
+    out = ["\nWhat the prompt compactions kept (compaction trace): requests compacted before they "
+           "answered; the share of the answer's tokens (the key or code, every occurrence) an average "
+           "(layer, KV head) kept, overall and per style; the share of kept entries in the first "
+           "quarter of the prompt.\n",
+           "| config | compacted | answer tokens kept | " + " | ".join(styles) + " | in first quarter |",
+           "| --- | ---: | ---: |" + " ---: |" * len(styles) + " ---: |"]  # fmt: skip
+    for name in data["setup"]["policies"]:
+        for b in data["setup"]["budgets"]:
+            k = kept.get(f"{name}@{b}")
+            if k is None:
+                continue
+            per = " | ".join(_cell(k["answer_kept_by_style"].get(st)) for st in styles)
+            out.append(f"| {name}@{b} | {k['compacted']}/{k['requests']} | {_cell(k['answer_kept'])} | {per} | "
+                       f"{_cell(k['early_share'])} |")
     return out
 
 
@@ -457,6 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=12, help="retrieval requests in flight")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-total-tokens", type=int, default=65536)
+    p.add_argument("--dtype", default="float32",
+                   help="both servers' model dtype (float32: greedy answers far from rounding ties, "
+                        "and several times faster than bfloat16 on a CPU without native bfloat16)")
     p.add_argument("--kv-buffer", type=int, default=128)
     p.add_argument("--kv-head-budget", choices=list(BUDGET_MODES), default="uniform",
                    help="the compressing server's per-head budgets; rows of variable / layer runs are named NAME/MODE")
@@ -504,7 +575,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"budgets", flush=True)  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="quality-logs-"))
-    common = ["--max-total-tokens", str(args.max_total_tokens)]
+    common = ["--max-total-tokens", str(args.max_total_tokens), "--dtype", args.dtype]
     phases: dict[str, float] = {}
 
     t0 = time.perf_counter()
@@ -522,7 +593,9 @@ def main(argv: list[str] | None = None) -> dict:
                   "--kv-head-budget", args.kv_head_budget, *common, *shlex.split(args.server_args)]
     if args.kv_head_budget != "uniform":
         args.policies = [p if p.endswith("/shared") else f"{p}/{args.kv_head_budget}" for p in args.policies]
-    comp_server = ManagedServer("compressing", comp_flags, logs, args.server_timeout)
+    trace = logs / "trace.jsonl"
+    comp_server = ManagedServer("compressing", comp_flags, logs, args.server_timeout,
+                                env={"SGLKVC_TRACE": str(trace)})
     try:
         outcomes += run_compressed(comp_server, samples, args)
         phases["compressing"] = time.perf_counter() - t0
@@ -531,6 +604,7 @@ def main(argv: list[str] | None = None) -> dict:
         phases["timing"] = time.perf_counter() - t0
     finally:
         comp_server.close()
+    kept = kept_summaries(samples, outcomes, trace, tok)
 
     kvpress, t0 = None, time.perf_counter()
     if not args.no_kvpress:
@@ -545,6 +619,7 @@ def main(argv: list[str] | None = None) -> dict:
                      if (o["sample"], o["config"]) not in run_now]  # fmt: skip
         timing = timing or [TimingResult(**t) for t in prev["timing"]]
         kvpress = kvpress or ({**prev["kvpress"], "results": []} if prev.get("kvpress") else None)
+        kept += [KeptSummary(**k) for k in prev.get("kept", []) if k["config"] not in {x.config for x in kept}]
         phases = {**{f"{k} (merged run)": v for k, v in prev["setup"]["phase_seconds"].items()}, **phases}
         # The report lists every policy of either run (a merge may rerun only some).
         args.policies = list(dict.fromkeys([*prev["setup"]["policies"], *args.policies]))
@@ -586,6 +661,7 @@ def main(argv: list[str] | None = None) -> dict:
             "merged_from_previous_run": bool(prev), "tasks_run_last": args.tasks,
         },
         "retrieval": [asdict(r) for r in retrieval],
+        "kept": [asdict(k) for k in kept],
         "timing": [asdict(t) for t in timing],
         "kvpress": {k: v for k, v in (kvpress or {}).items() if k != "results"} or None,
         "kvpress_note": note,

@@ -113,3 +113,32 @@ def test_long_generation_settings_and_scores() -> None:
     assert (r.samples, r.failures, r.compacted) == (3, 0, 2) and r.compactions == 1.0
     assert abs(r.identical_share - (1 + 0.5 + 0.5) / 3) < 1e-9 and r.by_kind["retell"][0] == 1.0
     assert r.loop_rate == 2 / 3  # " x" repeated: the second half is one n-gram
+
+
+def test_kept_evidence_reads_the_first_prompt_compaction(tmp_path) -> None:
+    """The trace's kept positions say whether a request was compacted before it answered and
+    how much of its answer an average (layer, KV head) kept."""
+    import json
+
+    from benchmarks.quality_trace import answer_positions, evidence, prompt_compactions
+
+    prompt = [7, 1, 2, 9, 9, 1, 2, 5, 6, 8, 3, 4]
+    at = answer_positions(prompt, [1, 2])
+    assert at == [1, 2, 5, 6]
+    trace = tmp_path / "trace.jsonl"
+    per_head = [[[0, 1, 2, 10, 11], [0, 5, 6, 10, 11]], [[0, 1, 5, 10, 11], [0, 3, 4, 10, 11]]]
+    events = [
+        {"rid": "a", "tp_rank": 0, "moment": "prefill", "kept_positions": per_head},
+        {"rid": "a", "tp_rank": 0, "moment": "decode", "kept_positions": [[[0] * 5] * 2] * 2},
+        {"rid": "b", "tp_rank": 0, "moment": "chunk", "kept_positions": [0, 1, 2, 5]},
+    ]
+    trace.write_text("".join(json.dumps(e) + "\n" for e in events))
+    first = prompt_compactions(trace)
+    assert first["a"]["moment"] == "prefill"  # the prompt's compaction, not a later one
+    a = evidence(first["a"], len(prompt), at)
+    assert a.landed and a.answer_kept == (2 + 2 + 2 + 0) / 16
+    assert a.early_share == 7 / 20  # positions < 3 (a quarter of 12)
+    b = evidence(first["b"], len(prompt), at)  # shared selection: one list for every head
+    assert b.answer_kept == 3 / 4
+    missing = evidence(None, len(prompt), at)
+    assert not missing.landed and missing.answer_kept is None
