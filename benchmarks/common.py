@@ -116,13 +116,32 @@ def package_checkout() -> Path:
     return Path(spec.origin).resolve().parents[1] if spec and spec.origin else REPO
 
 
+def subpackage_checkouts(code: Path) -> dict[str, str]:
+    """`sgl_kvc.kernels` and `sgl_kvc.server` (the repository's `kernels/` and `server/`,
+    mapped by the install) that do not come from `code`: a clone on PYTHONPATH still imports
+    the installed checkout's, unless the clone links `sgl_kvc/kernels` and `sgl_kvc/server` to
+    its own folders."""
+    import importlib.util
+
+    out = {}
+    for name in ("sgl_kvc.kernels", "sgl_kvc.server"):
+        spec = importlib.util.find_spec(name)
+        where = Path(spec.origin).resolve().parents[1] if spec and spec.origin else None
+        if where is not None and where != code and where.parent != code:
+            out[name] = str(where)
+    return out
+
+
 def run_metadata(module: str, argv: list[str] | None = None) -> dict[str, Any]:
     """What produced this run's results (see the module doc): the commit is that of the code
-    that serves, and `sgl_kvc_from` says where it was when that is not this checkout."""
+    that serves, and `sgl_kvc_from` says where it was when that is not this checkout
+    (`subpackages_from`: where its kernels or server came from, when from elsewhere still)."""
     code = package_checkout()
+    mixed = subpackage_checkouts(code)
     return {
         "commit": git_commit(code),
         **({"sgl_kvc_from": str(code)} if code != REPO else {}),
+        **({"subpackages_from": mixed} if mixed else {}),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "gpu": gpu_name(),
@@ -157,7 +176,8 @@ def metadata_markdown(meta: dict[str, Any]) -> str:
     """The lines every results .md starts with."""
     lines = [
         f"- Commit: `{meta.get('commit', NOT_RECORDED)}`"
-        + (f" (sgl_kvc from {meta['sgl_kvc_from']})" if meta.get("sgl_kvc_from") else ""),
+        + (f" (sgl_kvc from {meta['sgl_kvc_from']})" if meta.get("sgl_kvc_from") else "")
+        + "".join(f"; {k} from {v}" for k, v in (meta.get("subpackages_from") or {}).items()),
         f"- Date: {meta.get('date', NOT_RECORDED)}",
         f"- Machine: {describe_machine(meta.get('machine', NOT_RECORDED))}",
         f"- GPU: {meta.get('gpu', NOT_RECORDED)}",

@@ -4,7 +4,7 @@
 
 kvpress pins its own transformers, so it lives in a separate venv (docs/benchmarks.md, "Quality"); this
 script imports nothing from sgl-kvc. IN.json (written by `benchmarks.quality`): the converted
-checkpoint folder, budgets, press names and samples as token ids. OUT.json: one outcome per
+checkpoint folder, the dtype, budgets, press names and samples as token ids. OUT.json: one outcome per
 sample and configuration (`kvpress:full`, `kvpress:<press>@<budget>`), in the main benchmark's
 `Outcome` shape.
 
@@ -143,7 +143,8 @@ def run(spec: dict[str, Any], outp: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16).eval()
+    dtype = spec.get("dtype", "bfloat16")  # the sgl-kvc servers' dtype
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, dtype)).eval()
     tok = AutoTokenizer.from_pretrained(spec["model"])
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
@@ -189,7 +190,7 @@ def run(spec: dict[str, Any], outp: str) -> None:
                     for n, p in presses.items()}  # fmt: skip
     Path(outp).write_text(json.dumps({
         "version": kvpress.__version__ if hasattr(kvpress, "__version__") else _version(),
-        "presses": list(presses), "press_params": press_params, "dtype": "bfloat16",
+        "presses": list(presses), "press_params": press_params, "dtype": dtype,
         "seconds": time.perf_counter() - t_all, "results": results,
     }))  # fmt: skip
 

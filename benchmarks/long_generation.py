@@ -11,6 +11,11 @@ budget above any length. Each configuration sends all prompts at once, so every 
 batches of the same shape; `full` runs first and again last (`full (again)`: the noise floor of
 greedy decoding on this machine, a row any policy is compared against).
 
+With kvpress's venv (`--kvpress-python`, as for `benchmarks.quality`), NVIDIA kvpress compresses
+the same prompts under transformers (`benchmarks/kvpress_decoding_runner.py`: its
+`DecodingPress` every `--kv-buffer` steps down to the budget, its press on the prompt too), scored
+against its own full-cache run: `kvpress:<press>@<budget>`.
+
 Scores against `full`, per prompt, averaged: the share of the output identical to the full
 cache's before the first differing token, ROUGE-L F1 on words, and the share of outputs in a
 repetition loop (`is_looping`) against the full cache's own loop rate. Each
@@ -23,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import subprocess
 import tempfile
 import time
 from collections import Counter
@@ -32,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.common import machine, metadata_markdown, run_metadata
-from benchmarks.quality import UNCOMPRESSED, ManagedServer, Outcome
+from benchmarks.quality import DEFAULT_KVPRESS_PYTHON, REPO, UNCOMPRESSED, ManagedServer, Outcome
 from benchmarks.quality_samples import LONG_OUTPUT_KINDS, Sample, long_output_samples
 
 CONFIGS = ["rkv@128", "rkv@256", "rkv@512", "snapkv@256", "streamingllm@256", "h2o@256", "avgattn@256",
@@ -113,6 +120,38 @@ def run_config(server: ManagedServer, samples: list[Sample], config: str, timeou
     return out
 
 
+def run_kvpress(
+    samples: list[Sample], args: argparse.Namespace, model: Path, workdir: Path
+) -> tuple[dict[str, list[Outcome]], Counter, str]:
+    """kvpress's rows ({config: outcomes}), the compactions of each (by the outcome's `rid`), and
+    a note for the report."""
+    py = Path(args.kvpress_python)
+    if not args.kvpress_presses or not py.exists():
+        return {}, Counter(), f"kvpress: not run (no venv at {py})." if args.kvpress_presses else ""
+    inp, outp = workdir / "kvpress_in.json", workdir / "kvpress_out.json"
+    inp.write_text(json.dumps({
+        "model": str(model), "dtype": args.dtype, "tokens": args.tokens, "buffer": args.kv_buffer,
+        "budgets": args.kvpress_budgets, "presses": args.kvpress_presses,
+        "samples": [s.to_json() for s in samples],
+    }))  # fmt: skip
+    cmd = [str(py), str(REPO / "benchmarks" / "kvpress_decoding_runner.py"), str(inp), str(outp)]
+    print(f"[long-generation] kvpress: {' '.join(cmd)}", flush=True)
+    try:
+        env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
+        subprocess.run(cmd, check=True, timeout=args.request_timeout * len(samples), env=env)
+        data = json.loads(outp.read_text())
+    except (subprocess.SubprocessError, OSError, ValueError) as e:
+        return {}, Counter(), f"kvpress: failed ({e!s:.300})."
+    rows: dict[str, list[Outcome]] = {}
+    counts: Counter = Counter()
+    for r in data["results"]:
+        rid = f"{r['config']}/{r['sample']}"
+        rows.setdefault(r["config"], []).append(Outcome(r["sample"], r["config"], r["text"], r.get("error"), 0.0, rid))
+        counts[rid] = r.get("compactions", 0)
+    return rows, counts, (f"kvpress {data['version']} rows: its DecodingPress (and the press on the prompt) "
+                          "under transformers, scored against its own full-cache run.")
+
+
 def compactions_by_rid(trace: Path) -> Counter:
     lines = trace.read_text().splitlines() if trace.exists() else []
     return Counter(json.loads(line)["rid"] for line in lines)
@@ -165,7 +204,7 @@ def markdown(data: dict) -> str:
             f"| {r['config']} | {_pct(r['identical_share'])} | {r['identical_tokens']:.0f} | {r['rouge_l']:.2f} | "
             f"{_pct(r['loop_rate'])} | {r['compacted']}/{r['samples'] - r['failures']} | {r['compactions']:.1f} | {kinds} |"
         )
-    out.append(f"\nFailed requests: {data['failures']}.")
+    out.append(f"\nFailed requests: {data['failures']}. {data.get('kvpress_note', '')}".rstrip())
     return "\n".join(out) + "\n"
 
 
@@ -207,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-args", default="", help="more flags for the server")
     p.add_argument("--request-timeout", type=float, default=3600)
     p.add_argument("--server-timeout", type=float, default=600)
+    p.add_argument("--kvpress-python", default=os.environ.get("KVPRESS_PYTHON", str(DEFAULT_KVPRESS_PYTHON)))
+    p.add_argument("--kvpress-presses", nargs="*", default=["snapkv", "streamingllm"],
+                   help="kvpress presses run as DecodingPress (none: no kvpress rows)")
+    p.add_argument("--kvpress-budgets", nargs="+", type=int, default=[256])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--tag", default="")
     return p
@@ -237,8 +280,14 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         server.close()
     events = compactions_by_rid(trace)
+    kvpress, kvpress_counts, note = run_kvpress(samples, args, ensure_smollm2(), logs)
+    outcomes.update(kvpress)
+    events.update(kvpress_counts)
     by_id = {c: {o.sample: o for o in outs} for c, outs in outcomes.items()}
-    scores = [score(c, samples, by_id[c], by_id[FULL], events, tok) for c in outcomes]
+    # kvpress rows against kvpress's own full cache (its row: identical by definition; its loop rate)
+    kv_full = by_id.get("kvpress:full")
+    scores = [score(c, samples, by_id[c], kv_full if c.startswith("kvpress:") else by_id[FULL], events, tok)
+              for c in outcomes if kv_full is not None or not c.startswith("kvpress:")]  # fmt: skip
     data = {
         "meta": meta,
         "setup": {
@@ -249,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "scores": [asdict(r) for r in scores],
         "failures": sum(o.text is None for outs in outcomes.values() for o in outs),
+        "kvpress_note": note,
         "outcomes": [asdict(o) for outs in outcomes.values() for o in outs],
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)

@@ -201,9 +201,12 @@ def policy_settings(name: str) -> dict:
     """`kv_compression` of a policy row: "snapkv" selects per head (the server's default),
     "snapkv/shared" keeps one set per request (`selection: shared`), "snapkv/variable" per head
     with variable budgets (a run with `--kv-head-budget variable`: its server's setting; "/layer"
-    likewise)."""
-    policy, _, selection = name.partition("/")
-    return {"policy": policy, **({"selection": selection} if selection not in ("", *BUDGET_MODES) else {})}
+    likewise). "rkv>rkv": the prompt compressed by the policy before ">" (`prompt_policy`; a
+    name alone gets its policy's own prompt policy, SnapKV for R-KV)."""
+    name, _, selection = name.partition("/")
+    prompt, _, policy = name.rpartition(">")
+    return {"policy": policy, **({"prompt_policy": prompt} if prompt else {}),
+            **({"selection": selection} if selection not in ("", *BUDGET_MODES) else {})}
 
 
 def combos(policies: list[str], budgets: list[int]) -> list[tuple[str, dict]]:
@@ -283,7 +286,7 @@ def run_kvpress(samples: list[Sample], args: argparse.Namespace, workdir: Path) 
     if not retrieval:
         return None
     inp.write_text(json.dumps({
-        "model": str(args.model_dir), "budgets": args.budgets, "presses": args.kvpress_presses,
+        "model": str(args.model_dir), "dtype": args.dtype, "budgets": args.budgets, "presses": args.kvpress_presses,
         "samples": [s.to_json() for s in retrieval],
     }))  # fmt: skip
     cmd = [str(py), str(REPO / "benchmarks" / "kvpress_runner.py"), str(inp), str(outp)]
@@ -509,7 +512,8 @@ def parse_lengths(text: str) -> dict[int, int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", nargs="+", default=POLICIES,
-                   help="policy rows; NAME selects per head (default), NAME/shared one set per request")
+                   help="policy rows; NAME selects per head (default), NAME/shared one set per request, "
+                        "PROMPT>NAME compresses prompts with PROMPT (rkv>rkv: R-KV's own prompt selection)")
     p.add_argument("--budgets", nargs="+", type=int, default=BUDGETS)
     p.add_argument("--passkey", type=parse_lengths, default=parse_lengths("1024:2,2048:1,4096:1"),
                    help="prompt length:samples per depth, comma separated")

@@ -91,3 +91,15 @@ def test_markdown_header_names_every_field() -> None:
     assert describe_machine({"cpu": "x", "cores": 2, "memory_gib": NOT_RECORDED, "speed_flags": NOT_RECORDED}) == (
         f"x, 2 cores, memory {NOT_RECORDED}, CPU flags: {NOT_RECORDED}"
     )
+
+
+def test_subpackages_from_another_checkout_are_named() -> None:
+    """A clone served from PYTHONPATH still imports the installed checkout's kernels and server
+    unless it links them: the metadata says where they came from."""
+    from benchmarks.common import REPO, subpackage_checkouts
+
+    assert subpackage_checkouts(REPO) == {}
+    elsewhere = subpackage_checkouts(Path("/a/clone"))
+    assert elsewhere == {"sgl_kvc.kernels": str(REPO), "sgl_kvc.server": str(REPO)}
+    text = metadata_markdown({"commit": "abc", "sgl_kvc_from": "/a/clone", "subpackages_from": elsewhere})
+    assert f"sgl_kvc.kernels from {REPO}" in text

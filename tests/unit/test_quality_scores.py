@@ -142,3 +142,13 @@ def test_kept_evidence_reads_the_first_prompt_compaction(tmp_path) -> None:
     assert b.answer_kept == 3 / 4
     missing = evidence(None, len(prompt), at)
     assert not missing.landed and missing.answer_kept is None
+
+
+def test_policy_rows_name_selection_and_prompt_policy() -> None:
+    from benchmarks.quality import policy_settings
+
+    assert policy_settings("snapkv") == {"policy": "snapkv"}
+    assert policy_settings("snapkv/shared") == {"policy": "snapkv", "selection": "shared"}
+    assert policy_settings("rkv/variable") == {"policy": "rkv"}  # the server's head-budget mode
+    assert policy_settings("rkv>rkv") == {"policy": "rkv", "prompt_policy": "rkv"}
+    assert policy_settings("snapkv>h2o/shared") == {"policy": "h2o", "prompt_policy": "snapkv", "selection": "shared"}
