@@ -194,10 +194,12 @@ async def drive(
 
 def server_flags(flags: list[str], args: argparse.Namespace) -> list[str]:
     """Every server's flags: the run's pool and model, then the configuration's own."""
-    # The demo model in its own dtype on every CPU (the launcher would serve it in float32 on one
-    # without native bfloat16): a pool of so many GB then holds the same tokens everywhere.
-    demo = [] if "--model-path" in args.server_args else ["--model-path", "demo", "--dtype", "bfloat16"]
-    return ["--max-total-tokens", str(args.max_total_tokens), *demo, *flags, *args.server_args]
+    # Every model in its own dtype on every CPU unless a flag says otherwise (the launcher would
+    # serve it in float32 on one without native bfloat16): a pool of so many GB then holds the
+    # same tokens everywhere, and a run compares with the results taken before that default.
+    model = [] if "--model-path" in args.server_args else ["--model-path", "demo"]
+    dtype = [] if any(a == "--dtype" or a.startswith("--dtype=") for a in [*flags, *args.server_args]) else ["--dtype", "auto"]
+    return ["--max-total-tokens", str(args.max_total_tokens), *model, *dtype, *flags, *args.server_args]
 
 
 def run_config(name: str, flags: list[str], args: argparse.Namespace, log: Path) -> ConfigResult:

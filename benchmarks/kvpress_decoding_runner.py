@@ -6,8 +6,9 @@ the python of kvpress's own venv.
 IN.json (written by `benchmarks.long_generation`): the converted checkpoint folder, the dtype, the
 output length, budgets, press names and samples as token ids. Every sample is generated greedily
 under transformers (`model.generate`, exactly `tokens` new tokens) with the full cache
-(`kvpress:full`) and under each press at each budget (`kvpress:<press>@<budget>`), the way
-sgl-kvc compresses a request: `PrefillDecodingPress` with the press on the prompt (cut to the
+(`kvpress:full`) and under each press at each budget (`kvpress:<press>@<budget>`); generate's
+`min_new_tokens` keeps it from stopping at an end-of-sequence token, as `ignore_eos` keeps
+SGLang. Compressed the way sgl-kvc compresses a request: `PrefillDecodingPress` with the press on the prompt (cut to the
 budget when longer) and `DecodingPress(press, compression_interval=buffer, target_size=budget)`
 during decoding, so the cache ranges over [budget, budget + buffer] as sgl-kvc's does. OUT.json:
 per sample and configuration the generated text and the number of decode-time compressions
@@ -85,12 +86,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 press = decoding = None
                 if name is not None:
                     prefill = make_press(name)
-                    prefill.compression_ratio = max(0.0, 1 - budget / len(prompt))
+                    # kvpress keeps int(n * (1 - ratio)): half a token less pruned keeps exactly `budget`
+                    prefill.compression_ratio = max(0.0, (len(prompt) - budget - 0.5) / len(prompt))
                     decoding = counting_decoding_press(make_press(name), spec["buffer"], budget)
                     press = PrefillDecodingPress(prefilling_press=prefill, decoding_press=decoding)
                 ids = generate(model, prompt, spec["tokens"], press)
+                # compactions as sgl-kvc's trace counts them: the prompt's (when longer than the
+                # budget), then every decode-time one
+                prompt_pass = int(budget is not None and len(prompt) > budget)
                 results.append({"sample": s["id"], "config": config, "text": tok.decode(ids, skip_special_tokens=True),
-                                "compactions": decoding.compressions if decoding is not None else 0})
+                                "compactions": decoding.compressions + prompt_pass if decoding is not None else 0})
             except Exception as e:  # noqa: BLE001 - recorded, the other runs go on
                 results.append({"sample": s["id"], "config": config, "text": None,
                                 "error": f"{type(e).__name__}: {e!s:.300}"})

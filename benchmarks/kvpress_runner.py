@@ -155,7 +155,8 @@ def run(spec: dict[str, Any], outp: str) -> None:
     for n, s in enumerate(spec["samples"]):
         t0 = time.perf_counter()
         context, last = s["prompt_ids"][:-1], s["prompt_ids"][-1]
-        ratios = {b: 1 - b / len(context) for b in spec["budgets"] if b < len(context)}
+        # kvpress keeps int(n * (1 - ratio)): half a token less pruned keeps exactly b
+        ratios = {b: (len(context) - b - 0.5) / len(context) for b in spec["budgets"] if b < len(context)}
         rec = Recording(presses=presses, ratios=ratios)
         try:
             with torch.no_grad():

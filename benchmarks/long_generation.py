@@ -153,8 +153,10 @@ def run_kvpress(
 
 
 def compactions_by_rid(trace: Path) -> Counter:
+    """Compactions per request id (rank 0's: with tensor parallelism every rank writes one)."""
     lines = trace.read_text().splitlines() if trace.exists() else []
-    return Counter(json.loads(line)["rid"] for line in lines)
+    events = (json.loads(line) for line in lines)
+    return Counter(e["rid"] for e in events if e.get("tp_rank", 0) == 0)
 
 
 def score(config: str, samples: list[Sample], outcomes: dict[str, Outcome], reference: dict[str, Outcome],
@@ -240,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=1024, help="tokens every output is long")
     p.add_argument("--per-kind", type=int, default=3, help="prompts of each kind (retell, list, steps)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32",
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the model's dtype (float32: greedy decoding far from rounding ties)")
     p.add_argument("--kv-buffer", type=int, default=128)
     p.add_argument("--server-args", default="", help="more flags for the server")

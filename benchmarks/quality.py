@@ -529,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=12, help="retrieval requests in flight")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-total-tokens", type=int, default=65536)
-    p.add_argument("--dtype", default="float32",
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="both servers' model dtype (float32: greedy answers far from rounding ties, "
                         "and several times faster than bfloat16 on a CPU without native bfloat16)")
     p.add_argument("--kv-buffer", type=int, default=128)

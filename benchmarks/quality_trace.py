@@ -2,10 +2,11 @@
 behind a retrieval score.
 
 For every request of the compressing server the trace has one line per compaction with the
-logical positions each (layer, KV head) kept. Per request, from its first prompt compaction
-(after prefill, or the first chunk's):
+logical positions each (layer, KV head) kept. Per request, from its last prompt compaction (after
+prefill; with the chunk moment on, the one after the last chunk: it chose among every token):
 
-* `landed`: whether a compaction happened before the answer was written at all;
+* `landed`: whether the prompt was compacted before the first answer token was decoded from it
+  (a staged pass may land later: then the answer's first tokens came from the full cache);
 * `answer_kept`: the share of the answer's tokens (every occurrence of the pass key or code in
   the prompt; its digits are single tokens) that the average (layer, KV head) kept;
 * `early_share`: the share of all kept entries that lie in the first quarter of the prompt, where
@@ -43,16 +44,16 @@ def answer_positions(prompt_ids: list[int], answer_ids: list[int]) -> list[int]:
 
 
 def prompt_compactions(trace: Path) -> dict[str, dict]:
-    """The first prompt compaction of every request id in the trace (rank 0's view)."""
-    first: dict[str, dict] = {}
+    """The last prompt compaction of every request id in the trace (rank 0's view)."""
+    last: dict[str, dict] = {}
     if not trace.exists():
-        return first
+        return last
     with trace.open(encoding="utf-8") as f:
         for line in f:
             event = json.loads(line)
             if event.get("tp_rank", 0) == 0 and event["moment"] in PROMPT_MOMENTS:
-                first.setdefault(str(event["rid"]), event)
-    return first
+                last[str(event["rid"])] = event
+    return last
 
 
 def _heads(kept: list) -> Iterable[list[int]]:
@@ -67,6 +68,9 @@ def _heads(kept: list) -> Iterable[list[int]]:
 def evidence(event: dict | None, prompt_len: int, answer_at: list[int]) -> KeptEvidence:
     if event is None:
         return KeptEvidence(False, None, None)
+    # In time: compacted while the request held its prompt alone (the first answer token is
+    # sampled by the prefill forward; its KV is written by the first decode step).
+    landed = event["logical_len"] <= prompt_len
     heads = list(_heads(event["kept_positions"]))
     early = sum(sum(p < EARLY * prompt_len for p in h) for h in heads)
     total = sum(len(h) for h in heads)
@@ -74,4 +78,4 @@ def evidence(event: dict | None, prompt_len: int, answer_at: list[int]) -> KeptE
     if answer_at:
         want = set(answer_at)
         kept = sum(len(want.intersection(h)) for h in heads) / (len(want) * len(heads))
-    return KeptEvidence(True, kept, early / total if total else None)
+    return KeptEvidence(landed, kept, early / total if total else None)

@@ -43,8 +43,8 @@ def gather_heads(cache: Any, slots: Tensor) -> Tensor:
     b, n = slots.shape
     if isinstance(cache, Tensor) and cache.dim() == 3 and cache.is_contiguous():
         s, h, d = cache.shape
-        heads = torch.arange(h, device=slots.device)
-        rows = (slots[:, None, :] * h + heads[None, :, None]).reshape(-1)  # [b * H * n]
+        heads = torch.arange(h, device=cache.device)
+        rows = (slots.to(cache.device)[:, None, :] * h + heads[None, :, None]).reshape(-1)  # [b * H * n]
         return cache.view(s * h, d).index_select(0, rows).view(b, h, n, d).float()
     return cache[slots].float().transpose(1, 2).contiguous()
 

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from sgl_kvc.compat import standins
 
@@ -68,8 +69,6 @@ def build_sglang_argv(
 
     out = list(argv)
     defaults = dict(GPU_DEFAULTS if on_gpu else CPU_DEFAULTS)
-    if not on_gpu and not native_bf16:
-        defaults["--dtype"] = EMULATED_BF16_DTYPE
     if fp8_kv:
         # sgl-kvc's FP8 pool is read by indexing (dequantizing the rows read): torch-native
         # attention, also on CUDA. SGLang itself keeps the model's dtype (`auto`), so its
@@ -108,10 +107,32 @@ def build_sglang_argv(
         out = _drop_flag(_drop_flag(out, "--model-path"), "--model")
         defaults["--model-path"] = str(ensure_demo_model())
         defaults["--served-model-name"] = DEMO_MODEL_NAME
+    if not on_gpu and not native_bf16 and not _has_flag(out, "--dtype"):
+        model_path = _flag_value(out, "--model-path") or _flag_value(out, "--model") or defaults["--model-path"]
+        if float32_fits(model_path):
+            defaults["--dtype"] = EMULATED_BF16_DTYPE
     for flag, value in defaults.items():
         if not _has_flag(out, flag):
             out += [flag] if value is None else [flag, value]
     return out
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def float32_fits(model_path: str, available: int | None = None) -> bool:
+    """Whether the model's weights in float32 take at most half of the available memory.
+    Checkpoints are 16-bit, so float32 doubles them: an 8B model goes from 16 to 32 GB. A path
+    whose weight files cannot be read (not a folder) counts as fitting: SGLang reports it."""
+    folder = Path(model_path).expanduser()
+    if not folder.is_dir():
+        return True
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.suffix in WEIGHT_SUFFIXES and f.is_file())
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    return 2 * size <= available // 2
 
 
 def parse_args(argv: list[str]) -> tuple[KvcConfig, list[str]]:
@@ -351,9 +372,6 @@ def main(argv: list[str] | None = None) -> None:
         kv_memory_budget=config.kv_cache_memory_gb is not None, unit_pool=config.variable_budget,
         native_bf16=native_bf16,
     )
-    if not native_bf16 and not _has_flag(rest, "--dtype"):
-        logger.info("sgl-kvc: --dtype %s (this CPU has no native bfloat16: AVX512-BF16 or AMX)",
-                    EMULATED_BF16_DTYPE)
     config.to_env()  # read by the plugin in this process and in SGLang's worker processes
 
     from sglang.launch_server import run_server
@@ -373,9 +391,18 @@ def main(argv: list[str] | None = None) -> None:
     from sgl_kvc.server import mount
 
     mount(app)
+    if not native_bf16 and not _has_flag(rest, "--dtype"):
+        # After prepare_server_args: SGLang configures logging there.
+        if _has_flag(sglang_argv, "--dtype"):
+            logger.info("sgl-kvc: --dtype %s: this CPU has no native bfloat16 (AVX512-BF16 or AMX); "
+                        "--dtype bfloat16 decodes one request alone faster", EMULATED_BF16_DTYPE)
+        else:
+            logger.warning("sgl-kvc: this CPU has no native bfloat16 (AVX512-BF16 or AMX), but the model "
+                           "in float32 would take over half of the free memory: its own dtype is kept")
     logger.info(
-        "sgl-kvc: policy=%s (prompts: %s), kv cache=%s, prefix cache backend=%s, attention backend=sgl_kvc(%s)",
-        config.policy, config.prompt_policy_name if config.compressing else "-",
+        "sgl-kvc: policy=%s (prompts: %s), dtype=%s, kv cache=%s, prefix cache backend=%s, "
+        "attention backend=sgl_kvc(%s)",
+        config.policy, config.prompt_policy_name if config.compressing else "-", server_args.dtype,
         config.fp8_kv or getattr(server_args, "kv_cache_dtype", "auto"),
         server_args.radix_cache_backend or "SGLang default",
         server_args.attention_backend,

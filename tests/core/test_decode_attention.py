@@ -57,6 +57,33 @@ def test_padding_never_reaches_the_output(device: torch.device) -> None:
     assert torch.allclose(out.double(), _reference(q, k, v, r2t, lens, 0.3), atol=1e-5)
 
 
+def test_stale_slots_past_a_requests_length_are_never_read(device: torch.device) -> None:
+    """A `req_to_token` row holds stale slots past the request's length (a compacted row):
+    the plan reads none of them."""
+    lens = [3, 8]
+    q, k, v, r2t, _, _ = _case(5, lens, device=device)
+    stale = int(r2t[1, 7])  # another request's slot, written past request 0's length
+    r2t[0, 3:8] = stale
+    k[stale], v[stale] = float("nan"), float("inf")
+    r2t[1, 7] = int(r2t[1, 6])  # request 1 keeps its own finite entries
+    step = decode_module.DecodeStep.build([0, 1], lens, {}, r2t, H_KV * D, attends=True)
+    out = torch.empty_like(q)
+    step.attend(0, q, k, v, 0.3, out)
+    assert torch.allclose(out.double(), _reference(q, k, v, r2t, lens, 0.3), atol=1e-5)
+
+
+def test_a_non_contiguous_cache_reads_the_same(device: torch.device) -> None:
+    """A cache that is a view (not one contiguous [S, H, d] block) takes the indexing path."""
+    lens = [7, 1, 12]
+    q, k, v, r2t, slots, pad = _case(6, lens, device=device)
+    wide_k = torch.cat([k, torch.zeros_like(k)], dim=-1)[..., :D]  # same values, strided rows
+    wide_v = torch.cat([v, torch.zeros_like(v)], dim=-1)[..., :D]
+    assert not wide_k.is_contiguous()
+    out, probs = decode_attention(q, wide_k, wide_v, slots, pad, 0.3)
+    ref_out, ref_probs = decode_attention(q, k, v, slots, pad, 0.3)
+    assert torch.allclose(out, ref_out, atol=1e-6) and torch.allclose(probs, ref_probs, atol=1e-6)
+
+
 def test_kernel_reads_fp8_rows_dequantized(device: torch.device) -> None:
     lens = [6, 11]
     q, k, v, r2t, slots, pad = _case(3, lens, device=device)

@@ -96,8 +96,10 @@ def test_markdown_header_names_every_field() -> None:
 def test_subpackages_from_another_checkout_are_named() -> None:
     """A clone served from PYTHONPATH still imports the installed checkout's kernels and server
     unless it links them: the metadata says where they came from."""
-    from benchmarks.common import REPO, subpackage_checkouts
+    from benchmarks.common import REPO, package_checkout, subpackage_checkouts
 
+    if package_checkout() != REPO:
+        pytest.skip("this checkout's tests run on another checkout's sgl_kvc (a shared venv)")
     assert subpackage_checkouts(REPO) == {}
     elsewhere = subpackage_checkouts(Path("/a/clone"))
     assert elsewhere == {"sgl_kvc.kernels": str(REPO), "sgl_kvc.server": str(REPO)}

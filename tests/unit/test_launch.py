@@ -191,3 +191,19 @@ def test_float32_by_default_only_where_bfloat16_is_emulated() -> None:
     assert "--dtype=float16" in given and "--dtype" not in given
     assert dtype([], on_gpu=False, native_bf16=True) is None
     assert dtype([], on_gpu=True, native_bf16=False) is None
+
+
+def test_float32_only_where_the_doubled_weights_fit(tmp_path, monkeypatch) -> None:
+    """float32 doubles a 16-bit checkpoint's weights: a model that would then take over half of
+    the free memory keeps its own dtype."""
+    import sgl_kvc.launch as launch
+
+    (tmp_path / "model-00001.safetensors").write_bytes(b"\0" * 1000)
+    (tmp_path / "config.json").write_text("{}")  # not a weight file
+    assert launch.float32_fits(str(tmp_path), available=4000)
+    assert not launch.float32_fits(str(tmp_path), available=3999)
+    assert launch.float32_fits("/no/such/folder", available=1)  # SGLang reports a bad path itself
+    seen = []
+    monkeypatch.setattr(launch, "float32_fits", lambda path: seen.append(path) or False)
+    argv = build_sglang_argv(["--model-path", str(tmp_path)], on_gpu=False, native_bf16=False)
+    assert "--dtype" not in argv and seen == [str(tmp_path)]

@@ -128,18 +128,24 @@ def test_kept_evidence_reads_the_first_prompt_compaction(tmp_path) -> None:
     trace = tmp_path / "trace.jsonl"
     per_head = [[[0, 1, 2, 10, 11], [0, 5, 6, 10, 11]], [[0, 1, 5, 10, 11], [0, 3, 4, 10, 11]]]
     events = [
-        {"rid": "a", "tp_rank": 0, "moment": "prefill", "kept_positions": per_head},
-        {"rid": "a", "tp_rank": 0, "moment": "decode", "kept_positions": [[[0] * 5] * 2] * 2},
-        {"rid": "b", "tp_rank": 0, "moment": "chunk", "kept_positions": [0, 1, 2, 5]},
+        {"rid": "a", "tp_rank": 0, "moment": "prefill", "logical_len": 12, "kept_positions": per_head},
+        {"rid": "a", "tp_rank": 0, "moment": "decode", "logical_len": 20, "kept_positions": [[[0] * 5] * 2] * 2},
+        {"rid": "b", "tp_rank": 0, "moment": "prefill", "logical_len": 14, "kept_positions": [0, 1, 2, 5]},
+        {"rid": "c", "tp_rank": 0, "moment": "chunk", "logical_len": 6, "kept_positions": [0, 1, 2, 5]},
+        {"rid": "c", "tp_rank": 1, "moment": "prefill", "logical_len": 12, "kept_positions": [0]},
+        {"rid": "c", "tp_rank": 0, "moment": "prefill", "logical_len": 12, "kept_positions": [0, 8, 10, 11]},
     ]
     trace.write_text("".join(json.dumps(e) + "\n" for e in events))
-    first = prompt_compactions(trace)
-    assert first["a"]["moment"] == "prefill"  # the prompt's compaction, not a later one
-    a = evidence(first["a"], len(prompt), at)
+    last = prompt_compactions(trace)
+    assert last["a"]["moment"] == "prefill"  # the prompt's compaction, not a later decode one
+    a = evidence(last["a"], len(prompt), at)
     assert a.landed and a.answer_kept == (2 + 2 + 2 + 0) / 16
     assert a.early_share == 7 / 20  # positions < 3 (a quarter of 12)
-    b = evidence(first["b"], len(prompt), at)  # shared selection: one list for every head
+    b = evidence(last["b"], len(prompt), at)  # shared selection: one list for every head
     assert b.answer_kept == 3 / 4
+    assert not b.landed  # a staged pass that landed after two tokens were decoded from the full cache
+    c = evidence(last["c"], len(prompt), at)  # chunk moment: the pass after the last chunk, rank 0's
+    assert c.landed and c.answer_kept == 0
     missing = evidence(None, len(prompt), at)
     assert not missing.landed and missing.answer_kept is None
 
