@@ -29,3 +29,11 @@ def test_ratios_are_taken_within_each_round() -> None:
 def test_one_round_keeps_the_plain_table() -> None:
     table = markdown([_result("none", 1000, 0), _result("h2o", 2100, 0)])
     assert "| vs none |" in table and "| 2.10x |" in table
+
+
+def test_ratios_by_output_length_are_taken_within_each_round() -> None:
+    from benchmarks.plot_by_output_length import ratios
+
+    rows = [("none", 1, 100.0), ("rkv", 1, 400.0), ("none", 2, 50.0), ("rkv", 2, 250.0), ("h2o", 2, 100.0)]
+    data = {"results": [{"name": n, "round": r, "output_tokens_per_s": t} for n, r, t in rows]}
+    assert ratios(data) == {"rkv": [4.0, 5.0], "h2o": [2.0]}
