@@ -258,11 +258,15 @@ def group_members(pgid: int) -> list[int]:
 def stop_all(
     servers: Sequence[ServerProcess], term_wait_s: float = 20.0, remove_temp_logs: bool = True
 ) -> None:
-    """SIGTERM every server's process group at once, wait, then SIGKILL what is left. Stopping
-    them together bounds the whole stop by one server's grace time, not the sum. A group whose
-    leader has already exited is still signalled: its children may linger."""
+    """SIGTERM every server's leader at once, wait, then SIGKILL each whole process group.
+    Stopping them together bounds the whole stop by one server's grace time, not the sum. Only
+    the leader gets SIGTERM: SGLang's own shutdown then drains its requests, asks its schedulers
+    to exit and reaps them, where a SIGTERM to the whole group kills a scheduler first, which
+    SGLang reports as a crash and follows with a 5 s diagnostic sleep. A group whose leader has
+    already exited is still killed: its children may linger."""
     for s in servers:
-        _signal_group(s.proc, signal.SIGTERM)
+        if s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + term_wait_s
     for s in servers:
         try:

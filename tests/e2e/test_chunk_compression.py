@@ -56,12 +56,12 @@ def _complete(server: ServerProcess, ids: list[int], max_tokens: int, kvc: dict 
 
 
 def test_prompts_four_times_the_pool_are_served_within_budget_plus_one_chunk(chunk_server) -> None:
-    """Six prompts of 4x the pool at once: each is compressed after every chunk and never holds
+    """Four prompts of 4x the pool at once: each is compressed after every chunk and never holds
     more than its budget + one chunk (+ the window recomputed on a hit), so they all run."""
     before = chunk_server.stats()["compression"]
     n = 4 * POOL
-    with ThreadPoolExecutor(6) as pool:
-        replies = list(pool.map(lambda k: _complete(chunk_server, _prompt(n, seed=k), 16), range(6)))
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda k: _complete(chunk_server, _prompt(n, seed=k), 16), range(4)))
     for r in replies:
         assert r.status_code == 200, r.text[:300]
         assert r.json()["usage"] == {"prompt_tokens": n, "completion_tokens": 16, "total_tokens": n + 16,
@@ -69,7 +69,7 @@ def test_prompts_four_times_the_pool_are_served_within_budget_plus_one_chunk(chu
                                          "prompt_tokens", "completion_tokens", "total_tokens")}}
     stats = chunk_server.wait_idle()
     c = stats["compression"]
-    assert c["chunk_passes"] - before["chunk_passes"] >= 6 * (n // CHUNK - 2), c
+    assert c["chunk_passes"] - before["chunk_passes"] >= 4 * (n // CHUNK - 2), c
     assert c["max_row_slots"] <= BUDGET + CHUNK + WINDOW, c  # measured: 320 = 64 + 256
     assert c["failed_requests"] == before["failed_requests"]
     assert stats["requests"]["max_running"] >= 2  # several long prompts in flight in one pool
