@@ -66,7 +66,8 @@ def generate(model: Any, prompt: list[int], tokens: int, press: Any = None) -> l
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
-    import kvpress
+    from importlib.metadata import version
+
     from kvpress import PrefillDecodingPress
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -100,7 +101,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 results.append({"sample": s["id"], "config": config, "text": None,
                                 "error": f"{type(e).__name__}: {e!s:.300}"})
         print(f"[kvpress] {n + 1}/{len(spec['samples'])} {s['id']}: {time.perf_counter() - t0:.0f} s", flush=True)
-    return {"version": kvpress.__version__ if hasattr(kvpress, "__version__") else "", "results": results}
+    return {"version": version("kvpress"), "results": results}
 
 
 def main() -> None:
