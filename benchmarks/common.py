@@ -110,10 +110,15 @@ def package_checkout() -> Path:
     """The checkout whose `sgl_kvc` this process (and the servers it starts) imports: with the
     project's editable install that is the installed checkout, not necessarily this script's
     (a clone run with the same venv serves the installed code unless PYTHONPATH names the clone)."""
+    return _checkout_of("sgl_kvc") or REPO
+
+
+def _checkout_of(package: str) -> Path | None:
+    """The folder above the package's own (None where it cannot be found)."""
     import importlib.util
 
-    spec = importlib.util.find_spec("sgl_kvc")
-    return Path(spec.origin).resolve().parents[1] if spec and spec.origin else REPO
+    spec = importlib.util.find_spec(package)
+    return Path(spec.origin).resolve().parents[1] if spec and spec.origin else None
 
 
 def subpackage_checkouts(code: Path) -> dict[str, str]:
@@ -121,12 +126,9 @@ def subpackage_checkouts(code: Path) -> dict[str, str]:
     mapped by the install) that do not come from `code`: a clone on PYTHONPATH still imports
     the installed checkout's, unless the clone links `sgl_kvc/kernels` and `sgl_kvc/server` to
     its own folders."""
-    import importlib.util
-
     out = {}
     for name in ("sgl_kvc.kernels", "sgl_kvc.server"):
-        spec = importlib.util.find_spec(name)
-        where = Path(spec.origin).resolve().parents[1] if spec and spec.origin else None
+        where = _checkout_of(name)
         if where is not None and where != code and where.parent != code:
             out[name] = str(where)
     return out

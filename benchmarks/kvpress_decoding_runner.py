@@ -27,15 +27,10 @@ import torch
 
 
 def make_press(name: str) -> Any:
-    from kvpress import SnapKVPress, StreamingLLMPress, TOVAPress
+    """The quality benchmark's press of that name (its runner sits beside this script)."""
+    from kvpress_runner import make_presses
 
-    factories = {
-        # sgl-kvc's SnapKV window and pooling kernel (kvpress defaults: 64 and 5)
-        "snapkv": lambda: SnapKVPress(window_size=8, kernel_size=7),
-        "streamingllm": lambda: StreamingLLMPress(n_sink=4),
-        "tova": lambda: TOVAPress(),
-    }
-    return factories[name]()
+    return make_presses([name])[name]
 
 
 def counting_decoding_press(base: Any, interval: int, budget: int) -> Any:

@@ -9,23 +9,10 @@ output length.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
-
-def ratios(data: dict) -> dict[str, list[float]]:
-    """Per configuration, its tokens/s over the first configuration's, one per round."""
-    by_round: dict[int, dict[str, float]] = {}
-    for r in data["results"]:
-        by_round.setdefault(r.get("round", 1), {})[r["name"]] = r["output_tokens_per_s"]
-    base = data["results"][0]["name"]
-    out: dict[str, list[float]] = {}
-    for rows in by_round.values():
-        for name, tps in rows.items():
-            if name != base and rows.get(base):
-                out.setdefault(name, []).append(tps / rows[base])
-    return out
+from benchmarks.eviction import load, ratios
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,10 +25,10 @@ def main(argv: list[str] | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = sorted((json.loads(f.read_text()) for f in args.runs), key=lambda d: d["setup"]["output_len"])
-    lengths = [d["setup"]["output_len"] for d in runs]
-    per = [ratios(d) for d in runs]
-    names = list(dict.fromkeys(n for r in per for n in r))
+    runs = sorted((load(f) for f in args.runs), key=lambda run: run[1]["output_len"])
+    lengths = [setup["output_len"] for _, setup in runs]
+    per = [ratios(results) for results, _ in runs]  # each against its run's `none`, round by round
+    names = list(dict.fromkeys(n for r in per for n in r if n != "none"))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in names:
         ys = [statistics.median(r[name]) if name in r else float("nan") for r in per]
@@ -55,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_ylabel("output tokens/s vs plain SGLang (same KV pool)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    s = runs[0]["setup"]
+    s = runs[0][1]
     ax.set_title(f"{s['requests']} requests of {s['input_len']} prompt tokens, {s['model']}; {s['machine']}",
                  fontsize=8)
     fig.tight_layout()

@@ -31,9 +31,15 @@ def test_one_round_keeps_the_plain_table() -> None:
     assert "| vs none |" in table and "| 2.10x |" in table
 
 
-def test_ratios_by_output_length_are_taken_within_each_round() -> None:
-    from benchmarks.plot_by_output_length import ratios
+def test_ratios_by_output_length_are_taken_within_each_round(tmp_path) -> None:
+    """The plot by output length reads each run's file and takes its ratios round by round."""
+    import json
+
+    from benchmarks.eviction import load
 
     rows = [("none", 1, 100.0), ("rkv", 1, 400.0), ("none", 2, 50.0), ("rkv", 2, 250.0), ("h2o", 2, 100.0)]
-    data = {"results": [{"name": n, "round": r, "output_tokens_per_s": t} for n, r, t in rows]}
-    assert ratios(data) == {"rkv": [4.0, 5.0], "h2o": [2.0]}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"setup": {"output_len": 1024},
+                                "results": [vars(_result(n, t, r)) for n, r, t in rows]}))
+    results, setup = load(path)
+    assert ratios(results) == {"none": [1.0, 1.0], "rkv": [4.0, 5.0], "h2o": [2.0]}
