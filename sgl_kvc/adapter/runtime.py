@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+
 from sgl_kvc.adapter.compressor import Compressor
 from sgl_kvc.adapter.fp8_pool import pool_bytes
 from sgl_kvc.adapter.memory_budget import RESERVED_ATTR
@@ -41,7 +43,9 @@ def request_peak_tokens(config: KvcConfig, req: Any) -> int | None:
 
 @dataclass
 class PrefixStats:
-    """Prompt tokens of finished requests, and how many of them came from the prefix cache."""
+    """Prompt tokens of finished requests, and how many of them came from the prefix cache.
+    SGLang's own health checks (`/health` generates one token) are not counted: a gateway
+    polling every worker would otherwise add requests nobody sent and skew the hit rate."""
 
     requests: int = 0
     prompt_tokens: int = 0
@@ -50,7 +54,7 @@ class PrefixStats:
     def count(self, req: Any) -> None:
         # Retracted requests release their row too, and again when they finish: count at
         # finish only. SGLang computes `cached_tokens` once per request, at its first admission.
-        if req.finished():
+        if req.finished() and not str(req.rid).startswith(HEALTH_CHECK_RID_PREFIX):
             self.requests += 1
             self.prompt_tokens += len(req.origin_input_ids)
             self.hit_tokens += int(req.cached_tokens)

@@ -83,6 +83,8 @@ INTERNALS: tuple[Internal, ...] = (
         "max_total_num_tokens", "max_running_requests", "req_to_token_pool", "chunked_prefill_size",
         "max_req_len", "max_req_input_len", "max_new_tokens_limit", "model_config",
     ), why="the compressor, /v1/kvc/stats and a prompt compressed between chunks"),
+    Internal("sglang.srt.constants.HEALTH_CHECK_RID_PREFIX",
+             why="health checks are left out of the prefix-cache counts"),
     Internal("sglang.srt.managers.io_struct.TokenizedGenerateReqInput", attrs=(
         "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "mm_inputs",
     ), why="whether a new request is compressed between chunks"),

@@ -44,6 +44,19 @@ def test_pool_accounting_when_idle(kvc_server, openai_client) -> None:
     assert_pool_whole(s)
 
 
+def test_health_checks_are_not_counted_as_requests(kvc_server, openai_client) -> None:
+    """SGLang's `/health` generates a token through the scheduler; a gateway polls it every few
+    seconds, and those are not requests a user sent."""
+    openai_client.completions.create(
+        model=openai_client.models.list().data[0].id, prompt="Count me", max_tokens=2
+    )
+    before = kvc_server.wait_idle()["prefix_cache"]
+    for _ in range(3):
+        assert kvc_server.get("/health").status_code == 200
+    after = kvc_server.wait_idle()["prefix_cache"]
+    assert (after["requests"], after["prompt_tokens"]) == (before["requests"], before["prompt_tokens"])
+
+
 def test_plugin_components_in_use(kvc_server) -> None:
     log = Path(kvc_server.log_path).read_text(errors="replace")
     assert "sgl-kvc attention backend: sgl_kvc(torch_native)" in log
