@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from benchmarks.common import machine, metadata_markdown, run_metadata
 from loadtest.server import ServerProcess, free_port, kvc_stats
 from sgl_kvc.cluster import ClusterConfig, LocalCluster
+from sgl_kvc.launch import has_flag
 
 CLUSTER_PREFIX = "cluster:"
 
@@ -197,8 +198,9 @@ def server_flags(flags: list[str], args: argparse.Namespace) -> list[str]:
     # Every model in its own dtype on every CPU unless a flag says otherwise (the launcher would
     # serve it in float32 on one without native bfloat16): a pool of so many GB then holds the
     # same tokens everywhere, and a run compares with the results taken before that default.
-    model = [] if "--model-path" in args.server_args else ["--model-path", "demo"]
-    dtype = [] if any(a == "--dtype" or a.startswith("--dtype=") for a in [*flags, *args.server_args]) else ["--dtype", "auto"]
+    given = [*flags, *args.server_args]
+    model = [] if has_flag(given, "--model-path") else ["--model-path", "demo"]
+    dtype = [] if has_flag(given, "--dtype") else ["--dtype", "auto"]
     return ["--max-total-tokens", str(args.max_total_tokens), *model, *dtype, *flags, *args.server_args]
 
 

@@ -49,7 +49,8 @@ EMULATED_BF16_DTYPE = "float32"
 DEMO_ALIAS = "demo"
 
 
-def _has_flag(argv: list[str], flag: str) -> bool:
+def has_flag(argv: list[str], flag: str) -> bool:
+    """Whether `argv` sets `flag`, as `--flag`, `--flag VALUE` or `--flag=VALUE`."""
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
@@ -80,17 +81,17 @@ def build_sglang_argv(
         defaults["--attention-backend"] = "torch_native"
     if kv_memory_budget:
         defaults.pop("--max-total-tokens", None)  # the byte budget decides the pool's size
-    if compressing and not _has_flag(out, "--disable-overlap-schedule"):
+    if compressing and not has_flag(out, "--disable-overlap-schedule"):
         # Compaction rewrites request rows between steps; the overlap scheduler would prepare
         # the next step while the previous one still reads them.
         out.append("--disable-overlap-schedule")
-    if compressing and on_gpu and not _has_flag(out, "--disable-cuda-graph"):
+    if compressing and on_gpu and not has_flag(out, "--disable-cuda-graph"):
         # Decode CUDA graphs are captured before sgl-kvc's observation store is attached and
         # replay no Python: R-KV would score with stale queries. Off for compressing policies.
         logger.warning("sgl-kvc: decode CUDA graphs disabled (--disable-cuda-graph) for a "
                        "compressing policy: observation runs in Python each step")
         out.append("--disable-cuda-graph")
-    if compressing and not _has_flag(out, "--disable-radix-cache"):
+    if compressing and not has_flag(out, "--disable-radix-cache"):
         # The tree compaction's radix rule is written against (adapter/radix_cache.py);
         # --policy none keeps SGLang's own choice.
         defaults["--radix-cache-backend"] = RADIX_CACHE_BACKEND
@@ -107,12 +108,12 @@ def build_sglang_argv(
         out = _drop_flag(_drop_flag(out, "--model-path"), "--model")
         defaults["--model-path"] = str(ensure_demo_model())
         defaults["--served-model-name"] = DEMO_MODEL_NAME
-    if not on_gpu and not native_bf16 and not _has_flag(out, "--dtype"):
+    if not on_gpu and not native_bf16 and not has_flag(out, "--dtype"):
         model_path = _flag_value(out, "--model-path") or _flag_value(out, "--model") or defaults["--model-path"]
         if float32_fits(model_path):
             defaults["--dtype"] = EMULATED_BF16_DTYPE
     for flag, value in defaults.items():
-        if not _has_flag(out, flag):
+        if not has_flag(out, flag):
             out += [flag] if value is None else [flag, value]
     return out
 
@@ -202,7 +203,7 @@ def unsupported(config: KvcConfig, argv: list[str]) -> str | None:
     if _flag_value(argv, "--speculative-algorithm") not in (None, "None", "none"):
         return (f"--policy {config.policy} does not support speculative decoding "
                 "(--speculative-algorithm): draft batches would see physical positions")
-    if _has_flag(argv, "--enable-mixed-chunk"):
+    if has_flag(argv, "--enable-mixed-chunk"):
         return (f"--policy {config.policy} does not support --enable-mixed-chunk: mixed "
                 "prefill+decode batches would give compacted requests physical positions")
     tp = _flag_value(argv, "--tp-size") or _flag_value(argv, "--tensor-parallel-size") or "1"
@@ -211,7 +212,7 @@ def unsupported(config: KvcConfig, argv: list[str]) -> str | None:
                 "passes are priced from each rank's own tables, so ranks could finish a pass in "
                 "different steps (use --kv-head-budget uniform with tensor parallelism)")
     for flag, why in _COMPRESSION_BREAKERS.items():
-        value = _flag_value(argv, flag) if flag in _VALUED_FLAGS else ("on" if _has_flag(argv, flag) else None)
+        value = _flag_value(argv, flag) if flag in _VALUED_FLAGS else ("on" if has_flag(argv, flag) else None)
         if value is not None and value not in _VALUED_FLAGS.get(flag, ()):
             shown = flag if value == "on" else f"{flag} {value}"
             return f"--policy {config.policy} does not support {shown}: {why}"
@@ -391,9 +392,9 @@ def main(argv: list[str] | None = None) -> None:
     from sgl_kvc.server import mount
 
     mount(app)
-    if not native_bf16 and not _has_flag(rest, "--dtype"):
+    if not native_bf16 and not has_flag(rest, "--dtype"):
         # After prepare_server_args: SGLang configures logging there.
-        if _has_flag(sglang_argv, "--dtype"):
+        if has_flag(sglang_argv, "--dtype"):
             logger.info("sgl-kvc: --dtype %s: this CPU has no native bfloat16 (AVX512-BF16 or AMX); "
                         "--dtype bfloat16 decodes one request alone faster", EMULATED_BF16_DTYPE)
         else:
