@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -64,6 +65,28 @@ def wait_healthy(
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s (log: {log})")
+
+
+@contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While inside, SIGTERM to this process raises SystemExit, so that `finally` blocks (the
+    servers' stop) run: Python's default for SIGTERM is to die at once, and servers in their own
+    sessions would outlive a benchmark or test run that was sent `kill`. Only where nothing else
+    handles SIGTERM already, and only in the main thread (where Python runs signal handlers)."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def _exit(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @dataclass
@@ -146,15 +169,16 @@ class ServerProcess:
         chosen = list(ports) if ports is not None else [None] * len(cmds)
         servers: list[ServerProcess] = []
         started = False  # a server that failed to start keeps its log (the error names it)
-        try:
-            for cmd, log, port in zip(cmds, logs, chosen):
-                servers.append(cls._start(tuple(cmd), env, log, host, port, ready_path))
-            for i in range(len(servers)):
-                servers[i] = servers[i]._wait_or_retry(timeout_s, retry=chosen[i] is None)
-            started = True
-            yield servers
-        finally:
-            stop_all(servers, remove_temp_logs=started)
+        with sigterm_unwinds():
+            try:
+                for cmd, log, port in zip(cmds, logs, chosen):
+                    servers.append(cls._start(tuple(cmd), env, log, host, port, ready_path))
+                for i in range(len(servers)):
+                    servers[i] = servers[i]._wait_or_retry(timeout_s, retry=chosen[i] is None)
+                started = True
+                yield servers
+            finally:
+                stop_all(servers, remove_temp_logs=started)
 
     @classmethod
     def _start(

@@ -60,3 +60,41 @@ def test_gives_up_after_the_last_attempt(tmp_path: Path) -> None:
         with ServerProcess.launch(_cmd(tmp_path, fail=10), timeout_s=30):
             pass
     assert (tmp_path / "starts").read_text() == "3"
+
+
+# A benchmark in miniature: start the fake server, name its pid, then wait to be killed.
+DRIVER = """
+import sys, time
+from pathlib import Path
+from sgl_kvc.server_process import ServerProcess
+with ServerProcess.launch(sys.argv[2:], timeout_s=30) as server:
+    Path(sys.argv[1]).write_text(str(server.proc.pid))
+    time.sleep(600)
+"""
+
+
+def test_a_run_sent_sigterm_stops_its_servers(tmp_path: Path) -> None:
+    """`kill` on a benchmark or test run stops the servers it started (their own sessions would
+    otherwise outlive it and take CPU from every later measurement)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    driver, pid_file = tmp_path / "driver.py", tmp_path / "server.pid"
+    driver.write_text(DRIVER)
+    run = subprocess.Popen([sys.executable, str(driver), str(pid_file), *_cmd(tmp_path, fail=0)])
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert run.poll() is None and time.monotonic() < deadline, "the driver did not start it"
+        time.sleep(0.1)
+    server_pid = int(pid_file.read_text())
+    run.send_signal(signal.SIGTERM)
+    code = run.wait(timeout=30)
+    try:
+        os.killpg(server_pid, 0)  # the server's session: anything left in it?
+    except ProcessLookupError:
+        assert code == 128 + signal.SIGTERM  # and the run's own exit says why it stopped
+        return
+    os.killpg(server_pid, signal.SIGKILL)
+    pytest.fail("the server outlived the run that was sent SIGTERM")
