@@ -9,8 +9,9 @@ prefill; with the chunk moment on, the one after the last chunk: it chose among 
   (a staged pass may land later: then the answer's first tokens came from the full cache);
 * `answer_kept`: the share of the answer's tokens (every occurrence of the pass key or code in
   the prompt; its digits are single tokens) that the average (layer, KV head) kept;
-* `early_share`: the share of all kept entries that lie in the first quarter of the prompt, where
-  a statistic summed over every prompt query piles up (H2O; Batch-Max §3.2 names the bias).
+* `early_share`: the share of all kept entries that lie in the first quarter of the prompt (25% for
+  an even spread): a statistic summed over every prompt query piles up there (H2O; Batch-Max §3.2
+  names the bias), and one averaged over the queries that saw each token keeps few from there.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class RKVPolicy(Policy):
     # §3: "Different from existing KV cache compression methods [SnapKV, PyramidKV, ...] that
     # focus on the prefilling stage ..., our R-KV focuses on the decoding stage"; its redundancy
     # term (weight 0.9, eq. 7) targets repeated reasoning steps, not a prompt's text. Measured on
-    # prompts of four filler styles at budgets 128 and 256, R-KV's own selection kept 21 of the
+    # prompts of four filler styles at budgets 128 and 256, R-KV's own selection kept 23 of the
     # full cache's 58 answers, SnapKV 31 (docs/quality.md, "Prompt and decode policies"), so by
     # default the prompt is SnapKV's and the generated tokens R-KV's.
     prompt_policy: ClassVar[str | None] = "snapkv"
