@@ -80,6 +80,9 @@ def sigterm_unwinds() -> Iterator[None]:
         return
 
     def _exit(signum: int, _frame: Any) -> None:
+        # Once: a second SIGTERM while the servers stop would cut their stop short (the
+        # cluster CLI's handler ignores repeats for the same reason).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _exit)
