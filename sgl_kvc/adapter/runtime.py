@@ -7,7 +7,7 @@ globals, and every number in the snapshot is read from the scheduler process tha
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 
@@ -41,11 +41,21 @@ def request_peak_tokens(config: KvcConfig, req: Any) -> int | None:
     return budget + config.kv_buffer + 1
 
 
+def is_health_check(req: Any) -> bool:
+    """SGLang's own `/health` check: a one-token generate it runs whenever the worker is idle. A
+    gateway polls every worker, so counting these would add requests nobody sent (a prefix hit
+    rate skewed, a worker never idle)."""
+    return str(req.rid).startswith(HEALTH_CHECK_RID_PREFIX)
+
+
+def client_requests(reqs: Iterable[Any]) -> int:
+    return sum(1 for req in reqs if not is_health_check(req))
+
+
 @dataclass
 class PrefixStats:
     """Prompt tokens of finished requests, and how many of them came from the prefix cache.
-    SGLang's own health checks (`/health` generates one token) are not counted: a gateway
-    polling every worker would otherwise add requests nobody sent and skew the hit rate."""
+    SGLang's own health checks are not counted (`is_health_check`)."""
 
     requests: int = 0
     prompt_tokens: int = 0
@@ -54,7 +64,7 @@ class PrefixStats:
     def count(self, req: Any) -> None:
         # Retracted requests release their row too, and again when they finish: count at
         # finish only. SGLang computes `cached_tokens` once per request, at its first admission.
-        if req.finished() and not str(req.rid).startswith(HEALTH_CHECK_RID_PREFIX):
+        if req.finished() and not is_health_check(req):
             self.requests += 1
             self.prompt_tokens += len(req.origin_input_ids)
             self.hit_tokens += int(req.cached_tokens)
@@ -78,9 +88,9 @@ class KvcRuntime:
     def observe_plan(self, plan: Any) -> None:
         """Track the peak number of requests in flight from a `NextBatchPlan`."""
         running, batch = plan.running_batch, plan.batch_to_run
-        n = len(running.reqs)
+        n = client_requests(running.reqs)
         if batch is not None and batch is not running:
-            n += len(batch.reqs)  # a prefill batch runs while the decode batch waits
+            n += client_requests(batch.reqs)  # a prefill batch runs while the decode batch waits
         self.max_running = max(self.max_running, n)
 
 
@@ -130,7 +140,7 @@ def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
             "layers": compressor.store.attended_layers,
         },
         "requests": {
-            "running": len(scheduler.running_batch.reqs),
+            "running": client_requests(scheduler.running_batch.reqs),  # health checks left out
             "max_running": runtime.max_running,
             "max_running_limit": int(scheduler.max_running_requests),
         },
