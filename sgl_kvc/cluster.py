@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import shlex
 import signal
 import socket
@@ -34,7 +33,7 @@ from typing import Iterator, NoReturn
 
 import requests
 
-from sgl_kvc.server_process import LOOPBACK, ServerProcess, free_port, stop_all
+from sgl_kvc.server_process import LOOPBACK, ServerProcess, cpu_share_env, free_port, stop_all
 
 # The gateway's routing policies (smg 1.13 `--policy`) that need no extra set-up.
 ROUTER_POLICIES: tuple[str, ...] = (
@@ -191,13 +190,8 @@ def wait_all_healthy(gateway_url: str, worker_urls: list[str], timeout_s: float)
 
 
 def _worker_env(config: ClusterConfig, gpus: int) -> dict[str, str]:
-    """CPU workers share the machine: give each an equal share of the cores as OpenMP threads
-    (several servers each running one thread per core would contend). Left to the user where
-    OMP_NUM_THREADS is set already."""
-    if "OMP_NUM_THREADS" in os.environ or gpus > 0:
-        return {}
-    cores = len(os.sched_getaffinity(0))
-    return {"OMP_NUM_THREADS": str(max(1, cores // config.workers))}
+    """CPU workers share the machine: each gets an equal share of the cores as OpenMP threads."""
+    return {} if gpus > 0 else cpu_share_env(config.workers)
 
 
 def _gpu_count() -> int:

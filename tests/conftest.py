@@ -40,13 +40,14 @@ _triton_interpreter_without_a_gpu()
 
 def _a_share_of_the_cores_per_worker() -> None:
     """With several pytest-xdist workers, the servers each worker starts get that worker's share
-    of the cores (OMP_NUM_THREADS, inherited by the scheduler processes), as the launcher does for
-    several ranks on one machine. Otherwise every server starts one OpenMP thread per core, and
-    two busy servers on two cores spin against each other: a SmolLM2 test module took 2.6x its
-    time alone, one test 5.7x."""
+    of the cores (inherited by the scheduler processes), as the local cluster gives its workers:
+    otherwise two busy servers with a thread per core each spin against each other (a SmolLM2
+    test module took 2.6x its time alone, one test 5.7x)."""
+    from sgl_kvc.server_process import cpu_share_env
+
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
+    if workers > 1:
+        os.environ.update(cpu_share_env(workers))
 
 
 _a_share_of_the_cores_per_worker()
