@@ -214,15 +214,17 @@ def _stream(url: str, model: str, k: int, max_tokens: int) -> tuple[bool, str, f
 
 
 def test_a_killed_worker_fails_only_its_requests(cluster: LocalCluster, model: str) -> None:
-    victim, survivor = cluster.workers[1], cluster.workers[0]
     with ThreadPoolExecutor(16) as pool:
-        # Long streams, one after another, until the victim holds two (cache_aware sends a
-        # burst of similar short prompts mostly to one worker; a steady stream spreads).
-        jobs = []
-        while victim.stats()["requests"]["running"] < 2:
-            assert len(jobs) < 16, "the gateway sent the victim nothing"
+        # Long streams, one after another, until a worker holds two: the victim. Which one
+        # depends on the gateway (cache_aware sends similar prompts mostly to one worker, and
+        # spreads them only once that one is loaded enough).
+        jobs: list = []
+        while not (loaded := [w for w in cluster.workers if w.stats()["requests"]["running"] >= 2]):
+            assert len(jobs) < 16, "no worker holds two of 16 streams"
             jobs.append(pool.submit(_stream, cluster.url, model, len(jobs), 600))
             time.sleep(0.25)
+        victim = loaded[0]
+        survivor = next(w for w in cluster.workers if w is not victim)
         in_flight = victim.stats()["requests"]["running"]
         victim.kill()  # SIGKILL, its whole process group
         results = [job.result(timeout=2 * TIMEOUT_S) for job in jobs]
@@ -250,8 +252,9 @@ def test_a_killed_worker_fails_only_its_requests(cluster: LocalCluster, model: s
 
 
 def test_a_restarted_worker_rejoins(cluster: LocalCluster, model: str) -> None:
-    worker = cluster.workers[1]
-    if worker.proc.poll() is None:  # run alone: crash it first
+    # the worker the test above killed; run alone, crash one first
+    worker = next((w for w in cluster.workers if w.proc.poll() is not None), cluster.workers[1])
+    if worker.proc.poll() is None:
         worker.kill()
     worker.restart(timeout_s=240)  # same command, same address
     t0 = time.monotonic()
