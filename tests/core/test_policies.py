@@ -233,12 +233,26 @@ def test_rkv_reference_is_discriminative(device: torch.device) -> None:
     assert any(rkv_case(c, device)[2] != rkv_case(c, device, beta=0)[2] for c in dup_cases)
 
 
+@pytest.mark.parametrize("beta", [0, 2, 3])
+def test_rkv_matches_dense_reference_at_other_betas(device: torch.device, beta: int) -> None:
+    """beta = 1 (the paper's) takes a max over similar keys; other betas a top-k: both exact."""
+    for case in [c for c in CASES if c.dup]:
+        p = PolicyParams(budget=KEEP, window=WINDOW, rkv_beta=beta)
+        views, layer_scores = [], []
+        for layer in range(LAYERS):
+            keys, queries, positions = make_layer(case, layer, device)
+            views.append(LayerView(keys=keys, queries=queries, positions=positions))
+            s, prot = ref_rkv_layer(keys, queries, p)
+            layer_scores.append(s)
+        assert kept(get_policy("rkv", p), views, KEEP) == ref_select(layer_scores, prot, case.n, KEEP)[0]
+
+
 def test_rkv_similarity_blocking_is_exact(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     case = CASES[3]
     p, views, ref = rkv_case(case, device)
     full = get_policy("rkv", p).score(views[0])
     assert full.device == device
-    monkeypatch.setattr(rkv_module, "_SIM_CHUNK_ELEMS", 300)
+    monkeypatch.setattr(rkv_module, "_SIM_CHUNK_ELEMS", {device.type: 300})
     blocked = get_policy("rkv", p).score(views[0])
     torch.testing.assert_close(full, blocked)
     assert kept(get_policy("rkv", p), views, KEEP) == ref
