@@ -21,6 +21,8 @@ Choices the paper leaves open (see DESIGN.md, "Policy details the papers leave o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import ClassVar
 
 import torch
@@ -34,7 +36,7 @@ _EPS = 1e-8  # R-KV eq. (5) epsilon
 # Bound on the similarity block held at once (elements). On a CPU a block that stays in cache
 # (4 MB) scores an 8K-token prompt 1.9x faster than 64 MB blocks (2 cores, AVX2); on a GPU
 # larger blocks mean fewer kernel launches.
-_SIM_CHUNK_ELEMS = {"cpu": 1 << 20}
+_SIM_CHUNK_ELEMS: Mapping[str, int] = MappingProxyType({"cpu": 1 << 20})  # by device type
 _SIM_CHUNK_ELEMS_DEFAULT = 1 << 24
 
 
