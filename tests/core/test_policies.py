@@ -202,8 +202,8 @@ def ref_rkv_layer(keys_t, queries_t, p: PolicyParams, gqa: str = "max", beta: in
     return scores, set(range(nc, n))
 
 
-def rkv_case(case: Case, device: torch.device, **variant):
-    p = PolicyParams(budget=KEEP, window=WINDOW)
+def rkv_case(case: Case, device: torch.device, p: PolicyParams | None = None, **variant):
+    p = PolicyParams(budget=KEEP, window=WINDOW) if p is None else p
     views, layer_scores = [], []
     for layer in range(LAYERS):
         keys, queries, positions = make_layer(case, layer, device)
@@ -237,14 +237,8 @@ def test_rkv_reference_is_discriminative(device: torch.device) -> None:
 def test_rkv_matches_dense_reference_at_other_betas(device: torch.device, beta: int) -> None:
     """beta = 1 (the paper's) takes a max over similar keys; other betas a top-k: both exact."""
     for case in [c for c in CASES if c.dup]:
-        p = PolicyParams(budget=KEEP, window=WINDOW, rkv_beta=beta)
-        views, layer_scores = [], []
-        for layer in range(LAYERS):
-            keys, queries, positions = make_layer(case, layer, device)
-            views.append(LayerView(keys=keys, queries=queries, positions=positions))
-            s, prot = ref_rkv_layer(keys, queries, p)
-            layer_scores.append(s)
-        assert kept(get_policy("rkv", p), views, KEEP) == ref_select(layer_scores, prot, case.n, KEEP)[0]
+        p, views, ref = rkv_case(case, device, PolicyParams(budget=KEEP, window=WINDOW, rkv_beta=beta))
+        assert kept(get_policy("rkv", p), views, KEEP) == ref
 
 
 def test_rkv_similarity_blocking_is_exact(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
