@@ -18,6 +18,7 @@ from sgl_kvc.policies import (
     AUTO,
     BUDGET_MODES,
     DEFAULT_SELECTION,
+    RKV_EXEMPTIONS,
     SELECTIONS,
     PolicyParams,
     available_policies,
@@ -109,6 +110,14 @@ class KvcConfig:
     )
     rkv_lambda: float = field(
         default=_P.rkv_lambda, metadata=_flag("R-KV importance/redundancy trade-off (eq. 7).")
+    )
+    rkv_exemption: str = field(
+        default=_P.rkv_exemption,
+        metadata=_flag(
+            "R-KV: whose mean similarity drops a token's similarity to its most recent similar "
+            "token: own (Algorithm 1) or recent (the public code; the newest of similar tokens "
+            "is the least redundant)."
+        ),
     )
     sink_tokens: int = field(
         default=_P.sink_tokens, metadata=_flag("StreamingLLM attention-sink tokens kept.")
@@ -202,6 +211,7 @@ class KvcConfig:
             buffer=self.kv_buffer,
             window=self.kv_window,
             rkv_lambda=self.rkv_lambda,
+            rkv_exemption=self.rkv_exemption,
             sink_tokens=self.sink_tokens,
         )
 
@@ -251,6 +261,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "kv_selection": SELECTIONS,
     "kv_decode_attention": DECODE_ATTENTION,
     "kv_head_budget": BUDGET_MODES,
+    "rkv_exemption": RKV_EXEMPTIONS,
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from . import avgattn, h2o, kvcompress, none, rkv, snapkv, streamingllm  # noqa: F401  (register)
 from .avgattn import AvgAttnPolicy
 from ._ops import gqa_logits
-from .base import LayerView, Policy, PolicyParams
+from .base import RKV_EXEMPTIONS, LayerView, Policy, PolicyParams
 from .h2o import H2OPolicy
 from .kvcompress import KVCompressPolicy
 from .none import NoPolicy
@@ -38,6 +38,7 @@ __all__ = [
     "AUTO",
     "BUDGET_MODES",
     "DEFAULT_SELECTION",
+    "RKV_EXEMPTIONS",
     "SELECTIONS",
     "AvgAttnPolicy",
     "H2OPolicy",

@@ -48,6 +48,9 @@ def _check_float(name: str, value: object, low: float, high: float) -> None:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
 
 
+RKV_EXEMPTIONS: tuple[str, ...] = ("own", "recent")  # see PolicyParams.rkv_exemption
+
+
 @dataclass(frozen=True)
 class PolicyParams:
     """Hyper-parameters shared by all policies (each policy reads the ones it needs).
@@ -67,6 +70,11 @@ class PolicyParams:
     """R-KV similarity threshold T (Alg. 1 line 24); from the public code."""
     rkv_beta: int = 1
     """R-KV beta: most recent highly-similar tokens exempted (Alg. 1 lines 25-31)."""
+    rkv_exemption: str = "own"
+    """Whose mean similarity (eq. 6) loses a token's similarity to its beta most recent similar
+    tokens (Alg. 1 lines 25-31): "own", the token's (Alg. 1 and eq. 6 as printed), or "recent",
+    the recent token's (the public code), which leaves the newest of similar tokens least
+    redundant."""
     rkv_reference_keys: int = 1024
     """R-KV redundancy (eq. 6) is exact up to this many candidates; above, each candidate's mean
     similarity is estimated against this many evenly spaced candidates, so a long prompt costs
@@ -85,6 +93,10 @@ class PolicyParams:
         _check_float("rkv_lambda", self.rkv_lambda, 0.0, 1.0)
         _check_float("rkv_threshold", self.rkv_threshold, -1.0, 1.0)
         _check_int("rkv_beta", self.rkv_beta, 0)
+        if self.rkv_exemption not in RKV_EXEMPTIONS:
+            raise ValueError(
+                f"rkv_exemption must be one of {RKV_EXEMPTIONS}, got {self.rkv_exemption!r}"
+            )
         _check_int("rkv_reference_keys", self.rkv_reference_keys, 1)
         _check_int("pool_kernel", self.pool_kernel, 1)
         if self.pool_kernel % 2 != 1:

@@ -16,6 +16,12 @@ Choices the paper leaves open (see DESIGN.md, "Policy details the papers leave o
 * Redundancy (eq. 5-6 / Alg. 1 lines 18-35): per KV head, over candidates; T = 0.5, beta = 1.
   Exact up to ``rkv_reference_keys`` (1024) candidates; a longer prompt's mean similarity is
   estimated against 1024 evenly spaced candidates (linear, not quadratic, in the prompt).
+* Exemption (Alg. 1 lines 25-32): u's similarity to its beta most recent similar tokens leaves u's
+  own mean (Alg. 1; eq. 6 as printed). The public code takes it from the recent token's mean
+  instead (the newest of similar tokens is then the least redundant, as §3.3's prose describes):
+  ``rkv_exemption="recent"`` (``--rkv-exemption recent``). On SmolLM2's long generations at
+  budgets 128 and 256 both keep the same identical prefix of the full cache's output
+  (docs/quality.md, "Long generation"), so the default stays Algorithm 1's.
 * Head and layer aggregation: mean over KV heads (Alg. 1 line 44), then mean over layers.
 """
 
@@ -41,13 +47,24 @@ _SIM_CHUNK_ELEMS_DEFAULT = 1 << 24
 
 
 def redundancy_scores(
-    keys: Tensor, threshold: float, beta: int, reference_keys: int | None = None
+    keys: Tensor,
+    threshold: float,
+    beta: int,
+    reference_keys: int | None = None,
+    spare_recent: bool = False,
 ) -> Tensor:
     """R [H_kv, m] of eq. (6) for candidate keys [m, H_kv, d] (rows processed in blocks).
 
     With ``reference_keys`` < m, each candidate is compared with that many evenly spaced
     candidates only: eq. (6)'s mean similarity estimated from a sample, O(m x reference_keys)
     instead of O(m^2). The beta exemption then applies within the sample.
+
+    Which mean the exemption lowers: by default token u's own (Alg. 1 lines 25-32: S_uv <- 0 for
+    u's beta most recent similar v, then the mean of row u). With ``spare_recent``, as the public
+    code does (``cal_similarity``: zero [u, last similar of u], then the mean over rows), the
+    similarity is taken from the recent token v's mean instead, so among similar tokens the most
+    recent is the least redundant (§3.3: "we retain only the beta most recently generated tokens
+    among those exhibiting high similarity").
     """
     k = keys.float().transpose(0, 1)  # [H, m, d]
     h, m, _ = k.shape
@@ -64,6 +81,10 @@ def redundancy_scores(
     r = int(ref.numel())
     exact = r == m  # every candidate is a reference: its own entry lies on an anti-diagonal
     s_bar = torch.empty(h, m, dtype=torch.float32, device=k.device)
+    # with spare_recent: what each candidate's mean loses to the candidates that spare it
+    taken = None
+    if spare_recent and beta > 0:
+        taken = torch.zeros(h, m, dtype=torch.float32, device=k.device)
     block = _SIM_CHUNK_ELEMS.get(k.device.type, _SIM_CHUNK_ELEMS_DEFAULT)
     rows = max(1, block // max(1, h * r))
     rank = torch.arange(r, 0, -1, dtype=torch.float32, device=k.device)  # recency of each ref
@@ -86,9 +107,15 @@ def redundancy_scores(
                 top_key, top_idx = torch.where(similar, rank, 0.0).topk(min(beta, r), dim=-1)
                 found = top_key > 0
             # Alg. 1 lines 25-31: S_uv <- 0 for the (up to) beta most recent similar v;
-            # done by removing those entries from the row sum
-            row_sum -= (sim.gather(-1, top_idx) * found).sum(dim=-1)
+            # done by removing those entries from the sum they would enter
+            spared = sim.gather(-1, top_idx) * found  # [H, rows, beta]
+            if taken is not None:  # from v's mean (S is symmetric: v's row sum is its column's)
+                taken.scatter_add_(1, ref[top_idx].reshape(h, -1), spared.reshape(h, -1))
+            else:
+                row_sum -= spared.sum(dim=-1)
         s_bar[:, start:stop] = row_sum / r  # eq. (6) / Alg. 1 line 32: mean similarity
+    if taken is not None:
+        s_bar -= taken / m  # every candidate u may spare a v; an exact mean when r == m
     return torch.softmax(s_bar, dim=-1)  # eq. (6) / Alg. 1 line 34: R = softmax(S_bar)
 
 
@@ -124,7 +151,8 @@ class RKVPolicy(Policy):
         attn = torch.softmax(logits.amax(dim=1), dim=-1)  # eq. (3): max over group, softmax
         importance = maxpool_tokens(attn.mean(dim=1), p.pool_kernel)  # eq. (4), Alg. 1 l. 14-16
         redundancy = redundancy_scores(  # eq. (5)-(6)
-            cand_keys, p.rkv_threshold, p.rkv_beta, p.rkv_reference_keys
+            cand_keys, p.rkv_threshold, p.rkv_beta, p.rkv_reference_keys,
+            spare_recent=p.rkv_exemption == "recent",
         )
         lam = p.rkv_lambda
         out[:, :n_cand] = lam * importance - (1.0 - lam) * redundancy  # eq. (7): Z

@@ -157,7 +157,8 @@ def kept(policy: Policy, views: list[LayerView], keep: int) -> set[int]:
 # --------------------------------------------------------------------------------------------------
 
 
-def ref_rkv_layer(keys_t, queries_t, p: PolicyParams, gqa: str = "max", beta: int | None = None):
+def ref_rkv_layer(keys_t, queries_t, p: PolicyParams, gqa: str = "max", beta: int | None = None,
+                  spare_recent: bool = False):
     beta = p.rkv_beta if beta is None else beta
     keys = keys_t.double().tolist()
     obs = queries_t.double().tolist()[-p.window:]
@@ -194,8 +195,11 @@ def ref_rkv_layer(keys_t, queries_t, p: PolicyParams, gqa: str = "max", beta: in
             t_u = [v for v in range(nc) if similar[u][v]]
             for v in (t_u[-beta:] if beta > 0 else []):
                 sim[u][v] = 0.0
-        # lines 32-35 / eq. (6)
-        red = softmax([sum(sim[u]) / nc for u in range(nc)])
+        # lines 32-35 / eq. (6): the mean of row u; the public code's: the mean of column u
+        if spare_recent:
+            red = softmax([sum(sim[v][u] for v in range(nc)) / nc for u in range(nc)])
+        else:
+            red = softmax([sum(sim[u]) / nc for u in range(nc)])
         # eq. (7)
         lam = p.rkv_lambda
         scores.append([lam * imp[k] - (1 - lam) * red[k] for k in range(nc)] + [0.0] * alpha)
@@ -239,6 +243,18 @@ def test_rkv_matches_dense_reference_at_other_betas(device: torch.device, beta: 
     for case in [c for c in CASES if c.dup]:
         p, views, ref = rkv_case(case, device, PolicyParams(budget=KEEP, window=WINDOW, rkv_beta=beta))
         assert kept(get_policy("rkv", p), views, KEEP) == ref
+
+
+@pytest.mark.parametrize("beta", [1, 2])
+def test_rkv_sparing_the_recent_token_matches_dense_reference(device: torch.device, beta: int) -> None:
+    """The public code's orientation: the most recent of similar tokens keeps the lowest R."""
+    p = PolicyParams(budget=KEEP, window=WINDOW, rkv_beta=beta, rkv_exemption="recent")
+    changed = False
+    for case in CASES:
+        _, views, ref = rkv_case(case, device, p, spare_recent=True)
+        assert kept(get_policy("rkv", p), views, KEEP) == ref
+        changed |= ref != rkv_case(case, device, dataclasses.replace(p, rkv_exemption="own"))[2]
+    assert changed  # the two orientations keep different tokens somewhere
 
 
 def test_rkv_similarity_blocking_is_exact(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -547,6 +563,7 @@ def test_duplicate_registration_rejected(device: torch.device) -> None:
         ("rkv_lambda", math.nan),
         ("rkv_threshold", 2.0),
         ("rkv_beta", -1),
+        ("rkv_exemption", "last"),
         ("pool_kernel", 0),
         ("pool_kernel", 6),
         ("sink_tokens", -1),
@@ -563,6 +580,7 @@ def test_params_defaults_and_frozen(device: torch.device) -> None:
     p = PolicyParams()
     assert (p.budget, p.buffer, p.window, p.rkv_lambda, p.rkv_threshold, p.rkv_beta) == (
         128, 128, 8, 0.1, 0.5, 1)
+    assert p.rkv_exemption == "own"  # Algorithm 1
     assert (p.pool_kernel, p.sink_tokens, p.evict_chunk) == (7, 4, 64)
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.budget = 3  # type: ignore[misc]
@@ -688,16 +706,21 @@ def test_select_property(device, name, n, keep, h_kv, group, budget, window, lay
         assert carried is None or carried.shape == (h_kv, len(lst))
 
 
-def test_rkv_sampled_redundancy_is_exact_below_and_close_above_the_reference_count(device: torch.device) -> None:
+@pytest.mark.parametrize("spare_recent", [False, True])
+def test_rkv_sampled_redundancy_is_exact_below_and_close_above_the_reference_count(
+    device: torch.device, spare_recent: bool
+) -> None:
     """Long prompts: eq. (6)'s mean similarity estimated from evenly spaced reference keys."""
     g = torch.Generator().manual_seed(3)
     base = torch.randn(40, 2, 16, generator=g)
     keys = base[torch.randint(0, 40, (1500,), generator=g)] + 0.3 * torch.randn(1500, 2, 16, generator=g)
     keys = keys.to(device)
-    exact = rkv_module.redundancy_scores(keys, 0.5, 1)
+    exact = rkv_module.redundancy_scores(keys, 0.5, 1, spare_recent=spare_recent)
     assert exact.device == device
-    assert torch.equal(rkv_module.redundancy_scores(keys, 0.5, 1, reference_keys=1500), exact)
-    approx = rkv_module.redundancy_scores(keys, 0.5, 1, reference_keys=512)
+    assert torch.equal(
+        rkv_module.redundancy_scores(keys, 0.5, 1, reference_keys=1500, spare_recent=spare_recent), exact
+    )
+    approx = rkv_module.redundancy_scores(keys, 0.5, 1, reference_keys=512, spare_recent=spare_recent)
     corr = torch.corrcoef(torch.stack([exact.flatten(), approx.flatten()]))[0, 1]
     assert corr > 0.95, corr
     # R-KV keeps the LEAST redundant tokens (eq. 7 subtracts R): compare those

@@ -117,6 +117,8 @@ def test_compression_flags_parse_into_config() -> None:
     assert config.compress_on == ("decode", "preempt") and config.compressing
     params = config.policy_params()
     assert (params.budget, params.rkv_lambda, params.sink_tokens) == (64, 0.2, 2)
+    assert params.rkv_exemption == "own"
+    assert parse_args(["--rkv-exemption", "recent"])[0].policy_params().rkv_exemption == "recent"
 
 
 def test_prompt_policy_flag() -> None:
@@ -157,6 +159,7 @@ def test_flag_defaults_come_from_policy_params() -> None:
         (["--kv-budget", "0"], "budget"),
         (["--kv-budget-ratio", "1.5"], "--kv-budget-ratio"),
         (["--rkv-lambda", "2"], "rkv_lambda"),
+        (["--rkv-exemption", "last"], "--rkv-exemption"),
         (["--kv-selection", "per-layer"], "--kv-selection"),
         (["--kv-pass-work", "-1"], "--kv-pass-work"),
         (["--kv-decode-attention", "flash"], "--kv-decode-attention"),
