@@ -56,6 +56,8 @@ class LongOutputScore:
     compactions: float  # per request, mean
     identical_share: float  # tokens before the first difference / tokens written, mean
     identical_tokens: float
+    within_budget: int  # requests whose prompt fits the budget: compressed only while decoding
+    identical_share_within_budget: float  # identical_share over those requests
     rouge_l: float
     loop_rate: float
     by_kind: dict[str, list[float]]  # kind -> [identical share, ROUGE-L]
@@ -111,6 +113,12 @@ def settings(config: str) -> dict:
     return {"policy": policy, "budget": int(budget), **({"prompt_policy": prompt} if prompt else {})}
 
 
+def config_budget(config: str) -> int:
+    """The KV budget a configuration compresses to ('kvpress:snapkv@256' -> 256; full: none)."""
+    _, at, budget = config.rpartition("@")
+    return int(budget) if at else UNCOMPRESSED
+
+
 def run_config(server: ManagedServer, samples: list[Sample], config: str, timeout_s: float) -> list[Outcome]:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(samples)) as pool:
@@ -163,6 +171,7 @@ def score(config: str, samples: list[Sample], outcomes: dict[str, Outcome], refe
           events: Counter, tok) -> LongOutputScore:
     mine = [s for s in samples if reference[s.id].text is not None]
     done = [s for s in mine if outcomes[s.id].text is not None]
+    by_id = {s.id: s for s in done}
     per: dict[str, tuple[float, float, int, bool, str]] = {}
     for s in done:
         a = tok.encode(outcomes[s.id].text, add_special_tokens=False)
@@ -172,12 +181,14 @@ def score(config: str, samples: list[Sample], outcomes: dict[str, Outcome], refe
                      is_looping(a), s.meta["kind"])
     mean = lambda v: sum(v) / len(v) if v else float("nan")  # noqa: E731
     counts = [events.get(outcomes[s.id].rid, 0) for s in done]
+    fits = [v[0] for sid, v in per.items() if by_id[sid].prompt_len <= config_budget(config)]
     by_kind = {k: [mean([v[0] for v in per.values() if v[4] == k]), mean([v[1] for v in per.values() if v[4] == k])]
                for k in LONG_OUTPUT_KINDS}  # fmt: skip
     return LongOutputScore(
         config=config, samples=len(mine), failures=len(mine) - len(done),
         compacted=sum(c > 0 for c in counts), compactions=mean(counts),
         identical_share=mean([v[0] for v in per.values()]), identical_tokens=mean([v[2] for v in per.values()]),
+        within_budget=len(fits), identical_share_within_budget=mean(fits),
         rouge_l=mean([v[1] for v in per.values()]), loop_rate=mean([float(v[3]) for v in per.values()]),
         by_kind=by_kind,
     )  # fmt: skip
@@ -192,18 +203,21 @@ def markdown(data: dict) -> str:
         f"{s['tokens']} greedy tokens each (ignore_eos), all prompts of a configuration at once; "
         f"server: `{' '.join(s['server'])}`. Against `full` (the same server, nothing evicted): "
         f"identical = the share of the output before its first token that differs from the full "
-        f"cache's; loops = outputs in a repetition loop (full cache: "
+        f"cache's; prompt within budget = the identical share over the prompts no longer than the "
+        f"budget (R-KV's regime: only the output is compressed; a longer prompt is compressed before "
+        f"the first token); loops = outputs in a repetition loop (full cache: "
         f"{_pct(full['loop_rate']) if full else '-'}); compacted = requests the trace shows compacted.\n",
-        "| config | identical | identical tokens | ROUGE-L | loops | compacted | compactions / request | "
-        + " | ".join(f"{k}: identical / ROUGE-L" for k in LONG_OUTPUT_KINDS) + " |",
-        "| --- |" + " ---: |" * (6 + len(LONG_OUTPUT_KINDS)),
+        "| config | identical | identical tokens | identical, prompt within budget | ROUGE-L | loops | compacted "
+        "| compactions / request | " + " | ".join(f"{k}: identical / ROUGE-L" for k in LONG_OUTPUT_KINDS) + " |",
+        "| --- |" + " ---: |" * (7 + len(LONG_OUTPUT_KINDS)),
     ]
     for r in rows:
         if r["config"] == FULL:
             continue
         kinds = " | ".join(f"{_pct(r['by_kind'][k][0])} / {r['by_kind'][k][1]:.2f}" for k in LONG_OUTPUT_KINDS)
         out.append(
-            f"| {r['config']} | {_pct(r['identical_share'])} | {r['identical_tokens']:.0f} | {r['rouge_l']:.2f} | "
+            f"| {r['config']} | {_pct(r['identical_share'])} | {r['identical_tokens']:.0f} | "
+            f"{_pct(r.get('identical_share_within_budget', float('nan')))} ({r.get('within_budget', '-')}) | {r['rouge_l']:.2f} | "
             f"{_pct(r['loop_rate'])} | {r['compacted']}/{r['samples'] - r['failures']} | {r['compactions']:.1f} | {kinds} |"
         )
     out.append(f"\nFailed requests: {data['failures']}. {data.get('kvpress_note', '')}".rstrip())

@@ -94,7 +94,7 @@ def test_long_generation_settings_and_scores() -> None:
     the full cache's, and a configuration whose requests were never compacted says so."""
     from collections import Counter
 
-    from benchmarks.long_generation import FULL, score, settings
+    from benchmarks.long_generation import FULL, config_budget, score, settings
     from benchmarks.quality import UNCOMPRESSED, Outcome
     from benchmarks.quality_samples import long_output_samples
 
@@ -113,6 +113,13 @@ def test_long_generation_settings_and_scores() -> None:
     assert (r.samples, r.failures, r.compacted) == (3, 0, 2) and r.compactions == 1.0
     assert abs(r.identical_share - (1 + 0.5 + 0.5) / 3) < 1e-9 and r.by_kind["retell"][0] == 1.0
     assert r.loop_rate == 2 / 3  # " x" repeated: the second half is one n-gram
+    # the identical share over the prompts that fit the budget (only the output compressed)
+    assert config_budget("kvpress:snapkv@256") == 256 and config_budget(FULL) == UNCOMPRESSED
+    short = max(s.prompt_len for s in samples[1:])
+    assert samples[0].prompt_len > short  # the retelling's passage makes the longest prompt
+    r = score(f"rkv@{short}", samples, outs, reference, Counter(), tok)
+    assert (r.within_budget, r.identical_share_within_budget) == (2, 0.5)
+    assert score(FULL, samples, reference, reference, Counter(), tok).within_budget == 3
 
 
 def test_kept_evidence_reads_the_first_prompt_compaction(tmp_path) -> None:
