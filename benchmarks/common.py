@@ -29,7 +29,8 @@ NOT_RECORDED = "not recorded"
 
 def git_commit(repo: Path = REPO) -> str:
     """HEAD's commit id, plus "-dirty" if tracked files differ from it (untracked files do not
-    count, as with `git describe --dirty`); "not recorded (...)" outside a git checkout."""
+    count, as with `git describe --dirty`); outside a git checkout, `$SGLKVC_COMMIT` if set, else
+    "not recorded (...)"."""
     try:
         head = subprocess.run(
             ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
@@ -39,7 +40,8 @@ def git_commit(repo: Path = REPO) -> str:
             capture_output=True, text=True, check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return f"{NOT_RECORDED} (no git checkout)"
+        given = os.environ.get("SGLKVC_COMMIT")  # a copy of the tree run elsewhere (e.g. .ci/gpu)
+        return f"{given} (SGLKVC_COMMIT)" if given else f"{NOT_RECORDED} (no git checkout)"
     return head + ("-dirty" if changes else "")
 
 

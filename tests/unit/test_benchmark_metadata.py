@@ -60,8 +60,12 @@ def _git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def test_commit_is_dirty_only_when_tracked_files_changed(tmp_path: Path) -> None:
+def test_commit_is_dirty_only_when_tracked_files_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SGLKVC_COMMIT", raising=False)
     assert git_commit(tmp_path).startswith(NOT_RECORDED)  # not a git checkout
+    monkeypatch.setenv("SGLKVC_COMMIT", "abc123")  # a copy of the tree run elsewhere names its commit
+    assert git_commit(tmp_path) == "abc123 (SGLKVC_COMMIT)"
+    monkeypatch.delenv("SGLKVC_COMMIT")
     _git(tmp_path, "init", "-q")
     (tmp_path / "a.txt").write_text("1")
     _git(tmp_path, "add", "a.txt")
