@@ -217,7 +217,7 @@ def markdown(data: dict) -> str:
         kinds = " | ".join(f"{_pct(r['by_kind'][k][0])} / {r['by_kind'][k][1]:.2f}" for k in LONG_OUTPUT_KINDS)
         out.append(
             f"| {r['config']} | {_pct(r['identical_share'])} | {r['identical_tokens']:.0f} | "
-            f"{_pct(r.get('identical_share_within_budget', float('nan')))} ({r.get('within_budget', '-')}) | {r['rouge_l']:.2f} | "
+            f"{_pct(r['identical_share_within_budget'])} ({r['within_budget']}) | {r['rouge_l']:.2f} | "
             f"{_pct(r['loop_rate'])} | {r['compacted']}/{r['samples'] - r['failures']} | {r['compactions']:.1f} | {kinds} |"
         )
     out.append(f"\nFailed requests: {data['failures']}. {data.get('kvpress_note', '')}".rstrip())
