@@ -171,7 +171,6 @@ def score(config: str, samples: list[Sample], outcomes: dict[str, Outcome], refe
           events: Counter, tok) -> LongOutputScore:
     mine = [s for s in samples if reference[s.id].text is not None]
     done = [s for s in mine if outcomes[s.id].text is not None]
-    by_id = {s.id: s for s in done}
     per: dict[str, tuple[float, float, int, bool, str]] = {}
     for s in done:
         a = tok.encode(outcomes[s.id].text, add_special_tokens=False)
@@ -181,7 +180,8 @@ def score(config: str, samples: list[Sample], outcomes: dict[str, Outcome], refe
                      is_looping(a), s.meta["kind"])
     mean = lambda v: sum(v) / len(v) if v else float("nan")  # noqa: E731
     counts = [events.get(outcomes[s.id].rid, 0) for s in done]
-    fits = [v[0] for sid, v in per.items() if by_id[sid].prompt_len <= config_budget(config)]
+    budget = config_budget(config)
+    fits = [per[s.id][0] for s in done if s.prompt_len <= budget]
     by_kind = {k: [mean([v[0] for v in per.values() if v[4] == k]), mean([v[1] for v in per.values() if v[4] == k])]
                for k in LONG_OUTPUT_KINDS}  # fmt: skip
     return LongOutputScore(
