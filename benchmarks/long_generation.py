@@ -18,10 +18,14 @@ against its own full-cache run: `kvpress:<press>@<budget>`.
 
 Scores against `full`, per prompt, averaged: the share of the output identical to the full
 cache's before the first differing token, ROUGE-L F1 on words, and the share of outputs in a
-repetition loop (`is_looping`) against the full cache's own loop rate. Each
+repetition loop (`is_looping`) against the full cache's own loop rate, and the share that loop
+where the full cache's output on the same prompt does not (an output identical to a looping
+reference loops too; this column counts only the loops compression added). Each
 request's compactions are read from the server's compaction trace (`SGLKVC_TRACE`): a
 configuration whose requests were never compacted is reported as such, not as a quality result.
 Writes `<out>/long-generation.{json,md,png}` (`long-generation-<tag>.*` with `--tag`).
+`--rescore FILE.json` scores a result file's stored outputs again (after a change to the scores)
+and rewrites its .md and .png; nothing is run, and the compaction counts are the stored ones.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.common import machine, metadata_markdown, run_metadata
+from benchmarks.common import git_commit, machine, metadata_markdown, run_metadata
 from benchmarks.quality import DEFAULT_KVPRESS_PYTHON, REPO, UNCOMPRESSED, ManagedServer, Outcome
 from benchmarks.quality_samples import LONG_OUTPUT_KINDS, Sample, long_output_samples
 
@@ -60,6 +64,7 @@ class LongOutputScore:
     identical_share_within_budget: float  # identical_share over those requests
     rouge_l: float
     loop_rate: float
+    new_loop_rate: float  # in a loop where the reference's output on the same prompt is not
     by_kind: dict[str, list[float]]  # kind -> [identical share, ROUGE-L]
 
 
@@ -171,13 +176,14 @@ def score(config: str, samples: list[Sample], outcomes: dict[str, Outcome], refe
           events: Counter, tok) -> LongOutputScore:
     mine = [s for s in samples if reference[s.id].text is not None]
     done = [s for s in mine if outcomes[s.id].text is not None]
-    per: dict[str, tuple[float, float, int, bool, str]] = {}
+    per: dict[str, tuple[float, float, int, bool, str, bool]] = {}
     for s in done:
         a = tok.encode(outcomes[s.id].text, add_special_tokens=False)
         b = tok.encode(reference[s.id].text, add_special_tokens=False)
         same = common_prefix(a, b)
+        loops = is_looping(a)
         per[s.id] = (same / max(len(b), 1), rouge_l(outcomes[s.id].text, reference[s.id].text), same,
-                     is_looping(a), s.meta["kind"])
+                     loops, s.meta["kind"], loops and not is_looping(b))
     mean = lambda v: sum(v) / len(v) if v else float("nan")  # noqa: E731
     counts = [events.get(outcomes[s.id].rid, 0) for s in done]
     budget = config_budget(config)
@@ -190,7 +196,7 @@ def score(config: str, samples: list[Sample], outcomes: dict[str, Outcome], refe
         identical_share=mean([v[0] for v in per.values()]), identical_tokens=mean([v[2] for v in per.values()]),
         within_budget=len(fits), identical_share_within_budget=mean(fits),
         rouge_l=mean([v[1] for v in per.values()]), loop_rate=mean([float(v[3]) for v in per.values()]),
-        by_kind=by_kind,
+        new_loop_rate=mean([float(v[5]) for v in per.values()]), by_kind=by_kind,
     )  # fmt: skip
 
 
@@ -206,10 +212,12 @@ def markdown(data: dict) -> str:
         f"cache's; prompt within budget = the identical share over the prompts no longer than the "
         f"budget (R-KV's regime: only the output is compressed; a longer prompt is compressed before "
         f"the first token); loops = outputs in a repetition loop (full cache: "
-        f"{_pct(full['loop_rate']) if full else '-'}); compacted = requests the trace shows compacted.\n",
-        "| config | identical | identical tokens | identical, prompt within budget | ROUGE-L | loops | compacted "
-        "| compactions / request | " + " | ".join(f"{k}: identical / ROUGE-L" for k in LONG_OUTPUT_KINDS) + " |",
-        "| --- |" + " ---: |" * (7 + len(LONG_OUTPUT_KINDS)),
+        f"{_pct(full['loop_rate']) if full else '-'}); new loops = outputs in a loop where the full "
+        f"cache's on the same prompt is not; compacted = requests the trace shows compacted.\n",
+        "| config | identical | identical tokens | identical, prompt within budget | ROUGE-L | loops | new loops "
+        "| compacted | compactions / request | "
+        + " | ".join(f"{k}: identical / ROUGE-L" for k in LONG_OUTPUT_KINDS) + " |",
+        "| --- |" + " ---: |" * (8 + len(LONG_OUTPUT_KINDS)),
     ]
     for r in rows:
         if r["config"] == FULL:
@@ -218,7 +226,7 @@ def markdown(data: dict) -> str:
         out.append(
             f"| {r['config']} | {_pct(r['identical_share'])} | {r['identical_tokens']:.0f} | "
             f"{_pct(r['identical_share_within_budget'])} ({r['within_budget']}) | {r['rouge_l']:.2f} | "
-            f"{_pct(r['loop_rate'])} | {r['compacted']}/{r['samples'] - r['failures']} | {r['compactions']:.1f} | {kinds} |"
+            f"{_pct(r['loop_rate'])} | {_pct(r['new_loop_rate'])} | {r['compacted']}/{r['samples'] - r['failures']} | {r['compactions']:.1f} | {kinds} |"
         )
     out.append(f"\nFailed requests: {data['failures']}. {data.get('kvpress_note', '')}".rstrip())
     return "\n".join(out) + "\n"
@@ -268,11 +276,67 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvpress-budgets", nargs="+", type=int, default=[256])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--tag", default="")
+    p.add_argument("--rescore", type=Path, metavar="FILE.json",
+                   help="score a result file's stored outputs again and rewrite its .md and .png (runs nothing)")
     return p
+
+
+def score_all(outcomes: dict[str, list[Outcome]], samples: list[Sample], events: Counter, tok) -> list[LongOutputScore]:
+    """Every configuration against its engine's full cache: kvpress rows against kvpress's own
+    (its row: identical by definition; its loop rate), the others against `full`."""
+    by_id = {c: {o.sample: o for o in outs} for c, outs in outcomes.items()}
+    kv_full = by_id.get("kvpress:full")
+    return [score(c, samples, by_id[c], kv_full if c.startswith("kvpress:") else by_id[FULL], events, tok)
+            for c in outcomes if kv_full is not None or not c.startswith("kvpress:")]  # fmt: skip
+
+
+def write_report(data: dict, out: Path, stem: str) -> str:
+    table = markdown(data)
+    s = data["setup"]
+    title = (f"{metadata_markdown(data['meta'])}\n{s['model']} on `python -m sgl_kvc.launch` (CPU); "
+             f"{s['machine']}; {s['date']}; total {s['total_seconds'] / 60:.0f} min.\n\n")
+    if "rescored" in data:
+        title += f"Scores recomputed from the stored outputs: {data['rescored']}.\n\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(title + table)
+    plot(data, out / f"{stem}.png")
+    return title + table
+
+
+def rescore(path: Path, tok=None) -> dict:
+    """Score `path`'s stored outputs with this version of `score` (same samples: they are
+    rebuilt from the stored seed, sizes and tokenizer); compaction counts come from the stored
+    scores, since the trace is not kept."""
+    from transformers import AutoTokenizer
+
+    from sgl_kvc.model import ensure_smollm2
+
+    data = json.loads(path.read_text())
+    s = data["setup"]
+    tok = tok or AutoTokenizer.from_pretrained(ensure_smollm2())
+    samples = long_output_samples(tok, s["per_kind"], s["tokens"], s["seed"])
+    if [x.id for x in samples] != [x["id"] for x in s["samples"]]:
+        raise SystemExit(f"{path}: its samples are not the ones this version builds from seed {s['seed']}")
+    outcomes: dict[str, list[Outcome]] = {}
+    for o in data["outcomes"]:
+        outcomes.setdefault(o["config"], []).append(Outcome(**o))
+    stored = {r["config"]: r for r in data["scores"]}
+    scores = []
+    for r in score_all(outcomes, samples, Counter(), tok):
+        r.compacted, r.compactions = stored[r.config]["compacted"], stored[r.config]["compactions"]
+        scores.append(asdict(r))
+    data["scores"] = scores
+    data["rescored"] = f"`python -m benchmarks.long_generation --rescore` at {git_commit()}"
+    return data
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.rescore is not None:
+        data = rescore(args.rescore)
+        print(write_report(data, args.rescore.parent, args.rescore.name.removesuffix(".json")), flush=True)
+        return data
     meta = run_metadata("benchmarks.long_generation", argv)
     print(metadata_markdown(meta), flush=True)
     from transformers import AutoTokenizer
@@ -299,11 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
     kvpress, kvpress_counts, note = run_kvpress(samples, args, ensure_smollm2(), logs)
     outcomes.update(kvpress)
     events.update(kvpress_counts)
-    by_id = {c: {o.sample: o for o in outs} for c, outs in outcomes.items()}
-    # kvpress rows against kvpress's own full cache (its row: identical by definition; its loop rate)
-    kv_full = by_id.get("kvpress:full")
-    scores = [score(c, samples, by_id[c], kv_full if c.startswith("kvpress:") else by_id[FULL], events, tok)
-              for c in outcomes if kv_full is not None or not c.startswith("kvpress:")]  # fmt: skip
+    scores = score_all(outcomes, samples, events, tok)
     data = {
         "meta": meta,
         "setup": {
@@ -317,15 +377,8 @@ def main(argv: list[str] | None = None) -> dict:
         "kvpress_note": note,
         "outcomes": [asdict(o) for outs in outcomes.values() for o in outs],
     }  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = "long-generation" + (f"-{args.tag}" if args.tag else "")
-    table = markdown(data)
-    title = (f"{metadata_markdown(meta)}\n{SMOLLM2_MODEL_NAME} on `python -m sgl_kvc.launch` (CPU); "
-             f"{data['setup']['machine']}; {data['setup']['date']}; total {data['setup']['total_seconds'] / 60:.0f} min.\n\n")
-    (args.out / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
-    (args.out / f"{stem}.md").write_text(title + table)
-    plot(data, args.out / f"{stem}.png")
-    print(title + table, flush=True)
+    print(write_report(data, args.out, stem), flush=True)
     return data
 
 

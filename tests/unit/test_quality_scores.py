@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 
 import pytest
@@ -120,6 +121,39 @@ def test_long_generation_settings_and_scores() -> None:
     r = score(f"rkv@{short}", samples, outs, reference, Counter(), tok)
     assert (r.within_budget, r.identical_share_within_budget) == (2, 0.5)
     assert score(FULL, samples, reference, reference, Counter(), tok).within_budget == 3
+    # new loops: only where the reference's output on the same prompt does not loop
+    assert r.new_loop_rate == 2 / 3
+    loopy = {s.id: Outcome(s.id, FULL, half, rid=s.id) for s in samples}
+    r = score("rkv@8", samples, loopy, loopy, Counter(), tok)
+    assert (r.loop_rate, r.new_loop_rate) == (1.0, 0.0)
+
+
+def test_long_generation_rescore_keeps_outputs_and_compactions(tmp_path) -> None:
+    """`--rescore` scores a result file's stored outputs again; the compaction counts (from a
+    trace that is not kept) stay the stored ones."""
+    from collections import Counter
+
+    from benchmarks.long_generation import FULL, rescore, score_all
+    from benchmarks.quality import Outcome
+    from benchmarks.quality_samples import long_output_samples
+
+    tok = WordTokenizer()
+    samples = long_output_samples(tok, 1, 64, 0)
+    ref_text = " ".join(f"w{i}" for i in range(40))
+    loop = " ".join(f"w{i}" for i in range(20)) + " x" * 20
+    outcomes = {FULL: [Outcome(s.id, FULL, ref_text, rid=f"f{s.id}") for s in samples],
+                "rkv@8": [Outcome(s.id, "rkv@8", loop, rid=s.id) for s in samples]}  # fmt: skip
+    scores = [asdict(r) for r in score_all(outcomes, samples, Counter({samples[0].id: 2}), tok)]
+    for r in scores:
+        del r["new_loop_rate"]  # a file written before the score existed
+    data = {"setup": {"per_kind": 1, "tokens": 64, "seed": 0, "samples": [{"id": s.id} for s in samples]},
+            "scores": scores, "outcomes": [asdict(o) for outs in outcomes.values() for o in outs]}  # fmt: skip
+    path = tmp_path / "long-generation.json"
+    path.write_text(json.dumps(data))
+    got = {r["config"]: r for r in rescore(path, tok)["scores"]}
+    assert got["rkv@8"]["new_loop_rate"] == 1.0 and got[FULL]["new_loop_rate"] == 0.0
+    assert (got["rkv@8"]["compacted"], got["rkv@8"]["compactions"]) == (1, 2 / 3)
+    assert got["rkv@8"]["identical_share"] == 0.5
 
 
 def test_kept_evidence_reads_the_first_prompt_compaction(tmp_path) -> None:
