@@ -41,6 +41,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from benchmarks.common import git_commit, machine, metadata_markdown, run_metadata
 from benchmarks.quality import DEFAULT_KVPRESS_PYTHON, REPO, UNCOMPRESSED, ManagedServer, Outcome
@@ -66,6 +67,15 @@ class LongOutputScore:
     loop_rate: float
     new_loop_rate: float  # in a loop where the reference's output on the same prompt is not
     by_kind: dict[str, list[float]]  # kind -> [identical share, ROUGE-L]
+
+
+class _PromptScore(NamedTuple):
+    identical: float  # share of the reference's tokens before the first difference
+    rouge_l: float
+    same_tokens: int
+    loops: bool
+    kind: str
+    new_loop: bool  # loops where the reference's output does not
 
 
 # --- text scores ------------------------------------------------------------------------------
@@ -176,27 +186,28 @@ def score(config: str, samples: list[Sample], outcomes: dict[str, Outcome], refe
           events: Counter, tok) -> LongOutputScore:
     mine = [s for s in samples if reference[s.id].text is not None]
     done = [s for s in mine if outcomes[s.id].text is not None]
-    per: dict[str, tuple[float, float, int, bool, str, bool]] = {}
+    per: dict[str, _PromptScore] = {}
     for s in done:
         a = tok.encode(outcomes[s.id].text, add_special_tokens=False)
         b = tok.encode(reference[s.id].text, add_special_tokens=False)
         same = common_prefix(a, b)
         loops = is_looping(a)
-        per[s.id] = (same / max(len(b), 1), rouge_l(outcomes[s.id].text, reference[s.id].text), same,
-                     loops, s.meta["kind"], loops and not is_looping(b))
+        per[s.id] = _PromptScore(same / max(len(b), 1), rouge_l(outcomes[s.id].text, reference[s.id].text),
+                                 same, loops, s.meta["kind"], loops and not is_looping(b))
     mean = lambda v: sum(v) / len(v) if v else float("nan")  # noqa: E731
     counts = [events.get(outcomes[s.id].rid, 0) for s in done]
     budget = config_budget(config)
-    fits = [per[s.id][0] for s in done if s.prompt_len <= budget]
-    by_kind = {k: [mean([v[0] for v in per.values() if v[4] == k]), mean([v[1] for v in per.values() if v[4] == k])]
-               for k in LONG_OUTPUT_KINDS}  # fmt: skip
+    fits = [per[s.id].identical for s in done if s.prompt_len <= budget]
+    by_kind = {k: [mean([v.identical for v in per.values() if v.kind == k]),
+                   mean([v.rouge_l for v in per.values() if v.kind == k])] for k in LONG_OUTPUT_KINDS}  # fmt: skip
     return LongOutputScore(
         config=config, samples=len(mine), failures=len(mine) - len(done),
         compacted=sum(c > 0 for c in counts), compactions=mean(counts),
-        identical_share=mean([v[0] for v in per.values()]), identical_tokens=mean([v[2] for v in per.values()]),
+        identical_share=mean([v.identical for v in per.values()]),
+        identical_tokens=mean([v.same_tokens for v in per.values()]),
         within_budget=len(fits), identical_share_within_budget=mean(fits),
-        rouge_l=mean([v[1] for v in per.values()]), loop_rate=mean([float(v[3]) for v in per.values()]),
-        new_loop_rate=mean([float(v[5]) for v in per.values()]), by_kind=by_kind,
+        rouge_l=mean([v.rouge_l for v in per.values()]), loop_rate=mean([float(v.loops) for v in per.values()]),
+        new_loop_rate=mean([float(v.new_loop) for v in per.values()]), by_kind=by_kind,
     )  # fmt: skip
 
 
