@@ -108,6 +108,14 @@ class KvcConfig:
     kv_window: int = field(
         default=_P.window, metadata=_flag("Observation queries (R-KV alpha, SnapKV w).")
     )
+    kv_keep_recent: int = field(
+        default=_P.keep_recent,
+        metadata=_flag(
+            "Most recent tokens always kept by R-KV, SnapKV and KV-Compress, when more than "
+            "--kv-window (0: the observation window only, as the papers do). Unlike a larger "
+            "--kv-window it leaves the observation queries as they are."
+        ),
+    )
     rkv_lambda: float = field(
         default=_P.rkv_lambda, metadata=_flag("R-KV importance/redundancy trade-off (eq. 7).")
     )
@@ -210,6 +218,7 @@ class KvcConfig:
             budget=self.kv_budget if budget is None else budget,
             buffer=self.kv_buffer,
             window=self.kv_window,
+            keep_recent=self.kv_keep_recent,
             rkv_lambda=self.rkv_lambda,
             rkv_exemption=self.rkv_exemption,
             sink_tokens=self.sink_tokens,

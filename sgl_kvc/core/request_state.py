@@ -178,4 +178,4 @@ class ReqKvState:
     def effective_budget(self, n: int) -> int:
         if self.budget_ratio is None:
             return self.budget
-        return max(self.policy.params.window + 1, math.ceil(self.budget_ratio * self.logical_len(n)))
+        return max(self.policy.params.recent_kept + 1, math.ceil(self.budget_ratio * self.logical_len(n)))

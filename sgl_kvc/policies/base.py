@@ -64,6 +64,10 @@ class PolicyParams:
     """B_buffer: tokens allowed to accumulate above the budget before a decode-time compression."""
     window: int = 8
     """alpha (R-KV) / w (SnapKV, KV-Compress): number of observation queries, kept as protected."""
+    keep_recent: int = 0
+    """Most recent tokens always kept by the policies that protect their observation window
+    (R-KV, SnapKV, KV-Compress), when more than ``window``; 0 keeps the window only, as the papers
+    do. Not a paper setting: it keeps recent text without widening the observation window."""
     rkv_lambda: float = 0.1
     """R-KV lambda of eq. (7) (the paper's 0.1; the public code uses 0.07)."""
     rkv_threshold: float = 0.5
@@ -86,10 +90,16 @@ class PolicyParams:
     evict_chunk: int = 64
     """Batch-Max p: tokens evicted at once by the average-attention policy (Algorithm 1)."""
 
+    @property
+    def recent_kept(self) -> int:
+        """Most recent tokens a window-protecting policy always keeps."""
+        return max(self.window, self.keep_recent)
+
     def __post_init__(self) -> None:
         _check_int("budget", self.budget, 1)
         _check_int("buffer", self.buffer, 0)
         _check_int("window", self.window, 1)
+        _check_int("keep_recent", self.keep_recent, 0)
         _check_float("rkv_lambda", self.rkv_lambda, 0.0, 1.0)
         _check_float("rkv_threshold", self.rkv_threshold, -1.0, 1.0)
         _check_int("rkv_beta", self.rkv_beta, 0)
@@ -223,9 +233,10 @@ class Policy(ABC):
         return scores
 
     def protected(self, view: LayerView) -> Tensor:
-        """Bool [n] tokens always kept. Default: the observation window (last ``window`` tokens)."""
+        """Bool [n] tokens always kept. Default: the observation window (last ``window`` tokens),
+        or the last ``keep_recent`` if more."""
         mask = torch.zeros(view.n, dtype=torch.bool, device=view.keys.device)
-        mask[max(view.n - self.params.window, 0):] = True
+        mask[max(view.n - self.params.recent_kept, 0):] = True
         return mask
 
     # ---- statistics ----------------------------------------------------------------------------

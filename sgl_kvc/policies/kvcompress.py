@@ -44,7 +44,7 @@ class KVCompressPolicy(Policy):
     def _score(self, view: LayerView) -> Tensor:
         if view.stats is not None:
             return pad_stats(view.stats, view.n)  # eq. (20): M^(cc)
-        if view.n <= self.params.window:  # everything is protected
+        if view.n <= self.params.recent_kept:  # everything is protected
             return torch.zeros(view.n_kv_heads, view.n, device=view.keys.device)
         return self.prefill_metric(view)
 

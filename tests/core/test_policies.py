@@ -672,13 +672,14 @@ def test_select_rejects_mismatched_layers(device: torch.device) -> None:
     group=st.sampled_from([1, 2, 4]),
     budget=st.integers(1, 24),
     window=st.integers(1, 10),
+    keep_recent=st.sampled_from([0, 0, 5, 16]),
     layers=st.integers(1, 3),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_select_property(device, name, n, keep, h_kv, group, budget, window, layers, seed) -> None:
+def test_select_property(device, name, n, keep, h_kv, group, budget, window, keep_recent, layers, seed) -> None:
     """select returns exactly min(keep, n) sorted unique indices, all protected ones if they fit."""
     gen = torch.Generator().manual_seed(seed)
-    pol = get_policy(name, PolicyParams(budget=budget, window=window))
+    pol = get_policy(name, PolicyParams(budget=budget, window=window, keep_recent=keep_recent))
     d = 4
     rng = random.Random(seed)
     positions = torch.tensor(sorted(rng.sample(range(3 * n + 1), n)), device=device)
@@ -704,6 +705,25 @@ def test_select_property(device, name, n, keep, h_kv, group, budget, window, lay
     if pol.uses_stats:
         carried = pol.carry_stats(views[0], idx)
         assert carried is None or carried.shape == (h_kv, len(lst))
+
+
+@pytest.mark.parametrize("name", ["rkv", "snapkv", "kvcompress"])
+def test_keep_recent_protects_more_than_the_window(device: torch.device, name: str) -> None:
+    """keep_recent widens what is always kept; the observation queries stay the window's."""
+    gen = torch.Generator().manual_seed(5)
+    n, window, recent = 60, 4, 20
+    keys = torch.randn(n, 2, 8, generator=gen).to(device)
+    queries = torch.randn(window, 4, 8, generator=gen).to(device)
+    views = [LayerView(keys=keys, queries=queries)]
+    pol = get_policy(name, PolicyParams(budget=32, window=window, keep_recent=recent))
+    prot = pol.protected(views[0])
+    assert prot.device == device
+    assert torch.nonzero(prot).flatten().tolist() == list(range(n - recent, n))
+    kept = set(pol.select(views, 32).tolist())
+    assert set(range(n - recent, n)) <= kept and len(kept) == 32
+    # below the window, keep_recent changes nothing
+    narrow = get_policy(name, PolicyParams(budget=32, window=window, keep_recent=2))
+    assert torch.equal(narrow.protected(views[0]), get_policy(name, PolicyParams(budget=32, window=window)).protected(views[0]))
 
 
 @pytest.mark.parametrize("spare_recent", [False, True])

@@ -119,6 +119,9 @@ def test_compression_flags_parse_into_config() -> None:
     assert (params.budget, params.rkv_lambda, params.sink_tokens) == (64, 0.2, 2)
     assert params.rkv_exemption == "own"
     assert parse_args(["--rkv-exemption", "recent"])[0].policy_params().rkv_exemption == "recent"
+    assert params.keep_recent == 0 and params.recent_kept == 4
+    recent = parse_args(["--kv-keep-recent", "32"])[0].policy_params()
+    assert (recent.window, recent.keep_recent, recent.recent_kept) == (8, 32, 32)
 
 
 def test_prompt_policy_flag() -> None:
