@@ -162,6 +162,7 @@ def test_flag_defaults_come_from_policy_params() -> None:
         (["--kv-budget", "0"], "budget"),
         (["--kv-budget-ratio", "1.5"], "--kv-budget-ratio"),
         (["--rkv-lambda", "2"], "rkv_lambda"),
+        (["--kv-keep-recent", "-1"], "keep_recent"),
         (["--rkv-exemption", "last"], "--rkv-exemption"),
         (["--kv-selection", "per-layer"], "--kv-selection"),
         (["--kv-pass-work", "-1"], "--kv-pass-work"),
