@@ -24,6 +24,11 @@ reference loops too; this column counts only the loops compression added). Each
 request's compactions are read from the server's compaction trace (`SGLKVC_TRACE`): a
 configuration whose requests were never compacted is reported as such, not as a quality result.
 Writes `<out>/long-generation.{json,md,png}` (`long-generation-<tag>.*` with `--tag`).
+The report ends with a table per prompt: the tokens each configuration keeps identical, and
+which outputs loop.
+`--reference FILE.json` takes `full` from a result file of the same prompts, tokens and dtype
+instead of running it (a third less time for one configuration); `full (again)` still runs, so
+the report shows whether the stored outputs still come out of this code on this machine.
 `--rescore FILE.json` scores a result file's stored outputs again (after a change to the scores)
 and rewrites its .md and .png; nothing is run, and the compaction counts are the stored ones.
 """
@@ -67,6 +72,7 @@ class LongOutputScore:
     loop_rate: float
     new_loop_rate: float  # in a loop where the reference's output on the same prompt is not
     by_kind: dict[str, list[float]]  # kind -> [identical share, ROUGE-L]
+    per_prompt: dict[str, list]  # sample id -> [identical tokens, in a loop]
 
 
 class _PromptScore(NamedTuple):
@@ -208,6 +214,7 @@ def score(config: str, samples: list[Sample], outcomes: dict[str, Outcome], refe
         within_budget=len(fits), identical_share_within_budget=mean(fits),
         rouge_l=mean([v.rouge_l for v in per.values()]), loop_rate=mean([float(v.loops) for v in per.values()]),
         new_loop_rate=mean([float(v.new_loop) for v in per.values()]), by_kind=by_kind,
+        per_prompt={k: [v.same_tokens, v.loops] for k, v in per.items()},
     )  # fmt: skip
 
 
@@ -240,7 +247,31 @@ def markdown(data: dict) -> str:
             f"{_pct(r['loop_rate'])} | {_pct(r['new_loop_rate'])} | {r['compacted']}/{r['samples'] - r['failures']} | {r['compactions']:.1f} | {kinds} |"
         )
     out.append(f"\nFailed requests: {data['failures']}. {data.get('kvpress_note', '')}".rstrip())
+    if "reference" in s:
+        out.append(f"\n`full`: the stored outputs of {s['reference']}; `full (again)` ran here.")
+    out.append(per_prompt_markdown(data))
     return "\n".join(out) + "\n"
+
+
+def per_prompt_markdown(data: dict) -> str:
+    """Rows: prompts; columns: configurations; a cell: the tokens identical to the full cache's
+    output before the first difference, with "loop" where that output is in a repetition loop."""
+    rows = [r for r in data["scores"] if r["config"] != FULL and "per_prompt" in r]
+    full = next((r for r in data["scores"] if r["config"] == FULL and "per_prompt" in r), None)
+    if not rows:
+        return ""
+    out = ["\nPer prompt: tokens identical to the full cache's output (\"loop\": the output is in a "
+           "repetition loop).\n",
+           "| prompt | prompt tokens | full | " + " | ".join(r["config"] for r in rows) + " |",
+           "| --- |" + " ---: |" * (2 + len(rows))]  # fmt: skip
+    for sample in data["setup"]["samples"]:
+        sid = sample["id"]
+        cells = []
+        for r in [full, *rows] if full else [None, *rows]:
+            got = r["per_prompt"].get(sid) if r else None
+            cells.append("-" if got is None else f"{got[0]}{' loop' if got[1] else ''}")
+        out.append(f"| {sid} | {sample['prompt_tokens']} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 def _pct(x: float) -> str:
@@ -287,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvpress-budgets", nargs="+", type=int, default=[256])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--tag", default="")
+    p.add_argument("--reference", type=Path, metavar="FILE.json",
+                   help="take `full` from this result file (same prompts, tokens and dtype) instead of running it")
     p.add_argument("--rescore", type=Path, metavar="FILE.json",
                    help="score a result file's stored outputs again and rewrite its .md and .png (runs nothing)")
     return p
@@ -342,6 +375,25 @@ def rescore(path: Path, tok=None) -> dict:
     return data
 
 
+def stored_reference(path: Path, samples: list[Sample], tokens: int, dtype: str) -> tuple[list[Outcome], str]:
+    """`full`'s outcomes from a result file, and how the report names them; a file of other
+    prompts, lengths or dtype is refused (its outputs would not be this run's reference)."""
+    data = json.loads(path.read_text())
+    s = data["setup"]
+    flags = s["server"]
+    stored_dtype = flags[flags.index("--dtype") + 1] if "--dtype" in flags else None
+    if s["tokens"] != tokens or stored_dtype != dtype:
+        raise SystemExit(f"{path}: {s['tokens']} tokens in {stored_dtype}, not {tokens} in {dtype}")
+    if [x["id"] for x in s["samples"]] != [x.id for x in samples] or [
+        x["prompt_tokens"] for x in s["samples"]
+    ] != [x.prompt_len for x in samples]:
+        raise SystemExit(f"{path}: its prompts are not this run's (--per-kind, --seed)")
+    full = [Outcome(**o) for o in data["outcomes"] if o["config"] == FULL]
+    if len(full) != len(samples) or any(o.text is None for o in full):
+        raise SystemExit(f"{path}: no complete `{FULL}` row")
+    return full, f"`{path.name}` (commit {data['meta']['commit']})"
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.rescore is not None:
@@ -357,6 +409,10 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(ensure_smollm2())
     samples = long_output_samples(tok, args.per_kind, args.tokens, args.seed)
+    outcomes: dict[str, list[Outcome]] = {}
+    reference = None
+    if args.reference is not None:
+        outcomes[FULL], reference = stored_reference(args.reference, samples, args.tokens, args.dtype)
     logs = Path(tempfile.mkdtemp(prefix="long-generation-"))
     trace = logs / "trace.jsonl"
     pool = len(samples) * (max(s.prompt_len for s in samples) + args.tokens + 8)
@@ -364,9 +420,8 @@ def main(argv: list[str] | None = None) -> dict:
              "--max-total-tokens", str(pool), "--max-running-requests", str(len(samples)),
              *shlex.split(args.server_args)]  # fmt: skip
     server = ManagedServer("long-generation", flags, logs, args.server_timeout, env={"SGLKVC_TRACE": str(trace)})
-    outcomes: dict[str, list[Outcome]] = {}
     try:
-        for config in [FULL, *args.configs, FULL_AGAIN]:
+        for config in [*([] if reference else [FULL]), *args.configs, FULL_AGAIN]:
             outcomes[config] = run_config(server, samples, config, args.request_timeout)
     finally:
         server.close()
@@ -382,6 +437,7 @@ def main(argv: list[str] | None = None) -> dict:
             "tokens": args.tokens, "per_kind": args.per_kind, "seed": args.seed, "server": flags,
             "samples": [{"id": s.id, "prompt_tokens": s.prompt_len, **s.meta} for s in samples],
             "total_seconds": time.perf_counter() - t_start,
+            **({"reference": reference} if reference else {}),
         },
         "scores": [asdict(r) for r in scores],
         "failures": sum(o.text is None for outs in outcomes.values() for o in outs),
