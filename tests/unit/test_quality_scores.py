@@ -156,6 +156,39 @@ def test_long_generation_rescore_keeps_outputs_and_compactions(tmp_path) -> None
     assert got["rkv@8"]["identical_share"] == 0.5
 
 
+def test_long_generation_reference_and_per_prompt_table(tmp_path) -> None:
+    """`--reference` takes `full` from a result file of the same prompts, tokens and dtype and
+    refuses any other; the report lists every prompt's identical tokens and loops."""
+    from collections import Counter
+
+    from benchmarks.long_generation import FULL, markdown, score_all, stored_reference
+    from benchmarks.quality import Outcome
+    from benchmarks.quality_samples import long_output_samples
+
+    tok = WordTokenizer()
+    samples = long_output_samples(tok, 1, 64, 0)
+    ref_text = " ".join(f"w{i}" for i in range(40))
+    loop = " ".join(f"w{i}" for i in range(20)) + " x" * 20
+    outcomes = {FULL: [Outcome(s.id, FULL, ref_text, rid=f"f{s.id}") for s in samples]}
+    setup = {"tokens": 64, "per_kind": 1, "seed": 0, "server": ["--policy", "rkv", "--dtype", "float32"],
+             "samples": [{"id": s.id, "prompt_tokens": s.prompt_len, **s.meta} for s in samples]}  # fmt: skip
+    path = tmp_path / "long-generation.json"
+    path.write_text(json.dumps({"meta": {"commit": "abc1234"}, "setup": setup,
+                                "outcomes": [asdict(o) for o in outcomes[FULL]]}))  # fmt: skip
+    full, name = stored_reference(path, samples, 64, "float32")
+    assert [o.text for o in full] == [ref_text] * 3 and name == "`long-generation.json` (commit abc1234)"
+    for bad in [(samples, 128, "float32"), (samples, 64, "bfloat16"), (samples[:2], 64, "float32")]:
+        with pytest.raises(SystemExit):
+            stored_reference(path, *bad)
+    outcomes["rkv@8"] = [Outcome(s.id, "rkv@8", loop if i else ref_text, rid=s.id) for i, s in enumerate(samples)]
+    scores = score_all(outcomes, samples, Counter(), tok)
+    assert scores[1].per_prompt == {samples[0].id: [40, False], samples[1].id: [20, True], samples[2].id: [20, True]}
+    table = markdown({"setup": {**setup, "reference": name}, "scores": [asdict(r) for r in scores],
+                      "failures": 0})  # fmt: skip
+    assert f"| {samples[1].id} | {samples[1].prompt_len} | 40 | 20 loop |" in table
+    assert "`full`: the stored outputs of `long-generation.json` (commit abc1234)" in table
+
+
 def test_kept_evidence_reads_the_first_prompt_compaction(tmp_path) -> None:
     """The trace's kept positions say whether a request was compacted before it answered and
     how much of its answer an average (layer, KV head) kept."""
