@@ -267,7 +267,7 @@ def per_prompt_markdown(data: dict) -> str:
     for sample in data["setup"]["samples"]:
         sid = sample["id"]
         cells = []
-        for r in [full, *rows] if full else [None, *rows]:
+        for r in [full, *rows]:
             got = r["per_prompt"].get(sid) if r else None
             cells.append("-" if got is None else f"{got[0]}{' loop' if got[1] else ''}")
         out.append(f"| {sid} | {sample['prompt_tokens']} | " + " | ".join(cells) + " |")
@@ -348,6 +348,14 @@ def write_report(data: dict, out: Path, stem: str) -> str:
     return title + table
 
 
+def stored_outcomes(data: dict) -> dict[str, list[Outcome]]:
+    """A result file's outcomes by configuration, in the order they were run."""
+    outcomes: dict[str, list[Outcome]] = {}
+    for o in data["outcomes"]:
+        outcomes.setdefault(o["config"], []).append(Outcome(**o))
+    return outcomes
+
+
 def rescore(path: Path, tok=None) -> dict:
     """Score `path`'s stored outputs with this version of `score` (same samples: they are
     rebuilt from the stored seed, sizes and tokenizer); compaction counts come from the stored
@@ -362,12 +370,9 @@ def rescore(path: Path, tok=None) -> dict:
     samples = long_output_samples(tok, s["per_kind"], s["tokens"], s["seed"])
     if [x.id for x in samples] != [x["id"] for x in s["samples"]]:
         raise SystemExit(f"{path}: its samples are not the ones this version builds from seed {s['seed']}")
-    outcomes: dict[str, list[Outcome]] = {}
-    for o in data["outcomes"]:
-        outcomes.setdefault(o["config"], []).append(Outcome(**o))
     stored = {r["config"]: r for r in data["scores"]}
     scores = []
-    for r in score_all(outcomes, samples, Counter(), tok):
+    for r in score_all(stored_outcomes(data), samples, Counter(), tok):
         r.compacted, r.compactions = stored[r.config]["compacted"], stored[r.config]["compactions"]
         scores.append(asdict(r))
     data["scores"] = scores
@@ -388,7 +393,7 @@ def stored_reference(path: Path, samples: list[Sample], tokens: int, dtype: str)
         x["prompt_tokens"] for x in s["samples"]
     ] != [x.prompt_len for x in samples]:
         raise SystemExit(f"{path}: its prompts are not this run's (--per-kind, --seed)")
-    full = [Outcome(**o) for o in data["outcomes"] if o["config"] == FULL]
+    full = stored_outcomes(data).get(FULL, [])
     if len(full) != len(samples) or any(o.text is None for o in full):
         raise SystemExit(f"{path}: no complete `{FULL}` row")
     return full, f"`{path.name}` (commit {data['meta']['commit']})"
