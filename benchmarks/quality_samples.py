@@ -174,10 +174,16 @@ def multikey_samples(
 LIST_TOPICS = [
     "animals and where they live", "kitchen tools and what they are for", "board games and how they are won",
     "trees and their leaves", "musical instruments and their sound", "jobs and what a day of each is like",
+    "birds and the songs they sing", "cities and what visitors see there", "sports and their rules",
+    "vegetables and how to cook them", "tools in a workshop and how to use them safely",
+    "rivers and the countries they cross",
 ]
 HOW_TO = [
     "bake a loaf of bread at home", "build a wooden bookshelf", "plant and keep a vegetable garden",
     "repair a flat bicycle tyre", "plan a week-long hiking trip", "set up a small freshwater aquarium",
+    "paint the walls of a room", "start running and train for a first 10 km race",
+    "organise a birthday party for twenty children", "make jam from summer fruit",
+    "learn to play the guitar in three months", "move house without losing or breaking anything",
 ]
 LONG_OUTPUT_KINDS = ("retell", "list", "steps")
 
