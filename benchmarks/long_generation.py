@@ -50,7 +50,7 @@ from typing import NamedTuple
 
 from benchmarks.common import git_commit, machine, metadata_markdown, run_metadata
 from benchmarks.quality import DEFAULT_KVPRESS_PYTHON, REPO, UNCOMPRESSED, ManagedServer, Outcome
-from benchmarks.quality_samples import LONG_OUTPUT_KINDS, Sample, long_output_samples
+from benchmarks.quality_samples import LONG_OUTPUT_KINDS, MAX_LONG_OUTPUT_PER_KIND, Sample, long_output_samples
 
 CONFIGS = ["rkv@128", "rkv@256", "rkv@512", "snapkv@256", "streamingllm@256", "h2o@256", "avgattn@256",
            "kvcompress@256"]
@@ -299,12 +299,21 @@ def plot(data: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def per_kind_arg(value: str) -> int:
+    """--per-kind: as many prompts of each kind as there are distinct ones."""
+    n = int(value)
+    if not 1 <= n <= MAX_LONG_OUTPUT_PER_KIND:
+        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_LONG_OUTPUT_PER_KIND} (distinct prompts), got {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", default=CONFIGS,
                    help="POLICY@BUDGET, or PROMPT_POLICY>POLICY@BUDGET (e.g. rkv>rkv@256: R-KV for the prompt too)")
     p.add_argument("--tokens", type=int, default=1024, help="tokens every output is long")
-    p.add_argument("--per-kind", type=int, default=3, help="prompts of each kind (retell, list, steps)")
+    p.add_argument("--per-kind", type=per_kind_arg, default=3,
+                   help=f"prompts of each kind (retell, list, steps), 1 to {MAX_LONG_OUTPUT_PER_KIND}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the model's dtype (float32: greedy decoding far from rounding ties)")

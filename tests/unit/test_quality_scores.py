@@ -232,3 +232,20 @@ def test_policy_rows_name_selection_and_prompt_policy() -> None:
     assert policy_settings("rkv/variable") == {"policy": "rkv"}  # the server's head-budget mode
     assert policy_settings("rkv>rkv") == {"policy": "rkv", "prompt_policy": "rkv"}
     assert policy_settings("snapkv>h2o/shared") == {"policy": "h2o", "prompt_policy": "snapkv", "selection": "shared"}
+
+
+def test_long_output_prompts_are_distinct_up_to_the_limit() -> None:
+    """Every prompt of `--per-kind` at its limit is different; above it, the benchmark refuses
+    (lists and tasks would repeat and count twice)."""
+    from benchmarks.long_generation import build_parser
+    from benchmarks.quality_samples import MAX_LONG_OUTPUT_PER_KIND, long_output_samples
+
+    samples = long_output_samples(WordTokenizer(), MAX_LONG_OUTPUT_PER_KIND, 64, 0)
+    assert len({tuple(s.prompt_ids) for s in samples}) == len(samples) == 3 * MAX_LONG_OUTPUT_PER_KIND
+    with pytest.raises(ValueError, match="distinct prompts"):
+        long_output_samples(WordTokenizer(), MAX_LONG_OUTPUT_PER_KIND + 1, 64, 0)
+    parser = build_parser()
+    assert parser.parse_args(["--per-kind", str(MAX_LONG_OUTPUT_PER_KIND)]).per_kind == MAX_LONG_OUTPUT_PER_KIND
+    for bad in ("0", str(MAX_LONG_OUTPUT_PER_KIND + 1)):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--per-kind", bad])
