@@ -50,7 +50,9 @@ from typing import NamedTuple
 
 from benchmarks.common import git_commit, machine, metadata_markdown, run_metadata
 from benchmarks.quality import DEFAULT_KVPRESS_PYTHON, REPO, UNCOMPRESSED, ManagedServer, Outcome
-from benchmarks.quality_samples import LONG_OUTPUT_KINDS, MAX_LONG_OUTPUT_PER_KIND, Sample, long_output_samples
+from benchmarks.quality_samples import (
+    LONG_OUTPUT_KINDS, MAX_LONG_OUTPUT_PER_KIND, Sample, check_per_kind, long_output_samples,
+)
 
 CONFIGS = ["rkv@128", "rkv@256", "rkv@512", "snapkv@256", "streamingllm@256", "h2o@256", "avgattn@256",
            "kvcompress@256"]
@@ -300,11 +302,11 @@ def plot(data: dict, path: Path) -> None:
 
 
 def per_kind_arg(value: str) -> int:
-    """--per-kind: as many prompts of each kind as there are distinct ones."""
-    n = int(value)
-    if not 1 <= n <= MAX_LONG_OUTPUT_PER_KIND:
-        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_LONG_OUTPUT_PER_KIND} (distinct prompts), got {n}")
-    return n
+    """--per-kind: as many prompts of each kind as there are distinct ones (a usage error past it)."""
+    try:
+        return check_per_kind(int(value))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -189,12 +189,18 @@ LONG_OUTPUT_KINDS = ("retell", "list", "steps")
 MAX_LONG_OUTPUT_PER_KIND = min(len(LIST_TOPICS), len(HOW_TO))  # beyond it, lists and tasks repeat
 
 
+def check_per_kind(per_kind: int) -> int:
+    """`per_kind` if every long-output prompt it asks for is a distinct one, else ValueError."""
+    if not 1 <= per_kind <= MAX_LONG_OUTPUT_PER_KIND:
+        raise ValueError(f"per_kind must be 1..{MAX_LONG_OUTPUT_PER_KIND} (distinct prompts), got {per_kind}")
+    return per_kind
+
+
 def long_output_samples(tok: Tokenizer, per_kind: int, max_tokens: int, seed: int) -> list[Sample]:
     """Prompts that make the model write at length (R-KV's regime: a short prompt, a long
     output): retell a ~300-token passage, a long numbered list, a step-by-step explanation.
     Greedy with `ignore_eos`, so every configuration writes `max_tokens` tokens."""
-    if not 1 <= per_kind <= MAX_LONG_OUTPUT_PER_KIND:
-        raise ValueError(f"per_kind must be 1..{MAX_LONG_OUTPUT_PER_KIND} (distinct prompts), got {per_kind}")
+    check_per_kind(per_kind)
     out = []
     for kind in LONG_OUTPUT_KINDS:
         for i in range(per_kind):
