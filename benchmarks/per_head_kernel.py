@@ -1,13 +1,16 @@
 """Decode attention over per-head tables on a GPU: the Triton kernel against the torch version,
-side by side in one run, plus the uniform-budget kernel (`decode_attention`, every head the same
-slots) at the same number of kept entries as the floor a per-head layout has to approach.
+side by side in one run, plus the uniform-budget torch kernel (`decode_attention`, every head the
+same slots) at the same number of kept entries, and the Triton kernel over an FP8 pool.
 
     python -m benchmarks.per_head_kernel --tag h100
 
 Shapes are a Llama-3-8B layer (32 query heads, 8 KV heads, head dim 128, bf16): B requests,
 each (request, KV head) keeping a ragged number of units around N (variable budgets, uniform
 in [N/2, 3N/2]) gathered from anywhere in a flat unit pool. Reports the median time of a decode
-step of one layer (CUDA events), and the K/V bytes it reads per second. Needs a CUDA GPU.
+step of one layer (CUDA events), and the K/V bytes it reads per second: launched from Python as
+a server without decode CUDA graphs runs it, and for the Triton kernel also replayed from a CUDA
+graph (`triton_graph_*`: the GPU's own time), against the device-to-device copy's bandwidth
+measured in the same run. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from benchmarks.common import metadata_markdown, run_metadata
 from sgl_kvc.kernels.decode_attention import decode_attention
+from sgl_kvc.kernels.fp8 import Fp8Rows, quantize_rows
 from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode
 from sgl_kvc.kernels.triton_per_head import triton_per_head_decode
 
@@ -41,6 +45,22 @@ def _time(fn, reps: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(stop))
     return statistics.median(times)
+
+
+def _time_graph(fn, reps: int) -> float:
+    """Median milliseconds of one replay of `fn` captured in a CUDA graph: the kernels' own time,
+    without the host's launch overhead (which `_time` includes, as a server without decode
+    graphs pays it)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _time(graph.replay, reps)
 
 
 def case(b: int, n: int, reps: int, seed: int = 0) -> dict:
@@ -74,9 +94,35 @@ def case(b: int, n: int, reps: int, seed: int = 0) -> dict:
         ms = _time(fn, reps)
         out[f"{name}_ms"] = round(ms, 4)
         out[f"{name}_gbps"] = round(kv_bytes / ms / 1e6, 1)
+    ms = _time_graph(lambda: triton_per_head_decode(q, k_units, v_units, tables), reps)
+    out["triton_graph_ms"] = round(ms, 4)
+    out["triton_graph_gbps"] = round(kv_bytes / ms / 1e6, 1)
     ref = per_head_decode(q, k_units, v_units, tables).float()
-    out["max_abs_diff"] = float((triton_per_head_decode(q, k_units, v_units, tables).float() - ref).abs().max())
+    got = triton_per_head_decode(q, k_units, v_units, tables).float()
+    out["max_abs_diff"] = float((got - ref).abs().max())
+    # the same step from an FP8 pool (e4m3 codes and a bf16 scale per unit, sgl-kvc's FP8 pool)
+    k_fp8, v_fp8 = (Fp8Rows(*_codes(x), "fp8_e4m3", "bfloat16", torch.bfloat16) for x in (k_units, v_units))
+    fp8_bytes = int(lens.sum()) * 2 * (D + 2)  # codes and scale of K and V
+    ms = _time_graph(lambda: triton_per_head_decode(q, k_fp8, v_fp8, tables), reps)
+    out["fp8_graph_ms"] = round(ms, 4)
+    out["fp8_graph_gbps"] = round(fp8_bytes / ms / 1e6, 1)
+    fp8_out = triton_per_head_decode(q, k_fp8, v_fp8, tables).float()
+    out["fp8_rel_err"] = float((fp8_out - got).norm() / got.norm())  # against the bf16 pool's output
     return out
+
+
+def _codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    codes, scales = quantize_rows(x, "fp8_e4m3", "bfloat16")
+    return codes.view(torch.uint8), scales
+
+
+def copy_ceiling_gbps(gib: int = 2) -> float:
+    """Device-to-device copy of `gib` GiB, bytes read plus written per second: the bandwidth a
+    kernel that reads its data once can approach."""
+    src = torch.randn(gib << 28, device="cuda")  # 4-byte floats
+    dst = torch.empty_like(src)
+    ms = _time(lambda: dst.copy_(src), 10)
+    return round(2 * src.numel() * 4 / ms / 1e6, 1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,13 +136,17 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("benchmarks.per_head_kernel needs a CUDA GPU")
     meta = run_metadata("benchmarks.per_head_kernel", argv)
     print(metadata_markdown(meta), flush=True)
+    ceiling = copy_ceiling_gbps()
     rows = [case(int(b), int(n), args.reps) for b in args.batches.split(",") for n in args.kept.split(",")]
-    result = {"meta": meta, "shape": {"h_q": H_Q, "h_kv": H_KV, "d": D, "dtype": "bfloat16"}, "rows": rows}
+    result = {"meta": meta, "shape": {"h_q": H_Q, "h_kv": H_KV, "d": D, "dtype": "bfloat16"},
+              "copy_ceiling_gbps": ceiling, "rows": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"per-head-kernel-{args.tag}.json").write_text(json.dumps(result, indent=1) + "\n")
-    cols = ["batch", "mean_kept", "kv_mb", "triton_ms", "triton_gbps", "triton_probs_ms", "torch_ms",
+    cols = ["batch", "mean_kept", "kv_mb", "triton_ms", "triton_gbps", "triton_graph_ms", "triton_graph_gbps",
+            "fp8_graph_ms", "fp8_graph_gbps", "fp8_rel_err", "triton_probs_ms", "torch_ms",
             "uniform_torch_ms", "max_abs_diff"]
-    lines = [metadata_markdown(meta), "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = [metadata_markdown(meta), f"Device-to-device copy (read + write): {ceiling} GB/s.", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
     (RESULTS / f"per-head-kernel-{args.tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

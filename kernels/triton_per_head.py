@@ -7,10 +7,11 @@ V [U, d_v] (KV-Compress §4.2.1, eq. 12, with page size 1); query head h reads K
 (eq. 11). The pool may be the FP8 unit pool (`Fp8Rows`: uint8 codes [U, d] and one scale per
 unit, bf16 or fp32 storage), dequantized as it is loaded.
 
-One program per (request, KV head, split): it loads the G query heads of the group once, walks
-its split of the table in blocks of BLOCK_N units (gathered by index: the units of a head are
-anywhere in the pool) with an online softmax in float32, and writes its unnormalized output,
-running max and sum. The splits of a sequence are merged in torch (flash-decoding), so short
+One program per (request, KV head, split): it loads the G query heads of the group once (padded
+to 16 rows, the matrix units' smallest product), walks its split of the table in blocks of
+BLOCK_N units (gathered by index: the units of a head are anywhere in the pool) with an online
+softmax in float32, both products on the matrix units, and writes its unnormalized output,
+running max and sum. A second kernel merges the splits of a sequence (flash-decoding), so short
 batches of long sequences still fill the GPU. With `return_probs` the kernel also writes the
 scaled logits, and the probabilities the statistics need are exp(logit - max) / sum.
 
@@ -22,6 +23,7 @@ has triton, a dependency of xgrammar), which is how CI checks it against the tor
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ from torch import Tensor
 from sgl_kvc.kernels.per_head_attention import HeadTables
 
 BLOCK_N = 64  # units per block of the table walk
+MIN_DOT = 16  # tl.dot's smallest size on every side: query groups are padded to it
 SPLIT_N = 512  # table columns per split (one program each)
 _FP8_TYPES = {"fp8_e4m3": tl.float8e4nv, "fp8_e5m2": tl.float8e5}
 
@@ -43,7 +46,7 @@ def _per_head_decode_kernel(
     scale, n_cols, n_splits,
     num_kv_heads: tl.constexpr, group: tl.constexpr, group_pad: tl.constexpr,
     dim: tl.constexpr, dim_v: tl.constexpr, split_n: tl.constexpr, block_n: tl.constexpr,
-    fp8_type: tl.constexpr, is_fp8: tl.constexpr, store_logits: tl.constexpr,
+    fp8_type: tl.constexpr, is_fp8: tl.constexpr, store_logits: tl.constexpr, dot_fp32: tl.constexpr,
 ):
     bh = tl.program_id(0)  # request b, KV head h
     split = tl.program_id(1)
@@ -58,7 +61,12 @@ def _per_head_decode_kernel(
     d = tl.arange(0, dim)
     dv = tl.arange(0, dim_v)
     q_rows = b * num_kv_heads * group + h * group + g  # query head h x G + g of request b
-    q = tl.load(q_ptr + q_rows[:, None] * dim + d[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + q_rows[:, None] * dim + d[None, :], mask=g_ok[:, None], other=0.0)
+    if dot_fp32:
+        q = q.to(tl.float32)
+    # Both products run on the matrix units in the query's dtype with float32 accumulation (a
+    # float32 query: exact float32, "ieee").
+    dot_type = q.dtype
 
     run_max = tl.full([group_pad], float("-inf"), tl.float32)
     run_sum = tl.zeros([group_pad], tl.float32)
@@ -69,15 +77,12 @@ def _per_head_decode_kernel(
         unit = tl.load(units_ptr + bh * n_cols + cols, mask=ok, other=0).to(tl.int64)
         k = tl.load(k_ptr + unit[:, None] * dim + d[None, :], mask=ok[:, None], other=0)
         v = tl.load(v_ptr + unit[:, None] * dim_v + dv[None, :], mask=ok[:, None], other=0)
-        if is_fp8:  # codes -> FP8 -> float32, times the unit's scale
-            k = k.to(fp8_type, bitcast=True).to(tl.float32)
-            v = v.to(fp8_type, bitcast=True).to(tl.float32)
-            k = k * tl.load(ks_ptr + unit, mask=ok, other=0).to(tl.float32)[:, None]
-            v = v * tl.load(vs_ptr + unit, mask=ok, other=0).to(tl.float32)[:, None]
-        else:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        logits = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, block_n]
+        if is_fp8:  # codes -> FP8 -> the dot's dtype (exact); the unit's scale multiplies a column
+            k = k.to(fp8_type, bitcast=True)
+            v = v.to(fp8_type, bitcast=True)
+        logits = tl.dot(q, tl.trans(k.to(dot_type)), input_precision="ieee") * scale  # [G', block_n]
+        if is_fp8:  # q . (code x s) = (q . code) x s
+            logits = logits * tl.load(ks_ptr + unit, mask=ok, other=0).to(tl.float32)[None, :]
         logits = tl.where(ok[None, :], logits, float("-inf"))
         if store_logits:
             out_rows = (bh * group + g) * n_cols
@@ -86,7 +91,9 @@ def _per_head_decode_kernel(
         alpha = tl.exp(run_max - new_max)  # 0 on the first block (run_max = -inf)
         p = tl.exp(logits - new_max[:, None])
         run_sum = run_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if is_fp8:  # p . (code x s) = (p x s) . code
+            p = p * tl.load(vs_ptr + unit, mask=ok, other=0).to(tl.float32)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_type), v.to(dot_type), input_precision="ieee")
         run_max = new_max
 
     part = bh * n_splits + split
@@ -95,8 +102,37 @@ def _per_head_decode_kernel(
     tl.store(acc_ptr + (part * group_pad + g)[:, None] * dim_v + dv[None, :], acc)
 
 
+@triton.jit
+def _merge_splits_kernel(
+    acc_ptr, max_ptr, sum_ptr, out_ptr, norm_ptr, n_splits,
+    group: tl.constexpr, group_pad: tl.constexpr, dim_v: tl.constexpr,
+):
+    """Flash-decoding's merge, one program per (request, KV head): each split's output rescaled
+    to the global max, out = sum_s acc_s e^(m_s - m) / sum_s l_s e^(m_s - m), and the log-sum-exp
+    m + log(sum) the probabilities need. One launch instead of a dozen torch operations."""
+    bh = tl.program_id(0)
+    g = tl.arange(0, group_pad)
+    dv = tl.arange(0, dim_v)
+    top = tl.full([group_pad], float("-inf"), tl.float32)
+    for s in range(n_splits):
+        top = tl.maximum(top, tl.load(max_ptr + (bh * n_splits + s) * group_pad + g))
+    top = tl.where(top == float("-inf"), 0.0, top)  # an empty head: every weight below is 0
+    total = tl.zeros([group_pad], tl.float32)
+    merged = tl.zeros([group_pad, dim_v], tl.float32)
+    for s in range(n_splits):
+        part = (bh * n_splits + s) * group_pad + g
+        weight = tl.exp(tl.load(max_ptr + part) - top)  # 0 for an empty split
+        total += tl.load(sum_ptr + part) * weight
+        merged += tl.load(acc_ptr + part[:, None] * dim_v + dv[None, :]) * weight[:, None]
+    total = tl.maximum(total, 1.1754943508222875e-38)  # float32's smallest normal: 0 / tiny = 0
+    rows = bh * group + g
+    ok = g < group
+    tl.store(out_ptr + rows[:, None] * dim_v + dv[None, :], merged / total[:, None], mask=ok[:, None])
+    tl.store(norm_ptr + rows, top + tl.log(total), mask=ok)
+
+
 def supports(q: Tensor, k_pool: Any, v_pool: Any) -> bool:
-    """Whether the kernel serves these operands: power-of-two head dims, a [U, d] pool of a
+    """Whether the kernel serves these operands: power-of-two head dims of 16 or more, a [U, d] pool of a
     float dtype or an FP8 `Fp8Rows` with bf16 / fp32 scales (e8m0 scales: the torch version)."""
     dims = []
     for pool in (k_pool, v_pool):
@@ -108,7 +144,15 @@ def supports(q: Tensor, k_pool: Any, v_pool: Any) -> bool:
             return False
         dims.append(int(tensor.shape[-1]))
     dims.append(int(q.shape[-1]))
-    return all(x > 0 and not x & (x - 1) for x in dims) and dims[0] == dims[2]
+    return all(x >= MIN_DOT and not x & (x - 1) for x in dims) and dims[0] == dims[2]
+
+
+def _interpreted() -> bool:
+    """Whether Triton runs kernels under its interpreter (no GPU). Its products of 16-bit floats
+    are wrong (Triton 3.9: a bf16 `tl.dot` of 16 x 16 values near 1 gives 1e10), so interpreted
+    kernels multiply in float32, which is exact for 16-bit and FP8 inputs."""
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
+    return bool(knobs is not None and knobs.runtime.interpret) or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _pool_parts(pool: Any) -> tuple[Tensor, Tensor | None, str | None]:
@@ -135,7 +179,9 @@ def triton_per_head_decode(
     d_v = int(v.shape[-1])
     n = int(tables.units.shape[-1])
     splits = max(1, -(-n // split_n))
-    group_pad = triton.next_power_of_2(group)
+    if block_n < MIN_DOT or split_n % block_n:
+        raise ValueError(f"block_n must be >= {MIN_DOT} and divide split_n, got {block_n} and {split_n}")
+    group_pad = max(MIN_DOT, triton.next_power_of_2(group))  # the matrix units' smallest M
     device = q.device
     units = tables.units.contiguous()
     lens = tables.lengths.to(torch.int64).contiguous()
@@ -149,17 +195,13 @@ def triton_per_head_decode(
         units, lens, acc, run_max, run_sum, logits, scale, n, splits,
         num_kv_heads=h_kv, group=group, group_pad=group_pad, dim=d, dim_v=d_v, split_n=split_n,
         block_n=block_n, fp8_type=_FP8_TYPES.get(fp8 or "fp8_e4m3"), is_fp8=fp8 is not None,
-        store_logits=return_probs,
+        store_logits=return_probs, dot_fp32=q.dtype == torch.float32 or _interpreted(),
     )
-    # Merge the splits (flash-decoding): rescale each split's output to the global max.
-    top = run_max.amax(dim=1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, 0.0)
-    weight = torch.exp(run_max - top)  # 0 for an empty split
-    total = (run_sum * weight).sum(dim=1)  # [B x H_kv, G']
-    merged = (acc * weight[..., None]).sum(dim=1) / total.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
-    out = merged[:, :group].reshape(b, h_q, d_v).to(q.dtype)
+    out = torch.empty(b, h_q, d_v, dtype=q.dtype, device=device)
+    norm = torch.empty(b, h_kv, group, dtype=torch.float32, device=device)
+    _merge_splits_kernel[(b * h_kv,)](acc, run_max, run_sum, out, norm, splits, group=group, group_pad=group_pad,
+                                      dim_v=d_v)
     if not return_probs:
         return out
-    norm = (top.squeeze(1) + torch.log(total.clamp_min(torch.finfo(torch.float32).tiny)))[:, :group]
-    probs = torch.exp(logits - norm.reshape(b, h_kv, group, 1))  # exp(-inf) = 0 at padding
+    probs = torch.exp(logits - norm[..., None])  # exp(-inf) = 0 at padding
     return out, probs

@@ -43,22 +43,28 @@ def _a_share_of_the_cores_per_worker() -> None:
     of the cores (inherited by the scheduler processes), as the local cluster gives its workers:
     otherwise two busy servers with a thread per core each spin against each other (a SmolLM2
     test module took 2.6x its time alone, one test 5.7x)."""
-    from sgl_kvc.server_process import cpu_share_env
-
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
+        # imported only here: it needs the server's packages, which `--without-sglang` runs lack
+        from sgl_kvc.server_process import cpu_share_env
+
         os.environ.update(cpu_share_env(workers))
 
 
 _a_share_of_the_cores_per_worker()
 
 
+# What a machine with only PyTorch and Triton lacks (a GPU image with no SGLang, `.ci/gpu`): SGLang
+# and the HTTP server stack sgl-kvc's server runs on.
+SERVING_PACKAGES = ("sglang", "sgl_kernel", "fastapi", "starlette", "uvicorn", "openai")
+
+
 class _NoSGLang(importlib.abc.MetaPathFinder):
-    """`--without-sglang`: importing SGLang fails, as on a machine that has only PyTorch (and
-    Triton): the plain-torch core (`tests/core`) must not need it."""
+    """`--without-sglang`: importing SGLang or its server stack fails, as on a machine that has
+    only PyTorch (and Triton): the plain-torch core (`tests/core`) must not need them."""
 
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
-        if fullname.split(".", 1)[0] in ("sglang", "sgl_kernel"):
+        if fullname.split(".", 1)[0] in SERVING_PACKAGES:
             raise ModuleNotFoundError(f"No module named {fullname!r} (--without-sglang)", name=fullname)
         return None
 
@@ -66,7 +72,7 @@ class _NoSGLang(importlib.abc.MetaPathFinder):
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--without-sglang", action="store_true",
-        help="make `import sglang` fail, to prove the tests run on PyTorch alone (tests/core)",
+        help="make `import sglang` (and its server stack) fail, to prove the tests run on PyTorch alone (tests/core)",
     )
 
 

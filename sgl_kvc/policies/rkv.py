@@ -109,7 +109,9 @@ def redundancy_scores(
             # Alg. 1 lines 25-31: S_uv <- 0 for the (up to) beta most recent similar v;
             # done by removing those entries from the sum they would enter
             spared = sim.gather(-1, top_idx) * found  # [H, rows, beta]
-            if taken is not None:  # from v's mean (S is symmetric: v's row sum is its column's)
+            # from v's mean (S is symmetric: v's row sum is its column's); on CUDA the atomic adds
+            # land in no fixed order, so scores may differ in the last bit from run to run
+            if taken is not None:
                 taken.scatter_add_(1, ref[top_idx].reshape(h, -1), spared.reshape(h, -1))
             else:
                 row_sum -= spared.sum(dim=-1)

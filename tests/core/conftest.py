@@ -21,6 +21,10 @@ def _devices() -> list[str]:
 
 @pytest.fixture(params=_devices())
 def device(request: pytest.FixtureRequest) -> torch.device:
+    # With its index: a CUDA tensor's `.device` is `cuda:0`, which `torch.device("cuda")` does not
+    # equal, so the tests' `x.device == device` checks need the index the tensors will report.
+    if request.param == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(request.param)
 
 

@@ -70,13 +70,13 @@ def test_triton_decode_matches_the_torch_version(device, b, h_kv, group, d, n, f
     _runs_triton(device)
     q, k_pool, v_pool, tables = _case(b, h_kv, group, d, n, seed=b * 100 + n, fp8=fp8, device=device)
     want, want_probs = per_head_decode(q, k_pool, v_pool, tables, 0.3, return_probs=True)
-    got, probs = triton_per_head_decode(q, k_pool, v_pool, tables, 0.3, return_probs=True, split_n=16, block_n=8)
+    got, probs = triton_per_head_decode(q, k_pool, v_pool, tables, 0.3, return_probs=True, split_n=16, block_n=16)
     assert got.dtype == q.dtype and got.shape == want.shape and got.device == probs.device == device
     assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)  # bf16 outputs
     # float32 on both sides; from an FP8 pool the torch version reads keys rounded to bf16 (the
     # model dtype `Fp8Rows` returns) while the kernel keeps code x scale in float32
     assert torch.allclose(probs, want_probs, atol=1e-5, rtol=1e-5 if fp8 is None else 2e-2)
-    alone = triton_per_head_decode(q, k_pool, v_pool, tables, 0.3, split_n=16, block_n=8)
+    alone = triton_per_head_decode(q, k_pool, v_pool, tables, 0.3, split_n=16, block_n=16)
     assert torch.equal(alone, got)
 
 
@@ -87,7 +87,7 @@ def test_an_empty_head_reads_zeros_and_a_split_past_its_length_adds_nothing(devi
     lens[1, 1] = 0
     lens[0, 1] = 3  # one block of its first split; its other splits are empty
     tables = HeadTables(tables.units, lens)
-    got, probs = triton_per_head_decode(q, k_pool, v_pool, tables, None, return_probs=True, split_n=8, block_n=4)
+    got, probs = triton_per_head_decode(q, k_pool, v_pool, tables, None, return_probs=True, split_n=16, block_n=16)
     want, want_probs = per_head_decode(q, k_pool, v_pool, tables, None, return_probs=True)
     assert float(got[1, 2:].float().abs().max()) == 0.0 and float(probs[1, 1].abs().max()) == 0.0
     assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -738,9 +738,13 @@ def test_rkv_sampled_redundancy_is_exact_below_and_close_above_the_reference_cou
     keys = keys.to(device)
     exact = rkv_module.redundancy_scores(keys, 0.5, 1, spare_recent=spare_recent)
     assert exact.device == device
-    assert torch.equal(
-        rkv_module.redundancy_scores(keys, 0.5, 1, reference_keys=1500, spare_recent=spare_recent), exact
-    )
+    # as many references as keys is the exact path; on CUDA, spare_recent's scatter_add_ adds in
+    # no fixed order, so two calls may differ in the last bit
+    same = rkv_module.redundancy_scores(keys, 0.5, 1, reference_keys=1500, spare_recent=spare_recent)
+    if device.type == "cpu":
+        assert torch.equal(same, exact)
+    else:
+        torch.testing.assert_close(same, exact, rtol=1e-5, atol=0.0)
     approx = rkv_module.redundancy_scores(keys, 0.5, 1, reference_keys=512, spare_recent=spare_recent)
     corr = torch.corrcoef(torch.stack([exact.flatten(), approx.flatten()]))[0, 1]
     assert corr > 0.95, corr
