@@ -28,9 +28,13 @@ NOT_RECORDED = "not recorded"
 
 
 def git_commit(repo: Path = REPO) -> str:
-    """HEAD's commit id, plus "-dirty" if tracked files differ from it (untracked files do not
-    count, as with `git describe --dirty`); outside a git checkout, `$SGLKVC_COMMIT` if set, else
+    """`$SGLKVC_COMMIT` if set (a copy of the tree run elsewhere, e.g. by `.ci/gpu`, whose git
+    folder, if any, may be older than the files); else HEAD's commit id, plus "-dirty" if tracked
+    files differ from it (untracked files do not count, as with `git describe --dirty`); else
     "not recorded (...)"."""
+    given = os.environ.get("SGLKVC_COMMIT")
+    if given:
+        return f"{given} (SGLKVC_COMMIT)"
     try:
         head = subprocess.run(
             ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
@@ -40,8 +44,7 @@ def git_commit(repo: Path = REPO) -> str:
             capture_output=True, text=True, check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        given = os.environ.get("SGLKVC_COMMIT")  # a copy of the tree run elsewhere (e.g. .ci/gpu)
-        return f"{given} (SGLKVC_COMMIT)" if given else f"{NOT_RECORDED} (no git checkout)"
+        return f"{NOT_RECORDED} (no git checkout)"
     return head + ("-dirty" if changes else "")
 
 

@@ -76,6 +76,9 @@ def test_commit_is_dirty_only_when_tracked_files_changed(tmp_path: Path, monkeyp
     assert git_commit(tmp_path) == head
     (tmp_path / "a.txt").write_text("2")
     assert git_commit(tmp_path) == head + "-dirty"
+    # a copy whose git folder is older than its files (the GPU machine's): the caller's word wins
+    monkeypatch.setenv("SGLKVC_COMMIT", "abc123")
+    assert git_commit(tmp_path) == "abc123 (SGLKVC_COMMIT)"
 
 
 def test_markdown_header_names_every_field() -> None:
