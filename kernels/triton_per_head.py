@@ -9,10 +9,10 @@ unit, bf16 or fp32 storage), dequantized as it is loaded.
 
 One program per (request, KV head, split): it loads the G query heads of the group once (padded
 to 16 rows, the matrix units' smallest product), walks its split of the table in blocks of
-BLOCK_N units (gathered by index: the units of a head are anywhere in the pool) with an online
-softmax in float32, both products on the matrix units, and writes its unnormalized output,
-running max and sum. A second kernel merges the splits of a sequence (flash-decoding), so short
-batches of long sequences still fill the GPU. With `return_probs` the kernel also writes the
+BLOCK_N units (FP8_BLOCK_N from an FP8 pool), gathered by index since the units of a head are
+anywhere in the pool, with an online softmax in float32 and both products on the matrix units,
+and writes its unnormalized output, running max and sum. A second kernel merges the splits of a
+sequence (flash-decoding), so short batches of long sequences still fill the GPU. With `return_probs` the kernel also writes the
 scaled logits, and the probabilities the statistics need are exp(logit - max) / sum.
 
 `per_head_attention.fast_per_head_decode` picks it for CUDA tensors it `supports`. Without a
@@ -34,6 +34,11 @@ from torch import Tensor
 from sgl_kvc.kernels.per_head_attention import HeadTables
 
 BLOCK_N = 64  # units per block of the table walk
+# FP8 rows are half as wide: twice the units per block (and 2 pipeline stages, so a block's tiles
+# stay within sm89's shared memory) keep as many bytes in flight. On an H100, at 128 requests x
+# ~4K units of Llama-3-8B's shape, a step took 0.89 ms against 1.02 ms with 64 units and 3 stages
+# (bf16 rows: 0.81 ms either way).
+FP8_BLOCK_N, FP8_STAGES = 128, 2
 MIN_DOT = 16  # tl.dot's smallest size on every side: query groups are padded to it
 SPLIT_N = 512  # table columns per split (one program each)
 _FP8_TYPES = {"fp8_e4m3": tl.float8e4nv, "fp8_e5m2": tl.float8e5}
@@ -163,7 +168,7 @@ def _pool_parts(pool: Any) -> tuple[Tensor, Tensor | None, str | None]:
 
 def triton_per_head_decode(
     q: Tensor, k_pool: Any, v_pool: Any, tables: HeadTables, scale: float | None = None,
-    *, return_probs: bool = False, split_n: int = SPLIT_N, block_n: int = BLOCK_N,
+    *, return_probs: bool = False, split_n: int = SPLIT_N, block_n: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """`per_head_attention.per_head_decode` in Triton (same arguments and results)."""
     b, h_q, d = q.shape
@@ -178,6 +183,10 @@ def triton_per_head_decode(
     v, v_scales, _ = _pool_parts(v_pool)
     d_v = int(v.shape[-1])
     n = int(tables.units.shape[-1])
+    launch: dict[str, int] = {}
+    if block_n is None:
+        block_n = BLOCK_N if fp8 is None else FP8_BLOCK_N
+        launch = {} if fp8 is None else {"num_stages": FP8_STAGES}
     splits = max(1, -(-n // split_n))
     if block_n < MIN_DOT or split_n % block_n:
         raise ValueError(f"block_n must be >= {MIN_DOT} and divide split_n, got {block_n} and {split_n}")
@@ -195,7 +204,7 @@ def triton_per_head_decode(
         units, lens, acc, run_max, run_sum, logits, scale, n, splits,
         num_kv_heads=h_kv, group=group, group_pad=group_pad, dim=d, dim_v=d_v, split_n=split_n,
         block_n=block_n, fp8_type=_FP8_TYPES.get(fp8 or "fp8_e4m3"), is_fp8=fp8 is not None,
-        store_logits=return_probs, dot_fp32=q.dtype == torch.float32 or _interpreted(),
+        store_logits=return_probs, dot_fp32=q.dtype == torch.float32 or _interpreted(), **launch,
     )
     out = torch.empty(b, h_q, d_v, dtype=q.dtype, device=device)
     norm = torch.empty(b, h_kv, group, dtype=torch.float32, device=device)

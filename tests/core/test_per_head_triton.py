@@ -105,12 +105,13 @@ def test_supported_operands(device: torch.device) -> None:
 
 
 @pytest.mark.gpu
-def test_fast_decode_runs_the_kernel_on_cuda(monkeypatch) -> None:
+@pytest.mark.parametrize("fp8", [None, "fp8_e4m3"])  # each pool's default block (64 / 128 units)
+def test_fast_decode_runs_the_kernel_on_cuda(monkeypatch, fp8: str | None) -> None:
     from sgl_kvc.kernels import per_head_attention, triton_per_head
 
     calls = []
     real = triton_per_head.triton_per_head_decode
     monkeypatch.setattr(triton_per_head, "triton_per_head_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
-    q, k_pool, v_pool, tables = _case(2, 2, 2, 64, 300, seed=3, fp8=None)
+    q, k_pool, v_pool, tables = _case(2, 2, 2, 64, 300, seed=3, fp8=fp8)
     got = per_head_attention.fast_per_head_decode(q, k_pool, v_pool, tables)
     assert calls and torch.allclose(got.float(), per_head_decode(q, k_pool, v_pool, tables).float(), atol=2e-2)
