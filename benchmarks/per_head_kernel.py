@@ -26,7 +26,7 @@ from benchmarks.common import metadata_markdown, run_metadata
 from sgl_kvc.kernels.decode_attention import decode_attention
 from sgl_kvc.kernels.fp8 import Fp8Rows, quantize_rows
 from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode
-from sgl_kvc.kernels.triton_per_head import triton_per_head_decode
+from sgl_kvc.kernels.triton_per_head import BLOCK_N, FP8_BLOCK_N, FP8_STAGES, triton_per_head_decode
 
 RESULTS = Path(__file__).parent / "results"
 H_Q, H_KV, D = 32, 8, 128
@@ -63,7 +63,8 @@ def _time_graph(fn, reps: int) -> float:
     return _time(graph.replay, reps)
 
 
-def case(b: int, n: int, reps: int, seed: int = 0) -> dict:
+def _inputs(b: int, n: int, seed: int = 0) -> dict:
+    """One layer's decode inputs: query, bf16 K/V unit pools and ragged per-head tables."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     dev = "cuda"
     lens = torch.randint(n // 2, n * 3 // 2 + 1, (b, H_KV), device=dev, generator=g)
@@ -75,6 +76,14 @@ def case(b: int, n: int, reps: int, seed: int = 0) -> dict:
     perm = torch.randperm(units - 1, device=dev, generator=g)[: b * H_KV * width] + 1
     tables = HeadTables(perm.reshape(b, H_KV, width) * (torch.arange(width, device=dev) < lens[..., None]), lens)
     q = torch.randn(b, H_Q, D, device=dev, dtype=torch.bfloat16, generator=g)
+    return {"g": g, "lens": lens, "slots_total": slots_total, "k_units": k_units, "v_units": v_units,
+            "tables": tables, "q": q}
+
+
+def case(b: int, n: int, reps: int, seed: int = 0) -> dict:
+    x = _inputs(b, n, seed)
+    g, lens, slots_total, q, tables = x["g"], x["lens"], x["slots_total"], x["q"], x["tables"]
+    k_units, v_units, dev = x["k_units"], x["v_units"], "cuda"
 
     # uniform budget at the same total: every head keeps the mean count, one slot per token
     n_uniform = int(lens.float().mean().round())
@@ -111,6 +120,29 @@ def case(b: int, n: int, reps: int, seed: int = 0) -> dict:
     return out
 
 
+SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
+
+
+def sweep(b: int, n: int, reps: int, seed: int = 0) -> list[dict]:
+    """The decode kernel's launch settings, for the bf16 and the FP8 pool: CUDA-graph replay
+    medians of every combination of `SWEEP`, and which one the kernel uses by default."""
+    x = _inputs(b, n, seed)
+    q, tables = x["q"], x["tables"]
+    pools = {"bf16": (x["k_units"], x["v_units"])}
+    pools["fp8_e4m3"] = tuple(Fp8Rows(*_codes(u), "fp8_e4m3", "bfloat16", torch.bfloat16) for u in pools["bf16"])
+    rows = []
+    for pool, (k, v) in pools.items():
+        default = (BLOCK_N, 4, 3) if pool == "bf16" else (FP8_BLOCK_N, 4, FP8_STAGES)  # Triton's 4 warps, 3 stages
+        for bn in SWEEP["block_n"]:
+            for nw in SWEEP["num_warps"]:
+                for ns in SWEEP["num_stages"]:
+                    ms = _time_graph(lambda: triton_per_head_decode(q, k, v, tables, block_n=bn, num_warps=nw,
+                                                                    num_stages=ns), reps)
+                    rows.append({"batch": b, "mean_kept": n, "pool": pool, "block_n": bn, "num_warps": nw,
+                                 "num_stages": ns, "graph_ms": round(ms, 4), "default": (bn, nw, ns) == default})
+    return rows
+
+
 def _codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes, scales = quantize_rows(x, "fp8_e4m3", "bfloat16")
     return codes.view(torch.uint8), scales
@@ -131,11 +163,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="8,32,128")
     ap.add_argument("--kept", default="256,1024,4096")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the kernel's launch settings instead (per-head-kernel-sweep-<tag>.*)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.per_head_kernel needs a CUDA GPU")
     meta = run_metadata("benchmarks.per_head_kernel", argv)
     print(metadata_markdown(meta), flush=True)
+    if args.sweep:
+        return _write_sweep(args, meta)
     ceiling = copy_ceiling_gbps()
     rows = [case(int(b), int(n), args.reps) for b in args.batches.split(",") for n in args.kept.split(",")]
     result = {"meta": meta, "shape": {"h_q": H_Q, "h_kv": H_KV, "d": D, "dtype": "bfloat16"},
@@ -149,6 +185,26 @@ def main(argv: list[str] | None = None) -> None:
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
     (RESULTS / f"per-head-kernel-{args.tag}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def _write_sweep(args: argparse.Namespace, meta: dict) -> None:
+    rows = [r for b in args.batches.split(",") for n in args.kept.split(",") for r in sweep(int(b), int(n), args.reps)]
+    RESULTS.mkdir(exist_ok=True)
+    name = f"per-head-kernel-sweep-{args.tag}"
+    (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    lines = [metadata_markdown(meta), "CUDA-graph replay, ms; * the kernel's default for the pool.", "",
+             "| batch | mean_kept | pool | default | best | best (block_n, warps, stages) |", "|---|---|---|---|---|---|"]
+    for key in dict.fromkeys((r["batch"], r["mean_kept"], r["pool"]) for r in rows):
+        group = [r for r in rows if (r["batch"], r["mean_kept"], r["pool"]) == key]
+        best = min(group, key=lambda r: r["graph_ms"])
+        default = next(r for r in group if r["default"])
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {default['graph_ms']} | {best['graph_ms']} | "
+                     f"{best['block_n']}, {best['num_warps']}, {best['num_stages']} |")
+    lines += ["", "| batch | mean_kept | pool | block_n | num_warps | num_stages | graph_ms |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['mean_kept']} | {r['pool']} | {r['block_n']} | {r['num_warps']} | "
+              f"{r['num_stages']} | {r['graph_ms']}{' *' if r['default'] else ''} |" for r in rows]
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

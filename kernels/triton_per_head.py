@@ -169,8 +169,10 @@ def _pool_parts(pool: Any) -> tuple[Tensor, Tensor | None, str | None]:
 def triton_per_head_decode(
     q: Tensor, k_pool: Any, v_pool: Any, tables: HeadTables, scale: float | None = None,
     *, return_probs: bool = False, split_n: int = SPLIT_N, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """`per_head_attention.per_head_decode` in Triton (same arguments and results)."""
+    """`per_head_attention.per_head_decode` in Triton (same arguments and results). `block_n`,
+    `num_warps` and `num_stages` override the decode kernel's defaults for its pool (tuning)."""
     b, h_q, d = q.shape
     h_kv = tables.num_kv_heads
     if tables.batch_size != b or h_q % h_kv:
@@ -183,10 +185,11 @@ def triton_per_head_decode(
     v, v_scales, _ = _pool_parts(v_pool)
     d_v = int(v.shape[-1])
     n = int(tables.units.shape[-1])
-    launch: dict[str, int] = {}
     if block_n is None:
         block_n = BLOCK_N if fp8 is None else FP8_BLOCK_N
-        launch = {} if fp8 is None else {"num_stages": FP8_STAGES}
+    if num_stages is None and fp8 is not None:
+        num_stages = FP8_STAGES
+    launch = {key: x for key, x in (("num_warps", num_warps), ("num_stages", num_stages)) if x is not None}
     splits = max(1, -(-n // split_n))
     if block_n < MIN_DOT or split_n % block_n:
         raise ValueError(f"block_n must be >= {MIN_DOT} and divide split_n, got {block_n} and {split_n}")
