@@ -12,7 +12,8 @@ to 16 rows, the matrix units' smallest product), walks its split of the table in
 BLOCK_N units (FP8_BLOCK_N from an FP8 pool), gathered by index since the units of a head are
 anywhere in the pool, with an online softmax in float32 and both products on the matrix units,
 and writes its unnormalized output, running max and sum. A second kernel merges the splits of a
-sequence (flash-decoding), so short batches of long sequences still fill the GPU. With `return_probs` the kernel also writes the
+sequence (flash-decoding), so short batches of long sequences still fill the GPU; a table of one
+split (at most SPLIT_N units) is normalized by the decode kernel itself, with no second launch. With `return_probs` the kernel also writes the
 scaled logits, and the probabilities the statistics need are exp(logit - max) / sum.
 
 `per_head_attention.fast_per_head_decode` picks it for CUDA tensors it `supports`. Without a
@@ -47,11 +48,12 @@ _FP8_TYPES = {"fp8_e4m3": tl.float8e4nv, "fp8_e5m2": tl.float8e5}
 @triton.jit
 def _per_head_decode_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, units_ptr, lens_ptr,
-    acc_ptr, max_ptr, sum_ptr, logits_ptr,
+    acc_ptr, max_ptr, sum_ptr, logits_ptr, out_ptr, norm_ptr,
     scale, n_cols, n_splits,
     num_kv_heads: tl.constexpr, group: tl.constexpr, group_pad: tl.constexpr,
     dim: tl.constexpr, dim_v: tl.constexpr, split_n: tl.constexpr, block_n: tl.constexpr,
     fp8_type: tl.constexpr, is_fp8: tl.constexpr, store_logits: tl.constexpr, dot_fp32: tl.constexpr,
+    direct: tl.constexpr,
 ):
     bh = tl.program_id(0)  # request b, KV head h
     split = tl.program_id(1)
@@ -101,10 +103,17 @@ def _per_head_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(dot_type), v.to(dot_type), input_precision="ieee")
         run_max = new_max
 
-    part = bh * n_splits + split
-    tl.store(max_ptr + part * group_pad + g, run_max)
-    tl.store(sum_ptr + part * group_pad + g, run_sum)
-    tl.store(acc_ptr + (part * group_pad + g)[:, None] * dim_v + dv[None, :], acc)
+    if direct:  # one split: nothing to merge, the output and log-sum-exp are final here
+        total = tl.maximum(run_sum, 1.1754943508222875e-38)  # float32's smallest normal: 0 / tiny = 0
+        rows = bh * group + g
+        tl.store(out_ptr + rows[:, None] * dim_v + dv[None, :], acc / total[:, None], mask=g_ok[:, None])
+        top = tl.where(run_max == float("-inf"), 0.0, run_max)  # an empty head
+        tl.store(norm_ptr + rows, top + tl.log(total), mask=g_ok)
+    else:
+        part = bh * n_splits + split
+        tl.store(max_ptr + part * group_pad + g, run_max)
+        tl.store(sum_ptr + part * group_pad + g, run_sum)
+        tl.store(acc_ptr + (part * group_pad + g)[:, None] * dim_v + dv[None, :], acc)
 
 
 @triton.jit
@@ -197,23 +206,27 @@ def triton_per_head_decode(
     device = q.device
     units = tables.units.contiguous()
     lens = tables.lengths.to(torch.int64).contiguous()
-    acc = torch.empty(b * h_kv, splits, group_pad, d_v, dtype=torch.float32, device=device)
-    run_max = torch.empty(b * h_kv, splits, group_pad, dtype=torch.float32, device=device)
-    run_sum = torch.empty_like(run_max)
+    # One float32 workspace (an allocation costs the host about as much as a small kernel launch,
+    # and a compressing server launches each layer's decode, with no CUDA graph): the splits'
+    # partial outputs, maxima and sums, then the log-sum-exp. One split needs no partials.
+    direct = splits == 1
+    parts = 0 if direct else b * h_kv * splits * group_pad
+    work = torch.empty(parts * (d_v + 2) + b * h_kv * group, dtype=torch.float32, device=device)
+    acc, run_max, run_sum, norm = work.split([parts * d_v, parts, parts, b * h_kv * group])
+    out = torch.empty(b, h_q, d_v, dtype=q.dtype, device=device)
     logits = (torch.full((b, h_kv, group, n), -math.inf, dtype=torch.float32, device=device)
-              if return_probs else run_max)  # any tensor when unused
+              if return_probs else work)  # any tensor when unused
     _per_head_decode_kernel[(b * h_kv, splits)](
         q.contiguous(), k, v, k_scales if k_scales is not None else k, v_scales if v_scales is not None else v,
-        units, lens, acc, run_max, run_sum, logits, scale, n, splits,
+        units, lens, acc, run_max, run_sum, logits, out, norm, scale, n, splits,
         num_kv_heads=h_kv, group=group, group_pad=group_pad, dim=d, dim_v=d_v, split_n=split_n,
         block_n=block_n, fp8_type=_FP8_TYPES.get(fp8 or "fp8_e4m3"), is_fp8=fp8 is not None,
-        store_logits=return_probs, dot_fp32=q.dtype == torch.float32 or _interpreted(), **launch,
+        store_logits=return_probs, dot_fp32=q.dtype == torch.float32 or _interpreted(), direct=direct, **launch,
     )
-    out = torch.empty(b, h_q, d_v, dtype=q.dtype, device=device)
-    norm = torch.empty(b, h_kv, group, dtype=torch.float32, device=device)
-    _merge_splits_kernel[(b * h_kv,)](acc, run_max, run_sum, out, norm, splits, group=group, group_pad=group_pad,
-                                      dim_v=d_v)
+    if not direct:
+        _merge_splits_kernel[(b * h_kv,)](acc, run_max, run_sum, out, norm, splits, group=group,
+                                          group_pad=group_pad, dim_v=d_v)
     if not return_probs:
         return out
-    probs = torch.exp(logits - norm[..., None])  # exp(-inf) = 0 at padding
+    probs = torch.exp(logits - norm.view(b, h_kv, group, 1))  # exp(-inf) = 0 at padding
     return out, probs
