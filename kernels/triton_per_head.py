@@ -48,8 +48,8 @@ _FP8_TYPES = {"fp8_e4m3": tl.float8e4nv, "fp8_e5m2": tl.float8e5}
 @triton.jit
 def _per_head_decode_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, units_ptr, lens_ptr,
-    acc_ptr, max_ptr, sum_ptr, logits_ptr, out_ptr, norm_ptr,
-    scale, n_cols, n_splits,
+    work_ptr, logits_ptr, out_ptr,
+    scale, n_cols, n_splits, n_parts,
     num_kv_heads: tl.constexpr, group: tl.constexpr, group_pad: tl.constexpr,
     dim: tl.constexpr, dim_v: tl.constexpr, split_n: tl.constexpr, block_n: tl.constexpr,
     fp8_type: tl.constexpr, is_fp8: tl.constexpr, store_logits: tl.constexpr, dot_fp32: tl.constexpr,
@@ -103,22 +103,25 @@ def _per_head_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(dot_type), v.to(dot_type), input_precision="ieee")
         run_max = new_max
 
+    # the workspace: partial outputs [n_parts, dim_v], maxima and sums [n_parts], log-sum-exp
+    max_ptr = work_ptr + n_parts * dim_v
+    sum_ptr = max_ptr + n_parts
     if direct:  # one split: nothing to merge, the output and log-sum-exp are final here
         total = tl.maximum(run_sum, 1.1754943508222875e-38)  # float32's smallest normal: 0 / tiny = 0
         rows = bh * group + g
         tl.store(out_ptr + rows[:, None] * dim_v + dv[None, :], acc / total[:, None], mask=g_ok[:, None])
         top = tl.where(run_max == float("-inf"), 0.0, run_max)  # an empty head
-        tl.store(norm_ptr + rows, top + tl.log(total), mask=g_ok)
+        tl.store(sum_ptr + n_parts + rows, top + tl.log(total), mask=g_ok)
     else:
-        part = bh * n_splits + split
-        tl.store(max_ptr + part * group_pad + g, run_max)
-        tl.store(sum_ptr + part * group_pad + g, run_sum)
-        tl.store(acc_ptr + (part * group_pad + g)[:, None] * dim_v + dv[None, :], acc)
+        part = (bh * n_splits + split) * group_pad + g
+        tl.store(max_ptr + part, run_max)
+        tl.store(sum_ptr + part, run_sum)
+        tl.store(work_ptr + part[:, None] * dim_v + dv[None, :], acc)
 
 
 @triton.jit
 def _merge_splits_kernel(
-    acc_ptr, max_ptr, sum_ptr, out_ptr, norm_ptr, n_splits,
+    work_ptr, out_ptr, n_splits, n_parts,
     group: tl.constexpr, group_pad: tl.constexpr, dim_v: tl.constexpr,
 ):
     """Flash-decoding's merge, one program per (request, KV head): each split's output rescaled
@@ -127,6 +130,8 @@ def _merge_splits_kernel(
     bh = tl.program_id(0)
     g = tl.arange(0, group_pad)
     dv = tl.arange(0, dim_v)
+    max_ptr = work_ptr + n_parts * dim_v  # the decode kernel's workspace
+    sum_ptr = max_ptr + n_parts
     top = tl.full([group_pad], float("-inf"), tl.float32)
     for s in range(n_splits):
         top = tl.maximum(top, tl.load(max_ptr + (bh * n_splits + s) * group_pad + g))
@@ -137,12 +142,12 @@ def _merge_splits_kernel(
         part = (bh * n_splits + s) * group_pad + g
         weight = tl.exp(tl.load(max_ptr + part) - top)  # 0 for an empty split
         total += tl.load(sum_ptr + part) * weight
-        merged += tl.load(acc_ptr + part[:, None] * dim_v + dv[None, :]) * weight[:, None]
+        merged += tl.load(work_ptr + part[:, None] * dim_v + dv[None, :]) * weight[:, None]
     total = tl.maximum(total, 1.1754943508222875e-38)  # float32's smallest normal: 0 / tiny = 0
     rows = bh * group + g
     ok = g < group
     tl.store(out_ptr + rows[:, None] * dim_v + dv[None, :], merged / total[:, None], mask=ok[:, None])
-    tl.store(norm_ptr + rows, top + tl.log(total), mask=ok)
+    tl.store(sum_ptr + n_parts + rows, top + tl.log(total), mask=ok)
 
 
 def supports(q: Tensor, k_pool: Any, v_pool: Any) -> bool:
@@ -212,21 +217,20 @@ def triton_per_head_decode(
     direct = splits == 1
     parts = 0 if direct else b * h_kv * splits * group_pad
     work = torch.empty(parts * (d_v + 2) + b * h_kv * group, dtype=torch.float32, device=device)
-    acc, run_max, run_sum, norm = work.split([parts * d_v, parts, parts, b * h_kv * group])
     out = torch.empty(b, h_q, d_v, dtype=q.dtype, device=device)
     logits = (torch.full((b, h_kv, group, n), -math.inf, dtype=torch.float32, device=device)
               if return_probs else work)  # any tensor when unused
     _per_head_decode_kernel[(b * h_kv, splits)](
         q.contiguous(), k, v, k_scales if k_scales is not None else k, v_scales if v_scales is not None else v,
-        units, lens, acc, run_max, run_sum, logits, out, norm, scale, n, splits,
+        units, lens, work, logits, out, scale, n, splits, parts,
         num_kv_heads=h_kv, group=group, group_pad=group_pad, dim=d, dim_v=d_v, split_n=split_n,
         block_n=block_n, fp8_type=_FP8_TYPES.get(fp8 or "fp8_e4m3"), is_fp8=fp8 is not None,
         store_logits=return_probs, dot_fp32=q.dtype == torch.float32 or _interpreted(), direct=direct, **launch,
     )
     if not direct:
-        _merge_splits_kernel[(b * h_kv,)](acc, run_max, run_sum, out, norm, splits, group=group,
-                                          group_pad=group_pad, dim_v=d_v)
+        _merge_splits_kernel[(b * h_kv,)](work, out, splits, parts, group=group, group_pad=group_pad, dim_v=d_v)
     if not return_probs:
         return out
-    probs = torch.exp(logits - norm.view(b, h_kv, group, 1))  # exp(-inf) = 0 at padding
+    norm = work[parts * (d_v + 2):].view(b, h_kv, group, 1)  # log-sum-exp
+    probs = torch.exp(logits - norm)  # exp(-inf) = 0 at padding
     return out, probs
