@@ -13,8 +13,9 @@ BLOCK_N units (FP8_BLOCK_N from an FP8 pool), gathered by index since the units 
 anywhere in the pool, with an online softmax in float32 and both products on the matrix units,
 and writes its unnormalized output, running max and sum. A second kernel merges the splits of a
 sequence (flash-decoding), so short batches of long sequences still fill the GPU; a table of one
-split (at most SPLIT_N units) is normalized by the decode kernel itself, with no second launch. With `return_probs` the kernel also writes the
-scaled logits, and the probabilities the statistics need are exp(logit - max) / sum.
+split (at most SPLIT_N units) is normalized by the decode kernel itself, with no second launch.
+With `return_probs` the kernel also writes the scaled logits, and the probabilities the
+statistics need are exp(logit - log-sum-exp).
 
 `per_head_attention.fast_per_head_decode` picks it for CUDA tensors it `supports`. Without a
 GPU it runs under Triton's interpreter (`TRITON_INTERPRET=1`, set before import; the CPU install
