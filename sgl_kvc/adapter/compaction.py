@@ -167,7 +167,8 @@ def _compact_many(
         done.append(batch.reqs[p.i])
         evicted.append(p.evicted)
     leaky = any(failpoints.hits("leak_slot", req) for req in done)
-    freed = _free(allocator, torch.cat(evicted), leaky) if evicted else torch.zeros(0, dtype=torch.int64)
+    freed = (_free(allocator, torch.cat(evicted), leaky) if evicted
+             else torch.zeros(0, dtype=torch.int64, device=batch.req_to_token_pool.req_to_token.device))
     if done and invariants.enabled():
         invariants.check_after_compaction([batch, *other_batches], done, freed)
     return outcomes

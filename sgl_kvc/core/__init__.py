@@ -9,7 +9,8 @@ so that it is unit-tested, on CPU and CUDA, without SGLang installed:
 * `decode`: one decode step's plan and its batched attention;
 * `views`: what a policy sees of a request (`LayerView`s read from the pool);
 * `passes`: per-head passes, staged over scheduler steps;
-* `compaction`: moving kept KV entries inside a pool.
+* `compaction`: moving kept KV entries inside a pool;
+* `host`: index tensors listed on the host, sent to the device without waiting for it.
 
 Device rule: every tensor follows the device of the data it is computed from; host-side
 bookkeeping says `device="cpu"` where it is made. `tests/device_guard.py` enforces it.

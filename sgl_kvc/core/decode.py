@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from sgl_kvc.core.host import host_tensor, to_device
 from sgl_kvc.core.request_state import block_tables
 from sgl_kvc.kernels.decode_attention import decode_attention, decode_probs
 from sgl_kvc.kernels.per_head_attention import HeadTables, fast_per_head_decode
@@ -96,7 +97,7 @@ class DecodeStep:
             end = start + max(1, min(len(picked) - start, per_block // n_max))
             members = picked[start:end]
             start = end
-            b_rows = torch.tensor([rows[i] for i in members], dtype=torch.int64, device="cpu").to(device)
+            b_rows = host_tensor([rows[i] for i in members], device)
             by_class: dict[type, list[int]] = {}
             for j, i in enumerate(members):
                 if i in stats:
@@ -104,13 +105,13 @@ class DecodeStep:
             groups = tuple(
                 StatGroup(
                     policy=states[rows[members[js[0]]]].policy,
-                    local=None if len(js) == len(members) else torch.tensor(js, device="cpu").to(device),
+                    local=None if len(js) == len(members) else host_tensor(js, device),
                     states=tuple(states[rows[members[j]]] for j in js),
                     lens=tuple(lens[members[j]] for j in js),
                 )
                 for js in by_class.values()
             )
-            index = torch.tensor(members, dtype=torch.int64, device="cpu").to(device, non_blocking=True)
+            index = host_tensor(members, device)
             if units is not None:  # read through per-head tables: no slot rows to gather
                 m_rows = [row_lens[i] for i in members]
                 block_units, block_lens = block_tables(
@@ -124,7 +125,7 @@ class DecodeStep:
                                           units=block_units, lens=block_lens, widths=widths))
                 continue
             b_lens = torch.tensor([lens[i] for i in members], dtype=torch.int64, device="cpu")
-            pad = (torch.arange(n_max, device="cpu")[None, :] >= b_lens[:, None]).to(device, non_blocking=True)
+            pad = to_device(torch.arange(n_max, device="cpu")[None, :] >= b_lens[:, None], device)
             slots = req_to_token[b_rows, :n_max].long()
             # Padding reads the request's own first entry: finite, so its weight 0 stays 0 (the
             # kernel does not mask the values; a stale slot may hold anything).

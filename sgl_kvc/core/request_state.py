@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from sgl_kvc.core.host import host_tensor
 from sgl_kvc.policies import DEFAULT_SELECTION, Policy
 
 
@@ -69,8 +70,8 @@ def block_tables(
     t_max = max(tails, default=0)
     if t_max:
         cols = torch.arange(t_max, device=device)
-        tail_lens = torch.tensor(tails, dtype=torch.int64, device="cpu").to(device)
-        first = torch.tensor(packed, dtype=torch.int64, device="cpu").to(device)
+        tail_lens = host_tensor(tails, device)
+        first = host_tensor(packed, device)
         valid = cols[None, :] < tail_lens[:, None]  # [b, T]
         src = torch.where(valid, first[:, None] + cols, 0)
         tail_slots = slots.gather(1, src)  # [b, T]

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from sgl_kvc.core.decode import DecodeStep
+from sgl_kvc.core.host import host_tensor
 from sgl_kvc.core.request_state import ReqKvState, RequestTables
 from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_extend
 from sgl_kvc.policies import gqa_logits
@@ -214,7 +215,7 @@ class KvcStore:
                 grouped = probs[0].reshape(-1, stop - start, probs.shape[-1])  # query head h: KV head h // G
                 state.stats[layer] = state.policy.accumulate(state.stats[layer], grouped, h_kv)
 
-        indptr = torch.tensor([0, q.shape[0]], dtype=torch.int64, device="cpu").to(q.device)
+        indptr = host_tensor([0, q.shape[0]], q.device)
         k_units, v_units = self.unit_pools
         return per_head_extend(q, indptr, positions, k_units, v_units, heads, scale, on_probs=on_probs)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from sgl_kvc.core.request_state import ReqKvState, RequestTables
