@@ -176,7 +176,7 @@ def advance_variable(
     num_layers, num_heads = tables.lens.shape
     while len(p.scores) < num_layers * num_heads:
         layer, head = divmod(len(p.scores), num_heads)
-        cost = -(-p.policy.score_cost(int(tables.lens[layer, head])) // num_heads)
+        cost = -(-p.policy.score_cost(tables.host_lens[layer][head]) // num_heads)
         if not work.allows(cost):
             break
         view = request_view(store, row, store.first_layer + layer, state, tables=tables, head=head,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Sequence
 
 import torch
@@ -43,6 +44,13 @@ class RequestTables:
     @property
     def width(self) -> int:
         return int(self.units.shape[-1])
+
+    @cached_property
+    def host_lens(self) -> list[list[int]]:
+        """`lens` on the host, read once: a pass visits every (layer, head), and reading each
+        length from a GPU tensor would wait for the GPU that many times (the tables are never
+        written after they are made)."""
+        return self.lens.tolist()
 
 
 def block_tables(

@@ -37,7 +37,7 @@ def request_view(
             positions = positions[layer - store.first_layer]
     else:
         local = layer - store.first_layer
-        n = int(tables.lens[local, head])
+        n = tables.host_lens[local][head]
         k_units, _ = store.unit_pools
         keys = k_units[tables.units[local, head, :n]].unsqueeze(1)  # [n, 1, d]
         positions = tables.positions[local, head, :n][None]

@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar, Literal
 
 import torch
@@ -114,9 +115,14 @@ class HeadSelection:
         cols = torch.arange(self.max_keep, device=self.indices.device)
         return cols < self.lengths.unsqueeze(-1)
 
+    @cached_property
+    def host_lengths(self) -> list[list[int]]:
+        """`lengths` on the host, read once (one GPU wait, not one per (layer, head) kept)."""
+        return self.lengths.tolist()
+
     def kept(self, layer: int, head: int) -> Tensor:
         """Ascending int64 columns kept by one (layer, head)."""
-        return self.indices[layer, head, : int(self.lengths[layer, head])]
+        return self.indices[layer, head, : self.host_lengths[layer][head]]
 
     def gather(self, layer: int, x: Tensor, fill: float = 0.0) -> Tensor:
         """Per-head gather of a layer's per-token tensor.
