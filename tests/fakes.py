@@ -8,7 +8,7 @@ import torch
 
 
 class FakeAllocator:
-    """SGLang's token-slot allocator surface (`alloc`, `free`, `available_size`,
+    """SGLang's token-slot allocator surface (`size`, `alloc`, `free`, `available_size`,
     `get_kvcache`). Slot 0 is SGLang's padding slot and is never handed out; `seed` shuffles the
     free list, so rows are not runs of consecutive slots. `alloc` hands slots out on `device`,
     the device of the KV pool (SGLang's allocator keeps its free list there)."""
@@ -20,6 +20,7 @@ class FakeAllocator:
         if seed is not None:
             order = order[torch.randperm(slots - 1, generator=torch.Generator().manual_seed(seed))]
         self.pool, self.free_slots, self.device = pool, order.tolist(), torch.device(device)
+        self.size = slots - 1  # the slots it hands out (the invariant checks count them)
 
     def available_size(self) -> int:
         return len(self.free_slots)
