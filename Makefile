@@ -42,12 +42,14 @@ serve: install
 # Two pytest workers, one test file each at a time (module-scoped servers stay in one worker):
 # a server's start-up is mostly one busy core, so two overlap well on a 2-core machine.
 PYTEST_WORKERS ?= 2
+NO_SGLANG_TESTS = tests/core tests/unit/test_compressor_moments.py
 
 test: install
-	# The plain-torch core first, with SGLang made unimportable: it must run on PyTorch alone
-	# (a GPU machine may have PyTorch and Triton but no SGLang). Then everything else.
-	$(PY) -m pytest --without-sglang tests/core $(PYTEST_ARGS)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --ignore=tests/core $(PYTEST_ARGS)
+	# The plain-torch core (and the compressor's moments on stand-ins) first, with SGLang made
+	# unimportable: they must run on PyTorch alone (a GPU machine may have PyTorch and Triton but
+	# no SGLang: `.ci/gpu`). Then everything else.
+	$(PY) -m pytest --without-sglang $(NO_SGLANG_TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(NO_SGLANG_TESTS:%=--ignore=%) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -2,7 +2,12 @@
 read, then decode steps that compress, for each policy, selection, decode attention, head budget
 and pass size. It runs the per-step code the live-server tests run (the attention observers,
 the decode kernel, passes, compaction) under `DeviceGuard` (tests/unit/conftest.py) and with
-the invariants checked after every compaction (`SGLKVC_CHECK`)."""
+the invariants checked after every compaction (`SGLKVC_CHECK`).
+
+It needs no SGLang (the adapter imports it only where it calls it), so it runs with the core's
+tests under `--without-sglang`, and on CUDA where there is a GPU (`.ci/gpu`): every stand-in
+keeps its tensors where SGLang keeps them (pools, rows and slots on the device, `*_cpu` on the
+host)."""
 
 from __future__ import annotations
 
@@ -23,14 +28,17 @@ PROMPTS = [30, 22, 17]  # tokens per request, all longer than the budget
 STEPS = 12
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
 class SlotPool:
     """A KV pool of [slots, H_kv, d] per layer (SGLang's `MHATokenToKVPool` surface)."""
 
     start_layer, layer_num = 0, LAYERS
 
-    def __init__(self) -> None:
-        self.k = [torch.randn(SLOTS, H_KV, D) for _ in range(LAYERS)]
-        self.v = [torch.randn(SLOTS, H_KV, D) for _ in range(LAYERS)]
+    def __init__(self, device: torch.device) -> None:
+        self.k = [torch.randn(SLOTS, H_KV, D, device=device) for _ in range(LAYERS)]
+        self.v = [torch.randn(SLOTS, H_KV, D, device=device) for _ in range(LAYERS)]
 
     def get_key_buffer(self, layer: int) -> torch.Tensor:
         return self.k[layer]
@@ -45,9 +53,9 @@ class SlotPool:
 class UnitPool(SlotPool):
     """The unit pool variable budgets need: one [slots, L, H_kv, d] buffer, viewed per layer."""
 
-    def __init__(self) -> None:
-        self.k_units = torch.randn(SLOTS, LAYERS, H_KV, D)
-        self.v_units = torch.randn(SLOTS, LAYERS, H_KV, D)
+    def __init__(self, device: torch.device) -> None:
+        self.k_units = torch.randn(SLOTS, LAYERS, H_KV, D, device=device)
+        self.v_units = torch.randn(SLOTS, LAYERS, H_KV, D, device=device)
         self.k, self.v = list(self.k_units.unbind(1)), list(self.v_units.unbind(1))
 
     def unit_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +67,9 @@ class Tree:
 
     disable = False
 
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
     def unlock(self, lock: object) -> None:
         pass
 
@@ -69,7 +80,7 @@ class Tree:
         return 0
 
     def all_values_flatten(self) -> torch.Tensor:
-        return torch.zeros(0, dtype=torch.int64)
+        return torch.zeros(0, dtype=torch.int64, device=self.device)
 
 
 def _req(i: int) -> SimpleNamespace:
@@ -96,14 +107,18 @@ CASES = [
 
 @pytest.mark.parametrize("work", [3 << 16, 40], ids=["whole-pass", "staged-pass"])
 @pytest.mark.parametrize("policy, selection, attend, budget", CASES)
-def test_prompt_and_decode_steps_compress(monkeypatch, caplog, policy, selection, attend, budget, work) -> None:
+@pytest.mark.parametrize("device_name", DEVICES)
+def test_prompt_and_decode_steps_compress(
+    monkeypatch, caplog, device_name, policy, selection, attend, budget, work
+) -> None:
+    device = torch.device(device_name, torch.cuda.current_device()) if device_name == "cuda" else torch.device("cpu")
     monkeypatch.setenv("SGLKVC_CHECK", "1")
     monkeypatch.setattr(compressor_module.ScoreReducer, "for_sglang_tp_group", classmethod(lambda cls: None))
     monkeypatch.setattr(compressor_module, "tp_rank", lambda: 0)
     caplog.set_level(logging.WARNING)
-    pool = UnitPool() if budget == "variable" else SlotPool()
-    r2t = torch.zeros(8, 128, dtype=torch.int32)
-    allocator = FakeAllocator(SLOTS, pool, seed=1)
+    pool = UnitPool(device) if budget == "variable" else SlotPool(device)
+    r2t = torch.zeros(8, 128, dtype=torch.int32, device=device)
+    allocator = FakeAllocator(SLOTS, pool, seed=1, device=device)
     runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=r2t),
                              attn_backend=SimpleNamespace(kvc_store=None, kvc_attends=True), server_args=None)
     config = KvcConfig(policy=policy, kv_budget=BUDGET, kv_buffer=BUFFER, kv_window=4, kv_selection=selection,
@@ -114,19 +129,19 @@ def test_prompt_and_decode_steps_compress(monkeypatch, caplog, policy, selection
     for req, n in zip(reqs, PROMPTS):
         r2t[req.kv.req_pool_idx, :n] = allocator.alloc(n).to(torch.int32)
     batch = SimpleNamespace(
-        reqs=reqs, seq_lens_cpu=torch.tensor(PROMPTS), seq_lens=torch.tensor(PROMPTS), chunked_req=None,
-        req_to_token_pool=runner.req_to_token_pool, token_to_kv_pool_allocator=allocator, tree_cache=Tree(),
-        seq_lens_sum=None, check_decode_mem=lambda: True,
+        reqs=reqs, seq_lens_cpu=torch.tensor(PROMPTS), seq_lens=torch.tensor(PROMPTS, device=device),
+        chunked_req=None, req_to_token_pool=runner.req_to_token_pool, token_to_kv_pool_allocator=allocator,
+        tree_cache=Tree(device), seq_lens_sum=None, check_decode_mem=lambda: True,
     )
-    rows = torch.arange(len(reqs))
+    rows = torch.arange(len(reqs), device=device)
 
     # the prompt: its queries observed layer by layer, then the moment after prefill
     comp.begin_extend(batch)
     fb = SimpleNamespace(extend_seq_lens_cpu=list(PROMPTS), extend_prefix_lens_cpu=[0] * len(PROMPTS),
-                         req_pool_indices=rows, extend_seq_lens=torch.tensor(PROMPTS),
-                         positions=torch.cat([torch.arange(n) for n in PROMPTS]))
+                         req_pool_indices=rows, extend_seq_lens=torch.tensor(PROMPTS, device=device),
+                         positions=torch.cat([torch.arange(n, device=device) for n in PROMPTS]))
     assert comp.extend_position_offsets(batch, fb) is None
-    q = torch.randn(sum(PROMPTS), H_Q * D)
+    q = torch.randn(sum(PROMPTS), H_Q * D, device=device)
     for i in range(LAYERS):
         attention._observe_extend(store, q, _layer(i), fb)
     comp.after_prefill(batch)
@@ -136,19 +151,19 @@ def test_prompt_and_decode_steps_compress(monkeypatch, caplog, policy, selection
         for req, n in zip(reqs, lens):
             r2t[req.kv.req_pool_idx, n] = int(allocator.alloc(1)[0])
         lens = [n + 1 for n in lens]
-        batch.seq_lens_cpu, batch.seq_lens = torch.tensor(lens), torch.tensor(lens)
+        batch.seq_lens_cpu, batch.seq_lens = torch.tensor(lens), torch.tensor(lens, device=device)
         fb = SimpleNamespace(seq_lens_cpu=torch.tensor(lens), req_pool_indices=rows,
-                             positions=torch.tensor(lens) - 1, encoder_lens=None)
+                             positions=torch.tensor(lens, device=device) - 1, encoder_lens=None)
         comp.begin_decode(batch, fb)
         offsets = comp.decode_position_offsets(fb.req_pool_indices)
         if offsets is not None:
             fb.positions = fb.positions + offsets
-        q = torch.randn(len(reqs), H_Q * D)
+        q = torch.randn(len(reqs), H_Q * D, device=device)
         for i in range(LAYERS):
             layer = _layer(i)
             attends = attention._kernel_attends(store, q, layer, fb)
             if attends:
-                out = torch.empty(len(reqs), H_Q, D)
+                out = torch.empty(len(reqs), H_Q, D, device=device)
                 store.attend_decode(i, store.decode_step, q.view(-1, H_Q, D), pool.k[i], pool.v[i], layer.scaling, out)
                 assert torch.isfinite(out).all()
             attention._observe_decode(store, q, layer, fb, attends)
