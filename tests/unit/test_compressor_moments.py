@@ -22,7 +22,7 @@ from sgl_kvc.adapter import attention
 from sgl_kvc.adapter import compressor as compressor_module
 from sgl_kvc.config import KvcConfig
 
-LAYERS, H_KV, H_Q, D, SLOTS = 2, 2, 4, 8, 256
+LAYERS, H_KV, H_Q, D, SLOTS = 2, 2, 4, 16, 256  # head dim 16: the Triton kernel serves it on CUDA
 BUDGET, BUFFER = 12, 4
 PROMPTS = [30, 22, 17]  # tokens per request, all longer than the budget
 STEPS = 12
