@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from benchmarks.common import metadata_markdown, run_metadata
 from sgl_kvc.kernels.decode_attention import decode_attention
 from sgl_kvc.kernels.fp8 import Fp8Rows, quantize_rows
 from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode
-from sgl_kvc.kernels.triton_per_head import BLOCK_N, FP8_BLOCK_N, FP8_STAGES, triton_per_head_decode
+from sgl_kvc.kernels.triton_per_head import BLOCK_N, FP8_BLOCK_N, FP8_STAGES, SPLIT_N, triton_per_head_decode
 
 RESULTS = Path(__file__).parent / "results"
 H_Q, H_KV, D = 32, 8, 128
@@ -148,6 +149,26 @@ def _codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.view(torch.uint8), scales
 
 
+def host_us(b: int, n: int, calls: int = 1000, rounds: int = 7) -> float:
+    """Median over `rounds` of the wall time per launched decode step, in microseconds, for
+    b requests keeping exactly n units per head: small steps, where the GPU waits on the host,
+    so this is the host's cost (argument checks, allocations, the kernel launches)."""
+    x = _inputs(b, 2 * n)  # every head holds at least n units: the first n of each, below
+    tables = HeadTables(x["tables"].units[..., :n].contiguous(), torch.full_like(x["tables"].lengths, n))
+    step = lambda: triton_per_head_decode(x["q"], x["k_units"], x["v_units"], tables)  # noqa: E731
+    for _ in range(10):
+        step()
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return round(statistics.median(times), 1)
+
+
 def copy_ceiling_gbps(gib: int = 2) -> float:
     """Device-to-device copy of `gib` GiB, bytes read plus written per second: the bandwidth a
     kernel that reads its data once can approach."""
@@ -173,15 +194,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep:
         return _write_sweep(args, meta)
     ceiling = copy_ceiling_gbps()
+    # the host's cost of a launched step: a table of one split (the decode kernel normalizes it) and
+    # of two (a second kernel merges them)
+    host = {f"8x{n}": host_us(8, n) for n in (SPLIT_N // 2, SPLIT_N * 2)}
     rows = [case(int(b), int(n), args.reps) for b in args.batches.split(",") for n in args.kept.split(",")]
     result = {"meta": meta, "shape": {"h_q": H_Q, "h_kv": H_KV, "d": D, "dtype": "bfloat16"},
-              "copy_ceiling_gbps": ceiling, "rows": rows}
+              "copy_ceiling_gbps": ceiling, "host_us_per_launched_step": host, "rows": rows}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"per-head-kernel-{args.tag}.json").write_text(json.dumps(result, indent=1) + "\n")
     cols = ["batch", "mean_kept", "kv_mb", "triton_ms", "triton_gbps", "triton_graph_ms", "triton_graph_gbps",
             "fp8_graph_ms", "fp8_graph_gbps", "fp8_rel_err", "triton_probs_ms", "torch_ms",
             "uniform_torch_ms", "max_abs_diff"]
     lines = [metadata_markdown(meta), f"Device-to-device copy (read + write): {ceiling} GB/s.", "",
+             "Host time per launched step (requests x units per head, median of 7 x 1000 calls): "
+             + ", ".join(f"{k}: {v} us" for k, v in host.items()) + ".", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
     (RESULTS / f"per-head-kernel-{args.tag}.md").write_text("\n".join(lines) + "\n")
