@@ -111,7 +111,7 @@ def case(b: int, n: int, reps: int, seed: int = 0) -> dict:
     got = triton_per_head_decode(q, k_units, v_units, tables).float()
     out["max_abs_diff"] = float((got - ref).abs().max())
     # the same step from an FP8 pool (e4m3 codes and a bf16 scale per unit, sgl-kvc's FP8 pool)
-    k_fp8, v_fp8 = (Fp8Rows(*_codes(x), "fp8_e4m3", "bfloat16", torch.bfloat16) for x in (k_units, v_units))
+    k_fp8, v_fp8 = _fp8_pool(k_units), _fp8_pool(v_units)
     fp8_bytes = int(lens.sum()) * 2 * (D + 2)  # codes and scale of K and V
     ms = _time_graph(lambda: triton_per_head_decode(q, k_fp8, v_fp8, tables), reps)
     out["fp8_graph_ms"] = round(ms, 4)
@@ -130,7 +130,7 @@ def sweep(b: int, n: int, reps: int, seed: int = 0) -> list[dict]:
     x = _inputs(b, n, seed)
     q, tables = x["q"], x["tables"]
     pools = {"bf16": (x["k_units"], x["v_units"])}
-    pools["fp8_e4m3"] = tuple(Fp8Rows(*_codes(u), "fp8_e4m3", "bfloat16", torch.bfloat16) for u in pools["bf16"])
+    pools["fp8_e4m3"] = (_fp8_pool(x["k_units"]), _fp8_pool(x["v_units"]))
     rows = []
     for pool, (k, v) in pools.items():
         default = (BLOCK_N, 4, 3) if pool == "bf16" else (FP8_BLOCK_N, 4, FP8_STAGES)  # Triton's 4 warps, 3 stages
@@ -144,9 +144,10 @@ def sweep(b: int, n: int, reps: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def _codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    codes, scales = quantize_rows(x, "fp8_e4m3", "bfloat16")
-    return codes.view(torch.uint8), scales
+def _fp8_pool(units: torch.Tensor) -> Fp8Rows:
+    """A bf16 unit pool [U, d] stored as sgl-kvc's FP8 pool: e4m3 codes and a bf16 scale per unit."""
+    codes, scales = quantize_rows(units, "fp8_e4m3", "bfloat16")
+    return Fp8Rows(codes.view(torch.uint8), scales, "fp8_e4m3", "bfloat16", torch.bfloat16)
 
 
 def host_us(b: int, n: int, calls: int = 1000, rounds: int = 7) -> float:

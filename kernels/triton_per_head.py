@@ -47,6 +47,16 @@ _FP8_TYPES = {"fp8_e4m3": tl.float8e4nv, "fp8_e5m2": tl.float8e5}
 
 
 @triton.jit
+def _store_normalized(out_ptr, lse_ptr, rows, ok, acc, total, top, dv, dim_v: tl.constexpr):
+    """A (request, KV head)'s final output acc / total and its log-sum-exp top + log(total), for
+    its query rows `rows` (the real ones: `ok`). An empty head (total 0, top -inf) reads zeros."""
+    total = tl.maximum(total, 1.1754943508222875e-38)  # float32's smallest normal: 0 / tiny = 0
+    tl.store(out_ptr + rows[:, None] * dim_v + dv[None, :], acc / total[:, None], mask=ok[:, None])
+    top = tl.where(top == float("-inf"), 0.0, top)
+    tl.store(lse_ptr + rows, top + tl.log(total), mask=ok)
+
+
+@triton.jit
 def _per_head_decode_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, units_ptr, lens_ptr,
     work_ptr, logits_ptr, out_ptr,
@@ -108,11 +118,7 @@ def _per_head_decode_kernel(
     max_ptr = work_ptr + n_parts * dim_v
     sum_ptr = max_ptr + n_parts
     if direct:  # one split: nothing to merge, the output and log-sum-exp are final here
-        total = tl.maximum(run_sum, 1.1754943508222875e-38)  # float32's smallest normal: 0 / tiny = 0
-        rows = bh * group + g
-        tl.store(out_ptr + rows[:, None] * dim_v + dv[None, :], acc / total[:, None], mask=g_ok[:, None])
-        top = tl.where(run_max == float("-inf"), 0.0, run_max)  # an empty head
-        tl.store(sum_ptr + n_parts + rows, top + tl.log(total), mask=g_ok)
+        _store_normalized(out_ptr, sum_ptr + n_parts, bh * group + g, g_ok, acc, run_sum, run_max, dv, dim_v)
     else:
         part = (bh * n_splits + split) * group_pad + g
         tl.store(max_ptr + part, run_max)
@@ -144,11 +150,7 @@ def _merge_splits_kernel(
         weight = tl.exp(tl.load(max_ptr + part) - top)  # 0 for an empty split
         total += tl.load(sum_ptr + part) * weight
         merged += tl.load(work_ptr + part[:, None] * dim_v + dv[None, :]) * weight[:, None]
-    total = tl.maximum(total, 1.1754943508222875e-38)  # float32's smallest normal: 0 / tiny = 0
-    rows = bh * group + g
-    ok = g < group
-    tl.store(out_ptr + rows[:, None] * dim_v + dv[None, :], merged / total[:, None], mask=ok[:, None])
-    tl.store(sum_ptr + n_parts + rows, top + tl.log(total), mask=ok)
+    _store_normalized(out_ptr, sum_ptr + n_parts, bh * group + g, g < group, merged, total, top, dv, dim_v)
 
 
 def supports(q: Tensor, k_pool: Any, v_pool: Any) -> bool:
