@@ -107,11 +107,10 @@ def start_pass(
     tables: RequestTables | None,
 ) -> PendingPass:
     """A new pass over the request's n entries (`tables`: its per-head tables on the unit pool)."""
-    layers = range(store.first_layer, store.num_layers)
     return PendingPass(
         moment=moment, policy=policy, n0=n, target=min(target, n),
         positions=state.positions(n) if tables is None else tables.positions,
-        queries=[store.queries(row, layer, n) for layer in layers], tables=tables,
+        queries=store.window_queries(row, n), tables=tables,
     )
 
 
@@ -206,8 +205,10 @@ def advance_variable(
     safe = torch.where(valid, selection.indices, 0)
     stats = None
     if state.policy.uses_stats:  # the decode policy's statistic, whichever policy chose
+        queries = store.window_queries(row, now.width)  # a head's view keeps its last n of them
         stats = with_gaps(store.first_layer, [
-            carry_stats_variable(store, row, state, state.policy, now, layer, selection) for layer in range(num_layers)
+            carry_stats_variable(store, row, state, state.policy, now, layer, selection, queries[layer])
+            for layer in range(num_layers)
         ])  # fmt: skip
     return DueCompaction(
         i=i, state=state, policy=p.policy, moment=p.moment, selection=selection,
@@ -224,20 +225,23 @@ def carry_stats_uniform(
     """Per layer of this rank, its statistic [H_kv, k] after a per-head compaction
     (`carry_stats_per_head`); the views are made one layer at a time (a generator), so one
     layer's keys are held at a time."""
-    views = (request_view(store, row, layer, state, n=n, positions=positions)
-             for layer in range(store.first_layer, store.num_layers))
+    queries = store.window_queries(row, n)
+    views = (request_view(store, row, store.first_layer + local, state, n=n, positions=positions, queries=q)
+             for local, q in enumerate(queries))
     return carry_stats_per_head(policy, views, selection)
 
 
 def carry_stats_variable(
     store: KvcStore, row: int, state: ReqKvState, policy: Policy, tables: RequestTables, layer: int,
-    selection: HeadSelection,
+    selection: HeadSelection, queries: Tensor | None,
 ) -> Tensor:
     """Local layer `layer`'s statistic after a variable compaction: [H_kv, max_keep], each
-    head's kept columns of what the policy carries, zero padded."""
+    head's kept columns of what the policy carries, zero padded (`queries`: the layer's window
+    queries, at least as many as any head has entries allow)."""
     out = torch.zeros(selection.num_heads, selection.max_keep, device=selection.indices.device)
     for head in range(selection.num_heads):
-        view = request_view(store, row, store.first_layer + layer, state, tables=tables, head=head)
+        view = request_view(store, row, store.first_layer + layer, state, tables=tables, head=head,
+                            queries=queries)
         full = policy.carry_stats(view, torch.arange(view.n, device=view.keys.device))
         kept = selection.kept(layer, head)
         if full is not None:

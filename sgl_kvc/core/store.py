@@ -163,6 +163,16 @@ class KvcStore:
             return None
         return self._queries[self._top - row, layer, self._ring(row, m)]
 
+    def window_queries(self, row: int, n: int) -> list[Tensor | None]:
+        """`queries(row, layer, n)` for every layer of this rank, in one read of the row's count:
+        on CUDA each read is a device sync, and a pass starts with every layer's queries."""
+        layers = self.num_layers - self.first_layer
+        m = 0 if self._queries is None else min(int(self._count[row]), n)
+        if m == 0:
+            return [None] * layers
+        picked = self._queries[self._top - row, self.first_layer : self.num_layers][:, self._ring(row, m)]
+        return list(picked.unbind(0))
+
     def trim_queries(self, row: int, n: int) -> None:
         """After compaction to n tokens, fewer queries than tokens may remain valid."""
         self._count[row] = self._count[row].clamp(max=n)

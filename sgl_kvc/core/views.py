@@ -58,7 +58,11 @@ def layer_views(
     store: KvcStore, row: int, state: ReqKvState, n: int, positions: Tensor, layers: range,
 ) -> list[LayerView]:
     """Every layer of this rank through the row (one layer's keys held per view)."""
-    return [request_view(store, row, layer, state, n=n, positions=positions) for layer in layers]
+    queries = store.window_queries(row, n)
+    return [
+        request_view(store, row, layer, state, n=n, positions=positions, queries=queries[layer - store.first_layer])
+        for layer in layers
+    ]
 
 
 def with_gaps(first_layer: int, items: list[Any]) -> list[Any]:

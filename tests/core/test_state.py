@@ -69,6 +69,32 @@ def test_query_ring_survives_many_wraps_and_trims(device: torch.device) -> None:
     assert store.queries(0, 0, n=99)[:, 0, 0].tolist() == [18, 19]
 
 
+@pytest.mark.parametrize("first_layer", [0, 2])
+def test_window_queries_equal_each_layers_queries(device: torch.device, first_layer: int) -> None:
+    """All of this rank's layers in one read of the row's count, as `queries` gives each."""
+    r2t = torch.zeros(3, 8, dtype=torch.int32, device=device)
+    store = KvcStore(num_layers=4, window=4, req_to_token=r2t, kv_pool=None, first_layer=first_layer)
+    store.begin(0, _state(device))
+    store.begin(1, _state(device))
+    assert store.window_queries(1, n=9) == [None] * (4 - first_layer)  # nothing recorded yet
+    rows = torch.tensor([0, 1], device=device)
+    for v in range(6):  # every layer of the rank, the first layer advancing the ring
+        for layer in range(first_layer, 4):
+            q = torch.full((2, 2, 3), 0.0, device=device)
+            q[:, 0, 0] = torch.tensor([v, 100 + v], dtype=torch.float32, device=device) + 10 * layer
+            store.record_decode(layer, rows, q, pool_rows=3)
+    for row in (0, 1):
+        for n in (1, 3, 9):
+            together = store.window_queries(row, n)
+            assert len(together) == 4 - first_layer
+            for local, q in enumerate(together):
+                alone = store.queries(row, first_layer + local, n)
+                assert q.device == device and torch.equal(q, alone)
+    assert store.window_queries(0, n=9)[-1][:, 0, 0].tolist() == [32, 33, 34, 35]  # layer 3, last 4
+    store.trim_queries(0, 0)
+    assert store.window_queries(0, n=9) == [None] * (4 - first_layer)
+
+
 class _Pool:
     def __init__(self, keys: torch.Tensor) -> None:
         self.keys = keys
