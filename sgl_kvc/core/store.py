@@ -154,18 +154,10 @@ class KvcStore:
         steps = torch.arange(1 - m, 1, device=self._head.device)
         return (self._head[row] + steps) % self.window
 
-    def queries(self, row: int, layer: int, n: int) -> Tensor | None:
-        """The last min(count, window, n) queries of a row, oldest first."""
-        if self._queries is None:
-            return None
-        m = min(int(self._count[row]), n)
-        if m == 0:
-            return None
-        return self._queries[self._top - row, layer, self._ring(row, m)]
-
     def window_queries(self, row: int, n: int) -> list[Tensor | None]:
-        """`queries(row, layer, n)` for every layer of this rank, in one read of the row's count:
-        on CUDA each read is a device sync, and a pass starts with every layer's queries."""
+        """The last min(count, window, n) queries of a row, oldest first, one tensor (or None)
+        per layer of this rank. The row's count is read once (on CUDA a read is a device sync)
+        for every layer, since a pass starts with every layer's queries."""
         layers = self.num_layers - self.first_layer
         m = 0 if self._queries is None else min(int(self._count[row]), n)
         if m == 0:

@@ -16,20 +16,17 @@ from sgl_kvc.core.request_state import ReqKvState, RequestTables
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import LayerView
 
-CURRENT = "current"  # a view's queries: the row's current window (else the ones given)
-
-
 def request_view(
     store: KvcStore, row: int, layer: int, state: ReqKvState, *, n: int | None = None,
     positions: Tensor | None = None, tables: RequestTables | None = None, head: int | None = None,
-    queries: Tensor | None | str = CURRENT,
+    queries: Tensor | None,
 ) -> LayerView:
     """Layer id `layer` of request `row`.
 
     Through the row: its first n entries, every KV head, at `positions` ([n], or [L, H_kv, n]
     over this rank's layers after a per-head compaction). Through `tables` (the unit pool): KV
-    head `head` alone, its own entries at their positions. `queries`: the window queries taken
-    when a staged pass began (default: the current ones); with `head`, its query group."""
+    head `head` alone, its own entries at their positions. `queries`: the layer's window queries
+    (`KvcStore.window_queries`, taken when a staged pass began); with `head`, its query group."""
     if tables is None:
         slots = store.req_to_token[row, :n].long()
         keys = store.kv_pool.get_key_buffer(layer)[slots]  # [n, H_kv, d]
@@ -41,17 +38,16 @@ def request_view(
         k_units, _ = store.unit_pools
         keys = k_units[tables.units[local, head, :n]].unsqueeze(1)  # [n, 1, d]
         positions = tables.positions[local, head, :n][None]
-    q = store.queries(row, layer, n) if isinstance(queries, str) else queries
     stats = state.stats[layer] if layer < len(state.stats) else None
     if stats is not None:
         stats = stats[:, :n]  # a staged pass scores the entries it began with
     if head is not None:
-        if q is not None:
-            group = q.shape[1] // store.kv_heads
-            q = q[-n:, head * group : (head + 1) * group]
+        if queries is not None:
+            group = queries.shape[1] // store.kv_heads
+            queries = queries[-n:, head * group : (head + 1) * group]
         if stats is not None:
             stats = stats[head : head + 1]
-    return LayerView(keys=keys, queries=q, positions=positions, stats=stats)
+    return LayerView(keys=keys, queries=queries, positions=positions, stats=stats)
 
 
 def layer_views(

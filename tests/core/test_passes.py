@@ -78,7 +78,7 @@ def test_a_staged_pass_chooses_what_a_whole_pass_chooses(device: torch.device, p
     whole = _run(store, state, n, target, budget=1 << 40)
     assert not whole.staged and state.pending is None
     views = [
-        LayerView(keys=pool.get_key_buffer(layer)[slots], queries=store.queries(0, layer, n), stats=state.stats[layer])
+        LayerView(keys=pool.get_key_buffer(layer)[slots], queries=store.window_queries(0, n)[layer], stats=state.stats[layer])
         for layer in range(LAYERS)
     ]
     want = torch.stack([select_per_head(state.policy, [v], target).indices[0] for v in views])
@@ -118,7 +118,7 @@ def test_variable_pass_sorts_every_heads_scores_once(device: torch.device, mode:
     scores = torch.empty(LAYERS, H_KV, n, device=device)
     protected = torch.zeros(LAYERS, H_KV, n, dtype=torch.bool, device=device)
     for layer in range(LAYERS):
-        q = store.queries(0, layer, n)
+        q = store.window_queries(0, n)[layer]
         for h in range(H_KV):
             stats = state.stats[layer]
             view = LayerView(

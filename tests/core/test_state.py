@@ -43,14 +43,14 @@ def test_query_window_keeps_the_last_queries_in_order(device: torch.device) -> N
     store.begin(1, _state(device))
     q = lambda v: torch.full((1, 2, 4), float(v), device=device)  # noqa: E731  [1 token, 2 heads, d=4]
     store.record_extend(0, 1, torch.cat([q(1), q(2)]), pool_rows=4)
-    first = store.queries(1, 0, n=10)
+    first = store.window_queries(1, n=10)[0]
     assert first.device == device and first[:, 0, 0].tolist() == [1.0, 2.0]
     for v in (3, 4):
         store.record_decode(0, torch.tensor([1], device=device), q(v), pool_rows=4)
-    assert store.queries(1, 0, n=10)[:, 0, 0].tolist() == [2.0, 3.0, 4.0]
-    assert store.queries(1, 0, n=2)[:, 0, 0].tolist() == [3.0, 4.0]  # never more than n tokens
+    assert store.window_queries(1, n=10)[0][:, 0, 0].tolist() == [2.0, 3.0, 4.0]
+    assert store.window_queries(1, n=2)[0][:, 0, 0].tolist() == [3.0, 4.0]  # never more than n tokens
     store.begin(1, _state(device))  # the row is reused by a new request: no stale queries
-    assert store.queries(1, 0, n=10) is None
+    assert store.window_queries(1, n=10)[0] is None
 
 
 def test_query_ring_survives_many_wraps_and_trims(device: torch.device) -> None:
@@ -63,15 +63,16 @@ def test_query_ring_survives_many_wraps_and_trims(device: torch.device) -> None:
     rows = torch.tensor([0, 2], device=device)
     for v in range(7, 20):
         store.record_decode(0, rows, q(v, 100 + v), pool_rows=3)
-    assert store.queries(0, 0, n=99)[:, 0, 0].tolist() == [16, 17, 18, 19]
-    assert store.queries(2, 0, n=99)[:, 0, 0].tolist() == [116, 117, 118, 119]
+    assert store.window_queries(0, n=99)[0][:, 0, 0].tolist() == [16, 17, 18, 19]
+    assert store.window_queries(2, n=99)[0][:, 0, 0].tolist() == [116, 117, 118, 119]
     store.trim_queries(0, 2)
-    assert store.queries(0, 0, n=99)[:, 0, 0].tolist() == [18, 19]
+    assert store.window_queries(0, n=99)[0][:, 0, 0].tolist() == [18, 19]
 
 
 @pytest.mark.parametrize("first_layer", [0, 2])
-def test_window_queries_equal_each_layers_queries(device: torch.device, first_layer: int) -> None:
-    """All of this rank's layers in one read of the row's count, as `queries` gives each."""
+def test_window_queries_give_every_layer_of_the_rank(device: torch.device, first_layer: int) -> None:
+    """One tensor per layer of the rank (local index), each the row's last min(count, window, n)
+    queries of that layer, oldest first."""
     r2t = torch.zeros(3, 8, dtype=torch.int32, device=device)
     store = KvcStore(num_layers=4, window=4, req_to_token=r2t, kv_pool=None, first_layer=first_layer)
     store.begin(0, _state(device))
@@ -85,12 +86,12 @@ def test_window_queries_equal_each_layers_queries(device: torch.device, first_la
             store.record_decode(layer, rows, q, pool_rows=3)
     for row in (0, 1):
         for n in (1, 3, 9):
-            together = store.window_queries(row, n)
-            assert len(together) == 4 - first_layer
-            for local, q in enumerate(together):
-                alone = store.queries(row, first_layer + local, n)
-                assert q.device == device and torch.equal(q, alone)
-    assert store.window_queries(0, n=9)[-1][:, 0, 0].tolist() == [32, 33, 34, 35]  # layer 3, last 4
+            got = store.window_queries(row, n)
+            assert len(got) == 4 - first_layer
+            m = min(4, n)  # 6 recorded, a window of 4
+            for local, q in enumerate(got):
+                want = [100 * row + 10 * (first_layer + local) + v for v in range(6 - m, 6)]
+                assert q.device == device and q.shape == (m, 2, 3) and q[:, 0, 0].tolist() == want
     store.trim_queries(0, 0)
     assert store.window_queries(0, n=9) == [None] * (4 - first_layer)
 
@@ -182,7 +183,7 @@ def test_query_buffer_grows_with_the_rows_in_use_not_the_row_count(device: torch
     assert store.query_buffer_bytes == 4 * 2 * 2 * 3 * 4 * 4  # capacity 4 of 1000 rows
     store.begin(5, _state(device))  # a low row (rare) grows the buffer, keeping earlier queries
     store.record_extend(0, 5, q(9), pool_rows=1000)
-    assert [store.queries(r, 0, 9)[0, 0, 0].item() for r in (999, 998, 997, 5)] == [0, 1, 2, 9]
+    assert [store.window_queries(r, 9)[0][0, 0, 0].item() for r in (999, 998, 997, 5)] == [0, 1, 2, 9]
 
 
 def test_prefill_statistics_equal_dense_causal_attention(device: torch.device, monkeypatch) -> None:
