@@ -14,34 +14,17 @@ from __future__ import annotations
 from typing import Any
 
 from sgl_kvc.config import KvcConfig
-from sgl_kvc.policies import prompt_policy_error
 from sgl_kvc.request_settings import (
     CUSTOM_PARAMS_KEY,
     FIELD,
-    RequestCompression,
     RequestSettingError,
     parse_kv_compression,
+    server_conflict,
 )
 from sgl_kvc.request_settings import json_type_name
 from sgl_kvc.server.errors import format_param
 
 CUSTOM_FIELD = f"custom_params.{CUSTOM_PARAMS_KEY}"
-
-
-def _require_compressing_server(
-    settings: RequestCompression, field: str, config: KvcConfig | None
-) -> None:
-    wants = settings.policy not in (None, "none") or settings.budget is not None or settings.prompt_policy is not None
-    if wants and (config is None or not config.compressing):
-        raise RequestSettingError(
-            f"{field}.policy" if settings.policy else f"{field}.budget" if settings.budget else f"{field}.prompt_policy",
-            "this server was started with --policy none: per-request compression needs a "
-            "server started with a compressing policy (e.g. --policy rkv)",
-        )
-    if config is not None:
-        why = prompt_policy_error(*settings.policies(config.policy, config.prompt_policy))
-        if why is not None:
-            raise RequestSettingError(f"{field}.prompt_policy", why)
 
 
 def check_settings_object(obj: Any, field: str, config: KvcConfig | None) -> RequestCompression:
@@ -50,7 +33,9 @@ def check_settings_object(obj: Any, field: str, config: KvcConfig | None) -> Req
         # parse_kv_compression would say so too, but with a Python class name ("NoneType").
         raise RequestSettingError(field, f"{field} must be an object, got {json_type_name(obj)}")
     settings = parse_kv_compression(obj, field=field)
-    _require_compressing_server(settings, field, config)
+    conflict = server_conflict(settings, config, field)
+    if conflict is not None:
+        raise conflict
     return settings
 
 

@@ -12,9 +12,12 @@ to the scheduler inside SGLang's `custom_params`, under `CUSTOM_PARAMS_KEY`.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sgl_kvc.policies import AUTO, SELECTIONS, available_policies
+from sgl_kvc.policies import AUTO, SELECTIONS, available_policies, prompt_policy_error
+
+if TYPE_CHECKING:
+    from sgl_kvc.config import KvcConfig
 
 FIELD = "kv_compression"
 CUSTOM_PARAMS_KEY = "sgl_kvc"
@@ -89,6 +92,26 @@ def parse_kv_compression(obj: Any, field: str = FIELD) -> RequestCompression:
             f"{field}.prompt_policy", f"unknown prompt policy {shown}; choose one of {', '.join(choices)}"
         )
     return RequestCompression(policy=policy, budget=budget, selection=selection, prompt_policy=prompt_policy)
+
+
+def server_conflict(settings: RequestCompression, config: "KvcConfig | None", field: str = FIELD) -> RequestSettingError | None:
+    """Why a server started with `config` (None: without sgl-kvc's config, plain SGLang) cannot
+    serve valid `settings`, as the error naming the field; None if it can. Checked when a request
+    is admitted, by the HTTP layer and again by the scheduler, so that a setting this server
+    cannot serve is that request's 400 and never a failure later in a step it shares."""
+    wants = [name for name, value in (("policy", settings.policy), ("budget", settings.budget),
+                                      ("prompt_policy", settings.prompt_policy)) if value not in (None, "none")]
+    if wants and (config is None or not config.compressing):
+        return RequestSettingError(
+            f"{field}.{wants[0]}",
+            "this server was started with --policy none: per-request compression needs a "
+            "server started with a compressing policy (e.g. --policy rkv)",
+        )
+    if config is not None:
+        why = prompt_policy_error(*settings.policies(config.policy, config.prompt_policy))
+        if why is not None:
+            return RequestSettingError(f"{field}.prompt_policy", why)
+    return None
 
 
 def from_custom_params(custom_params: Any) -> RequestCompression:

@@ -74,6 +74,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--without-sglang", action="store_true",
         help="make `import sglang` (and its server stack) fail, to prove the tests run on PyTorch alone (tests/core)",
     )
+    parser.addoption(
+        "--fuzz-seed", type=int, default=None,
+        help="the request-mix fuzz test's first seed (default: each server's own CI seed)",
+    )
+    parser.addoption(
+        "--fuzz-bursts", type=int, default=3,
+        help="bursts of concurrent requests the request-mix fuzz test sends to each server (a longer run: more)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -114,6 +122,23 @@ def single_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session")
+def request_mix(request: pytest.FixtureRequest):
+    """`run(server, ci_seed)`: the request-mix fuzz test (`tests/request_mix.py`) against a live
+    server: `--fuzz-bursts` bursts of 12 concurrent requests from seed `--fuzz-seed` (else
+    `ci_seed`). Returns what it sent."""
+    from request_mix import run_bursts
+
+    seed, bursts = request.config.getoption("--fuzz-seed"), request.config.getoption("--fuzz-bursts")
+
+    def run(server: ServerProcess, ci_seed: int, **kw) -> dict[str, int]:
+        counts = run_bursts(server, ci_seed if seed is None else seed, bursts, per_burst=12, **kw)
+        print(f"request mix: {counts}")
+        return counts
+
+    return run
 
 
 @pytest.fixture(scope="session")

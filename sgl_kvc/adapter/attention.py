@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from sgl_kvc.adapter import failpoints
 from sgl_kvc.core.store import KvcStore
 
 logger = logging.getLogger(__name__)
@@ -141,8 +142,8 @@ def _kernel_attends(store: KvcStore, q: Any, layer: Any, fb: Any) -> bool:
 
 def _observe(fn: Callable[..., None], store: KvcStore, q, layer, fb, *args: Any) -> None:
     """Observation is bookkeeping for later compressions: a failure here must not fail the
-    forward pass of the whole batch. A request whose observations are missing fails (alone)
-    when it is compressed."""
+    forward pass of the whole batch. What failed for a row empties that row's observations
+    (`KvcStore.lose_observations`), so it is never scored with stale queries."""
     try:
         fn(store, q, layer, fb, *args)
     except Exception:  # noqa: BLE001
@@ -154,13 +155,34 @@ def _layer_keys(store: KvcStore, layer: Any, row: int, n: int) -> torch.Tensor:
     return store.kv_pool.get_key_buffer(layer.layer_id)[slots]
 
 
+def _planted(store: KvcStore, layer_id: int, rows: list[int]) -> None:
+    """The `observe_raise` failpoint: the second layer of the rank raises for its rows."""
+    if store.planted_rows and layer_id == store.first_layer + 1 and store.planted_rows.intersection(rows):
+        raise failpoints.PlantedFault(f"planted fault observing rows {sorted(store.planted_rows)}")
+
+
 def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any, attended: bool) -> None:
     h_q, d = layer.tp_q_head_num, layer.qk_head_dim
     q = q.reshape(-1, h_q, d)
     pool_rows = store.req_to_token.shape[0]
-    store.record_decode(layer.layer_id, fb.req_pool_indices, q, pool_rows)
+    rows = store.decode_rows  # the batch's rows in order, from the scheduler's host-side batch
+    try:
+        _planted(store, layer.layer_id, rows)
+        store.record_decode(layer.layer_id, fb.req_pool_indices, q, pool_rows)
+    except Exception:  # noqa: BLE001 - again one row at a time: only the rows that fail alone lose theirs
+        logger.exception("sgl-kvc: recording decode queries failed in layer %s; retrying row by row", layer.layer_id)
+        lost = []
+        for j, row in enumerate(rows):
+            try:
+                _planted(store, layer.layer_id, [row])
+                store.record_decode(layer.layer_id, fb.req_pool_indices[j : j + 1], q[j : j + 1], pool_rows)
+            except Exception:  # noqa: BLE001
+                lost.append(row)
+        store.lose_observations(lost)
     step = store.decode_step  # set by the scheduler hook for this step: no host sync here
     if step is not None and step.has_stats and not attended:  # else the kernel fed them
+        # A failure here leaves this step's attention out of the layer's statistics (each still
+        # the request's own): logged by `_observe`.
         step.accumulate(layer.layer_id, q, store.kv_pool.get_key_buffer(layer.layer_id), layer.scaling)
 
 
@@ -172,23 +194,34 @@ def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> No
     rows = store.extend_rows  # the batch's rows in order, from the scheduler's host-side batch
     if len(rows) != len(fb.extend_seq_lens_cpu):
         raise RuntimeError(f"{len(rows)} extend rows recorded for {len(fb.extend_seq_lens_cpu)} requests")
+    lost = []
     for i, row in enumerate(rows):
         e, p = fb.extend_seq_lens_cpu[i], fb.extend_prefix_lens_cpu[i]
         qi = q[start : start + e]
         start += e
         if e == 0:
             continue
-        store.record_extend(layer.layer_id, row, qi, pool_rows)
-        state = store.states.get(row)
-        if row in store.extend_tables:
-            continue  # its attention, through its tables, fed its statistic (`attend_extend`)
-        if state is not None and state.policy.uses_stats and state.policy.accumulate_prefill:
-            keys = _layer_keys(store, layer, row, p + e)
-            dev = keys.device
-            store.accumulate(
-                row, layer.layer_id, qi, keys,
-                torch.arange(p, p + e, device=dev), torch.arange(p + e, device=dev), layer.scaling,
-            )
+        try:  # one request at a time: what fails for it empties its observations alone
+            _planted(store, layer.layer_id, [row])
+            _observe_extend_row(store, layer, row, qi, p, e, pool_rows)
+        except Exception:  # noqa: BLE001
+            logger.exception("sgl-kvc: observing row %s failed in layer %s", row, layer.layer_id)
+            lost.append(row)
+    store.lose_observations(lost)
+
+
+def _observe_extend_row(store: KvcStore, layer: Any, row: int, qi: torch.Tensor, p: int, e: int, pool_rows: int) -> None:
+    store.record_extend(layer.layer_id, row, qi, pool_rows)
+    state = store.states.get(row)
+    if row in store.extend_tables:
+        return  # its attention, through its tables, fed its statistic (`attend_extend`)
+    if state is not None and state.policy.uses_stats and state.policy.accumulate_prefill:
+        keys = _layer_keys(store, layer, row, p + e)
+        dev = keys.device
+        store.accumulate(
+            row, layer.layer_id, qi, keys,
+            torch.arange(p, p + e, device=dev), torch.arange(p + e, device=dev), layer.scaling,
+        )
 
 
 @functools.cache

@@ -21,10 +21,13 @@ prefix hit); then it drops its lock, so the tree's nodes become ordinary evictab
 later requests with the same prefix still hit them. The request is marked
 `skip_radix_cache_insert`, so at finish SGLang inserts nothing of it into the tree.
 
-Order, so a failure never leaves the pool inconsistent: plan every request (nothing changed),
-move the kept entries (into slots no other row references), rewrite each row, then free the
-slots of the rows that were rewritten. A request whose row rewrite fails keeps its old row
-(SGLang frees it when the request is aborted) and gives back only its newly allocated slots.
+Two phases, so that a failure never leaves the pool inconsistent and tensor-parallel ranks can
+agree before anything irreversible happens: `prepare_*` plans every request (nothing changed),
+moves the kept entries (into slots no other row references) and readies each new row; `apply`
+then rewrites the rows, drops their tree locks and frees the evicted slots, all at once. A request
+that fails while it is prepared keeps its old row (SGLang frees it when the request is aborted)
+and gives back only its newly allocated slots (`abandon`), as does one its caller decides not to
+apply; a failed batched move fails every request it moved (their entries may be half moved).
 """
 
 from __future__ import annotations
@@ -58,22 +61,36 @@ class _Plan:
     dest: Tensor  # the slots the request's row holds after the compaction
     evicted: Tensor  # owned slots given back
     copied: int  # slots newly allocated (the last of `dest`)
+    result: CompactionResult
     row: Tensor | None = None  # per-head: the slots before, and each head's kept indices
     indices: Tensor | None = None
     units: UnitMoves | None = None  # unit pool: the entries' moves
 
 
-def compact_requests_per_head(
-    batch: Any, items: Sequence[tuple[int, HeadSelection]], other_batches: tuple[Any, ...] = ()
-) -> list[CompactionResult | Exception]:
-    """Per-head compaction of several requests of `batch` at once (those due in the same step).
-    Each keeps, in every (layer, KV head), its own entries `selection.kept(l, h)` (physical
-    indices of its row; the same count in every head: a uniform per-head budget). One gather +
-    scatter per layer moves every request's kept entries and one call frees every evicted
-    slot. Per item: its result, or the exception that left that request unchanged
-    (`CompactionSkipped`: no free slot to privatise a long prefix hit)."""
+@dataclass(frozen=True)
+class Prepared:
+    """Request i of the batch, its kept entries moved into the slots of its new `row` (int64);
+    its row, lengths, tree lock and the pool's accounting are as they were."""
 
-    def plan(item: tuple[int, HeadSelection]) -> tuple[_Plan, CompactionResult]:
+    i: int
+    row: Tensor
+    evicted: Tensor  # owned slots `apply` frees
+    copied: int  # slots newly allocated for it (the last of `row`): `abandon` frees them
+    result: CompactionResult
+
+
+Outcome = Prepared | Exception
+
+
+def prepare_per_head(batch: Any, items: Sequence[tuple[int, HeadSelection]]) -> list[Outcome]:
+    """Per-head compaction of several requests of `batch` (those due in the same step), up to
+    `apply`. Each keeps, in every (layer, KV head), its own entries `selection.kept(l, h)`
+    (physical indices of its row; the same count in every head: a uniform per-head budget, or a
+    shared selection). One gather + scatter per layer moves every request's kept entries. Per
+    item: `Prepared`, or the exception that left it unchanged (`CompactionSkipped`: no free slot
+    to privatise a long prefix hit)."""
+
+    def plan(item: tuple[int, HeadSelection]) -> _Plan:
         i, selection = item
         n = int(batch.seq_lens_cpu[i])
         k = selection.max_keep
@@ -83,31 +100,30 @@ def compact_requests_per_head(
                 f"n={selection.n}, counts {sorted(set(selection.lengths.flatten().tolist()))}"
             )
         row = _row(batch, i)
-        dest, evicted, copied = _destinations(batch, i, k)
-        p = _Plan(i, dest, evicted, copied, row=row, indices=selection.indices.to(row.device))
-        return p, CompactionResult(k, int(evicted.numel()), copied)
+        dest, evicted, copied = _destinations(batch, i, k)  # last: it may allocate
+        return _Plan(i, dest, evicted, copied, CompactionResult(k, int(evicted.numel()), copied),
+                     row=row, indices=selection.indices.to(row.device))
 
     def move(plans: list[_Plan]) -> None:
         pool = batch.token_to_kv_pool_allocator.get_kvcache()
         move_units_many(pool, [(p.row, p.indices, p.dest) for p in plans])
 
-    return _compact_many(batch, items, plan, move, other_batches)
+    return _prepare_many(batch, items, plan, move)
 
 
-def compact_requests_units(
-    batch: Any, items: Sequence[tuple[int, HeadSelection, Tensor]], unit_pools: tuple[Any, Any],
-    other_batches: tuple[Any, ...] = (),
-) -> list[CompactionResult | Exception]:
-    """Variable per-head budgets on the unit pool (KV-Compress §4.2): several requests of
-    `batch` at once. Item (i, selection, units): request i keeps, in (layer l, KV head h), the
-    entries `selection.kept(l, h)` (columns of its per-head tables, `units` [L, H_kv, N]).
-    Its kept entries, in (layer, head, column) order, fill the units of its first
+def prepare_units(
+    batch: Any, items: Sequence[tuple[int, HeadSelection, Tensor]], unit_pools: tuple[Any, Any]
+) -> list[Outcome]:
+    """Variable per-head budgets on the unit pool (KV-Compress §4.2), up to `apply`. Item
+    (i, selection, units): request i keeps, in (layer l, KV head h), the entries
+    `selection.kept(l, h)` (columns of its per-head tables, `units` [L, H_kv, N]). Its kept
+    entries, in (layer, head, column) order, fill the units of its first
     G = ceil(total / (L x H_kv)) owned slots (KV-Compress Alg. 1's MoveCache with a one-unit
-    block); every other slot it owns is freed. Per item: its result (with the new tables) or
-    the exception that left it unchanged."""
+    block); every other slot it owns is freed. Per item: `Prepared` (its result carries the new
+    tables) or the exception that left it unchanged."""
     allocator = batch.token_to_kv_pool_allocator
 
-    def plan(item: tuple[int, HeadSelection, Tensor]) -> tuple[_Plan, CompactionResult]:
+    def plan(item: tuple[int, HeadSelection, Tensor]) -> _Plan:
         i, selection, units = item
         if units.shape[-1] != selection.n:
             raise ValueError(f"a selection over {selection.n} columns for tables of {units.shape[-1]}")
@@ -118,52 +134,98 @@ def compact_requests_units(
         except BaseException:
             _give_back_copied(allocator, dest, copied)  # not planned yet: here, not by the driver
             raise
-        return _Plan(i, dest, evicted, copied, units=moves), CompactionResult(
-            g, int(evicted.numel()), copied, units=moves.table
-        )
+        result = CompactionResult(g, int(evicted.numel()), copied, units=moves.table)
+        return _Plan(i, dest, evicted, copied, result, units=moves)
 
     def move(plans: list[_Plan]) -> None:
         move_unit_entries(unit_pools, [p.units for p in plans])
 
-    return _compact_many(batch, items, plan, move, other_batches)
+    return _prepare_many(batch, items, plan, move)
 
 
-def _compact_many(
-    batch: Any, items: Sequence[Any], plan: Callable[[Any], tuple[_Plan, CompactionResult]],
-    move: Callable[[list[_Plan]], None], other_batches: tuple[Any, ...],
+def compact_requests_per_head(
+    batch: Any, items: Sequence[tuple[int, HeadSelection]], other_batches: tuple[Any, ...] = ()
 ) -> list[CompactionResult | Exception]:
-    """What the batched compactions share: `plan(item)` plans one request alone or raises
-    `CompactionSkipped` / `ValueError` for it alone; `move(plans)` moves every planned
-    request's kept entries at once; then each row is rewritten, the slots of the rewritten
-    rows freed in one call, and the invariants checked once."""
+    """`prepare_per_head`, then `apply` to every request it prepared."""
+    return _apply_prepared(batch, prepare_per_head(batch, items), other_batches)
+
+
+def compact_requests_units(
+    batch: Any, items: Sequence[tuple[int, HeadSelection, Tensor]], unit_pools: tuple[Any, Any],
+    other_batches: tuple[Any, ...] = (),
+) -> list[CompactionResult | Exception]:
+    """`prepare_units`, then `apply` to every request it prepared."""
+    return _apply_prepared(batch, prepare_units(batch, items, unit_pools), other_batches)
+
+
+def _apply_prepared(batch: Any, outcomes: list[Outcome], other_batches: tuple[Any, ...]) -> list[CompactionResult | Exception]:
+    ready = [o for o in outcomes if isinstance(o, Prepared)]
+    applied = iter(apply(batch, ready, other_batches))
+    return [next(applied) if isinstance(o, Prepared) else o for o in outcomes]
+
+
+def _prepare_many(
+    batch: Any, items: Sequence[Any], plan: Callable[[Any], _Plan], move: Callable[[list[_Plan]], None],
+) -> list[Outcome]:
+    """What the batched compactions share: `plan(item)` plans one request alone or raises for
+    it alone; `move(plans)` moves every planned request's kept entries at once; then each new
+    row is readied."""
     allocator = batch.token_to_kv_pool_allocator
-    outcomes: list[CompactionResult | Exception] = []
+    outcomes: list[Any] = []
     planned: list[tuple[int, _Plan]] = []  # (index in outcomes, plan)
+    for item in items:
+        try:
+            planned.append((len(outcomes), plan(item)))
+            outcomes.append(None)
+        except Exception as e:  # noqa: BLE001 - this request alone
+            outcomes.append(e)
+    if not planned:
+        return outcomes
     try:
-        for item in items:
-            try:
-                p, result = plan(item)
-                planned.append((len(outcomes), p))
-                outcomes.append(result)
-            except (CompactionSkipped, ValueError) as e:
-                outcomes.append(e)
-        if not planned:
-            return outcomes
         move([p for _, p in planned])
-    except BaseException:
-        # No request was changed yet: give back the slots allocated for long prefix hits,
-        # which no row references (the requests keep their rows and are aborted by the caller).
-        for _, p in planned:
-            _give_back_copied(allocator, p.dest, p.copied)
-        raise
-    done, evicted = [], []
+    except Exception as e:  # noqa: BLE001 - every request of the move: its entries may be half moved
+        for k, p in planned:
+            _give_back_copied(allocator, p.dest, p.copied)  # no row references them yet
+            outcomes[k] = e
+        return outcomes
     for k, p in planned:
         try:
-            _finish(batch, p.i, p.dest)
-        except Exception as e:  # noqa: BLE001 - this request alone fails (its caller aborts it)
-            _give_back_copied(allocator, p.dest, p.copied)  # its old row still owns the rest
+            outcomes[k] = _ready(batch, p)
+        except Exception as e:  # noqa: BLE001 - this request alone; its old row still owns the rest
+            _give_back_copied(allocator, p.dest, p.copied)
             outcomes[k] = e
+    return outcomes
+
+
+def _ready(batch: Any, p: _Plan) -> Prepared:
+    """Everything about request p.i's new row that can fail, before anything of it changes."""
+    failpoints.maybe_raise("rewrite_raise", batch.reqs[p.i], "rewriting the row of")
+    return Prepared(p.i, p.dest, p.evicted, p.copied, p.result)
+
+
+def abandon(batch: Any, prepared: Prepared) -> None:
+    """A prepared request whose compaction will not be applied: give back the slots allocated
+    for it (its kept entries were copied over slots its old row still lists; it must be
+    aborted, its KV is no longer its prompt's)."""
+    _give_back_copied(batch.token_to_kv_pool_allocator, prepared.row, prepared.copied)
+
+
+def apply(batch: Any, prepared: Sequence[Prepared], other_batches: tuple[Any, ...] = ()) -> list[CompactionResult | Exception]:
+    """Commit prepared requests to SGLang: each row's tree lock dropped, its row and lengths
+    rewritten; then the evicted slots of all of them freed in one call, and the invariants
+    checked once. Per request: its result, or the exception of a failed unlock (its slots given
+    back, its row as it was)."""
+    allocator = batch.token_to_kv_pool_allocator
+    outcomes: list[CompactionResult | Exception] = []
+    done, evicted = [], []
+    for p in prepared:
+        try:
+            _rewrite(batch, p)
+        except Exception as e:  # noqa: BLE001 - this request alone (its caller aborts it)
+            abandon(batch, p)
+            outcomes.append(e)
             continue
+        outcomes.append(p.result)
         done.append(batch.reqs[p.i])
         evicted.append(p.evicted)
     leaky = any(failpoints.hits("leak_slot", req) for req in done)
@@ -219,23 +281,23 @@ def _free(allocator: Any, slots: Tensor, leak: bool = False) -> Tensor:
     return slots
 
 
-def _finish(batch: Any, i: int, new_row: Tensor) -> None:
-    """Write the request's new row, then its lengths, then drop its tree lock. Everything that
-    can fail (the planted fault, the write itself) comes before the first change."""
-    req = batch.reqs[i]
+def _rewrite(batch: Any, p: Prepared) -> None:
+    """Drop the request's tree lock (the one call into SGLang, so it comes before any change),
+    then write its new row and lengths (plain assignments)."""
+    req = batch.reqs[p.i]
     kv = req.kv
-    failpoints.maybe_raise("rewrite_raise", req, "rewriting the row of")
-    k = int(new_row.numel())
     r2t = batch.req_to_token_pool.req_to_token
-    r2t[kv.req_pool_idx, :k] = new_row.to(r2t.dtype)
-    kv.kv_committed_len = k
-    kv.kv_allocated_len = k
-    req.skip_radix_cache_insert = True
-    _set_len(batch, i, k)
+    row = p.row.to(r2t.dtype)
     if int(kv.cache_protected_len) > 0:
         batch.tree_cache.unlock(req.lock)
         req.lock = None
         kv.cache_protected_len = 0
+    k = int(row.numel())
+    r2t[kv.req_pool_idx, :k] = row
+    kv.kv_committed_len = k
+    kv.kv_allocated_len = k
+    req.skip_radix_cache_insert = True
+    _set_len(batch, p.i, k)
 
 
 def _set_len(batch: Any, i: int, k: int) -> None:

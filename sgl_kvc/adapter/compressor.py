@@ -12,8 +12,9 @@
 
 A moment runs passes (`sgl_kvc.core.passes`): per-head passes are staged over scheduler steps
 within `--kv-pass-work`, shared among the step's passes; the selections that finish in a
-moment are compacted together (`adapter/compaction.py`) and committed. Whatever fails for one
-request aborts that request alone (`_guarded`).
+moment are compacted together, each kind by its own routine (`adapter/compaction.py`), and
+committed. Whatever fails for one request fails that request alone, and on every
+tensor-parallel rank (`adapter/failures.py`): each moment's hook ends by settling its failures.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -29,15 +30,18 @@ from sgl_kvc.adapter import failpoints
 from sgl_kvc.adapter.compaction import (
     CompactionResult,
     CompactionSkipped,
-    compact_requests_per_head,
-    compact_requests_units,
+    Prepared,
+    abandon,
+    apply,
+    prepare_per_head,
+    prepare_units,
 )
-from sgl_kvc.adapter.invariants import InvariantViolation
+from sgl_kvc.adapter.failures import FailedOnAnotherRank, FailureLedger, failure
 from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.adapter.requests import (
-    abort_running, chunk_compressible, is_middle_chunk, on_release, publish_exact_prefix, request_settings,
+    chunk_compressible, is_middle_chunk, on_release, publish_exact_prefix, request_settings,
 )
-from sgl_kvc.adapter.tp import ScoreReducer, tp_rank
+from sgl_kvc.adapter.tp import RankVote, ScoreReducer, tp_rank
 from sgl_kvc.adapter.trace import CompactionTrace
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.passes import DueCompaction, StepWork, advance_uniform, advance_variable, start_pass
@@ -73,6 +77,8 @@ class Compressor:
         # scores are averaged over the TP group first, so every rank keeps the same tokens.
         self.reduce_scores = ScoreReducer.for_sglang_tp_group()
         self.tp_rank = tp_rank()
+        # A request that fails on any rank fails on all of them, in the same step.
+        self.failures = FailureLedger(drop=self._drop, vote=RankVote.for_sglang_tp_group())
         self.trace = CompactionTrace.from_env(self.tp_rank)
         self.scheduler: Any = None  # set by the scheduler hooks; read for the other running batch
         self._due: list[DueCompaction] = []  # per-head compactions of the current moment
@@ -119,9 +125,11 @@ class Compressor:
         the observation store the batch's rows and the tables of its packed requests (host-side:
         no device sync in the forward)."""
         for req in batch.reqs:
-            if getattr(req, STATE_ATTR, None) is None and not req.finished():
-                self._guarded(req, "start", self._begin, req)
-        self.store.begin_extend([req.kv.req_pool_idx for req in batch.reqs], batch.seq_lens_cpu.tolist())
+            if getattr(req, STATE_ATTR, None) is None and not req.finished() and failure(req) is None:
+                self.failures.guarded(req, "start", self._begin, req)
+        rows = [req.kv.req_pool_idx for req in batch.reqs]
+        self.store.begin_extend(rows, batch.seq_lens_cpu.tolist())
+        self._plant_observation_faults(batch.reqs, rows)
 
     def _begin(self, req: Any) -> None:
         state = self.new_state(req)
@@ -139,6 +147,11 @@ class Compressor:
         """Before a decode forward: the step's plan, from host-side data."""
         rows = [req.kv.req_pool_idx for req in batch.reqs]
         self.store.begin_decode(rows, fb.seq_lens_cpu.tolist())  # a CPU tensor: no device sync
+        self._plant_observation_faults(batch.reqs, rows)
+
+    def _plant_observation_faults(self, reqs: list[Any], rows: list[int]) -> None:
+        if failpoints.active("observe_raise"):
+            self.store.planted_rows = frozenset(r for req, r in zip(reqs, rows) if failpoints.hits("observe_raise", req))
 
     def extend_position_offsets(self, batch: Any, fb: Any) -> Any:
         """Per-token RoPE offsets of an extend batch (on the device), or None if all are 0: the
@@ -168,7 +181,7 @@ class Compressor:
             budget = state.effective_budget(n)
             if is_middle_chunk(batch, req):
                 # Never staged: the next chunk extends what this pass leaves.
-                if n > budget and chunk_compressible(req, self.config) and self._guarded(
+                if n > budget and chunk_compressible(req, self.config) and self.failures.guarded(
                     req, "compress", self._publish, req, batch.tree_cache
                 ):
                     chunks.append((i, state, budget))
@@ -180,8 +193,10 @@ class Compressor:
                 target = budget  # any policy, with a prompt over budget
             if target is not None and target < n:
                 starts.append((i, state, target))
-        self._run_moment(batch, [], chunks, "chunk", whole=True)
-        self._run_moment(batch, [], starts, "prefill")
+        self._run_passes(batch, [], chunks, "chunk", whole=True)
+        self._run_passes(batch, [], starts, "prefill")
+        self._flush(batch)
+        self._settle(batch)
 
     def _publish(self, req: Any, tree_cache: Any) -> bool:
         publish_exact_prefix(req, tree_cache)
@@ -201,12 +216,14 @@ class Compressor:
             target = self.policy(state.policy.name, state.effective_budget(n)).target_length(n)
             if target is not None and target < n:
                 starts.append((i, state, target))
-        self._run_moment(batch, pending, starts, "decode")
+        self._run_passes(batch, pending, starts, "decode")
+        self._flush(batch)
+        self._settle(batch)
 
     def before_retract(self, batch: Any) -> bool:
         """Compress over-budget requests until the next decode step fits. True if it fits."""
         order = sorted(range(len(batch.reqs)), key=lambda j: -int(batch.seq_lens_cpu[j]))
-        compressed = False
+        compressed = fits = False
         for i in order:
             req = batch.reqs[i]
             state = self.state(req)
@@ -217,25 +234,27 @@ class Compressor:
             if n > budget:
                 passes = state.passes
                 work = StepWork.unlimited()  # retraction is the alternative: the pass runs whole
-                self._guarded(req, "compress", self._start_pass, batch, i, state, budget, "preempt", work)
+                self.failures.guarded(req, "compress", self._start_pass, batch, i, state, budget, "preempt", work)
                 self._flush(batch)
                 compressed |= state.passes > passes
                 if batch.check_decode_mem():
-                    if compressed:
-                        self.stats.avoided_retractions += 1
-                        if self.metrics:
-                            self.metrics.avoided_retraction()
-                    return True
-        return batch.check_decode_mem()
+                    fits = True
+                    break
+        self._settle(batch)
+        if fits and compressed:
+            self.stats.avoided_retractions += 1
+            if self.metrics:
+                self.metrics.avoided_retraction()
+        return fits or batch.check_decode_mem()
 
-    def _run_moment(
+    def _run_passes(
         self, batch: Any, pending: list[tuple[int, ReqKvState]], starts: list[tuple[int, ReqKvState, int]],
         moment: str, whole: bool = False,
     ) -> None:
         """Advance the staged passes and start the new ones of one moment. The step's work
         (`--kv-pass-work`) is shared equally among them, so no request waits behind another's
         whole pass (each still makes progress every step); `whole`: every pass runs to its end.
-        Then the finished ones are compacted."""
+        The finished ones are due for the step's compaction (`_flush`)."""
         runs = len(pending) + len(starts)
         if not runs:
             return
@@ -246,42 +265,33 @@ class Compressor:
             return StepWork(budget=share) if limit > 0 else StepWork.unlimited()
 
         for i, state in pending:
-            self._guarded(batch.reqs[i], "compress", self._advance, batch, i, state, work())
+            self.failures.guarded(batch.reqs[i], "compress", self._advance, batch, i, state, work())
         for i, state, target in starts:
-            self._guarded(batch.reqs[i], "compress", self._start_pass, batch, i, state, target, moment, work())
-        self._flush(batch)
+            self.failures.guarded(batch.reqs[i], "compress", self._start_pass, batch, i, state, target, moment, work())
 
     # --- failure isolation ----------------------------------------------------------------------
-    def _guarded(self, req: Any, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run sgl-kvc work for ONE request. An exception aborts that request (with a message
-        the client sees) instead of propagating into SGLang's event loop, where it would stop
-        every request of the server."""
-        try:
-            return fn(*args)
-        except InvariantViolation:
-            raise  # SGLKVC_CHECK=1 exists to stop the server on a broken pool or tree
-        except Exception as e:  # noqa: BLE001 - the point is to contain anything
-            logger.exception("sgl-kvc failed to %s request %s; aborting it", what, req.rid)
-            self.stats.failed_requests += 1
-            setattr(req, STATE_ATTR, None)  # never touched by sgl-kvc again
-            row = getattr(req.kv, "req_pool_idx", None)
-            if row is not None:
-                self.store.release(row)
-            # Its KV may be half moved: never let the tree keep it for other requests.
-            req.skip_radix_cache_insert = True
-            abort_running(req, f"sgl-kvc could not {what} this request ({type(e).__name__}); "
-                          "the server log has details")
-            return None
+    def _drop(self, req: Any) -> None:
+        """A failed request: sgl-kvc forgets it at once (its state, a staged pass, its observations),
+        and its KV, which may be half moved, never enters the radix tree."""
+        setattr(req, STATE_ATTR, None)
+        row = getattr(req.kv, "req_pool_idx", None)
+        if row is not None:
+            self.store.release(row)
+        req.skip_radix_cache_insert = True
+
+    def _settle(self, batch: Any) -> None:
+        """End of a moment's hook: the ranks agree on what failed, and it is aborted."""
+        self.stats.failed_requests += self.failures.settle(batch.reqs, self.scheduler)
 
     # --- passes ---------------------------------------------------------------------------------
     def _start_pass(
         self, batch: Any, i: int, state: ReqKvState, target: int, moment: str, work: StepWork
     ) -> None:
         """Begin a pass to `target` entries and run what `work` allows of it."""
-        failpoints.maybe_raise("compress_raise", batch.reqs[i], "compressing")
         if not state.per_head:
             self._compress_shared(batch, i, state, target, moment)
             return
+        failpoints.maybe_raise("compress_raise", batch.reqs[i], "compressing")
         t0 = time.perf_counter()
         row = batch.reqs[i].kv.req_pool_idx
         n = int(batch.seq_lens_cpu[i])
@@ -312,13 +322,25 @@ class Compressor:
         """The shared selection: one set of tokens for every layer and head, in one step (with
         tensor parallelism, scores averaged over the ranks first)."""
         t0 = time.perf_counter()
-        row = batch.reqs[i].kv.req_pool_idx
+        req = batch.reqs[i]
         n = int(batch.seq_lens_cpu[i])
-        policy = self.policy(state.policy_name(moment), state.effective_budget(n))
-        positions = state.positions(n)
-        views = layer_views(self.store, row, state, n, positions, self._layers())
-        planted = failpoints.hits("tp_local_scores", batch.reqs[i])  # each rank from its own heads
-        chosen = policy.select(views, target, reduce=None if planted else self.reduce_scores)
+        try:
+            failpoints.maybe_raise("compress_raise", req, "compressing")
+            policy = self.policy(state.policy_name(moment), state.effective_budget(n))
+            positions = state.positions(n)
+            views = layer_views(self.store, req.kv.req_pool_idx, state, n, positions, self._layers())
+            combined, error = policy.combined_score(views), None
+        except Exception as e:  # noqa: BLE001 - raised below, after the other ranks heard of it
+            combined, error = None, e
+        reduce = None if failpoints.hits("tp_local_scores", req) else self.reduce_scores  # the planted fault: each rank from its own heads
+        if reduce is not None:
+            # Every rank joins the all-reduce, the one whose scoring failed too: it would wait forever.
+            combined, failed_anywhere = reduce.reduce(combined, n, failed=error is not None)
+            if failed_anywhere and error is None:
+                error = FailedOnAnotherRank()
+        if error is not None:
+            raise error
+        chosen = policy.choose(views, combined, target)
         stats = None
         if state.policy.uses_stats:  # the decode policy's statistic, whichever policy chose
             stats = with_gaps(self.first_layer, [state.policy.carry_stats(v, chosen) for v in views])
@@ -331,38 +353,71 @@ class Compressor:
 
     # --- compaction and commit ------------------------------------------------------------------
     def _flush(self, batch: Any) -> None:
-        """Compact the requests whose selection finished in this moment, together (one gather +
-        scatter per layer for all of them), then commit each."""
-        due, self._due = self._due, []
-        if not due:
+        """Compact the requests whose selection finished in this step, together: each kind (per
+        head or shared; packed in the unit pool) by its routine, one batched move per kind. Then
+        the ranks agree on what moved everywhere (`_vote`), that is applied, and each request is
+        committed. With tensor parallelism every rank flushes every step, due or not."""
+        due = [d for d in self._due if failure(batch.reqs[d.i]) is None]
+        self._due = []
+        if not due and self.failures.vote is None:
             return
         t0 = time.perf_counter()
         self.stats.max_compacted_together = max(self.stats.max_compacted_together, len(due))
-        outcomes: list[CompactionResult | Exception]
-        others = self._other_batches(batch)
-        try:
-            if due[0].units is not None:  # variable budgets: every pass of this server
-                items = [(d.i, d.selection, d.units) for d in due]
-                outcomes = compact_requests_units(batch, items, self.store.unit_pools, others)
+        packed = [d for d in due if d.units is not None]  # variable budgets: the unit pool
+        rows = [d for d in due if d.units is None]  # per-head uniform and shared selections
+        outcomes: dict[int, Prepared | Exception] = {}
+        if packed:
+            items = [(d.i, d.selection, d.units) for d in packed]
+            outcomes.update(zip((d.i for d in packed), prepare_units(batch, items, self.store.unit_pools)))
+        if rows:
+            outcomes.update(zip((d.i for d in rows), prepare_per_head(batch, [(d.i, d.selection) for d in rows])))
+        ready = self._vote(batch, outcomes)
+        applied = dict(zip((p.i for p in ready), apply(batch, ready, self._other_batches(batch))))
+        for d in due:
+            outcome = applied.get(d.i, outcomes[d.i])
+            if isinstance(outcome, CompactionSkipped):
+                logger.debug("compression of %s skipped: %s", batch.reqs[d.i].rid, outcome)
+                self.stats.skipped += 1
+            elif isinstance(outcome, Exception):
+                self.failures.fail(batch.reqs[d.i], "compress", outcome)
             else:
-                outcomes = compact_requests_per_head(batch, [(d.i, d.selection) for d in due], others)
-        except InvariantViolation:
-            raise
-        except Exception as e:  # noqa: BLE001 - each due request fails alone below
-            outcomes = [e] * len(due)
-        for d, outcome in zip(due, outcomes):
-            self._guarded(batch.reqs[d.i], "compress", self._commit, batch, d, outcome)
+                self.failures.guarded(batch.reqs[d.i], "compress", self._commit, batch, d, outcome)
         self._account(time.perf_counter() - t0)
 
-    def _commit(self, batch: Any, d: DueCompaction, outcome: CompactionResult | Exception) -> None:
+    def _vote(self, batch: Any, outcomes: dict[int, Prepared | Exception]) -> list[Prepared]:
+        """The prepared compactions to apply, the same on every rank: a request whose compaction
+        failed on any rank (or which failed there earlier in the step) fails on all; one skipped
+        everywhere is skipped; one skipped on some ranks and prepared on others (their pools no
+        longer agree) fails. A prepared one not applied is abandoned. `outcomes` is updated."""
+        tally = torch.zeros(len(batch.reqs), 3, dtype=torch.int64, device="cpu")  # failed, skipped, prepared (host)
+        for i, req in enumerate(batch.reqs):
+            outcome = outcomes.get(i)
+            if failure(req) is not None or _failed(outcome):
+                tally[i, 0] = 1
+            elif isinstance(outcome, CompactionSkipped):
+                tally[i, 1] = 1
+            elif isinstance(outcome, Prepared):
+                tally[i, 2] = 1
+        if self.failures.vote is not None:
+            tally = self.failures.vote(tally)
+        ready = []
+        for i, (failed, skipped, prepared) in enumerate(tally.tolist()):
+            outcome = outcomes.get(i)
+            if isinstance(outcome, Prepared):
+                if not failed and not skipped:
+                    ready.append(outcome)
+                    continue
+                abandon(batch, outcome)  # its entries moved here: it cannot go on uncompressed
+                outcomes[i] = FailedOnAnotherRank()
+            elif isinstance(outcome, CompactionSkipped) and (failed or prepared):
+                outcomes[i] = FailedOnAnotherRank()
+            elif outcome is None and (failed or skipped or prepared):
+                self.failures.fail(batch.reqs[i], "compress", FailedOnAnotherRank())
+        return ready
+
+    def _commit(self, batch: Any, d: DueCompaction, outcome: CompactionResult) -> None:
         """After request d.i's compaction: its state, position offset, query count, counters."""
         req = batch.reqs[d.i]
-        if isinstance(outcome, CompactionSkipped):
-            logger.debug("compression of %s skipped: %s", req.rid, outcome)
-            self.stats.skipped += 1
-            return
-        if isinstance(outcome, Exception):
-            raise outcome
         state, row = d.state, req.kv.req_pool_idx
         n = d.n or d.selection.n  # a packed request's tables are wider than its row
         if d.moment == "chunk":
@@ -424,3 +479,7 @@ class Compressor:
 
     def _layers(self) -> range:
         return range(self.first_layer, self.num_layers)
+
+
+def _failed(outcome: Prepared | Exception | None) -> bool:
+    return isinstance(outcome, Exception) and not isinstance(outcome, CompactionSkipped)

@@ -7,7 +7,8 @@
 | Scheduler.update_running_batch                  | around | moments (b) before decode, (c) before retraction; counts retractions |
 | PrefillAdder.add_one_req / running-token offset | around | admission by compressed footprint      |
 | PrefillAdder._check_prefill_budget              | around | a chunk-compressed prompt needs one chunk + budget |
-| Scheduler.handle_generate_request / init_req_max_new_tokens | around | prompts longer than the pool, compressed between chunks |
+| Scheduler.handle_generate_request               | around | prompts longer than the pool, compressed between chunks |
+| Scheduler.init_req_max_new_tokens               | around | a compressing request's output is bounded by the context, not the pool |
 | Req.refresh_fill_ids                            | around | the next chunk of a prompt compressed between chunks |
 | Req._compute_max_prefix_len                     | around | recompute the observation window on a prefix hit |
 | Scheduler.get_next_batch_to_run                 | after  | peak number of requests in flight      |
@@ -42,6 +43,8 @@ _INTERNAL_STATE = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 )
 STATS_KEY = "sgl_kvc"
+# On the Scheduler while it admits a new request that is compressed between chunks.
+_CHUNKED_ATTR = "_sgl_kvc_admitting_chunked"
 
 
 def hook_table(config: KvcConfig) -> list[Hook]:
@@ -64,12 +67,14 @@ def hook_table(config: KvcConfig) -> list[Hook]:
                  "prefill moment"),
             Hook(f"{_REQ}._compute_max_prefix_len", _around_max_prefix(config), "AROUND", ("input_len",),
                  "the observation window is recomputed on a prefix hit"),
-            Hook(f"{_SCHEDULER}._add_request_to_queue", _around_add_to_queue, "AROUND", ("req",),
+            Hook(f"{_SCHEDULER}._add_request_to_queue", _around_add_to_queue(config), "AROUND", ("req",),
                  "per-request settings checked once"),
             Hook(f"{_ADDER}.add_one_req", _around_add_one_req(config), "AROUND", ("req",),
                  "admission by compressed footprint"),
             Hook(f"{_ADDER}._get_running_request_total_token_offset", _around_running_offset(config),
                  "AROUND", ("req",), "admission by compressed footprint"),
+            Hook(f"{_SCHEDULER}.init_req_max_new_tokens", _around_max_new_tokens(config), "AROUND",
+                 ("req",), "a compressing request's output is not bounded by the pool"),
         ]
     if config.compressing and "chunk" in config.compress_on:
         hooks += [
@@ -77,8 +82,6 @@ def hook_table(config: KvcConfig) -> list[Hook]:
                  ("req", "extend_input_len", "total_tokens"), "one chunk + budget for a long prompt"),
             Hook(f"{_SCHEDULER}.handle_generate_request", _around_handle_generate(config), "AROUND",
                  ("recv_req",), "a prompt longer than the pool is accepted"),
-            Hook(f"{_SCHEDULER}.init_req_max_new_tokens", _around_max_new_tokens(config), "AROUND",
-                 ("req",), "a compressing request's output is not bounded by the pool"),
             Hook(f"{_REQ}.refresh_fill_ids", _around_refresh_fill_ids, "AROUND", (),
                  "the next chunk's tokens after a compaction between chunks"),
         ]
@@ -162,12 +165,15 @@ def _around_update_running(config: KvcConfig):
     return hook
 
 
-def _around_add_to_queue(original: Callable[..., Any], scheduler: Any, req: Any, *a: Any, **kw: Any):
-    # The one place every new (and retracted) request passes: settings a client put in
-    # `custom_params` are checked here, so a bad one is a 400 for that request and is never
-    # read again by the hooks below.
-    reject_invalid(req)
-    return original(scheduler, req, *a, **kw)
+def _around_add_to_queue(config: KvcConfig):
+    def hook(original: Callable[..., Any], scheduler: Any, req: Any, *a: Any, **kw: Any):
+        # The one place every new (and retracted) request passes: settings a client put in
+        # `custom_params` are checked here, against this server's configuration too, so a bad
+        # or unservable one is a 400 for that request and is never read again by the hooks below.
+        reject_invalid(req, config)
+        return original(scheduler, req, *a, **kw)
+
+    return hook
 
 
 def _around_add_one_req(config: KvcConfig):
@@ -230,43 +236,53 @@ def _around_handle_generate(config: KvcConfig):
         # the pool: SGLang's limits (`TpModelWorker.get_worker_info`: the smaller of the two)
         # are lifted for this request only. (Without the radix cache SGLang admits an
         # `ignore_eos` request by its whole prompt, `PrefillAdder.add_one_req_ignore_eos`: the
-        # pool bounds it there.)
+        # pool bounds it there.) `init_req_max_new_tokens` runs inside, before SGLang has set the
+        # new Req's `logprob_start_len`, so it is told here that the request is compressed
+        # between chunks (`_CHUNKED_ATTR`).
         saved = scheduler.max_req_len, scheduler.max_req_input_len
         scheduler.max_req_len = int(scheduler.model_config.context_len) - 1
         scheduler.max_req_input_len = scheduler.max_req_len - 5
+        setattr(scheduler, _CHUNKED_ATTR, True)
         try:
             return original(scheduler, recv_req, *args, **kwargs)
         finally:
             scheduler.max_req_len, scheduler.max_req_input_len = saved
+            setattr(scheduler, _CHUNKED_ATTR, None)
 
     return hook
 
 
 def _around_max_new_tokens(config: KvcConfig):
     def hook(original: Callable[..., Any], scheduler: Any, req: Any, *args: Any, **kwargs: Any):
-        chunk = getattr(scheduler, "chunked_prefill_size", None)
         peak = request_peak_tokens(config, req)
-        if (peak is None or req.finished() or not chunk or chunk <= 0 or "decode" not in config.compress_on
-                or not chunk_compressible(req, config)):
+        if peak is None or req.finished() or "decode" not in config.compress_on:
             return original(scheduler, req, *args, **kwargs)
-        # SGLang bounds prompt + output by the pool; a request compressed between chunks and
-        # during decode holds at most one chunk + its peak, so only the context bounds it.
+        # SGLang bounds prompt + output by the pool (and silently cuts the output to fit); a
+        # request compressed during decode holds at most its prompt (or, compressed between
+        # chunks, one chunk of it) + its peak, so only the context bounds its output.
+        chunk = getattr(scheduler, "chunked_prefill_size", None)
+        chunked = bool(getattr(scheduler, _CHUNKED_ATTR, None))  # (see `_around_handle_generate`)
         sp = req.sampling_params
         input_len = len(req.origin_input_ids)
         wanted = sp.max_new_tokens if sp.max_new_tokens is not None else 1 << 30
         limit = getattr(scheduler, "max_new_tokens_limit", None)
         if limit:
             wanted = min(wanted, limit)
-        sp.max_new_tokens = max(0, min(wanted, int(scheduler.model_config.context_len) - 1 - input_len - 1))
-        if sp.min_new_tokens > sp.max_new_tokens:
-            sp.min_new_tokens = sp.max_new_tokens
-        # What it holds at most: all of it, or one chunk of its prompt + its peak once compressed.
-        held = min(input_len + sp.max_new_tokens, min(input_len, chunk) + peak)
-        if held >= int(scheduler.max_total_num_tokens):
-            req.set_finish_with_abort(
-                f"The KV pool ({scheduler.max_total_num_tokens} tokens) cannot hold this request even "
-                f"compressed: one prefill chunk ({min(input_len, chunk)}) + its budget and buffer ({peak})"
-            )
+        max_new = max(0, min(wanted, int(scheduler.model_config.context_len) - 1 - input_len - 1))
+        # What it holds at most: all of it; or its whole prompt, then its peak once compressed; or,
+        # compressed between chunks, one chunk of its prompt + its peak.
+        held = min(input_len + max_new, min(input_len, chunk) + peak if chunked else max(input_len, peak))
+        if held < int(scheduler.max_total_num_tokens):
+            sp.max_new_tokens = max_new
+            sp.min_new_tokens = min(sp.min_new_tokens, max_new)
+            return None
+        if not chunked:  # it may not fit even compressed (a budget near the pool): SGLang's own bound
+            return original(scheduler, req, *args, **kwargs)
+        req.set_finish_with_abort(
+            f"The KV pool ({scheduler.max_total_num_tokens} tokens) cannot hold this request even "
+            f"compressed: one prefill chunk ({min(input_len, chunk)}) + its budget and buffer ({peak})"
+        )
+        return None
 
     return hook
 

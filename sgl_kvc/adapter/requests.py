@@ -1,5 +1,6 @@
 """What sgl-kvc reads from and does to one SGLang `Req`: its validated compression settings, its
-chunked-prefill phase, aborting it with a message, and hearing when its row is released.
+chunked-prefill phase, and hearing when its row is released (a failed request is aborted by
+`adapter/failures.py`).
 
 Settings are validated once per request, when the request enters the scheduler's queue; a bad one
 aborts that request with a 400 (SGLang's own `set_finish_with_abort` path) and is never read again,
@@ -11,19 +12,27 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Any, Callable
 
-from sgl_kvc.request_settings import RequestCompression, RequestSettingError, from_custom_params
+from sgl_kvc.config import KvcConfig
+from sgl_kvc.request_settings import (
+    CUSTOM_PARAMS_KEY, RequestCompression, RequestSettingError, from_custom_params, server_conflict,
+)
 
 _SETTINGS_ATTR = "_sgl_kvc_settings"
 _RELEASE_ATTR = "_sgl_kvc_on_release"  # on SGLang's ReqToTokenPool
-_ERROR_ATTR = "_sgl_kvc_settings_error"
 # What an invalid request runs with until its abort completes: nothing to compress.
 _INERT = RequestCompression(policy="none")
 
 
-def _parse(req: Any) -> tuple[RequestCompression, str | None]:
+def _parse(req: Any, config: KvcConfig | None = None) -> tuple[RequestCompression, str | None]:
+    """The request's settings (validated, and resolved against the server's `config` when given),
+    or the inert ones and why they are refused."""
     custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
     try:
-        return from_custom_params(custom), None
+        settings = from_custom_params(custom)
+        conflict = None if config is None else server_conflict(settings, config, f"custom_params.{CUSTOM_PARAMS_KEY}")
+        if conflict is not None:
+            raise conflict
+        return settings, None
     except RequestSettingError as e:
         return _INERT, f"Invalid {e.param}: {e}"
     except Exception as e:  # noqa: BLE001 - a client's value must never raise in the scheduler
@@ -31,37 +40,25 @@ def _parse(req: Any) -> tuple[RequestCompression, str | None]:
 
 
 def request_settings(req: Any) -> RequestCompression:
-    """The request's validated settings (cached on the request); never raises."""
+    """The request's validated settings (cached on the request when it entered the queue,
+    `reject_invalid`); never raises."""
     settings = getattr(req, _SETTINGS_ATTR, None)
     if settings is None:
-        settings, error = _parse(req)
+        settings, _ = _parse(req)
         setattr(req, _SETTINGS_ATTR, settings)
-        setattr(req, _ERROR_ATTR, error)
     return settings
 
 
-def settings_error(req: Any) -> str | None:
-    """Why the request's settings are invalid, or None."""
-    request_settings(req)
-    return getattr(req, _ERROR_ATTR, None)
-
-
-def reject_invalid(req: Any) -> bool:
-    """Abort a request whose settings are invalid with a 400 before it is scheduled."""
-    error = settings_error(req)
+def reject_invalid(req: Any, config: KvcConfig) -> bool:
+    """When a request enters the scheduler's queue: parse its settings and resolve them against
+    the server's `config` once; a bad or unservable one aborts it with a 400 before it is
+    scheduled (and it runs with no compression until then)."""
+    settings, error = _parse(req, config)
+    setattr(req, _SETTINGS_ATTR, settings)
     if error is None or req.finished():
         return False
     req.set_finish_with_abort(error, status_code=HTTPStatus.BAD_REQUEST)
     return True
-
-
-def abort_running(req: Any, message: str) -> None:
-    """Finish a scheduled request at its next step with an error the client sees (SGLang's
-    own abort path for running requests: `to_finish`, then its normal release)."""
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
-    if not req.finished():
-        req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
 
 
 def is_middle_chunk(batch: Any, req: Any) -> bool:

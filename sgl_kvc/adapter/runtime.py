@@ -104,6 +104,8 @@ def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
     model_runner = scheduler.tp_worker.model_runner
     compressor = compressor_of(model_runner, runtime.config)
     compression = asdict(compressor.stats)
+    # rows whose attention observations were lost to a failed write (emptied, never stale)
+    compression["lost_observations"] = compressor.store.lost_observations
     kv_pool = model_runner.token_to_kv_pool
     return {
         "policy": runtime.config.policy,

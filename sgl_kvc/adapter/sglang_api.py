@@ -62,7 +62,7 @@ INTERNALS: tuple[Internal, ...] = (
         "rid", "kv", "sampling_params", "origin_input_ids", "output_ids", "lock", "is_retracted",
         "skip_radix_cache_insert", "cached_tokens", "to_finish", "inflight_middle_chunks",
         "prefix_len", "extend_end", "full_untruncated_fill_ids", "return_logprob", "logprob_start_len",
-        "multimodal_inputs",
+        "multimodal_inputs", "discard_output_reason",
     ), why="per-request settings, rows, tree locks, finish and abort; chunks"),
     Internal(f"{_MGR}.schedule_batch.Req.finished", (), why="skip finished requests"),
     Internal(f"{_MGR}.schedule_batch.Req.set_finish_with_abort", ("error_msg", "status_code"),
@@ -81,8 +81,11 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_MGR}.scheduler.Scheduler", attrs=(
         "tp_worker", "running_batch", "tree_cache", "token_to_kv_pool_allocator",
         "max_total_num_tokens", "max_running_requests", "req_to_token_pool", "chunked_prefill_size",
-        "max_req_len", "max_req_input_len", "max_new_tokens_limit", "model_config",
-    ), why="the compressor, /v1/kvc/stats and a prompt compressed between chunks"),
+        "max_req_len", "max_req_input_len", "max_new_tokens_limit", "model_config", "chunked_req",
+        "_pending_chunked_abort_req",
+    ), why="the compressor, /v1/kvc/stats, a prompt compressed between chunks and its abort"),
+    Internal(f"{_MGR}.scheduler.Scheduler.process_pending_chunked_abort", (),
+             why="a request failed between two chunks is released before its next chunk"),
     Internal("sglang.srt.constants.HEALTH_CHECK_RID_PREFIX",
              why="health checks are left out of the prefix-cache counts"),
     Internal("sglang.srt.managers.io_struct.TokenizedGenerateReqInput", attrs=(
@@ -93,8 +96,8 @@ INTERNALS: tuple[Internal, ...] = (
         "extend_prefix_lens_cpu", "forward_mode", "encoder_lens",
     ), why="logical RoPE positions; observation of extends and decodes"),
     Internal("sglang.srt.model_executor.model_runner.ModelRunner", attrs=(
-        "token_to_kv_pool", "req_to_token_pool", "attn_backend", "server_args", "is_draft_worker",
-        "memory_pool_config", "kv_cache_dtype",
+        "token_to_kv_pool", "req_to_token_pool", "attn_backend", "decode_attn_backend", "server_args",
+        "is_draft_worker", "memory_pool_config", "kv_cache_dtype",
     ), why="the store, the pools and the attention backend of a scheduler process"),
     Internal("sglang.srt.layers.radix_attention.RadixAttention", attrs=(
         "layer_id", "tp_q_head_num", "qk_head_dim", "scaling", "logit_cap", "sliding_window_size",
@@ -211,12 +214,15 @@ def _has_attribute(cls: Any, name: str) -> bool:
 @functools.cache
 def _assigned_attributes(klass: type) -> frozenset[str]:
     """Attribute names stored (`x.name = ...`, tuple targets included) by the methods the class
-    itself defines, read from their bytecode (no source parsing)."""
+    itself defines (the originals of those a hook patched), read from their bytecode (no source
+    parsing)."""
     names: set[str] = set()
     pending = []
     for member in vars(klass).values():
         func = getattr(member, "__func__", member)
         func = getattr(func, "fget", func)  # a property's getter
+        if callable(func):
+            func = inspect.unwrap(func)  # a method a hook patched: the original's code
         code = getattr(func, "__code__", None)
         if code is not None:
             pending.append(code)

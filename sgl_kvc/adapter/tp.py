@@ -1,4 +1,4 @@
-"""Tensor parallelism: every rank must keep the same tokens.
+"""Tensor parallelism: every rank must keep the same tokens and fail the same requests.
 
 Each TP rank runs its own scheduler with the same requests and the same slot table, but holds
 only its shard of the KV heads. A kept set chosen from a rank's own heads would differ between
@@ -6,6 +6,11 @@ ranks and the ranks' tables would diverge. Policies combine scores as a mean ove
 layers); with equal head shards the mean of the ranks' means is the mean over all heads, so an
 all-reduce of the combined [n] score (sum, divided by the group size) before choosing gives every
 rank the single-GPU decision.
+
+The ranks' schedulers stay in lock step only while they make the same decisions, so a request
+that fails on one rank must fail on every rank, in the same step (`RankVote`), and a rank whose
+own scoring failed still joins the score all-reduce (`ScoreReducer.reduce`): no rank ever enters
+a collective alone.
 """
 
 from __future__ import annotations
@@ -25,15 +30,24 @@ class ScoreReducer:
     all_reduce_sum: AllReduce
 
     def __call__(self, combined: Tensor) -> Tensor:
-        out = combined.float().clone()
+        out, _ = self.reduce(combined, combined.shape[0], failed=False)
+        return out
+
+    def reduce(self, combined: Tensor | None, n: int, failed: bool) -> tuple[Tensor, bool]:
+        """(the mean of the ranks' combined [n] scores, whether any rank failed to score). A rank
+        that failed (`combined` None) still takes part, so that the others do not wait forever;
+        the scores are then meaningless and every rank fails the request."""
+        out = torch.zeros(n, dtype=torch.float32, device="cpu") if combined is None else combined.float()
+        out = torch.cat([out, out.new_tensor([1.0 if failed else 0.0])])
         # +inf marks protected tokens (the same on every rank); inf sums stay inf, NaN must not
         # leak into the sum, so the finite part is reduced and the masks re-applied.
         inf = torch.isinf(out) & (out > 0)
         out = torch.nan_to_num(out, nan=-1e30, posinf=0.0, neginf=-1e30)
         self.all_reduce_sum(out)
-        out /= self.world_size
-        out[inf] = float("inf")
-        return out
+        failed_anywhere = bool(out[n] > 0)
+        out = out[:n] / self.world_size
+        out[inf[:n]] = float("inf")
+        return out, failed_anywhere
 
     @classmethod
     def for_sglang_tp_group(cls) -> "ScoreReducer | None":
@@ -54,6 +68,26 @@ class ScoreReducer:
             t.copy_(host.to(t.device))
 
         return cls(world_size=int(parallel.tp_size), all_reduce_sum=all_reduce_sum)
+
+
+@dataclass(frozen=True)
+class RankVote:
+    """Sums small integer tallies over the TP group, so that every rank takes the same decision
+    from the same numbers (what failed, was skipped or is ready where)."""
+
+    world_size: int
+    all_reduce_sum: AllReduce
+
+    def __call__(self, tally: Tensor) -> Tensor:
+        out = tally.to(torch.int64).cpu().clone()
+        self.all_reduce_sum(out)
+        return out
+
+    @classmethod
+    def for_sglang_tp_group(cls) -> "RankVote | None":
+        """The vote over SGLang's TP group, or None with a single rank (nothing to agree on)."""
+        reducer = ScoreReducer.for_sglang_tp_group()
+        return None if reducer is None else cls(reducer.world_size, reducer.all_reduce_sum)
 
 
 def tp_rank() -> int:

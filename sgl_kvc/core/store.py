@@ -6,6 +6,11 @@ compressor reads it between steps. Rows are SGLang's `req_pool_idx` (the `req_to
 Per-step work stays on the device and never syncs with the host: queries go into a ring
 buffer (a write index per row, no shifting), query counts and RoPE position offsets are device
 tensors indexed by the batch's rows.
+
+A row whose observation failed in some layer (`lose_observations`) has its ring emptied: the
+other layers' slots would otherwise keep an earlier step's (or the row's previous occupant's)
+queries, and the request would be scored with them. It is scored with the queries recorded after
+that, its own; a policy that needs queries and has none fails the request alone.
 """
 
 from __future__ import annotations
@@ -65,7 +70,10 @@ class KvcStore:
         self.offsets = torch.zeros(rows, dtype=torch.int64, device=device)
         self.offset_rows: set[int] = set()  # rows with a non-zero offset (host-side, no sync)
         self.decode_step: DecodeStep | None = None  # set by the scheduler before each decode
+        self.decode_rows: list[int] = []  # rows of the current decode batch, set before it
         self.extend_rows: list[int] = []  # rows of the current extend batch, set before it
+        self.lost_observations = 0  # rows whose observations were lost (a failed write), counted per event
+        self.planted_rows: frozenset[int] = frozenset()  # the `observe_raise` failpoint's rows (tests)
         # Packed requests of the current extend batch (a prompt compacted between chunks on the
         # unit pool): their tables, new tokens included; they attend through them.
         self.extend_tables: dict[int, RequestTables] = {}
@@ -133,25 +141,36 @@ class KvcStore:
         return 0 if q is None else q.numel() * q.element_size()
 
     def record_decode(self, layer: int, rows: Tensor, q: Tensor, pool_rows: int) -> None:
-        """q: [B, H_q, d], one new query per row."""
+        """q: [B, H_q, d], one new query per row. The first layer of the rank advances the rows'
+        rings, after its write: a write that raises leaves them as they were."""
         buf = self._buffer(pool_rows, q)
-        if layer == self.first_layer:
-            self._head[rows] = (self._head[rows] + 1) % self.window
+        advance = layer == self.first_layer
+        head = (self._head[rows] + 1) % self.window if advance else self._head[rows]
+        buf[self._top - rows, layer, head] = q.to(buf.dtype)
+        if advance:
+            self._head[rows] = head
             self._count[rows] = (self._count[rows] + 1).clamp_(max=self.window)
-        buf[self._top - rows, layer, self._head[rows]] = q.to(buf.dtype)
 
     def record_extend(self, layer: int, row: int, q: Tensor, pool_rows: int) -> None:
-        """q: [e, H_q, d], the queries of one request's extend (chunk), in order."""
+        """q: [e, H_q, d], the queries of one request's extend (chunk), in order (the first layer
+        advances the row's ring after its write, as `record_decode`)."""
         buf = self._buffer(pool_rows, q)
         m = min(q.shape[0], self.window)
-        if layer == self.first_layer:
+        advance = layer == self.first_layer
+        buf[self._top - row, layer, self._ring(row, m, ahead=m if advance else 0)] = q[-m:].to(buf.dtype)
+        if advance:
             self._head[row] = (self._head[row] + m) % self.window
             self._count[row] = (self._count[row] + m).clamp_(max=self.window)
-        buf[self._top - row, layer, self._ring(row, m)] = q[-m:].to(buf.dtype)
 
-    def _ring(self, row: int, m: int) -> Tensor:
-        """Ring indices of a row's last m queries, oldest first."""
-        steps = torch.arange(1 - m, 1, device=self._head.device)
+    def lose_observations(self, rows: list[int]) -> None:
+        """The observation of `rows` failed in some layer: empty their rings (see the module doc)."""
+        for row in rows:
+            self._count[row] = 0
+        self.lost_observations += len(rows)
+
+    def _ring(self, row: int, m: int, ahead: int = 0) -> Tensor:
+        """Ring indices of a row's last m queries, oldest first (`ahead`: after that many more)."""
+        steps = torch.arange(1 - m + ahead, 1 + ahead, device=self._head.device)
         return (self._head[row] + steps) % self.window
 
     def window_queries(self, row: int, n: int) -> list[Tensor | None]:
@@ -225,6 +244,7 @@ class KvcStore:
     def begin_decode(self, rows: list[int], lens: list[int]) -> None:
         """Before a decode forward: plan it from the batch's `req_to_token` rows and cached
         entries (host-side data: no device sync in the forward)."""
+        self.decode_rows = rows
         self.decode_step = (
             DecodeStep.build(rows, lens, self.states, self.req_to_token, self.token_elems, self.attends,
                              units=self.unit_layout, first_layer=self.first_layer)

@@ -312,11 +312,15 @@ class Policy(ABC):
         ``reduce`` maps the combined [n] score before choosing: with tensor parallelism, the mean
         over the ranks' head shards, so that all ranks choose the same tokens.
         """
-        if keep < 0:
-            raise ValueError(f"keep must be >= 0, got {keep}")
         combined = self.combined_score(views)
         if reduce is not None:
             combined = reduce(combined)
+        return self.choose(views, combined, keep)
+
+    def choose(self, views: Sequence[LayerView], combined: Tensor, keep: int) -> Tensor:
+        """`select`'s choice from a combined [n] score already computed (and reduced)."""
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0, got {keep}")
         n = combined.shape[0]
         device = combined.device
         keep = min(keep, n)

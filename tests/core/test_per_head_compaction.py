@@ -196,7 +196,8 @@ def test_one_head_at_a_time_chooses_what_the_whole_layer_chooses(device: torch.d
 def test_a_failed_batched_move_gives_back_the_slots_it_allocated(device: torch.device, monkeypatch) -> None:
     """A request whose kept entries outnumber the slots it owns (a long prefix hit: its first
     slots belong to the radix tree) gets new slots before the move; if the move fails, those go
-    back to the allocator, and the request's row and lengths are as they were."""
+    back to the allocator, and the request's row and lengths are as they were; the failure is that
+    request's outcome (its caller fails it), not an exception for the whole step."""
     from types import SimpleNamespace
 
     from sgl_kvc.adapter import compaction
@@ -225,7 +226,7 @@ def test_a_failed_batched_move_gives_back_the_slots_it_allocated(device: torch.d
         raise RuntimeError("planted failure inside the batched move")
 
     monkeypatch.setattr(compaction, "move_units_many", broken)
-    with pytest.raises(RuntimeError, match="planted"):
-        compaction.compact_requests_per_head(batch, [(0, selection)])
+    [outcome] = compaction.compact_requests_per_head(batch, [(0, selection)])
+    assert isinstance(outcome, RuntimeError) and "planted" in str(outcome)  # the request fails, alone
     assert allocator.available_size() == free_before  # the k - 2 new slots came back
     assert torch.equal(r2t[0, :n], row.to(torch.int32)) and kv.cache_protected_len == n - 2

@@ -268,7 +268,7 @@ def test_a_failed_variable_compaction_gives_back_the_slots_it_allocated(
 
         monkeypatch.setattr(compaction, "unit_moves", failing)
     free_before = allocator.available_size()
-    with pytest.raises(RuntimeError, match="planted"):
-        compaction.compact_requests_units(batch, [(0, selection, tables.units)], buffers)
+    [outcome] = compaction.compact_requests_units(batch, [(0, selection, tables.units)], buffers)
+    assert isinstance(outcome, RuntimeError) and "planted" in str(outcome)  # the request fails, alone
     assert allocator.available_size() == free_before  # the new slots came back
     assert torch.equal(batch.req_to_token_pool.req_to_token[0, :n], row) and batch.seq_lens_cpu.tolist() == [n]

@@ -1,7 +1,10 @@
 """Nothing one request does, or sgl-kvc does for it, stops the other requests; and the invariant
 checker really stops a server whose pool accounting is broken.
 
-Faults are planted with `SGLKVC_FAILPOINTS` (see `sgl_kvc.adapter.failpoints`).
+Faults are planted with `SGLKVC_FAILPOINTS` (see `sgl_kvc.adapter.failpoints`). The server
+compresses between the chunks of a prompt (chunks of 64 tokens) and its pool is small, so a
+request that fails between two chunks must be released before its next chunk: a prompt longer
+than the pool cannot go on uncompressed.
 """
 
 from __future__ import annotations
@@ -18,23 +21,26 @@ from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
 
+POOL = 1536
 CMD = [
     sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv",
-    "--kv-budget", "32", "--kv-buffer", "16",
+    "--kv-budget", "32", "--kv-buffer", "16", "--max-total-tokens", str(POOL),
+    "--chunked-prefill-size", "64", "--compress-on", "chunk,prefill,decode,preempt",
 ]
-PROMPT = list(range(100, 300))  # 200 token ids: over budget, so compressed after prefill
+PROMPT = list(range(100, 300))  # 200 token ids: over budget, compressed between chunks and after prefill
+SHORT = list(range(300, 320))  # 20 token ids: first compressed during decode (at budget + buffer)
 
 
-def _generate(server: ServerProcess, rid: str, n: int = 24, **sampling) -> requests.Response:
+def _generate(server: ServerProcess, rid: str, n: int = 24, prompt: list[int] = PROMPT, **sampling) -> requests.Response:
     return server.post("/generate", json={
-        "rid": rid, "input_ids": PROMPT,
+        "rid": rid, "input_ids": prompt,
         "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True, **sampling},
     })
 
 
 @pytest.fixture(scope="module")
 def faulty_server():
-    env = {"SGLKVC_FAILPOINTS": "compress_raise,rewrite_raise,leak_slot", "SGLKVC_CHECK": "1"}
+    env = {"SGLKVC_FAILPOINTS": "compress_raise,rewrite_raise,leak_slot,observe_raise", "SGLKVC_CHECK": "1"}
     with ServerProcess.launch(CMD, env=env) as server:
         yield server
 
@@ -50,20 +56,47 @@ def test_a_failed_row_rewrite_aborts_only_its_request_and_leaves_the_pool_whole(
     _only_the_planted_request_fails(faulty_server, "failpoint-rewrite-1")
 
 
-def _only_the_planted_request_fails(server: ServerProcess, planted: str) -> None:
+def test_a_prompt_longer_than_the_pool_whose_compression_fails_is_released_at_once(faulty_server) -> None:
+    """It fails at its first chunk: SGLang's abort of a chunked prefill releases it before its next
+    chunk (uncompressed, the rest of its prompt would never fit), and it is counted once."""
+    long_prompt = [(7 * i) % 1500 + 10 for i in range(3 * POOL)]
+    _only_the_planted_request_fails(faulty_server, "failpoint-compress-long", planted_prompt=long_prompt)
+
+
+def test_lost_observations_fail_only_their_request(faulty_server) -> None:
+    """The planted request's queries fail to record in the second layer at every step: its
+    observations are emptied each time (never left stale), and it fails alone when it is
+    compressed, after prefill or during decode; its neighbours, in the same batches, record
+    theirs row by row and compress with them."""
+    lost_before = faulty_server.wait_idle()["compression"]["lost_observations"]
+    _only_the_planted_request_fails(faulty_server, "failpoint-observe-prefill")
+    _only_the_planted_request_fails(faulty_server, "failpoint-observe-decode", prompt=SHORT, n=40)
+    stats = faulty_server.wait_idle()
+    assert stats["compression"]["lost_observations"] > lost_before
+    assert stats["compression"]["decode_passes"] > 0
+
+
+def _only_the_planted_request_fails(
+    server: ServerProcess, planted: str, prompt: list[int] = PROMPT, n: int = 24, planted_prompt: list[int] | None = None,
+) -> None:
     failed_before = server.wait_idle()["compression"]["failed_requests"]
     rids = [planted, "ok-1", "ok-2", "ok-3"]
+
+    def one(rid: str) -> requests.Response:
+        return _generate(server, rid, n, planted_prompt if rid == planted and planted_prompt else prompt)
+
     with ThreadPoolExecutor(len(rids)) as pool:
-        responses = dict(zip(rids, pool.map(lambda rid: _generate(server, rid), rids)))
+        responses = dict(zip(rids, pool.map(one, rids)))
     bad = responses.pop(planted)
     assert bad.status_code >= 400 or bad.json()["meta_info"]["finish_reason"]["type"] == "abort"
     assert "sgl-kvc could not compress" in bad.text
     for rid, r in responses.items():
         assert r.status_code == 200, (rid, r.text[:300])
-        assert r.json()["meta_info"]["completion_tokens"] == 24
+        assert r.json()["meta_info"]["completion_tokens"] == n
     stats = server.wait_idle()
-    assert stats["compression"]["failed_requests"] == failed_before + 1
+    assert stats["compression"]["failed_requests"] == failed_before + 1  # once, however many chunks
     assert_pool_whole(stats)
+    assert stats["pool"]["request_state_bytes"] == 0
     assert _generate(server, "ok-after").status_code == 200
 
 
@@ -77,6 +110,11 @@ def test_bad_custom_params_are_a_400_for_that_request(faulty_server, settings) -
     assert r.status_code == 400, r.text[:300]
     assert "sgl_kvc" in r.text
     assert faulty_server.get("/health").status_code == 200
+
+
+def test_request_mix(faulty_server, request_mix) -> None:
+    """The request-mix fuzz test (tests/request_mix.py): uniform per-head budgets, the chunk moment on."""
+    request_mix(faulty_server, ci_seed=1000)
 
 
 def test_invariant_check_stops_a_server_with_a_planted_accounting_error(faulty_server) -> None:

@@ -7,6 +7,10 @@ off for requests named `failpoint-tp-...`, to show that this test can fail. One 
 tests. Per head, each rank chooses for its own heads alone (no
 all-reduce): the ranks keep different tokens but the same number of entries, so their slot
 tables stay identical. The compaction trace records each rank's kept logical positions.
+
+Faults planted on rank 1 alone (`name@1`) show that a request sgl-kvc fails on one rank fails on
+both, in the same step: the ranks' schedulers stay in lock step and no rank waits alone in a
+collective.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import requests
 
+from kvc_reference import assert_pool_whole
 from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -30,7 +36,8 @@ CMD = [
     "--compress-on", "chunk,prefill,decode,preempt",
 ]
 # SGLang's CPU engine wants one NUMA node per rank unless cores are bound explicitly.
-ENV = {"SGLKVC_CHECK": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLKVC_FAILPOINTS": "tp_local_scores"}
+ENV = {"SGLKVC_CHECK": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
+       "SGLKVC_FAILPOINTS": "tp_local_scores,compress_raise@1,rewrite_raise@1"}
 POLICIES = ("rkv", "snapkv", "h2o", "kvcompress")
 
 
@@ -97,3 +104,40 @@ def test_ranks_keep_the_same_tokens_or_choose_per_head(tp_server, trace: Path) -
 def test_without_the_all_reduce_ranks_diverge(tp_server, trace: Path) -> None:
     shared = _run(tp_server, trace, "failpoint-tp", ("shared",))["shared"]
     assert len(shared) >= 8 and any(a != b for a, b in shared)
+
+
+def test_a_request_that_fails_on_one_rank_fails_on_both(tp_server) -> None:
+    """Planted on rank 1 only: scoring raises (per head; shared, before the scores' all-reduce) or
+    the row rewrite does (after the kept entries moved on both ranks). Each planted request fails
+    alone; the others, compacted in the same steps, complete; the server keeps serving."""
+    before = tp_server.wait_idle()["compression"]["failed_requests"]
+    planted = {"failpoint-compress-shared": "shared", "failpoint-compress-per-head": "per-head",
+               "failpoint-rewrite-shared": "shared", "failpoint-rewrite-per-head": "per-head"}
+    fine = {f"ok-{selection}-{k}": selection for k in range(2) for selection in ("shared", "per-head")}
+
+    def one(rid: str, selection: str, k: int) -> requests.Response:
+        return tp_server.post("/generate", json={
+            "rid": rid, "input_ids": [(53 * i + k) % 1900 + 10 for i in range(160)],
+            "sampling_params": {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True,
+                                "custom_params": {"sgl_kvc": {"selection": selection}}},
+        })
+
+    every = {**planted, **fine}
+    with ThreadPoolExecutor(len(every)) as pool:
+        answers = dict(zip(every, pool.map(one, every, every.values(), range(len(every)))))
+    for rid in planted:
+        r = answers[rid]
+        assert r.status_code >= 400 or r.json()["meta_info"]["finish_reason"]["type"] == "abort", rid
+        assert "sgl-kvc could not compress" in r.text, (rid, r.text[:300])
+    for rid in fine:
+        assert answers[rid].status_code == 200, (rid, answers[rid].text[:300])
+        assert answers[rid].json()["meta_info"]["completion_tokens"] == 40
+    stats = tp_server.wait_idle()
+    assert stats["compression"]["failed_requests"] == before + len(planted)
+    assert_pool_whole(stats)
+    assert one("ok-after", "shared", 99).status_code == 200
+
+
+def test_request_mix(tp_server, request_mix) -> None:
+    """The request-mix fuzz test (tests/request_mix.py) on two ranks, the chunk moment on."""
+    request_mix(tp_server, ci_seed=3000)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sgl_kvc.adapter.requests import is_middle_chunk, reject_invalid, request_settings
+from sgl_kvc.config import KvcConfig
 from sgl_kvc.adapter.tp import ScoreReducer
 from sgl_kvc.policies import LayerView, PolicyParams, available_policies, get_policy
 from sgl_kvc.request_settings import RequestCompression
@@ -28,6 +29,9 @@ class FakeReq:
         self.aborted = (msg, status_code)
 
 
+SERVER = KvcConfig(policy="rkv")
+
+
 @pytest.mark.parametrize(
     "value",
     ["bogus-string", {"policy": "bogus"}, {"budget": "x"}, {"budget": -5}, {"budget": 1.5},
@@ -36,7 +40,7 @@ class FakeReq:
 def test_bad_settings_abort_the_request_with_a_400(value) -> None:
     req = FakeReq({"sgl_kvc": value})
     assert request_settings(req) == RequestCompression(policy="none")  # never raises
-    assert reject_invalid(req)
+    assert reject_invalid(req, SERVER)
     msg, status = req.aborted
     assert status == 400 and "custom_params.sgl_kvc" in msg
     assert "Traceback" not in msg and "Error(" not in msg
@@ -54,7 +58,29 @@ def test_bad_settings_abort_the_request_with_a_400(value) -> None:
 def test_good_settings_pass(custom, expected) -> None:
     req = FakeReq(custom)
     assert request_settings(req) == expected
-    assert not reject_invalid(req) and req.aborted is None
+    assert not reject_invalid(req, SERVER) and req.aborted is None
+
+
+@pytest.mark.parametrize(
+    ("custom", "config", "param"),
+    [
+        ({"policy": "h2o", "prompt_policy": "snapkv"}, KvcConfig(policy="h2o"), None),  # servable
+        ({"policy": "snapkv", "prompt_policy": "h2o"}, KvcConfig(policy="rkv"), "custom_params.sgl_kvc.prompt_policy"),
+        ({"prompt_policy": "avgattn"}, KvcConfig(policy="rkv"), "custom_params.sgl_kvc.prompt_policy"),
+        ({"budget": 64}, KvcConfig(policy="none"), "custom_params.sgl_kvc.budget"),
+        ({"policy": "none", "budget": 64}, KvcConfig(policy="none"), "custom_params.sgl_kvc.budget"),
+        ({"policy": "none"}, KvcConfig(policy="none"), None),
+    ],
+)
+def test_settings_this_server_cannot_serve_are_a_400_at_admission(custom, config, param) -> None:
+    """Checked against the server's configuration when the request enters the queue, so that it
+    never fails later, in a step it shares with other requests."""
+    req = FakeReq({"sgl_kvc": custom})
+    refused = reject_invalid(req, config)
+    assert refused == (param is not None)
+    if param is not None:
+        msg, status = req.aborted
+        assert status == 400 and msg.startswith(f"Invalid {param}:")
 
 
 def test_settings_are_parsed_once() -> None:
