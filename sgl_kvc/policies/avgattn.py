@@ -11,8 +11,9 @@
 * Decode (Algorithm 1): once the cache holds ``budget`` tokens (|kv| = ceil(kv)), evict
   ``evict_chunk`` (p = 64) of them: target = budget - p, with p clamped to budget // 2 (our
   addition, for budgets the paper never used: it ran ceil(kv) >= 896). The cache then ranges over
-  [budget - p, budget]. After prefill it is trimmed to ``budget`` (the end state of Batch-Max's
-  block-wise prefill).
+  [budget - p, budget]. A prompt over the budget is trimmed after prefill as Algorithm 1 trims
+  the cache when it reaches ``budget``, to ``budget - p``: the next eviction is p decode steps
+  later, not at the first one.
 """
 
 from __future__ import annotations
@@ -57,3 +58,8 @@ class AvgAttnPolicy(Policy):
         chunk = min(p.evict_chunk, max(p.budget // 2, 1))
         target = max(p.budget - chunk, 1)
         return target if target < n else None
+
+    def prefill_target_length(self, n: int) -> int | None:
+        # Algorithm 1's eviction, once the prompt is over the budget: trimmed to the budget itself,
+        # the cache would be at its ceiling and the first decode step would evict again.
+        return self.target_length(n) if n > self.params.budget else None

@@ -630,8 +630,17 @@ def test_prefill_target_length(device: torch.device) -> None:
         pol = get_policy(name, p)
         assert pol.compress_after_prefill
         assert pol.prefill_target_length(16) is None
-        assert pol.prefill_target_length(17) == 16
+        # Batch-Max evicts as Algorithm 1 does at its ceiling: to budget - p (p clamped to 8 here)
+        assert pol.prefill_target_length(17) == (8 if name == "avgattn" else 16)
     assert get_policy("rkv", p).prefill_target_length(1000) is None
+
+
+@pytest.mark.parametrize("name", ["snapkv", "kvcompress", "h2o", "streamingllm", "avgattn"])
+def test_no_decode_pass_right_after_the_prefill_pass(name: str, device: torch.device) -> None:
+    """What a prompt keeps after prefill is not due for compression again at the first decode step."""
+    pol = get_policy(name, PolicyParams(budget=16, buffer=4))
+    kept = pol.prefill_target_length(100)
+    assert kept is not None and pol.target_length(kept + 1) is None
 
 
 def test_none_policy_never_compresses(device: torch.device) -> None:
