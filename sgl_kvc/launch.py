@@ -60,6 +60,17 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def default_attention_backend(on_gpu: bool, fp8_kv: bool = False, unit_pool: bool = False) -> str:
+    """The attention backend a server gets without `--attention-backend`."""
+    if fp8_kv or unit_pool:
+        # sgl-kvc's FP8 pool is read by indexing (dequantizing the rows read), and heads of a
+        # packed request (variable per-head budgets) hold different numbers of entries, which only
+        # sgl-kvc's batched kernel reads: torch-native attention, also on CUDA. SGLang itself keeps
+        # the model's dtype (`auto`), so its AMX-only CPU FP8 path is never entered.
+        return "torch_native"
+    return str((GPU_DEFAULTS if on_gpu else CPU_DEFAULTS)["--attention-backend"])
+
+
 def build_sglang_argv(
     argv: list[str], on_gpu: bool, compressing: bool = False, fp8_kv: bool = False,
     kv_memory_budget: bool = False, unit_pool: bool = False, native_bf16: bool = True,
@@ -70,15 +81,7 @@ def build_sglang_argv(
 
     out = list(argv)
     defaults = dict(GPU_DEFAULTS if on_gpu else CPU_DEFAULTS)
-    if fp8_kv:
-        # sgl-kvc's FP8 pool is read by indexing (dequantizing the rows read): torch-native
-        # attention, also on CUDA. SGLang itself keeps the model's dtype (`auto`), so its
-        # AMX-only CPU FP8 path is never entered.
-        defaults["--attention-backend"] = "torch_native"
-    if unit_pool:
-        # Variable per-head budgets: heads of a packed request hold different numbers of
-        # entries, which only sgl-kvc's batched kernel (in the torch-native backend) reads.
-        defaults["--attention-backend"] = "torch_native"
+    defaults["--attention-backend"] = default_attention_backend(on_gpu, fp8_kv, unit_pool)
     if kv_memory_budget:
         defaults.pop("--max-total-tokens", None)  # the byte budget decides the pool's size
     if compressing and not has_flag(out, "--disable-overlap-schedule"):
@@ -166,14 +169,16 @@ def parse_args(argv: list[str]) -> tuple[KvcConfig, list[str]]:
             f"FP8 pool dequantizes the rows attention reads); got {backend}"
         )
 
-    problem = unsupported(config, rest)
+    default = default_attention_backend(_cuda_available(), config.fp8_kv is not None, config.variable_budget)
+    problem = unsupported(config, rest, default_backend=default)
     if problem:
         parser.error(problem)
     return config, rest
 
 
-def unsupported(config: KvcConfig, argv: list[str]) -> str | None:
-    """Why SGLang flags `argv` cannot run with `config`, in one line; None if they can."""
+def unsupported(config: KvcConfig, argv: list[str], default_backend: str = "torch_native") -> str | None:
+    """Why SGLang flags `argv` cannot run with `config`, in one line; None if they can.
+    `default_backend`: the attention backend the launcher gives a server without the flag."""
     from sgl_kvc.adapter.attention import WRAPPED_BACKENDS
 
     needs_kvc_layout = config.compressing or config.fp8_kv is not None
@@ -195,6 +200,12 @@ def unsupported(config: KvcConfig, argv: list[str]) -> str | None:
             return (f"--policy {config.policy} observes attention through the "
                     f"{' or '.join(WRAPPED_BACKENDS)} backend; {flag} {value} is not supported "
                     "with a compressing policy (use --policy none with it)")
+    main = _flag_value(argv, "--attention-backend") or default_backend
+    split = {flag: _flag_value(argv, flag) or main
+             for flag in ("--prefill-attention-backend", "--decode-attention-backend")}
+    if len(set(split.values())) > 1:
+        return (f"--policy {config.policy} needs one attention backend for prefill and decode (sgl-kvc "
+                "observes both through it); got " + ", ".join(f"{f} {v}" for f, v in split.items()))
     for flag in ("--attention-backend", "--decode-attention-backend"):
         value = _flag_value(argv, flag)
         if config.variable_budget and value not in (None, "torch_native"):

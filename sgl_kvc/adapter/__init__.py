@@ -25,9 +25,10 @@ class HookTargetMissing(RuntimeError):
 def hook_table(config: KvcConfig) -> list[Hook]:
     """Every hook sgl-kvc registers for `config`, in registration order (the FP8 pool's fixed
     budget before the memory budget's probe of it)."""
-    from sgl_kvc.adapter import fp8_pool, hooks, memory_budget, request_guard, unit_pool
+    from sgl_kvc.adapter import fp8_pool, hooks, memory_budget, refusals, request_guard, unit_pool
 
     return [
+        *refusals.hook_table(config),  # scheduler start-up: models and backends compaction cannot serve
         *hooks.hook_table(config),
         *fp8_pool.hook_table(config, unit_pool.fp8_unit_pool_class(config)),  # FP8: per-layer or unit layout
         *unit_pool.hook_table(config),  # --kv-head-budget variable / layer

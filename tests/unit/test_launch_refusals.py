@@ -33,6 +33,10 @@ from sgl_kvc.launch import build_sglang_argv, parse_args
         (["--policy", "rkv", "--enable-hierarchical-cache"], "does not support --enable-hierarchical-cache"),
         (["--policy", "rkv", "--enable-pdmux"], "does not support --enable-pdmux"),
         (["--kv-cache-dtype", "fp8_e5m2", "--disaggregation-mode=decode"], "FP8 pool"),
+        # split backends: SGLang's hybrid backend, which leaves the observation store unattached
+        (["--policy", "rkv", "--prefill-attention-backend", "flashinfer"], "one attention backend for prefill and decode"),
+        (["--policy", "snapkv", "--attention-backend", "flashinfer", "--decode-attention-backend", "torch_native"],
+         "--decode-attention-backend torch_native"),
     ],
 )
 def test_unsupported_setups_are_usage_errors(argv, message, capsys) -> None:
@@ -52,6 +56,8 @@ def test_unsupported_setups_are_usage_errors(argv, message, capsys) -> None:
         ["--policy", "rkv", "--attn-dp-size", "1", "--disaggregation-mode", "null"],
         ["--policy", "none", "--enable-dp-attention", "--enable-lmcache", "--disaggregation-mode", "prefill"],
         ["--policy", "rkv", "--dp-size", "2"],  # every rank is a scheduler of its own
+        ["--policy", "rkv", "--prefill-attention-backend", "torch_native"],  # the same one as decode
+        ["--policy", "none", "--prefill-attention-backend", "flashinfer"],  # plain SGLang
     ],
 )
 def test_supported_setups_pass(argv) -> None:
@@ -143,6 +149,41 @@ def test_the_unit_pool_refuses_layers_its_kernel_does_not_serve(layer, encoder_d
         assert problem is None
     else:
         assert problem.startswith("--kv-head-budget variable does not support") and message in problem
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ((True, False, False), "MLA attention"),
+        ((False, True, False), "hybrid SWA"),
+        ((False, False, True), "state-space layers"),
+        ((False, False, False), None),
+    ],
+)
+def test_models_whose_kv_compaction_does_not_model_are_refused(layout, message) -> None:
+    """Checked when SGLang configures the KV pool, under every compressing policy."""
+    from sgl_kvc.adapter.refusals import unsupported_layout
+
+    problem = unsupported_layout(*layout, policy="rkv")
+    if message is None:
+        assert problem is None
+    else:
+        assert problem.startswith("--policy rkv does not support this model") and message in problem
+        assert "\n" not in problem
+
+
+def test_an_attention_backend_sgl_kvc_does_not_wrap_is_refused() -> None:
+    """SGLang's hybrid backend (a split prefill / decode pair) would leave the store unattached."""
+    from sgl_kvc.adapter.attention import _kvc_class
+    from sgl_kvc.adapter.refusals import unattached_backend
+
+    class HybridAttnBackend:
+        pass
+
+    problem = unattached_backend(HybridAttnBackend(), "snapkv")
+    assert problem is not None and "HybridAttnBackend" in problem and "one attention backend" in problem
+    wrapped = _kvc_class(HybridAttnBackend, "torch_native").__new__(_kvc_class(HybridAttnBackend, "torch_native"))
+    assert unattached_backend(wrapped, "snapkv") is None
 
 
 @pytest.mark.parametrize(
