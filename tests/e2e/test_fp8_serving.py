@@ -204,3 +204,8 @@ def test_fp8_rkv_logits_match_a_dense_fp8_reference(servers, trace, tokenizer, d
     assert err < 0.05
     assert err < err_no_fp8  # the served K/V are rounded as the pool rounds them (measured 0.5-0.7x)
     assert err_no_evict > 3 * err  # the reference can tell: ignoring evictions is far off
+
+
+def test_request_mix(servers, request_mix) -> None:
+    """The request-mix fuzz test (tests/request_mix.py) on the FP8 pool (e4m3, uniform per-head budgets)."""
+    request_mix(servers["e4m3_rkv"], ci_seed=4000)

@@ -142,3 +142,46 @@ def test_chunks_after_a_variable_compaction_attend_through_the_tables(
     assert err < (0.12 if name == "fp8" else 0.05), f"served logprobs differ from the dense reference by {err}"
     assert error(evict=False, attn_implementation=attention) > 3 * max(err, 0.05)
     assert_pool_whole(servers[name].wait_idle())
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8"])
+def test_shared_and_per_head_requests_compacted_in_the_same_steps(servers, name: str) -> None:
+    """Bursts where half the requests ask for the shared selection and half send nothing: each
+    kind is compacted by its own routine in the same step (packed in the unit pool, or one set
+    per request), and every request completes."""
+    server = servers[name]
+    before = server.wait_idle()["compression"]
+    for _ in range(2):
+        counts = complete_concurrently(
+            server, 8, 60, lambda i: {"kv_compression": {"selection": "shared"}} if i % 2 else {}
+        )
+        assert counts == [60] * 8
+    after = server.wait_idle()
+    assert after["compression"]["failed_requests"] == before["failed_requests"]
+    assert after["compression"]["passes"] > before["passes"]
+    assert_pool_whole(after)
+
+
+def test_a_shared_request_on_the_unit_pool_matches_the_dense_reference(variable_server, trace, demo_model_path) -> None:
+    """A request that asks for the shared selection on a variable-budget server keeps one set of
+    tokens for every layer and head (rows rewritten in place, not packed), and what it computes
+    equals the dense reference."""
+    from transformers import AutoTokenizer
+
+    prompt_ids = AutoTokenizer.from_pretrained(demo_model_path)(PROMPT).input_ids
+    out = _generate(variable_server, prompt_ids, 48,
+                    sampling={"custom_params": {"sgl_kvc": {"policy": "snapkv", "selection": "shared"}}})
+    events = _events(trace, out["meta_info"]["id"])
+    assert {e["moment"] for e in events} >= {"prefill", "decode"}
+    assert all(e["selection"] == "shared" for e in events)
+    error = logprob_error(demo_model_path, prompt_ids, out, events)
+    err = error()
+    assert err < 0.05, f"served logprobs differ from the dense reference by {err}"
+    assert error(evict=False) > 3 * max(err, 0.05)
+
+
+@pytest.mark.parametrize(("name", "seed"), [("bf16", 2000), ("fp8", 2100)])
+def test_request_mix(servers, request_mix, name: str, seed: int) -> None:
+    """The request-mix fuzz test (tests/request_mix.py): variable budgets in bf16, layer budgets in
+    FP8, both with the chunk moment on and every pass staged."""
+    request_mix(servers[name], ci_seed=seed)
