@@ -352,10 +352,14 @@ def _set_cpu_threads_bind(argv: list[str]) -> None:
 
 
 def _native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX); True if unknown."""
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX) and PyTorch's kernels
+    may use it (`ATEN_CPU_CAPABILITY=avx2` caps them at AVX2, as on a CPU without it); True if
+    unknown."""
     import torch
 
     try:
+        if torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT"):
+            return False
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except AttributeError:  # a torch without these probes: say nothing
         return True
