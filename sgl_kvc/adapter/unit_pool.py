@@ -8,7 +8,7 @@ buffers) and gives SGLang the per-layer views K[:, l] ([S+1, H_kv, d], strided),
 uncompressed requests and `set_kv_buffer` work as on SGLang's own pool. `K.view(-1, d)` is the
 flat unit pool: slot t, layer l (of this rank), head h is unit (t x L + l) x H_kv + h
 (`state.unit_index`). A packed request's kept entries fill its first G = ceil(total / (L x H_kv))
-slots unit by unit (`compaction.compact_requests_units`), and the batched decode kernel reads
+slots unit by unit (`compaction.prepare_units`), and the batched decode kernel reads
 them through per-head tables (`state.RequestTables`). Slots stay SGLang's allocation unit, so
 its accounting, admission and retraction are unchanged.
 
