@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from sgl_kvc.adapter.invariants import InvariantViolation
 from sgl_kvc.adapter.tp import RankVote
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,6 @@ def failure(req: Any) -> str | None:
 class FailureLedger:
     drop: Callable[[Any], None]  # forget what sgl-kvc holds for a request (the compressor's)
     vote: RankVote | None = None  # None: a single rank
-    failed_requests: int = 0
     _unsettled: list[Any] = field(default_factory=list)
 
     def fail(self, req: Any, what: str, error: BaseException) -> None:
@@ -62,8 +62,6 @@ class FailureLedger:
     def guarded(self, req: Any, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Run sgl-kvc work for ONE request; an exception fails that request (None is returned)
         instead of reaching SGLang's event loop, where it would stop every request."""
-        from sgl_kvc.adapter.invariants import InvariantViolation
-
         try:
             return fn(*args)
         except InvariantViolation:
@@ -72,14 +70,12 @@ class FailureLedger:
             self.fail(req, what, e)
             return None
 
-    def agree(self, reqs: Iterable[Any], local: Iterable[bool] = ()) -> list[bool]:
+    def agree(self, reqs: Iterable[Any]) -> list[bool]:
         """Per request of `reqs` (the same list on every rank), whether it failed on any rank:
-        failed here before, `local` (failed here now, not recorded yet), or on another rank
-        (then recorded here too). One collective on every rank; nothing with a single rank."""
+        here, or on another rank (then it is failed here too). One collective on every rank;
+        none with a single rank."""
         reqs = list(reqs)
         here = [failure(r) is not None for r in reqs]
-        for i, extra in enumerate(local):
-            here[i] = here[i] or extra
         if self.vote is None or not reqs:
             return here
         anywhere = (self.vote(torch.tensor(here, dtype=torch.int64, device="cpu")) > 0).tolist()
@@ -95,7 +91,6 @@ class FailureLedger:
         unsettled, self._unsettled = self._unsettled, []
         for req in unsettled:
             abort(req, failure(req) or "sgl-kvc could not serve this request", scheduler)
-        self.failed_requests += len(unsettled)
         return len(unsettled)
 
 
