@@ -17,6 +17,7 @@ from sgl_kvc.config import KvcConfig
 from sgl_kvc.request_settings import (
     CUSTOM_PARAMS_KEY,
     FIELD,
+    RequestCompression,
     RequestSettingError,
     parse_kv_compression,
     server_conflict,

@@ -100,9 +100,10 @@ def prepare_per_head(batch: Any, items: Sequence[tuple[int, HeadSelection]]) -> 
                 f"n={selection.n}, counts {sorted(set(selection.lengths.flatten().tolist()))}"
             )
         row = _row(batch, i)
+        indices = selection.indices.to(row.device)
         dest, evicted, copied = _destinations(batch, i, k)  # last: it may allocate
         return _Plan(i, dest, evicted, copied, CompactionResult(k, int(evicted.numel()), copied),
-                     row=row, indices=selection.indices.to(row.device))
+                     row=row, indices=indices)
 
     def move(plans: list[_Plan]) -> None:
         pool = batch.token_to_kv_pool_allocator.get_kvcache()
