@@ -96,6 +96,31 @@ def test_window_queries_give_every_layer_of_the_rank(device: torch.device, first
     assert store.window_queries(0, n=9) == [None] * (4 - first_layer)
 
 
+def test_a_lost_observation_empties_the_ring_and_a_failed_write_changes_nothing(device: torch.device) -> None:
+    """A write that raises in the first layer leaves the row's ring as it was; a row whose
+    observation failed in another layer is emptied (its other layers' slots hold an earlier
+    step's queries) and afterwards holds only what is recorded since, in every layer."""
+    r2t = torch.zeros(2, 8, dtype=torch.int32, device=device)
+    store = KvcStore(num_layers=2, window=4, req_to_token=r2t, kv_pool=None)
+    store.begin(0, _state(device))
+    rows = torch.tensor([0], device=device)
+
+    def step(v: float, layers: range = range(2)) -> None:
+        for layer in layers:
+            store.record_decode(layer, rows, torch.full((1, 2, 3), v + 10 * layer, device=device), pool_rows=2)
+
+    step(1.0)
+    step(2.0)
+    with pytest.raises(RuntimeError):  # a query of the wrong shape: the write raises
+        store.record_decode(0, rows, torch.zeros(1, 2, 5, device=device), pool_rows=2)
+    assert [q[:, 0, 0].tolist() for q in store.window_queries(0, n=8)] == [[1.0, 2.0], [11.0, 12.0]]
+    step(3.0, range(1))  # layer 0 recorded step 3, layer 1 failed: it still holds step 2 there
+    store.lose_observations([0])
+    assert store.window_queries(0, n=8) == [None, None] and store.lost_observations == 1
+    step(4.0)
+    assert [q[:, 0, 0].tolist() for q in store.window_queries(0, n=8)] == [[4.0], [14.0]]
+
+
 class _Pool:
     def __init__(self, keys: torch.Tensor) -> None:
         self.keys = keys
