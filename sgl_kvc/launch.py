@@ -169,11 +169,34 @@ def parse_args(argv: list[str]) -> tuple[KvcConfig, list[str]]:
             f"FP8 pool dequantizes the rows attention reads); got {backend}"
         )
 
-    default = default_attention_backend(_cuda_available(), config.fp8_kv is not None, config.variable_budget)
+    on_gpu = _cuda_available()
+    default = default_attention_backend(on_gpu, config.fp8_kv is not None, config.variable_budget)
     problem = unsupported(config, rest, default_backend=default)
+    if problem is None and on_gpu:
+        problem = torch_native_on_gpu(config, rest, explicit=False)
     if problem:
         parser.error(problem)
     return config, rest
+
+
+def torch_native_on_gpu(config: KvcConfig, argv: list[str], explicit: bool) -> str | None:
+    """On a GPU, FP8 KV storage and variable / layer budgets are served by the torch_native
+    attention backend, whose prefill runs SGLang's SDPA loop one request at a time: refused unless
+    the user asked for that backend (`explicit=False`: the refusal; `explicit=True`: the warning
+    the launcher logs when they did). None where neither applies."""
+    what = " and ".join(
+        ([f"--kv-cache-dtype {config.fp8_kv}"] if config.fp8_kv else [])
+        + ([f"--kv-head-budget {config.kv_head_budget}"] if config.variable_budget else [])
+    )
+    asked = _flag_value(argv, "--attention-backend") == "torch_native"
+    if not what or asked != explicit:
+        return None
+    if explicit:
+        return (f"sgl-kvc: {what} runs on the torch_native attention backend: its prefill runs one "
+                "request at a time (FlashInfer does not read sgl-kvc's FP8 pool or per-head tables)")
+    return (f"{what} on a GPU needs the torch_native attention backend (FlashInfer does not read sgl-kvc's "
+            "FP8 pool or per-head tables), whose prefill runs one request at a time: pass "
+            "--attention-backend torch_native to accept that")
 
 
 def unsupported(config: KvcConfig, argv: list[str], default_backend: str = "torch_native") -> str | None:
@@ -382,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
             problem = problem or str(e)
         if problem:
             sys.exit(f"python -m sgl_kvc.launch: error: {problem}")
+    if on_gpu and (warning := torch_native_on_gpu(config, rest, explicit=True)):
+        logger.warning(warning)
     native_bf16 = on_gpu or _native_bf16()
     sglang_argv = build_sglang_argv(
         rest, on_gpu, config.compressing, fp8_kv=config.fp8_kv is not None,

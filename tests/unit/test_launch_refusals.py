@@ -83,6 +83,34 @@ def test_a_gpu_the_triton_kernel_cannot_compile_for_is_refused(argv, capability,
     assert problem is None if message is None else message in problem and "\n" not in problem
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--policy", "rkv", "--kv-head-budget", "variable"], "--kv-head-budget variable on a GPU needs"),
+        (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3 on a GPU needs"),
+        (["--policy", "snapkv", "--kv-cache-dtype", "fp8_e5m2", "--kv-head-budget", "layer"],
+         "--kv-cache-dtype fp8_e5m2 and --kv-head-budget layer on a GPU needs"),
+        (["--policy", "rkv", "--kv-head-budget", "layer", "--attention-backend", "torch_native"], None),
+        (["--policy", "rkv"], None),  # FlashInfer
+    ],
+)
+def test_nothing_silently_slow_on_a_gpu(monkeypatch, capsys, argv, message) -> None:
+    """On a GPU, what only the torch_native backend serves (its prefill runs one request at a time)
+    needs that backend asked for; asked for, the launcher says it once."""
+    from sgl_kvc import launch
+
+    monkeypatch.setattr(launch, "_cuda_available", lambda: True)
+    if message is None:
+        config, rest = parse_args(argv)
+        warning = launch.torch_native_on_gpu(config, rest, explicit=True)
+        assert (warning is not None) == ("--attention-backend" in argv)
+        return
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in err and "--attention-backend torch_native" in err
+
+
 def test_cuda_graphs_off_for_compressing_policies_on_gpu() -> None:
     argv = build_sglang_argv(["--model-path", "/m"], on_gpu=True, compressing=True)
     assert "--disable-cuda-graph" in argv
