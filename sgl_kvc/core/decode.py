@@ -150,8 +150,11 @@ class DecodeStep:
                     units = units[..., : block.widths[local]]
                 tables = HeadTables(units=units, lengths=block.lens[local])
                 k_units, v_units = unit_pools
+                if not block.groups:  # no statistics to feed: the kernel writes no probabilities
+                    out[block.index] = fast_per_head_decode(q[block.index], k_units, v_units, tables, scale)
+                    continue
                 o, probs = fast_per_head_decode(q[block.index], k_units, v_units, tables, scale, return_probs=True)
-                if block.groups and probs.shape[-1] < width:  # statistics columns span the block
+                if probs.shape[-1] < width:  # statistics columns span the block
                     probs = torch.nn.functional.pad(probs, (0, width - probs.shape[-1]))
             else:
                 o, probs = decode_attention(q[block.index], k_cache, v_cache, block.slots, block.pad, scale)
