@@ -118,13 +118,15 @@ def per_head_decode(
     scale: float | None = None,
     *,
     return_probs: bool = False,
+    probs_rows: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """One decode query per request over its per-head tables.
 
     q: [B, H_q, d] (H_q a multiple of H_kv); k_pool [S, d]; v_pool [S, d_v]; ``scale`` defaults to
     1/sqrt(d). Each query sees every token its KV head holds. Returns [B, H_q, d_v] in q's dtype,
     and with ``return_probs`` also the float32 attention [B, H_kv, G, N] over table entries (for
-    policies that accumulate attention statistics; zero at padding).
+    policies that accumulate attention statistics; zero at padding). ``probs_rows`` (int64 [k],
+    implies ``return_probs``): the attention of those requests only, [k, H_kv, G, N].
     """
     b, h_q, d = q.shape
     h_kv = tables.num_kv_heads
@@ -139,23 +141,55 @@ def per_head_decode(
     logits = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [B, H_kv, G, N]
     out, probs = _masked_attention(logits, valid.unsqueeze(2), values)
     out = out.reshape(b, h_q, -1).to(q.dtype)
+    if probs_rows is not None:
+        return out, probs[probs_rows]
     return (out, probs) if return_probs else out
 
 
 def fast_per_head_decode(
     q: Tensor, k_pool: Any, v_pool: Any, tables: HeadTables, scale: float | None = None,
-    *, return_probs: bool = False,
+    *, return_probs: bool = False, probs_rows: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """`per_head_decode` on the fastest implementation for q's device: the Triton kernel on
     CUDA where it supports the operands, else this module's torch version."""
-    if q.is_cuda:
-        try:
-            from sgl_kvc.kernels import triton_per_head
-        except ImportError:  # no triton: the torch version serves
-            triton_per_head = None
-        if triton_per_head is not None and triton_per_head.supports(q, k_pool, v_pool):
-            return triton_per_head.triton_per_head_decode(q, k_pool, v_pool, tables, scale, return_probs=return_probs)
-    return per_head_decode(q, k_pool, v_pool, tables, scale, return_probs=return_probs)
+    kwargs = {"return_probs": return_probs, "probs_rows": probs_rows}
+    if q.is_cuda and fused_decode(q.device, q.shape[-1], k_pool, v_pool):
+        from sgl_kvc.kernels import triton_per_head
+
+        return triton_per_head.triton_per_head_decode(q, k_pool, v_pool, tables, scale, **kwargs)
+    return per_head_decode(q, k_pool, v_pool, tables, scale, **kwargs)
+
+
+def fused_decode(device: torch.device, head_dim: int, k_pool: Any, v_pool: Any) -> bool:
+    """Whether decode over these unit pools runs the Triton kernel (CUDA, Triton importable,
+    operands it supports): one launch for the whole batch, with no padding to bound."""
+    if device.type != "cuda":
+        return False
+    try:
+        from sgl_kvc.kernels import triton_per_head
+    except ImportError:  # no triton: the torch version serves
+        return False
+    probe = torch.empty(1, 1, head_dim, device="meta")  # only its shape is read
+    return triton_per_head.supports(probe, k_pool, v_pool)
+
+
+def flat_heads(cache: Any) -> Any:
+    """A slot cache [S, H_kv, d] (a tensor, or an FP8 `Fp8Rows` with one scale per (slot, head))
+    viewed as a unit pool [S x H_kv, d]: entry (slot s, head h) is unit s x H_kv + h. A view, no
+    copy: per-head tables then read SGLang's own cache."""
+    codes = getattr(cache, "codes", None)
+    if codes is None:
+        return cache.view(-1, cache.shape[-1])
+    return type(cache)(codes.view(-1, codes.shape[-1]), cache.scales.view(-1), cache.fp8,
+                       cache.scale_format, cache.dtype)
+
+
+def row_tables(slots: Tensor, lens: Tensor, num_heads: int) -> HeadTables:
+    """Per-head tables over `flat_heads` of a slot cache: every head of request b reads the
+    slots `slots[b, :lens[b]]` (slots [b, N] int64, lens [b] int64, on the cache's device)."""
+    heads = torch.arange(num_heads, dtype=torch.int64, device=slots.device)
+    units = slots[:, None, :] * num_heads + heads[None, :, None]
+    return HeadTables(units=units, lengths=lens[:, None].expand(-1, num_heads).contiguous())
 
 
 def per_head_extend(

@@ -59,7 +59,7 @@ def _store_normalized(out_ptr, lse_ptr, rows, ok, acc, total, top, dv, dim_v: tl
 @triton.jit
 def _per_head_decode_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, units_ptr, lens_ptr,
-    work_ptr, logits_ptr, out_ptr,
+    work_ptr, logits_ptr, probs_slot_ptr, out_ptr,
     scale, n_cols, n_splits, n_parts,
     num_kv_heads: tl.constexpr, group: tl.constexpr, group_pad: tl.constexpr,
     dim: tl.constexpr, dim_v: tl.constexpr, split_n: tl.constexpr, block_n: tl.constexpr,
@@ -73,6 +73,8 @@ def _per_head_decode_kernel(
     length = tl.load(lens_ptr + bh)
     start = split * split_n
     stop = tl.minimum(start + split_n, length)
+    # the row of the logits this request writes (-1: none; only requests with statistics need them)
+    slot = tl.load(probs_slot_ptr + b)
 
     g = tl.arange(0, group_pad)
     g_ok = g < group
@@ -103,8 +105,9 @@ def _per_head_decode_kernel(
             logits = logits * tl.load(ks_ptr + unit, mask=ok, other=0).to(tl.float32)[None, :]
         logits = tl.where(ok[None, :], logits, float("-inf"))
         if store_logits:
-            out_rows = (bh * group + g) * n_cols
-            tl.store(logits_ptr + out_rows[:, None] + cols[None, :], logits, mask=g_ok[:, None] & ok[None, :])
+            out_rows = ((slot * num_kv_heads + h) * group + g) * n_cols
+            keep = (g_ok & (g * 0 + slot >= 0))[:, None] & ok[None, :]
+            tl.store(logits_ptr + out_rows[:, None] + cols[None, :], logits, mask=keep)
         new_max = tl.maximum(run_max, tl.max(logits, axis=1))
         alpha = tl.exp(run_max - new_max)  # 0 on the first block (run_max = -inf)
         p = tl.exp(logits - new_max[:, None])
@@ -185,11 +188,13 @@ def _pool_parts(pool: Any) -> tuple[Tensor, Tensor | None, str | None]:
 
 def triton_per_head_decode(
     q: Tensor, k_pool: Any, v_pool: Any, tables: HeadTables, scale: float | None = None,
-    *, return_probs: bool = False, split_n: int = SPLIT_N, block_n: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
+    *, return_probs: bool = False, probs_rows: Tensor | None = None, split_n: int = SPLIT_N,
+    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """`per_head_attention.per_head_decode` in Triton (same arguments and results). `block_n`,
-    `num_warps` and `num_stages` override the decode kernel's defaults for its pool (tuning)."""
+    `num_warps` and `num_stages` override the decode kernel's defaults for its pool (tuning).
+    With `probs_rows`, logits are written for those requests only (a map from request to its
+    row of the logits, two small device ops, tells the kernel which)."""
     b, h_q, d = q.shape
     h_kv = tables.num_kv_heads
     if tables.batch_size != b or h_q % h_kv:
@@ -221,11 +226,20 @@ def triton_per_head_decode(
     parts = 0 if direct else b * h_kv * splits * group_pad
     work = torch.empty(parts * (d_v + 2) + b * h_kv * group, dtype=torch.float32, device=device)
     out = torch.empty(b, h_q, d_v, dtype=q.dtype, device=device)
-    logits = (torch.full((b, h_kv, group, n), -math.inf, dtype=torch.float32, device=device)
+    return_probs = return_probs or probs_rows is not None
+    k_probs = b if probs_rows is None else int(probs_rows.shape[0])
+    logits = (torch.full((k_probs, h_kv, group, n), -math.inf, dtype=torch.float32, device=device)
               if return_probs else work)  # any tensor when unused
+    if not return_probs:
+        probs_slot = lens  # read, never used
+    elif probs_rows is None:
+        probs_slot = torch.arange(b, dtype=torch.int64, device=device)
+    else:
+        probs_slot = torch.full((b,), -1, dtype=torch.int64, device=device)
+        probs_slot[probs_rows] = torch.arange(k_probs, dtype=torch.int64, device=device)
     _per_head_decode_kernel[(b * h_kv, splits)](
         q.contiguous(), k, v, k_scales if k_scales is not None else k, v_scales if v_scales is not None else v,
-        units, lens, work, logits, out, scale, n, splits, parts,
+        units, lens, work, logits, probs_slot, out, scale, n, splits, parts,
         num_kv_heads=h_kv, group=group, group_pad=group_pad, dim=d, dim_v=d_v, split_n=split_n,
         block_n=block_n, fp8_type=_FP8_TYPES.get(fp8 or "fp8_e4m3"), is_fp8=fp8 is not None,
         store_logits=return_probs, dot_fp32=q.dtype == torch.float32 or _interpreted(), direct=direct, **launch,
@@ -235,5 +249,7 @@ def triton_per_head_decode(
     if not return_probs:
         return out
     norm = work[parts * (d_v + 2):].view(b, h_kv, group, 1)  # log-sum-exp
+    if probs_rows is not None:
+        norm = norm[probs_rows]
     probs = torch.exp(logits - norm)  # exp(-inf) = 0 at padding
     return out, probs

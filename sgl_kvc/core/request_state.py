@@ -8,6 +8,7 @@ pool, which holds one entry; a head's *table* lists its entries' units in *colum
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -16,7 +17,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from sgl_kvc.core.host import host_tensor
+from sgl_kvc.core.host import host_tensor, to_device
 from sgl_kvc.policies import DEFAULT_SELECTION, Policy
 
 
@@ -68,12 +69,22 @@ def block_tables(
     b = len(states)
     units = torch.zeros(num_layers, b, num_heads, width + 1, dtype=torch.int64, device=device)
     head_lens = torch.zeros(num_layers, b, num_heads, dtype=torch.int64, device=device)
-    packed = [0] * b
-    for j, state in enumerate(states):
-        if state is not None and state.units is not None:
-            units[:, j, :, : state.units.shape[-1]] = state.units
-            head_lens[:, j] = state.unit_lens
-            packed[j] = state.packed
+    packed = [0 if state is None or state.units is None else state.packed for state in states]
+    tables = [j for j, state in enumerate(states) if state is not None and state.units is not None]
+    if tables:  # the packed tables, copied in with a fixed number of operations
+        own = [states[j] for j in tables]
+        widths = [int(state.units.shape[-1]) for state in own]
+        k_max = max(widths)
+        joined = torch.cat([state.units for state in own], dim=-1)  # [L, H_kv, sum(widths)]
+        starts = torch.tensor(list(itertools.accumulate([0] + widths[:-1])), dtype=torch.int64, device="cpu")
+        cols = torch.arange(k_max, dtype=torch.int64, device="cpu")
+        inside = cols[None, :] < torch.tensor(widths, dtype=torch.int64, device="cpu")[:, None]  # [p, k_max]
+        src = torch.where(inside, starts[:, None] + cols, 0)  # past its width: any column, zeroed below
+        picked = joined[:, :, to_device(src.reshape(-1), device)].reshape(num_layers, num_heads, len(own), k_max)
+        picked = picked.transpose(1, 2) * to_device(inside, device)[None, :, None, :]  # [L, p, H_kv, k_max]
+        at = host_tensor(tables, device)
+        units[:, at, :, :k_max] = picked
+        head_lens[:, at] = torch.stack([state.unit_lens for state in own], dim=1)
     tails = [n - g for n, g in zip(row_lens, packed)]
     t_max = max(tails, default=0)
     if t_max:

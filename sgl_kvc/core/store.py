@@ -24,7 +24,7 @@ from torch import Tensor
 from sgl_kvc.core.decode import DecodeStep
 from sgl_kvc.core.host import host_tensor
 from sgl_kvc.core.request_state import ReqKvState, RequestTables
-from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_extend
+from sgl_kvc.kernels.per_head_attention import HeadTables, flat_heads, fused_decode, per_head_extend
 from sgl_kvc.policies import gqa_logits
 
 STATS_BLOCK = 256  # query rows per block when accumulating prefill attention statistics
@@ -57,6 +57,9 @@ class KvcStore:
         self.stats_rows: set[int] = set()  # rows whose policy accumulates attention statistics
         rows, device = req_to_token.shape[0], req_to_token.device
         self.device = device
+        # Whether decode runs a kernel that pads nothing (Triton on CUDA): then a step is one
+        # block of the whole batch (`DecodeStep`), and a layer's attention one launch.
+        self.fused = kv_pool is not None and self._fused_decode(kv_pool)
         # Ring buffer [capacity, layers, window, H_q, d] indexed by `_top - row`: SGLang hands out
         # request rows from the top of its free list and reuses freed ones first, so the
         # capacity needed follows the peak number of requests, not the row count SGLang reserves
@@ -77,6 +80,15 @@ class KvcStore:
         # Packed requests of the current extend batch (a prompt compacted between chunks on the
         # unit pool): their tables, new tokens included; they attend through them.
         self.extend_tables: dict[int, RequestTables] = {}
+
+    def _fused_decode(self, kv_pool: Any) -> bool:
+        if self.device.type != "cuda":
+            return False
+        if self.unit_pools is not None:
+            k, v = self.unit_pools
+        else:
+            k, v = (flat_heads(b(self.first_layer)) for b in (kv_pool.get_key_buffer, kv_pool.get_value_buffer))
+        return fused_decode(self.device, self.token_elems // max(1, self.kv_heads), k, v)
 
     @property
     def unit_layout(self) -> tuple[int, int] | None:
@@ -247,7 +259,8 @@ class KvcStore:
         self.decode_rows = rows
         self.decode_step = (
             DecodeStep.build(rows, lens, self.states, self.req_to_token, self.token_elems, self.attends,
-                             units=self.unit_layout, first_layer=self.first_layer)
+                             units=self.unit_layout, first_layer=self.first_layer, fused=self.fused,
+                             kv_heads=self.kv_heads)
             if self.attends or self.stats_rows else None
         )  # fmt: skip
 

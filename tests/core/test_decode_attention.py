@@ -98,6 +98,10 @@ def test_kernel_reads_fp8_rows_dequantized(device: torch.device) -> None:
     assert torch.allclose(out.double(), expected, atol=1e-5)
 
 
+def _members(block: decode_module.DecodeBlock, size: int) -> list[int]:
+    return list(range(size)) if block.index is None else block.index.tolist()
+
+
 class _Pool:
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k, self.v = k, v
@@ -106,11 +110,15 @@ class _Pool:
         return self.k
 
 
-@pytest.mark.parametrize("elems", [decode_module.DECODE_BLOCK_ELEMS, 1])  # one block; one per request
-def test_store_attends_the_whole_batch_and_feeds_the_statistics(device: torch.device, monkeypatch, elems: int) -> None:
+@pytest.mark.parametrize("elems, fused", [
+    (decode_module.DECODE_BLOCK_ELEMS, False), (1, False),  # one block; one per request
+    (1, True),  # the fused plan: one block in batch order through per-head tables, whatever the bound
+])
+def test_store_attends_the_whole_batch_and_feeds_the_statistics(device: torch.device, monkeypatch, elems: int,
+                                                                fused: bool) -> None:
     """With `attends`, the step's plan holds every request (longest first, in blocks); the
     output lands at each request's batch index, and statistics equal those computed beside
-    another kernel (`DecodeStep.accumulate`)."""
+    another kernel (`DecodeStep.accumulate`), over two steps (the second adds to the first)."""
     monkeypatch.setattr(decode_module, "DECODE_BLOCK_ELEMS", elems)
     lens = [7, 1, 12, 3]
     q, k, v, r2t, _, _ = _case(4, lens, device=device)
@@ -119,20 +127,26 @@ def test_store_attends_the_whole_batch_and_feeds_the_statistics(device: torch.de
     attending = KvcStore(1, 4, r2t, _Pool(k, v))
     beside = KvcStore(1, 4, r2t, _Pool(k, v))
     attending.attends = True
+    attending.fused = beside.fused = fused
     for store in (attending, beside):
         for row, name in policies.items():
             store.begin(row, ReqKvState(policy=get_policy(name), budget=8, device=device))
         store.begin_decode(rows, lens)
     assert attending.decode_step.attends and attending.decode_step.size == 4
-    assert sorted(i for b in attending.decode_step.blocks for i in b.index.tolist()) == rows
+    assert sorted(i for b in attending.decode_step.blocks for i in _members(b, len(rows))) == rows
     assert not beside.decode_step.attends
-    assert sorted(i for b in beside.decode_step.blocks for i in b.index.tolist()) == [0, 2, 3]
+    assert sorted(i for b in beside.decode_step.blocks for i in _members(b, len(rows))) == [0, 2, 3]
 
+    if fused:
+        (block,) = attending.decode_step.blocks
+        assert block.index is None and block.row_tables is not None
     out = torch.full_like(q, float("nan"))
     attending.attend_decode(0, attending.decode_step, q, k, v, 0.3, out)
     beside.decode_step.accumulate(0, q, k, 0.3)
     assert torch.allclose(out.double(), _reference(q, k, v, r2t, lens, 0.3), atol=1e-5)
     assert attending.attended_layers == 1
+    first = {row: attending.states[row].stats[0] for row in policies}
+    first = {row: None if t is None else t.clone() for row, t in first.items()}
     for row, name in policies.items():
         a, b = attending.states[row].stats[0], beside.states[row].stats[0]
         if name == "rkv":
@@ -140,3 +154,24 @@ def test_store_attends_the_whole_batch_and_feeds_the_statistics(device: torch.de
         else:
             assert a.shape == (H_KV, lens[row]) and a.device == device, name
             assert torch.allclose(a, b, atol=1e-6), name
+    # a second step, one entry longer: each statistic is its first step's plus this one's
+    grown = [n + 1 for n in lens]
+    for store in (attending, beside):
+        store.begin_decode(rows, grown)
+    q2 = q.flip(0)
+    attending.attend_decode(0, attending.decode_step, q2, k, v, 0.3, out)
+    beside.decode_step.accumulate(0, q2, k, 0.3)
+    assert torch.allclose(out.double(), _reference(q2, k, v, r2t, grown, 0.3), atol=1e-5)
+    alone = KvcStore(1, 4, r2t, _Pool(k, v))
+    for row, name in policies.items():
+        alone.begin(row, ReqKvState(policy=get_policy(name), budget=8, device=device))
+    alone.begin_decode(rows, grown)
+    alone.decode_step.accumulate(0, q2, k, 0.3)
+    for row, name in policies.items():
+        if name == "rkv":
+            continue
+        a, b = attending.states[row].stats[0], beside.states[row].stats[0]
+        want = alone.states[row].stats[0].clone()
+        want[:, : lens[row]] += first[row]
+        assert a.shape == (H_KV, grown[row]) and torch.allclose(a, want, atol=1e-6), name
+        assert torch.allclose(b, want, atol=1e-6), name

@@ -78,6 +78,11 @@ def test_triton_decode_matches_the_torch_version(device, b, h_kv, group, d, n, f
     assert torch.allclose(probs, want_probs, atol=1e-5, rtol=1e-5 if fp8 is None else 2e-2)
     alone = triton_per_head_decode(q, k_pool, v_pool, tables, 0.3, split_n=16, block_n=16)
     assert torch.equal(alone, got)
+    # the probabilities of some requests only (those that keep statistics), in the order asked
+    rows = torch.tensor([b - 1, 0][: b], device=device)
+    some, some_probs = triton_per_head_decode(q, k_pool, v_pool, tables, 0.3, probs_rows=rows, split_n=16,
+                                              block_n=16)
+    assert torch.equal(some, got) and torch.equal(some_probs, probs[rows])
 
 
 def test_an_empty_head_reads_zeros_and_a_split_past_its_length_adds_nothing(device: torch.device) -> None:

@@ -158,7 +158,8 @@ def test_decode_step_tables_are_each_requests_own(device, rows, layers, heads, t
     seen = []
     for block in step.blocks:
         assert block.slots is None and block.pad is None
-        for j, i in enumerate(block.index.tolist()):
+        members = range(len(rows)) if block.index is None else block.index.tolist()
+        for j, i in enumerate(members):
             seen.append(i)
             slots = r2t[i, : lens[i]]
             alone = states[i] if i in states else ReqKvState(policy=get_policy("snapkv"), budget=1, device=device)
