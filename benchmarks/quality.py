@@ -21,7 +21,7 @@ of the answer's tokens an average (layer, KV head) kept, and the share of kept e
 first quarter of the prompt.
 Then compression seconds per pass at 1K/4K/8K-token prompts (from `/v1/kvc/stats` deltas around
 single requests). Then, when its venv exists (`--kvpress-python`), NVIDIA kvpress's presses on the
-same samples (`benchmarks/kvpress_runner.py`). A failed request, or a server that dies, is
+same samples (`research/kvpress_runner.py`). A failed request, or a server that dies, is
 recorded as a failure and the benchmark goes on (a dead server is started again).
 Long outputs are `benchmarks.long_generation`'s.
 Writes `<out>/quality.json`, `<out>/quality.md` and `<out>/quality.png` (`quality-<tag>.*` with `--tag`).
@@ -289,7 +289,7 @@ def run_kvpress(samples: list[Sample], args: argparse.Namespace, workdir: Path) 
         "model": str(args.model_dir), "dtype": args.dtype, "budgets": args.budgets, "presses": args.kvpress_presses,
         "samples": [s.to_json() for s in retrieval],
     }))  # fmt: skip
-    cmd = [str(py), str(REPO / "benchmarks" / "kvpress_runner.py"), str(inp), str(outp)]
+    cmd = [str(py), str(REPO / "research" / "kvpress_runner.py"), str(inp), str(outp)]
     print(f"[quality] kvpress: {' '.join(cmd)}", flush=True)
     try:
         env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
