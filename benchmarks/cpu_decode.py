@@ -7,7 +7,7 @@ SmolLM2-135M-Instruct, greedy chat completions of `--output-len` tokens (`ignore
 16 users at once (seeded prompts of about `--prompt-words` words: a passage to retell). sgl-kvc:
 one fresh `python -m sgl_kvc.launch` per configuration (`make serve`'s `--policy rkv` and plain
 SGLang, each in bfloat16 and in float32); OpenVINO GenAI (its own venv,
-`benchmarks/openvino_runner.py`; the model exported with `optimum-cli export openvino
+`research/openvino_runner.py`; the model exported with `optimum-cli export openvino
 --weight-format fp32`) with and without its cache eviction at a comparable size. Configurations
 run one after another, each alone on the machine; tokens/s = users x output tokens / wall time,
 prompt included. Writes `<out>/cpu-decode.{json,md}`.
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import requests
 
-from benchmarks.common import machine, metadata_markdown, run_metadata
+from benchmarks.common import REPO, machine, metadata_markdown, run_metadata
 from benchmarks.quality_fillers import sentence
 from sgl_kvc.server_process import ServerProcess
 
@@ -86,7 +86,7 @@ def openvino_runs(args: argparse.Namespace, texts: list[str], logs: Path) -> tup
     spec = {"model": args.openvino_model, "prompts": texts, "output_len": args.output_len, "runs": runs}
     src, dst = logs / "openvino-in.json", logs / "openvino-out.json"
     src.write_text(json.dumps(spec))
-    runner = Path(__file__).with_name("openvino_runner.py")
+    runner = REPO / "research" / "openvino_runner.py"
     proc = subprocess.run([args.openvino_python, str(runner), str(src), str(dst)], capture_output=True, text=True)
     if proc.returncode != 0 or not dst.exists():
         return [], proc.stderr[-500:]

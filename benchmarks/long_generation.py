@@ -12,7 +12,7 @@ batches of the same shape; `full` runs first and again last (`full (again)`: the
 greedy decoding on this machine, a row any policy is compared against).
 
 With kvpress's venv (`--kvpress-python`, as for `benchmarks.quality`), NVIDIA kvpress compresses
-the same prompts under transformers (`benchmarks/kvpress_decoding_runner.py`: its
+the same prompts under transformers (`research/kvpress_decoding_runner.py`: its
 `DecodingPress` every `--kv-buffer` steps down to the budget, its press on the prompt too), scored
 against its own full-cache run: `kvpress:<press>@<budget>`.
 
@@ -165,7 +165,7 @@ def run_kvpress(
         "budgets": args.kvpress_budgets, "presses": args.kvpress_presses,
         "samples": [s.to_json() for s in samples],
     }))  # fmt: skip
-    cmd = [str(py), str(REPO / "benchmarks" / "kvpress_decoding_runner.py"), str(inp), str(outp)]
+    cmd = [str(py), str(REPO / "research" / "kvpress_decoding_runner.py"), str(inp), str(outp)]
     print(f"[long-generation] kvpress: {' '.join(cmd)}", flush=True)
     try:
         env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}

@@ -21,7 +21,7 @@ of the answer's tokens an average (layer, KV head) kept, and the share of kept e
 first quarter of the prompt.
 Then compression seconds per pass at 1K/4K/8K-token prompts (from `/v1/kvc/stats` deltas around
 single requests). Then, when its venv exists (`--kvpress-python`), NVIDIA kvpress's presses on the
-same samples (`benchmarks/kvpress_runner.py`). A failed request, or a server that dies, is
+same samples (`research/kvpress_runner.py`). A failed request, or a server that dies, is
 recorded as a failure and the benchmark goes on (a dead server is started again).
 Long outputs are `benchmarks.long_generation`'s.
 Writes `<out>/quality.json`, `<out>/quality.md` and `<out>/quality.png` (`quality-<tag>.*` with `--tag`).
@@ -289,7 +289,7 @@ def run_kvpress(samples: list[Sample], args: argparse.Namespace, workdir: Path) 
         "model": str(args.model_dir), "dtype": args.dtype, "budgets": args.budgets, "presses": args.kvpress_presses,
         "samples": [s.to_json() for s in retrieval],
     }))  # fmt: skip
-    cmd = [str(py), str(REPO / "benchmarks" / "kvpress_runner.py"), str(inp), str(outp)]
+    cmd = [str(py), str(REPO / "research" / "kvpress_runner.py"), str(inp), str(outp)]
     print(f"[quality] kvpress: {' '.join(cmd)}", flush=True)
     try:
         env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
@@ -467,34 +467,85 @@ def _ref_txt(r: dict | None) -> str:
     return f"{r['kept']}/{r['samples']} correct" if r else "not run"
 
 
-def plot(data: dict, path: Path) -> None:
+MARKERS = "os^DvP*X<>ph"
+
+
+def retrieval_series(data: dict) -> dict[str, list[float]]:
+    """Per policy (then kvpress press), the share of the full cache's correct answers it keeps at
+    each budget, pass key and multi-key pooled (NaN where nothing was measured); a row with
+    nothing measured at any budget is left out."""
+    budgets = data["setup"]["budgets"]
+    rows = {(r["task"], r["config"]): r for r in data["retrieval"]}
+    presses = (data.get("kvpress") or {}).get("presses", [])
+    series = {}
+    for name in [*data["setup"]["policies"], *(f"kvpress:{p}" for p in presses)]:
+        ys = []
+        for b in budgets:
+            kept = sum((rows.get((t, f"{name}@{b}")) or {}).get("kept", 0) for t in RETRIEVAL)
+            ref = sum((rows.get((t, f"{name}@{b}")) or {}).get("reference_correct", 0) for t in RETRIEVAL)
+            ys.append(kept / ref if ref else float("nan"))
+        if any(not math.isnan(y) for y in ys):
+            series[name] = ys
+    return series
+
+
+def coinciding(series: dict[str, list[float]]) -> dict[str, tuple[str, int]]:
+    """Lines that would hide one another: for each series equal to an earlier one at every
+    budget, that earlier series' name and its place among the copies (1, 2, ...)."""
+    def key(ys: list[float]) -> tuple:
+        return tuple("nan" if math.isnan(y) else round(y, 9) for y in ys)
+
+    first: dict[tuple, str] = {}
+    seen: dict[tuple, int] = {}
+    out = {}
+    for name, ys in series.items():
+        k = key(ys)
+        if k in first:
+            seen[k] += 1
+            out[name] = (first[k], seen[k])
+        else:
+            first[k], seen[k] = name, 0
+    return out
+
+
+def plot(data: dict, path: Path) -> bool:
+    """Draws the panels that have data into `path`; with none (no retrieval task was run), writes
+    no figure and removes an older one at `path`. Lines that coincide get distinct markers, are
+    shifted sideways a little and say so in the legend."""
+    series = retrieval_series(data)
+    panels = [("retrieval (pass key + multi-key): share of full-cache answers kept", series)] if series else []
+    if not panels:
+        path.unlink(missing_ok=True)
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     budgets = data["setup"]["budgets"]
-    rows = {(r["task"], r["config"]): r for r in data["retrieval"]}
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    presses = (data.get("kvpress") or {}).get("presses", [])
-    for name in [*data["setup"]["policies"], *(f"kvpress:{p}" for p in presses)]:
-        ys = []
-        for b in budgets:  # pass key and multi-key pooled: kept / reference-correct
-            kept = sum((rows.get((t, f"{name}@{b}")) or {}).get("kept", 0) for t in RETRIEVAL)
-            ref = sum((rows.get((t, f"{name}@{b}")) or {}).get("reference_correct", 0) for t in RETRIEVAL)
-            ys.append(kept / ref if ref else float("nan"))
-        style = "--" if name.startswith("kvpress") else "-"
-        ax.plot(budgets, ys, style, marker="o", label=name)
-    ax.set_title("retrieval (pass key + multi-key): share of full-cache answers kept", fontsize=9)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(budgets, [str(b) for b in budgets])
-    ax.set_xlabel("KV budget (tokens)")
-    ax.set_ylim(-0.05, 1.05)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    for ax, (title, lines) in zip(axes[0], panels):
+        same = coinciding(lines)
+        for i, (name, ys) in enumerate(lines.items()):
+            label, xs, hollow = name, budgets, False
+            if name in same:  # drawn beside the line it equals, hollow, named in the legend
+                of, place = same[name]
+                label, xs, hollow = f"{name} (= {of}, shifted right)", [b * 2 ** (0.03 * place) for b in budgets], True
+            ax.plot(xs, ys, "--" if name.startswith("kvpress") else "-", marker=MARKERS[i % len(MARKERS)],
+                    markersize=7, markerfacecolor="none" if hollow else None, label=label)  # fmt: skip
+        ax.set_title(title, fontsize=9)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
+        ax.set_xlabel("KV budget (tokens)")
+        ax.set_ylim(-0.05, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.suptitle(f"{data['setup']['model']}; {data['setup']['machine']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 # --- main ---------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ Two families of scales:
   power-of-two exponent of the scale in one byte as in the OCP MX formats. With a power-of-two
   scale a floating-point FP8 code rounds exactly as with no scale at all, so e8m0 only moves the
   range; an exact scale also maps the row's largest value (nearly) exactly onto fp8_max, which
-  measurably lowers the error (benchmarks/fp8_accuracy.py, demo model with outlier keys: logits
+  measurably lowers the error (research/fp8_accuracy.py, demo model with outlier keys: logits
   relative error 0.0431 with bfloat16 scales, 0.0424 float16, 0.0423 float32, 0.0456 e8m0).
 * per tensor (layer): one scale for a whole layer's K (or V): a fixed scale (SGLang's default is
   1.0 when the checkpoint has none), or a running amax that grows as data arrives

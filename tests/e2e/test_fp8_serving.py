@@ -142,7 +142,7 @@ def test_accuracy_against_the_bf16_cache(servers, tokenizer, trace, name: str) -
           f"mean |logprob diff| {mean_err:.4f}, max {max(lp_err):.3f}")
     assert n == len(PROMPTS) * NEW_TOKENS
     assert rate["bf16"] > 0.95  # bf16 prefill vs decode arithmetic: the comparison's own noise
-    # measured here 0.89-0.90 (e4m3) and 0.83-0.86 (e5m2); benchmarks/fp8_accuracy.py: 0.94 / 0.85.
+    # measured here 0.89-0.90 (e4m3) and 0.83-0.86 (e5m2); research/fp8_accuracy.py: 0.94 / 0.85.
     # The demo model's random weights give small top-1 margins; a broken cache scores near 0.
     floor = {"e4m3_rkv": 0.82, "e5m2": 0.72}[name]
     assert rate[name] >= floor

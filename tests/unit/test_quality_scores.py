@@ -249,3 +249,27 @@ def test_long_output_prompts_are_distinct_up_to_the_limit() -> None:
     for bad in ("0", str(MAX_LONG_OUTPUT_PER_KIND + 1)):
         with pytest.raises(SystemExit):
             parser.parse_args(["--per-kind", bad])
+
+
+def test_plot_skips_empty_panels_and_tells_coinciding_lines_apart(tmp_path) -> None:
+    """A policy with nothing measured draws no line, a run without retrieval no figure; a line
+    equal to an earlier one at every budget is named as such (it is drawn beside it)."""
+    from benchmarks.quality import coinciding, plot, retrieval_series
+
+    def row(config: str, kept: int) -> dict:
+        return {"task": "passkey", "config": config, "kept": kept, "reference_correct": 4}
+
+    data = {
+        "setup": {"budgets": [128, 256], "policies": ["snapkv", "streamingllm", "h2o"], "model": "m", "machine": "x"},
+        "retrieval": [row("snapkv@128", 3), row("snapkv@256", 4), row("streamingllm@128", 1),
+                      row("streamingllm@256", 2), row("kvpress:streamingllm@128", 1),
+                      row("kvpress:streamingllm@256", 2), row("kvpress:snapkv@128", 1)],
+        "kvpress": {"presses": ["snapkv", "streamingllm"]},
+    }  # fmt: skip
+    series = retrieval_series(data)
+    assert list(series) == ["snapkv", "streamingllm", "kvpress:snapkv", "kvpress:streamingllm"]  # no h2o
+    assert series["snapkv"] == [0.75, 1.0] and series["kvpress:snapkv"][0] == 0.25
+    assert coinciding(series) == {"kvpress:streamingllm": ("streamingllm", 1)}
+    png = tmp_path / "quality.png"
+    png.write_text("an older figure")
+    assert not plot({**data, "retrieval": []}, png) and not png.exists()

@@ -1,6 +1,6 @@
 """NVIDIA kvpress on the quality benchmark's samples; run with the python of kvpress's own venv.
 
-    /path/to/kvpress-venv/bin/python benchmarks/kvpress_runner.py IN.json OUT.json
+    /path/to/kvpress-venv/bin/python research/kvpress_runner.py IN.json OUT.json
 
 kvpress pins its own transformers, so it lives in a separate venv (docs/benchmarks.md, "Quality"); this
 script imports nothing from sgl-kvc. IN.json (written by `benchmarks.quality`): the converted

@@ -1,7 +1,7 @@
 """NVIDIA kvpress's decode-time compression on the long-generation benchmark's prompts; run with
 the python of kvpress's own venv.
 
-    /path/to/kvpress-venv/bin/python benchmarks/kvpress_decoding_runner.py IN.json OUT.json
+    /path/to/kvpress-venv/bin/python research/kvpress_decoding_runner.py IN.json OUT.json
 
 IN.json (written by `benchmarks.long_generation`): the converted checkpoint folder, the dtype, the
 output length, budgets, press names and samples as token ids. Every sample is generated greedily

@@ -1,7 +1,7 @@
 """Accuracy of FP8 KV-cache storage against the 16-bit cache, scale choice by scale choice.
 
-    python -m benchmarks.fp8_accuracy                    # writes benchmarks/results/fp8-accuracy.{json,md,png}
-    python -m benchmarks.fp8_accuracy --new-tokens 64 --prompts 1 --out /tmp/x   # quick
+    python -m research.fp8_accuracy                    # writes research/results/fp8-accuracy.{json,md,png}
+    python -m research.fp8_accuracy --new-tokens 64 --prompts 1 --out /tmp/x   # quick
 
 The model is the built-in demo Llama (transformers, float32 arithmetic). Its KV cache is stored
 the way each scheme stores it: every key/value is quantized once, when it is written (prefill
@@ -368,9 +368,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--out", type=Path, default=Path("research/results"))
     args = p.parse_args(argv)
-    meta = run_metadata("benchmarks.fp8_accuracy", argv)
+    meta = run_metadata("research.fp8_accuracy", argv)
     print(metadata_markdown(meta), flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)

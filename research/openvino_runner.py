@@ -1,6 +1,6 @@
 """OpenVINO GenAI on the CPU-decode benchmark's prompts; run with the python of its own venv.
 
-    /path/to/ov-venv/bin/python benchmarks/openvino_runner.py IN.json OUT.json
+    /path/to/ov-venv/bin/python research/openvino_runner.py IN.json OUT.json
 
 OpenVINO GenAI (`pip install openvino-genai`) serves a model exported with `optimum-cli export
 openvino`; it lives in a separate venv and this script imports nothing from sgl-kvc. IN.json

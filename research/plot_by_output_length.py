@@ -2,7 +2,7 @@
 output tokens/s against plain SGLang's (median and range over its interleaved rounds), by
 output length.
 
-    python -m benchmarks.plot_by_output_length benchmarks/results/eviction-long-output-{1024,4096,8192}.json \\
+    python -m research.plot_by_output_length benchmarks/results/eviction-long-output-{1024,4096,8192}.json \\
         --out benchmarks/results/eviction-long-output.png
 """
 
