@@ -203,6 +203,7 @@ def per_head_extend(
     *,
     q_block: int = Q_BLOCK,
     on_probs: Callable[[int, int, Tensor], None] | None = None,
+    q_max: int | None = None,
 ) -> Tensor:
     """A block of new queries per request (prefill or extend) over its per-head tables.
 
@@ -213,7 +214,8 @@ def per_head_extend(
     Returns [T, H_q, d_v] in q's dtype. `on_probs(start, stop, probs)`: called for each block of
     query rows [start, stop) of every request (padded to the longest) with the float32 attention
     it computed, [B, H_kv, G, stop - start, N] (0 at invisible keys), for policies that add it to
-    their statistic.
+    their statistic. `q_max`: the longest request's query rows, when the caller knows it on the
+    host (else it is read from `q_indptr`, which waits for the device once).
     """
     if tables.positions is None:
         raise ValueError("per_head_extend needs HeadTables.positions (logical positions)")
@@ -226,9 +228,10 @@ def per_head_extend(
     device = q.device
     q_indptr = q_indptr.to(device=device, dtype=torch.int64)
     q_lens = q_indptr[1:] - q_indptr[:-1]
-    q_max = int(q_lens.max()) if b else 0
+    if q_max is None:
+        q_max = int(q_lens.max()) if b else 0
     # Pack -> pad without a loop: row i of q belongs to request req[i], column col[i].
-    req = torch.repeat_interleave(torch.arange(b, device=device), q_lens)
+    req = torch.repeat_interleave(torch.arange(b, device=device), q_lens, output_size=t)
     col = torch.arange(t, device=device) - q_indptr[req]
     qp = q.new_zeros((b, q_max, h_q, d), dtype=torch.float32)
     qp[req, col] = q.float()

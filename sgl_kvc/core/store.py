@@ -250,7 +250,8 @@ class KvcStore:
 
         indptr = host_tensor([0, q.shape[0]], q.device)
         k_units, v_units = self.unit_pools
-        return per_head_extend(q, indptr, positions, k_units, v_units, heads, scale, on_probs=on_probs)
+        return per_head_extend(q, indptr, positions, k_units, v_units, heads, scale, on_probs=on_probs,
+                               q_max=q.shape[0])
 
     # --- decode ---------------------------------------------------------------------------------
     def begin_decode(self, rows: list[int], lens: list[int]) -> None:

@@ -229,8 +229,7 @@ class Policy(ABC):
     def score(self, view: LayerView) -> Tensor:
         """Float32 scores [H_kv, n] per KV head, higher = keep; protected tokens score +inf."""
         scores = self._score(view).float().clone()
-        scores[:, self.protected(view)] = math.inf
-        return scores
+        return scores.masked_fill_(self.protected(view), math.inf)  # a mask, not an index: no device sync
 
     def protected(self, view: LayerView) -> Tensor:
         """Bool [n] tokens always kept. Default: the observation window (last ``window`` tokens),

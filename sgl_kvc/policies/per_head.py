@@ -203,9 +203,11 @@ def rank_per_head(
     return pre.gather(-1, perm), sorted_keys
 
 
-def _first_k_sorted(order: Tensor, counts: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """The first counts[l, h] entries of each head's ranking, ascending, padded with PAD."""
-    k_max = int(counts.max()) if counts.numel() else 0
+def _first_k_sorted(order: Tensor, counts: Tensor, n: int, k_max: int | None = None) -> tuple[Tensor, Tensor]:
+    """The first counts[l, h] entries of each head's ranking, ascending, padded with PAD.
+    `k_max`: the largest count when the caller knows it on the host (else read from the device)."""
+    if k_max is None:
+        k_max = int(counts.max()) if counts.numel() else 0
     head = order[..., :k_max]
     valid = torch.arange(k_max, device=order.device) < counts.unsqueeze(-1)
     head = torch.where(valid, head, n)  # padding sorts last
@@ -250,8 +252,10 @@ def select_from_scores(
         raise ValueError(f"scores must be [L, H, N], got {tuple(scores.shape)}")
     num_layers, num_heads, n = scores.shape
     device = scores.device
+    known = None  # the uniform width, known on the host when every head holds all n entries
     if lengths is None:
         lengths = torch.full((num_layers, num_heads), n, dtype=torch.int64, device=device)
+        known = min(budget, n)
     else:
         lengths = lengths.to(device=device, dtype=torch.int64)
         bad = bool((lengths < 0).any() | (lengths > n).any())
@@ -260,7 +264,7 @@ def select_from_scores(
     order, keys = rank_per_head(scores, protected, lengths)
     per_head = lengths.clamp(max=budget)  # [L, H]
     if mode == "uniform":
-        indices, counts = _first_k_sorted(order, per_head, n)
+        indices, counts = _first_k_sorted(order, per_head, n, known)
         return HeadSelection(indices=indices, lengths=counts, n=n)
 
     # --- variable: KV-Compress §4.2, one sort over layer x head x token (layer: per layer) -----

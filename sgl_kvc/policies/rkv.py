@@ -70,7 +70,9 @@ def redundancy_scores(
     h, m, _ = k.shape
     k_norm = k / (k.norm(dim=-1, keepdim=True) + _EPS)  # R-KV eq. (5) / Alg. 1 line 19
     if reference_keys is not None and reference_keys < m:
-        ref = torch.linspace(0, m - 1, reference_keys, device=k.device).round().long().unique()
+        # Evenly spaced, more than one apart (reference_keys < m), so rounding leaves them
+        # distinct: no `unique`, which on a GPU would wait for it.
+        ref = torch.linspace(0, m - 1, reference_keys, device=k.device).round().long()
     else:
         ref = torch.arange(m, device=k.device)
     # References most recent first, so that a row's first similar column is its most recent
