@@ -10,7 +10,14 @@ in [N/2, 3N/2]) gathered from anywhere in a flat unit pool. Reports the median t
 step of one layer (CUDA events), and the K/V bytes it reads per second: launched from Python as
 a server without decode CUDA graphs runs it, and for the Triton kernel also replayed from a CUDA
 graph (`triton_graph_*`: the GPU's own time), against the device-to-device copy's bandwidth
-measured in the same run. Needs a CUDA GPU.
+measured in the same run.
+
+The serving-shaped case (`serving_*` rows, `benchmarks/decode_step.py`) times a whole decode step
+of a compressing server through the code it calls: the step's plan and, in each of 32 layers,
+the attention and the observation write, for B requests between budget 256 and budget + buffer
+384, with the fused plan (one block, the Triton kernel) against the padded blocks the CPU uses,
+with and without requests that keep statistics (H2O beside R-KV). It reports milliseconds and
+GPU kernels (launches) per step. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import metadata_markdown, run_metadata
+from benchmarks.decode_step import StepShape, serving_step
 from sgl_kvc.kernels.decode_attention import decode_attention
 from sgl_kvc.kernels.fp8 import Fp8Rows, quantize_rows
 from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode
@@ -150,6 +158,31 @@ def _fp8_pool(units: torch.Tensor) -> Fp8Rows:
     return Fp8Rows(codes.view(torch.uint8), scales, "fp8_e4m3", "bfloat16", torch.bfloat16)
 
 
+def kernels_per_call(fn) -> int:
+    """GPU kernels one call of `fn` launches (the profiler's CUDA kernel events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+
+
+def serving(batch: int, reps: int) -> list[dict]:
+    """The serving-shaped step (see the module doc), fused and padded, side by side."""
+    rows = []
+    for policies in (("rkv",), ("rkv", "h2o")):
+        for fused in (True, False):
+            _, step, _ = serving_step(batch, StepShape(), policies, "cuda", fused=fused)
+            ms = _time(step, reps)
+            rows.append({"batch": batch, "policies": "+".join(policies), "plan": "fused" if fused else "padded",
+                         "step_ms": round(ms, 3), "kernels_per_step": kernels_per_call(step)})
+    return rows
+
+
 def host_us(b: int, n: int, calls: int = 1000, rounds: int = 7) -> float:
     """Median over `rounds` of the wall time per launched decode step, in microseconds, for
     b requests keeping exactly n units per head: small steps, where the GPU waits on the host,
@@ -185,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="8,32,128")
     ap.add_argument("--kept", default="256,1024,4096")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--serving-batches", default="8,64,256")
     ap.add_argument("--sweep", action="store_true",
                     help="time the kernel's launch settings instead (per-head-kernel-sweep-<tag>.*)")
     args = ap.parse_args(argv)
@@ -199,8 +233,10 @@ def main(argv: list[str] | None = None) -> None:
     # of two (a second kernel merges them)
     host = {f"8x{n}": host_us(8, n) for n in (SPLIT_N // 2, SPLIT_N * 2)}
     rows = [case(int(b), int(n), args.reps) for b in args.batches.split(",") for n in args.kept.split(",")]
+    served = [r for b in args.serving_batches.split(",") for r in serving(int(b), args.reps)]
     result = {"meta": meta, "shape": {"h_q": H_Q, "h_kv": H_KV, "d": D, "dtype": "bfloat16"},
-              "copy_ceiling_gbps": ceiling, "host_us_per_launched_step": host, "rows": rows}
+              "copy_ceiling_gbps": ceiling, "host_us_per_launched_step": host, "rows": rows,
+              "serving_rows": served}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"per-head-kernel-{args.tag}.json").write_text(json.dumps(result, indent=1) + "\n")
     cols = ["batch", "mean_kept", "kv_mb", "triton_ms", "triton_gbps", "triton_graph_ms", "triton_graph_gbps",
@@ -211,6 +247,11 @@ def main(argv: list[str] | None = None) -> None:
              + ", ".join(f"{k}: {v} us" for k, v in host.items()) + ".", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    serving_cols = ["batch", "policies", "plan", "step_ms", "kernels_per_step"]
+    lines += ["", "A serving-shaped decode step (32 layers, budget 256 + buffer 128; plan, attention and "
+              "observation of every layer; launched from Python):", "",
+              "| " + " | ".join(serving_cols) + " |", "|" + "---|" * len(serving_cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in serving_cols) + " |" for r in served]
     (RESULTS / f"per-head-kernel-{args.tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -147,6 +147,14 @@ class KvcStore:
             self._queries = grown
         return self._queries
 
+    def reserve_queries(self, q_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        """Allocate the ring for every row now: a decode step's writes then never allocate, and
+        a CUDA graph that holds them keeps writing the buffer it captured (a grown ring would be
+        a new tensor)."""
+        rows = self.req_to_token.shape[0]
+        self._need = rows
+        self._buffer(rows, torch.empty(0, q_heads, head_dim, dtype=dtype, device=self.device))
+
     @property
     def query_buffer_bytes(self) -> int:
         q = self._queries

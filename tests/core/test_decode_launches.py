@@ -168,3 +168,14 @@ def test_the_sync_guard_fails_a_planted_sync(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(KvcStore, "record_decode", syncing)
     with pytest.raises(HostSync, match="read to the host"), SyncGuard():
         _step(store, rows, lens)
+
+
+def test_a_reserved_ring_is_never_reallocated_by_a_step() -> None:
+    """What a CUDA graph needs of the observation ring (`tests/core/test_graph_capture.py`):
+    reserved beforehand, a step writes into it and allocates none."""
+    store, rows, lens = _store(16, ("rkv",), unit_pool=False, fused=True, attends=True)
+    store.reserve_queries(H_KV * GROUP, D, torch.bfloat16)
+    ring = store._queries
+    assert ring.shape[0] == store.req_to_token.shape[0]
+    _step(store, rows, lens)
+    assert store._queries is ring
