@@ -37,6 +37,7 @@ import torch
 def make_presses(names: list[str]) -> dict[str, Any]:
     from kvpress import (
         ExpectedAttentionPress,
+        KeyDiffPress,
         SnapKVPress,
         StreamingLLMPress,
         TOVAPress,
@@ -49,6 +50,7 @@ def make_presses(names: list[str]) -> dict[str, Any]:
         "streamingllm": lambda: StreamingLLMPress(n_sink=4),
         "tova": lambda: TOVAPress(),
         "expected_attention": lambda: ExpectedAttentionPress(),
+        "keydiff": lambda: KeyDiffPress(),
     }
     return {n: factories[n]() for n in names}
 

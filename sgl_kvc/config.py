@@ -111,9 +111,9 @@ class KvcConfig:
     kv_keep_recent: int = field(
         default=_P.keep_recent,
         metadata=_flag(
-            "Most recent tokens always kept by R-KV, SnapKV and KV-Compress, when more than "
-            "--kv-window (0: the observation window only, as the papers do). Unlike a larger "
-            "--kv-window it leaves the observation queries as they are."
+            "Most recent tokens always kept by R-KV, SnapKV, KV-Compress, Expected Attention and "
+            "KeyDiff, when more than --kv-window (0: the observation window only, as the papers "
+            "do). Unlike a larger --kv-window it leaves the observation queries as they are."
         ),
     )
     rkv_lambda: float = field(
@@ -128,7 +128,8 @@ class KvcConfig:
         ),
     )
     sink_tokens: int = field(
-        default=_P.sink_tokens, metadata=_flag("StreamingLLM attention-sink tokens kept.")
+        default=_P.sink_tokens,
+        metadata=_flag("Attention-sink tokens kept by StreamingLLM and Expected Attention."),
     )
     compress_on: tuple[str, ...] = field(
         default=DEFAULT_MOMENTS,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.adapter.requests import (
     chunk_compressible, is_middle_chunk, on_release, publish_exact_prefix, request_settings,
 )
+from sgl_kvc.adapter.rope import rope_params
 from sgl_kvc.adapter.tp import RankVote, ScoreReducer, tp_rank
 from sgl_kvc.adapter.trace import CompactionTrace
 from sgl_kvc.config import KvcConfig
@@ -73,6 +75,7 @@ class Compressor:
         )
         on_release(req_to_token_pool, self._released)
         self._policies: OrderedDict[tuple[str, int], Policy] = OrderedDict()
+        self.rope = rope_params(model_runner)  # the model's RoPE, for the policies that read it
         # With tensor parallelism each rank sees only its own KV heads: a shared selection's
         # scores are averaged over the TP group first, so every rank keeps the same tokens.
         self.reduce_scores = ScoreReducer.for_sglang_tp_group()
@@ -96,7 +99,8 @@ class Compressor:
         key = (name, budget)
         policy = self._policies.get(key)
         if policy is None:
-            policy = self._policies[key] = get_policy(name, self.config.policy_params(budget))
+            params = replace(self.config.policy_params(budget), **self.rope)
+            policy = self._policies[key] = get_policy(name, params)
             if len(self._policies) > POLICY_CACHE_SIZE:
                 self._policies.popitem(last=False)
         else:
@@ -328,7 +332,8 @@ class Compressor:
             failpoints.maybe_raise("compress_raise", req, "compressing")
             policy = self.policy(state.policy_name(moment), state.effective_budget(n))
             positions = state.positions(n)
-            views = layer_views(self.store, req.kv.req_pool_idx, state, n, positions, self._layers())
+            views = layer_views(self.store, req.kv.req_pool_idx, state, n, positions, self._layers(),
+                                values=policy.uses_values)
             combined, error = policy.combined_score(views), None
         except Exception as e:  # noqa: BLE001 - raised below, after the other ranks heard of it
             combined, error = None, e

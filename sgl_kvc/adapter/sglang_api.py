@@ -97,8 +97,11 @@ INTERNALS: tuple[Internal, ...] = (
     ), why="logical RoPE positions; observation of extends and decodes"),
     Internal("sglang.srt.model_executor.model_runner.ModelRunner", attrs=(
         "token_to_kv_pool", "req_to_token_pool", "attn_backend", "decode_attn_backend", "server_args",
-        "is_draft_worker", "memory_pool_config", "kv_cache_dtype",
-    ), why="the store, the pools and the attention backend of a scheduler process"),
+        "is_draft_worker", "memory_pool_config", "kv_cache_dtype", "model",
+    ), why="the store, the pools and the attention backend of a scheduler process; the model's RoPE"),
+    Internal("sglang.srt.layers.rotary_embedding.RotaryEmbedding", attrs=(
+        "head_size", "rotary_dim", "base", "is_neox_style",
+    ), why="the model's RoPE, with which Expected Attention advances queries"),
     Internal("sglang.srt.layers.radix_attention.RadixAttention", attrs=(
         "layer_id", "tp_q_head_num", "qk_head_dim", "scaling", "logit_cap", "sliding_window_size",
         "is_cross_attention",
@@ -114,6 +117,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_MM}.memory_pool.MHATokenToKVPool._create_buffers", (), why="overridden by the FP8 pool"),
     Internal(f"{_MM}.memory_pool.MHATokenToKVPool._create_buffers_normal", (), why="overridden by the unit pool"),
     Internal(f"{_MM}.memory_pool.MHATokenToKVPool.get_key_buffer", ("layer_id",), why="keys a policy scores"),
+    Internal(f"{_MM}.memory_pool.MHATokenToKVPool.get_value_buffer", ("layer_id",),
+             why="values a policy scores (Expected Attention)"),
     Internal(f"{_MM}.memory_pool.MHATokenToKVPool.get_kv_buffer", ("layer_id",), why="compaction moves"),
     Internal(f"{_MM}.memory_pool.MHATokenToKVPool.get_cpu_copy", ("indices",), why="FP8 retraction offload"),
     Internal(f"{_MM}.memory_pool.MHATokenToKVPool.load_cpu_copy", ("kv_cache_cpu", "indices"),

@@ -131,7 +131,8 @@ def advance_uniform(
         if not (whole_layer or work.allows(head_cost)):
             break
         layer = len(p.indices)
-        view = request_view(store, row, layers[layer], state, n=p.n0, positions=p.positions, queries=p.queries[layer])
+        view = request_view(store, row, layers[layer], state, n=p.n0, positions=p.positions,
+                            queries=p.queries[layer], values=p.policy.uses_values)
         if whole_layer:
             p.indices.append(select_per_head(p.policy, [view], p.target).indices[0])
             work.spend(layer_cost)
@@ -179,7 +180,7 @@ def advance_variable(
         if not work.allows(cost):
             break
         view = request_view(store, row, store.first_layer + layer, state, tables=tables, head=head,
-                            queries=p.queries[layer])
+                            queries=p.queries[layer], values=p.policy.uses_values)
         p.scores.append(p.policy.score(view)[0])
         p.protected.append(p.policy.protected(view))
         work.spend(cost)

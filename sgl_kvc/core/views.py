@@ -2,8 +2,9 @@
 
 A request's keys are read through its row (`req_to_token[row, :n]`, every KV head of an entry
 in one slot), or, on the unit pool, one KV head at a time through its per-head table (heads of
-a packed request hold different numbers of entries). Queries are the observation window the
-store recorded; statistics and logical positions come from the request's state.
+a packed request hold different numbers of entries); values likewise, only for a policy that
+reads them. Queries are the observation window the store recorded; statistics and logical positions
+come from the request's state.
 """
 
 from __future__ import annotations
@@ -19,24 +20,31 @@ from sgl_kvc.policies import LayerView
 def request_view(
     store: KvcStore, row: int, layer: int, state: ReqKvState, *, n: int | None = None,
     positions: Tensor | None = None, tables: RequestTables | None = None, head: int | None = None,
-    queries: Tensor | None,
+    queries: Tensor | None, values: bool = False,
 ) -> LayerView:
     """Layer id `layer` of request `row`.
 
     Through the row: its first n entries, every KV head, at `positions` ([n], or [L, H_kv, n]
     over this rank's layers after a per-head compaction). Through `tables` (the unit pool): KV
     head `head` alone, its own entries at their positions. `queries`: the layer's window queries
-    (`KvcStore.window_queries`, taken when a staged pass began); with `head`, its query group."""
+    (`KvcStore.window_queries`, taken when a staged pass began); with `head`, its query group.
+    `values`: read the values too (for a policy that reads them, `Policy.uses_values`)."""
+    v = None
     if tables is None:
         slots = store.req_to_token[row, :n].long()
         keys = store.kv_pool.get_key_buffer(layer)[slots]  # [n, H_kv, d]
+        if values:
+            v = store.kv_pool.get_value_buffer(layer)[slots]  # [n, H_kv, d_v]
         if positions is not None and positions.dim() > 1:  # per head: [L, H_kv, n]
             positions = positions[layer - store.first_layer]
     else:
         local = layer - store.first_layer
         n = tables.host_lens[local][head]
-        k_units, _ = store.unit_pools
-        keys = k_units[tables.units[local, head, :n]].unsqueeze(1)  # [n, 1, d]
+        k_units, v_units = store.unit_pools
+        units = tables.units[local, head, :n]
+        keys = k_units[units].unsqueeze(1)  # [n, 1, d]
+        if values:
+            v = v_units[units].unsqueeze(1)  # [n, 1, d_v]
         positions = tables.positions[local, head, :n][None]
     stats = state.stats[layer] if layer < len(state.stats) else None
     if stats is not None:
@@ -47,16 +55,19 @@ def request_view(
             queries = queries[-n:, head * group : (head + 1) * group]
         if stats is not None:
             stats = stats[head : head + 1]
-    return LayerView(keys=keys, queries=queries, positions=positions, stats=stats)
+    return LayerView(keys=keys, queries=queries, positions=positions, stats=stats, values=v)
 
 
 def layer_views(
     store: KvcStore, row: int, state: ReqKvState, n: int, positions: Tensor, layers: range,
+    values: bool = False,
 ) -> list[LayerView]:
-    """Every layer of this rank through the row (one layer's keys held per view)."""
+    """Every layer of this rank through the row (one layer's keys, and `values` its values, held per
+    view)."""
     queries = store.window_queries(row, n)
     return [
-        request_view(store, row, layer, state, n=n, positions=positions, queries=queries[layer - store.first_layer])
+        request_view(store, row, layer, state, n=n, positions=positions,
+                     queries=queries[layer - store.first_layer], values=values)
         for layer in layers
     ]
 

@@ -5,11 +5,15 @@ Importing this package registers every policy; use :func:`get_policy` / :func:`a
 
 from __future__ import annotations
 
-from . import avgattn, h2o, kvcompress, none, rkv, snapkv, streamingllm  # noqa: F401  (register)
+from . import (  # noqa: F401  (register)
+    avgattn, expected_attention, h2o, keydiff, kvcompress, none, rkv, snapkv, streamingllm,
+)
 from .avgattn import AvgAttnPolicy
 from ._ops import gqa_logits
 from .base import RKV_EXEMPTIONS, LayerView, Policy, PolicyParams
+from .expected_attention import ExpectedAttentionPolicy
 from .h2o import H2OPolicy
+from .keydiff import KeyDiffPolicy
 from .kvcompress import KVCompressPolicy
 from .none import NoPolicy
 from .per_head import (
@@ -41,8 +45,10 @@ __all__ = [
     "RKV_EXEMPTIONS",
     "SELECTIONS",
     "AvgAttnPolicy",
+    "ExpectedAttentionPolicy",
     "H2OPolicy",
     "HeadSelection",
+    "KeyDiffPolicy",
     "KVCompressPolicy",
     "LayerView",
     "NoPolicy",

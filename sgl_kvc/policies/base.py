@@ -1,8 +1,9 @@
 """Engine-agnostic interface of a KV-cache eviction policy.
 
-A policy is plain torch on tensors: it sees, for one layer of one request, the cached keys, the last
-few observation queries, the logical RoPE positions and (for policies that need it) an attention
-statistic it maintains itself through :meth:`Policy.accumulate`; it answers which tokens to keep.
+A policy is plain torch on tensors: it sees, for one layer of one request, the cached keys (and, for
+the policies that read them, the values), the last few observation queries, the logical RoPE
+positions and (for policies that need it) an attention statistic it maintains itself through
+:meth:`Policy.accumulate`; it answers which tokens to keep.
 Nothing here knows SGLang; the adapter layer translates.
 
 Protocol for the caller (the adapter):
@@ -66,8 +67,9 @@ class PolicyParams:
     """alpha (R-KV) / w (SnapKV, KV-Compress): number of observation queries, kept as protected."""
     keep_recent: int = 0
     """Most recent tokens always kept by the policies that protect their observation window
-    (R-KV, SnapKV, KV-Compress), when more than ``window``; 0 keeps the window only, as the papers
-    do. Not a paper setting: it keeps recent text without widening the observation window."""
+    (R-KV, SnapKV, KV-Compress, Expected Attention, KeyDiff), when more than ``window``; 0 keeps
+    the window only, as the papers do. Not a paper setting: it keeps recent text without widening
+    the observation window."""
     rkv_lambda: float = 0.1
     """R-KV lambda of eq. (7) (the paper's 0.1; the public code uses 0.07)."""
     rkv_threshold: float = 0.5
@@ -86,9 +88,28 @@ class PolicyParams:
     pool_kernel: int = 7
     """Odd 1-D max-pool kernel (SnapKV / KV-Compress eq. 8 p=7, R-KV eq. 4 / Alg. 1 line 16)."""
     sink_tokens: int = 4
-    """StreamingLLM attention sinks."""
+    """Attention sinks: the first tokens StreamingLLM and Expected Attention (kvpress ``n_sink``)
+    always keep."""
     evict_chunk: int = 64
     """Batch-Max p: tokens evicted at once by the average-attention policy (Algorithm 1)."""
+    ea_future_positions: int = 512
+    """Expected Attention: future positions its query distribution is averaged over (kvpress
+    ``n_future_positions``)."""
+    ea_covariance: bool = True
+    """Expected Attention: include the query covariance term (kvpress ``use_covariance``)."""
+    ea_value_norm: bool = True
+    """Expected Attention: weight the expected attention by the value norm (kvpress ``use_vnorm``)."""
+    ea_epsilon: float = 0.0
+    """Expected Attention: added to the expected attention before the value-norm weighting
+    (kvpress ``epsilon``; its class default)."""
+    rope_theta: float = 10000.0
+    """The served model's RoPE base. Not a flag: the adapter fills in the model's (Expected
+    Attention moves observation queries to future positions with it)."""
+    rope_dim: int = 0
+    """The served model's rotary dimensions (its first ``rope_dim`` of each head); 0: all of them."""
+    rope_neox: bool = True
+    """The served model's RoPE layout: True pairs dimension i with i + rope_dim / 2 (Llama, GPT-NeoX,
+    "rotate half"), False pairs 2i with 2i + 1 (GPT-J)."""
 
     @property
     def recent_kept(self) -> int:
@@ -113,6 +134,15 @@ class PolicyParams:
             raise ValueError(f"pool_kernel must be odd (centred window), got {self.pool_kernel}")
         _check_int("sink_tokens", self.sink_tokens, 0)
         _check_int("evict_chunk", self.evict_chunk, 1)
+        _check_int("ea_future_positions", self.ea_future_positions, 1)
+        _check_float("ea_epsilon", self.ea_epsilon, 0.0, math.inf)
+        for name in ("ea_covariance", "ea_value_norm", "rope_neox"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        _check_float("rope_theta", self.rope_theta, 1.0, math.inf)
+        _check_int("rope_dim", self.rope_dim, 0)
+        if self.rope_dim % 2 != 0:
+            raise ValueError(f"rope_dim must be even (dimensions rotate in pairs), got {self.rope_dim}")
 
 
 @dataclass
@@ -129,6 +159,8 @@ class LayerView:
     stats:     [H_kv, m] (m <= n) or None: the statistic maintained by ``Policy.accumulate``; same
                token order as keys; columns m..n-1 (tokens appended since) count as zero.
     scale:     softmax scale; None means 1/sqrt(d).
+    values:    [n, H_kv, d_v] or None: the cached values, same order as keys; given only to the
+               policies that read them (``Policy.uses_values``).
     """
 
     keys: Tensor
@@ -136,6 +168,7 @@ class LayerView:
     positions: Tensor | None = None
     stats: Tensor | None = None
     scale: float | None = None
+    values: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.keys.dim() != 3:
@@ -163,6 +196,9 @@ class LayerView:
                 raise ValueError(
                     f"stats must be [{h_kv}, m<={n}], got shape {tuple(self.stats.shape)}"
                 )
+        if self.values is not None:
+            if self.values.dim() != 3 or tuple(self.values.shape[:2]) != (n, h_kv):
+                raise ValueError(f"values must be [{n}, {h_kv}, d_v], got shape {tuple(self.values.shape)}")
         if self.scale is None:
             self.scale = 1.0 / math.sqrt(d)
 
@@ -186,6 +222,7 @@ class LayerView:
             positions=positions[h : h + 1] if positions.dim() > 1 else positions,
             stats=None if self.stats is None else self.stats[h : h + 1],
             scale=self.scale,
+            values=None if self.values is None else self.values[:, h : h + 1],
         )
 
 
@@ -210,6 +247,9 @@ class Policy(ABC):
     """Whether prefill queries are fed to :meth:`accumulate` too (else decode queries only)."""
     compress_after_prefill: ClassVar[bool] = False
     """Whether the policy compresses right after prefill (see :meth:`prefill_target_length`)."""
+    uses_values: ClassVar[bool] = False
+    """Whether the policy reads the cached values (``LayerView.values``); the caller reads them
+    from the pool only for such a policy."""
     prompt_policy: ClassVar[str | None] = None
     """The policy that compresses the prompt (the prefill and chunk moments) when the user leaves
     it to this one (``--prompt-policy auto``); None: this policy itself. A decode-time method

@@ -34,7 +34,9 @@ is already on a common scale: SnapKV, H2O, avgattn and KV-Compress sum (squared)
 probabilities, and every query head spreads exactly mass 1 over the keys it sees, so every KV head
 of every layer receives the same total mass from the same queries; R-KV's Z (eq. 7) is a
 difference of two distributions over the candidates (importance and softmax redundancy), again
-mass 1 per head; StreamingLLM's recency is identical in every head. The squared attention of
+mass 1 per head; StreamingLLM's recency is identical in every head; KeyDiff's minus cosine lies in
+[-1, 1] in every head; Expected Attention's expected softmax also has mass 1 per head, weighted by
+the value norms (kvpress sorts it across heads under AdaKV the same way). The squared attention of
 KV-Compress (§4.3) deliberately gives sharp heads larger metrics; normalising would undo that.
 
 Tie-breaking (deterministic, documented so the tests' references can follow it): within a head,

@@ -16,7 +16,7 @@ from sgl_kvc.policies import LayerView, get_policy, select_from_scores, select_p
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 LAYERS, H_KV, GROUP, D, SLOTS, WINDOW = 2, 2, 3, 8, 96, 4
-POLICIES = ["rkv", "snapkv", "h2o", "kvcompress", "streamingllm", "avgattn"]
+POLICIES = ["rkv", "snapkv", "h2o", "kvcompress", "streamingllm", "avgattn", "expected_attention", "keydiff"]
 
 
 class Pool:
@@ -33,6 +33,9 @@ class Pool:
 
     def get_key_buffer(self, layer: int) -> torch.Tensor:
         return self.k[:, layer]
+
+    def get_value_buffer(self, layer: int) -> torch.Tensor:
+        return self.v[:, layer]
 
     def get_kv_buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[:, layer], self.v[:, layer]
@@ -78,7 +81,8 @@ def test_a_staged_pass_chooses_what_a_whole_pass_chooses(device: torch.device, p
     whole = _run(store, state, n, target, budget=1 << 40)
     assert not whole.staged and state.pending is None
     views = [
-        LayerView(keys=pool.get_key_buffer(layer)[slots], queries=store.window_queries(0, n)[layer], stats=state.stats[layer])
+        LayerView(keys=pool.get_key_buffer(layer)[slots], queries=store.window_queries(0, n)[layer], stats=state.stats[layer],
+                  values=pool.get_value_buffer(layer)[slots])
         for layer in range(LAYERS)
     ]
     want = torch.stack([select_per_head(state.policy, [v], target).indices[0] for v in views])
@@ -110,7 +114,7 @@ def test_entries_appended_during_a_staged_pass_are_kept_by_every_head(device: to
 
 
 @pytest.mark.parametrize("mode", ["variable", "layer"])
-@pytest.mark.parametrize("policy", ["snapkv", "kvcompress"])
+@pytest.mark.parametrize("policy", ["snapkv", "kvcompress", "expected_attention", "keydiff"])
 def test_variable_pass_sorts_every_heads_scores_once(device: torch.device, mode: str, policy: str) -> None:
     n, target = 26, 5
     store, state, pool, slots = _request(device, policy, n, seed=11, units=True)
@@ -123,7 +127,7 @@ def test_variable_pass_sorts_every_heads_scores_once(device: torch.device, mode:
             stats = state.stats[layer]
             view = LayerView(
                 keys=pool.k[slots, layer, h : h + 1], queries=q[:, h * GROUP : (h + 1) * GROUP],
-                stats=None if stats is None else stats[h : h + 1],
+                stats=None if stats is None else stats[h : h + 1], values=pool.v[slots, layer, h : h + 1],
             )
             scores[layer, h] = state.policy.score(view)[0]
             protected[layer, h] = state.policy.protected(view)

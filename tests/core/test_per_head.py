@@ -323,14 +323,18 @@ def make_views(
     views = []
     base_k = torch.randn(n, 1, d, generator=gen)
     base_q = torch.randn(WINDOW, 1, d, generator=gen)
+    value_gen = torch.Generator().manual_seed(10_000 + seed)  # values: a stream of their own
+    base_v = torch.randn(n, 1, d, generator=value_gen)
     positions = torch.cumsum(torch.randint(1, 3, (n,), generator=gen), 0)  # shared by layers
     for _ in range(layers):
-        if identical_heads:  # every head and every layer sees the same keys and queries
+        if identical_heads:  # every head and every layer sees the same keys, queries and values
             keys = base_k.expand(n, h_kv, d).clone()
             queries = base_q.expand(WINDOW, h_kv * group, d).clone()
+            values = base_v.expand(n, h_kv, d).clone()
         else:
             keys = torch.randn(n, h_kv, d, generator=gen)
             queries = torch.randn(WINDOW, h_kv * group, d, generator=gen)
+            values = torch.randn(n, h_kv, d, generator=value_gen)
         stats = None
         if with_stats:
             stats = torch.rand(h_kv, n, generator=gen) if not identical_heads else (
@@ -338,12 +342,12 @@ def make_views(
             )
         views.append(LayerView(
             keys=keys.to(device), queries=queries.to(device), positions=positions.to(device),
-            stats=None if stats is None else stats.to(device),
+            stats=None if stats is None else stats.to(device), values=values.to(device),
         ))
     return views
 
 
-POLICIES = ["snapkv", "kvcompress", "rkv", "h2o", "avgattn", "streamingllm"]
+POLICIES = ["snapkv", "kvcompress", "rkv", "h2o", "avgattn", "streamingllm", "expected_attention", "keydiff"]
 STATS = {"h2o", "avgattn"}
 
 
@@ -390,7 +394,7 @@ def test_variable_total_floor_and_protected(device: torch.device, name: str) -> 
     assert torch.equal(kept_mask(full), kept_mask(uni))
 
 
-@pytest.mark.parametrize("name", ["snapkv", "kvcompress", "rkv", "h2o"])
+@pytest.mark.parametrize("name", ["snapkv", "kvcompress", "rkv", "h2o", "expected_attention", "keydiff"])
 def test_variable_is_one_global_sort(device: torch.device, name: str) -> None:
     """Every dropped candidate scores at most as high as every kept non-mandatory one, over all
     layers and heads (eq. 18 with block size 1), and the lengths really vary between heads."""

@@ -173,7 +173,9 @@ def test_staged_pass_cost_follows_the_policys_scoring_cost(device: torch.device)
     assert rkv.score_cost(512) / 512 < rkv.score_cost(1024) / 1024 == rkv.score_cost(8000) / 8000
 
 
-@pytest.mark.parametrize("name", ["rkv", "snapkv", "h2o", "avgattn", "kvcompress", "streamingllm"])
+@pytest.mark.parametrize(
+    "name", ["rkv", "snapkv", "h2o", "avgattn", "kvcompress", "streamingllm", "expected_attention", "keydiff"]
+)
 def test_one_head_at_a_time_chooses_what_the_whole_layer_chooses(device: torch.device, name: str) -> None:
     """Staged passes score one KV head at a time where a layer does not fit in a step's work
     (`LayerView.head`): the result is the layer's per-head selection."""
@@ -186,6 +188,7 @@ def test_one_head_at_a_time_chooses_what_the_whole_layer_chooses(device: torch.d
             [torch.sort(torch.randperm(80, generator=g)[:n]).values for _ in range(h_kv)]
         ).to(device),
         stats=torch.rand(h_kv, n - 3, generator=g).to(device),
+        values=torch.randn(n, h_kv, d, generator=g).to(device),
     )
     policy = get_policy(name)
     whole = select_per_head(policy, [view], 16).indices[0]

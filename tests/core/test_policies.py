@@ -31,7 +31,9 @@ from sgl_kvc.policies import rkv as rkv_module
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-ALL_POLICIES = ["avgattn", "h2o", "kvcompress", "none", "rkv", "snapkv", "streamingllm"]
+ALL_POLICIES = [
+    "avgattn", "expected_attention", "h2o", "keydiff", "kvcompress", "none", "rkv", "snapkv", "streamingllm",
+]
 
 # --------------------------------------------------------------------------------------------------
 # random inputs
@@ -518,6 +520,294 @@ def test_streamingllm_keeps_sinks_and_most_recent(device: torch.device, case: Ca
 
 
 # --------------------------------------------------------------------------------------------------
+# Expected Attention reference: kvpress ExpectedAttentionPress's steps, in float64 with loops
+# --------------------------------------------------------------------------------------------------
+
+U32 = 2.0**-24  # float32 unit roundoff
+
+
+def make_values(case: Case, layer: int, device: torch.device) -> torch.Tensor:
+    """values [n, H_kv, d] with norms that vary between tokens, drawn on the CPU."""
+    g = torch.Generator().manual_seed(7000 + 10 * case.seed + layer)
+    values = torch.randn(case.n, case.h_kv, case.d, generator=g)
+    return (values * (0.5 + torch.rand(case.n, case.h_kv, 1, generator=g))).to(device)
+
+
+def rope_pairs(p: PolicyParams, d: int) -> list[tuple[int, int, float]]:
+    """(dimension a, dimension b, frequency theta) of every rotated pair of the model's RoPE."""
+    r = p.rope_dim or d
+    out = []
+    for i in range(r // 2):
+        a, b = (i, i + r // 2) if p.rope_neox else (2 * i, 2 * i + 1)
+        out.append((a, b, p.rope_theta ** (-(2 * i) / r)))
+    return out
+
+
+def rope_matrix(pairs: list[tuple[int, int, float]], d: int, positions: list[int]) -> list[list[float]]:
+    """The mean over `positions` of the RoPE rotation matrices R(t) (one position: R(t) itself)."""
+    m = [[float(i == j) for j in range(d)] for i in range(d)]
+    for a, b, theta in pairs:
+        c = sum(math.cos(t * theta) for t in positions) / len(positions)
+        s = sum(math.sin(t * theta) for t in positions) / len(positions)
+        m[a][a], m[a][b], m[b][a], m[b][b] = c, -s, s, c
+    return m
+
+
+def matvec(m: list[list[float]], x: list[float]) -> list[float]:
+    return [dot(row, x) for row in m]
+
+
+def matmul(a: list[list[float]], b: list[list[float]]) -> list[list[float]]:
+    cols = list(zip(*b))
+    return [[dot(row, col) for col in cols] for row in a]
+
+
+def ref_expected_attention_layer(keys_t, queries_t, values_t, positions_t, p: PolicyParams,
+                                 advance: bool = True, covariance: bool | None = None):
+    """Scores [H_kv][n] and protected set. kvpress: pre-RoPE query mean and covariance, rotated by
+    the mean RoPE matrix over the next F positions; expected logits mu.k/sqrt(d) +
+    k^T Sigma k/(2d); softmax over the non-sink keys; mean over the query group; times
+    (score + epsilon) ||v||. `advance=False` is the wrong variant that takes the RoPE'd queries'
+    statistics as they are."""
+    covariance = p.ea_covariance if covariance is None else covariance
+    keys, values = keys_t.double().tolist(), values_t.double().tolist()
+    obs = queries_t.double().tolist()[-p.window:]
+    pos = positions_t.tolist()
+    n, h_kv, d = keys_t.shape
+    group = queries_t.shape[1] // h_kv
+    q = len(obs)
+    sinks = min(p.sink_tokens, n)
+    protected = set(range(sinks)) | set(range(max(n - p.recent_kept, 0), n))
+    if n <= sinks + p.recent_kept:
+        return [[0.0] * n for _ in range(h_kv)], protected
+    pairs = rope_pairs(p, d)
+    future = rope_matrix(pairs, d, list(range(pos[-1] + 1, pos[-1] + 1 + p.ea_future_positions)))
+    scale = 1.0 / math.sqrt(d)
+    scores = []
+    for h in range(h_kv):
+        per_group = []
+        for g in range(group):
+            hq = h * group + g
+            if advance:  # undo each query's own rotation R(p_j): the pre-RoPE query
+                pre = [matvec(rope_matrix(pairs, d, [-pos[n - q + j]]), obs[j][hq]) for j in range(q)]
+            else:
+                pre = [obs[j][hq] for j in range(q)]
+            mu = [sum(x[c] for x in pre) / q for c in range(d)]
+            cov = [[sum((x[a] - mu[a]) * (x[b] - mu[b]) for x in pre) / q for b in range(d)] for a in range(d)]
+            if advance:  # mu <- Rbar mu, Sigma <- Rbar Sigma Rbar^T
+                mu = matvec(future, mu)
+                cov = matmul(matmul(future, cov), [list(col) for col in zip(*future)])
+            logits = []
+            for i in range(sinks, n):
+                k = keys[i][h]
+                z = dot(mu, k) * scale
+                if covariance:
+                    z += dot(k, matvec(cov, k)) * scale * scale / 2
+                logits.append(z)
+            per_group.append(softmax(logits))
+        row = [0.0] * sinks
+        for i in range(n - sinks):
+            a = sum(per_group[g][i] for g in range(group)) / group
+            if p.ea_value_norm:
+                v = values[sinks + i][h]
+                a = (a + p.ea_epsilon) * math.sqrt(dot(v, v))
+            row.append(a)
+        scores.append(row)
+    return scores, protected
+
+
+def ea_error_bound(keys_t, queries_t, p: PolicyParams, ref_scores) -> float:
+    """Largest |float32 score - float64 score| the policy may show, from float32 rounding: each
+    logit is a chain of dot products of length d over queries rotated and averaged over q, so its
+    absolute error is at most (d + q + 8) u times its terms' magnitudes (gamma_k of Higham's
+    bounds, with a few operations per term), |s mu.k| <= s A ||k|| and
+    s^2 k^T Sigma k / 2 <= 2 (s A ||k||)^2 for A the largest query norm (a phasor's modulus is at
+    most 1). exp of a logit minus the log-sum-exp has a relative error of at most twice the
+    largest logit error; the value norm adds (d + 4) u."""
+    d, q = keys_t.shape[2], min(p.window, queries_t.shape[0])
+    a = queries_t.double().norm(dim=-1).max().item()
+    knorm = keys_t.double().norm(dim=-1).max().item()
+    term = a * knorm / math.sqrt(d)
+    logit = (d + q + 8) * U32 * (term + 2 * term * term)
+    rel = 2 * logit + (d + 4) * U32
+    return rel * max(max(row) for row in ref_scores) + U32
+
+
+def ea_case(case: Case, device: torch.device, p: PolicyParams | None = None, **variant):
+    p = PolicyParams(budget=KEEP, window=WINDOW) if p is None else p
+    views, layer_scores, tol = [], [], 0.0
+    for layer in range(LAYERS):
+        keys, queries, positions = make_layer(case, layer, device)
+        values = make_values(case, layer, device)
+        views.append(LayerView(keys=keys, queries=queries, positions=positions, values=values))
+        s, prot = ref_expected_attention_layer(keys, queries, values, positions, p, **variant)
+        layer_scores.append(s)
+        tol = max(tol, ea_error_bound(keys, queries, p, s))
+    ref, margin = ref_select(layer_scores, prot, case.n, KEEP)
+    return p, views, layer_scores, ref, margin, tol
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_expected_attention_matches_dense_reference(device: torch.device, case: Case) -> None:
+    p, views, layer_scores, ref, margin, tol = ea_case(case, device)
+    pol = get_policy("expected_attention", p)
+    for view, want in zip(views, layer_scores):
+        got = pol.score(view)
+        assert got.device == device
+        cand = torch.isfinite(got)
+        want_t = torch.tensor(want, dtype=torch.float64)
+        err = (got.double().cpu() - want_t)[cand.cpu()].abs().max().item()
+        assert err <= tol, (err, tol)
+    assert margin > 2 * tol  # the kept set is decided beyond float32 rounding
+    assert kept(pol, views, KEEP) == ref
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=[CASE_IDS[0], CASE_IDS[3]])  # well-conditioned cuts
+@pytest.mark.parametrize("option", [
+    {"ea_covariance": False}, {"ea_value_norm": False}, {"ea_epsilon": 0.02},
+    {"rope_theta": 100000.0, "rope_dim": 8, "rope_neox": False},
+], ids=["mean-only", "no-vnorm", "epsilon", "gptj-partial-rope"])
+def test_expected_attention_options_match_dense_reference(device: torch.device, case: Case, option: dict) -> None:
+    p = PolicyParams(budget=KEEP, window=WINDOW, **option)
+    p, views, _, ref, margin, tol = ea_case(case, device, p)
+    assert margin > 2 * tol
+    assert kept(get_policy("expected_attention", p), views, KEEP) == ref
+
+
+def test_expected_attention_reference_is_discriminative(device: torch.device) -> None:
+    """Without the RoPE advance, or without the covariance term, the kept sets change."""
+    results = [ea_case(c, device) for c in CASES]
+    ours = [kept(get_policy("expected_attention", p), views, KEEP) for p, views, *_ in results]
+    assert ours != [ea_case(c, device, advance=False)[3] for c in CASES]
+    assert ours != [ea_case(c, device, covariance=False)[3] for c in CASES]
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("rope_dim", [0, 6])
+def test_advancing_a_rotated_query_is_the_rotation_at_the_later_position(
+    device: torch.device, neox: bool, rope_dim: int
+) -> None:
+    """With one future position, the phasor of offset delta rotates a query RoPE'd at p into the
+    same pre-RoPE query RoPE'd at p + delta (R(p + delta) = R(delta) R(p))."""
+    from sgl_kvc.policies.expected_attention import mean_future_phasor, rotate_pairs
+
+    d = 10
+    p = PolicyParams(ea_future_positions=1, rope_theta=500.0, rope_dim=rope_dim, rope_neox=neox)
+    pairs = rope_pairs(p, d)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(d, generator=g, dtype=torch.float64)
+    at_p = torch.tensor(matvec(rope_matrix(pairs, d, [37]), x.tolist()), dtype=torch.float64)
+    later = torch.tensor(matvec(rope_matrix(pairs, d, [37 + 5]), x.tolist()), dtype=torch.float64)
+    re, im = mean_future_phasor(torch.tensor([5], device=device), p, d)
+    moved = rotate_pairs(at_p.float().to(device)[None], re, im, p.rope_dim, p.rope_neox)[0]
+    assert moved.device == device
+    torch.testing.assert_close(moved.double().cpu(), later, atol=8 * d * U32 * float(x.norm()), rtol=0.0)
+
+
+def test_expected_attention_needs_queries_and_values(device: torch.device) -> None:
+    g = torch.Generator().manual_seed(2)
+    keys = torch.randn(20, 2, 4, generator=g).to(device)
+    queries = torch.randn(8, 4, 4, generator=g).to(device)
+    pol = get_policy("expected_attention", PolicyParams(budget=4))
+    with pytest.raises(ValueError, match="values"):
+        pol.score(LayerView(keys=keys, queries=queries))
+    with pytest.raises(ValueError, match="queries"):
+        pol.score(LayerView(keys=keys, values=keys))
+    mean_only = get_policy("expected_attention", PolicyParams(budget=4, ea_value_norm=False))
+    assert mean_only.score(LayerView(keys=keys, queries=queries)).shape == (2, 20)
+    # everything protected (sinks + window): no query or value is read
+    assert pol.select([LayerView(keys=keys[:12])], 12).tolist() == list(range(12))
+
+
+def test_expected_attention_keeps_sinks_and_window(device: torch.device) -> None:
+    case = CASES[1]
+    p, views, *_ = ea_case(case, device)
+    idx = set(get_policy("expected_attention", p).select(views, p.budget).tolist())
+    assert len(idx) == p.budget
+    assert set(range(p.sink_tokens)) | set(range(case.n - p.window, case.n)) <= idx
+
+
+# --------------------------------------------------------------------------------------------------
+# KeyDiff reference: s_i = -cos(k_i, mean of the normalised keys of the head)
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_keydiff_layer(keys_t, p: PolicyParams, normalised_anchor: bool = True, sign: float = -1.0):
+    """Scores [H_kv][n]; `normalised_anchor=False` (the mean of the raw keys) and `sign=+1` (keep
+    the keys most similar to the anchor) are the wrong variants."""
+    keys = keys_t.double().tolist()
+    n, h_kv, d = keys_t.shape
+    scores = []
+    for h in range(h_kv):
+        unit = []
+        for i in range(n):
+            norm = math.sqrt(dot(keys[i][h], keys[i][h]))
+            unit.append([x / norm for x in keys[i][h]])
+        src = unit if normalised_anchor else [keys[i][h] for i in range(n)]
+        anchor = [sum(u[c] for u in src) / n for c in range(d)]
+        a_norm = math.sqrt(dot(anchor, anchor))
+        scores.append([sign * dot(unit[i], anchor) / a_norm for i in range(n)])
+    return scores, set(range(max(n - p.recent_kept, 0), n))
+
+
+def keydiff_error_bound(keys_t) -> float:
+    """Largest |float32 - float64| of a cosine: the normalised keys' components carry (d + 4) u
+    relative error each, the anchor, their mean over n, (n + d + 4) u of its length plus theirs,
+    and normalising the anchor divides what it carries by its length (a mean of unit vectors can
+    be short); the final dot product adds d u."""
+    n, _, d = keys_t.shape
+    k = keys_t.double()
+    unit = k / k.norm(dim=-1, keepdim=True)
+    shortest = unit.mean(dim=0).norm(dim=-1).min().item()
+    return (2 * d + 8 + (n + d + 4) / shortest) * U32
+
+
+def keydiff_case(case: Case, device: torch.device, **variant):
+    p = PolicyParams(budget=KEEP, window=WINDOW)
+    views, layer_scores, tol = [], [], 0.0
+    for layer in range(LAYERS):
+        keys, queries, positions = make_layer(case, layer, device)
+        views.append(LayerView(keys=keys, queries=queries, positions=positions))
+        s, prot = ref_keydiff_layer(keys, p, **variant)
+        layer_scores.append(s)
+        tol = max(tol, keydiff_error_bound(keys))
+    ref, margin = ref_select(layer_scores, prot, case.n, KEEP)
+    return p, views, layer_scores, ref, margin, tol
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_keydiff_matches_dense_reference(device: torch.device, case: Case) -> None:
+    p, views, layer_scores, ref, margin, tol = keydiff_case(case, device)
+    pol = get_policy("keydiff", p)
+    for view, want in zip(views, layer_scores):
+        got = pol.score(view)
+        assert got.device == device
+        cand = torch.isfinite(got).cpu()
+        err = (got.double().cpu() - torch.tensor(want, dtype=torch.float64))[cand].abs().max().item()
+        assert err <= tol, (err, tol)
+    assert margin > 2 * tol  # the kept set is decided beyond float32 rounding
+    assert kept(pol, views, KEEP) == ref
+
+
+def test_keydiff_reference_is_discriminative(device: torch.device) -> None:
+    """An anchor from the raw keys, or +cosine (keeping the most typical keys), changes the kept sets."""
+    results = [keydiff_case(c, device) for c in CASES]
+    ours = [kept(get_policy("keydiff", p), views, KEEP) for p, views, *_ in results]
+    assert ours != [keydiff_case(c, device, normalised_anchor=False)[3] for c in CASES]
+    assert ours != [keydiff_case(c, device, sign=1.0)[3] for c in CASES]
+
+
+def test_keydiff_reads_no_queries_and_keeps_the_window(device: torch.device) -> None:
+    case = CASES[0]
+    p, views, *_ = keydiff_case(case, device)
+    bare = [LayerView(keys=v.keys, positions=v.positions) for v in views]
+    pol = get_policy("keydiff", p)
+    idx = pol.select(bare, p.budget)
+    assert torch.equal(idx, pol.select(views, p.budget)) and idx.numel() == p.budget
+    assert set(range(case.n - p.window, case.n)) <= set(idx.tolist())
+
+
+# --------------------------------------------------------------------------------------------------
 # Interface, registry, parameters, rules
 # --------------------------------------------------------------------------------------------------
 
@@ -568,6 +858,15 @@ def test_duplicate_registration_rejected(device: torch.device) -> None:
         ("pool_kernel", 6),
         ("sink_tokens", -1),
         ("evict_chunk", 0),
+        ("ea_future_positions", 0),
+        ("ea_epsilon", -0.01),
+        ("ea_covariance", 1),
+        ("ea_value_norm", "yes"),
+        ("rope_theta", 0.5),
+        ("rope_theta", math.inf),
+        ("rope_dim", 7),
+        ("rope_dim", -2),
+        ("rope_neox", None),
         ("budget", True),
     ],
 )
@@ -582,6 +881,9 @@ def test_params_defaults_and_frozen(device: torch.device) -> None:
         128, 128, 8, 0.1, 0.5, 1)
     assert p.rkv_exemption == "own"  # Algorithm 1
     assert (p.pool_kernel, p.sink_tokens, p.evict_chunk) == (7, 4, 64)
+    # Expected Attention: kvpress 0.5.5's ExpectedAttentionPress defaults
+    assert (p.ea_future_positions, p.ea_covariance, p.ea_value_norm, p.ea_epsilon) == (512, True, True, 0.0)
+    assert (p.rope_theta, p.rope_dim, p.rope_neox) == (10000.0, 0, True)
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.budget = 3  # type: ignore[misc]
 
@@ -601,7 +903,9 @@ def test_layer_view_validation(device: torch.device) -> None:
     assert view.positions.device == device and view.positions.tolist() == [0, 1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("name", ["rkv", "snapkv", "kvcompress", "h2o", "streamingllm"])
+@pytest.mark.parametrize(
+    "name", ["rkv", "snapkv", "kvcompress", "h2o", "streamingllm", "expected_attention", "keydiff"]
+)
 def test_amortised_target_length(device: torch.device, name: str) -> None:
     pol = get_policy(name, PolicyParams(budget=16, buffer=8))
     assert pol.target_length(10) is None
@@ -626,7 +930,7 @@ def test_avgattn_target_length_evicts_chunks(device: torch.device) -> None:
 
 def test_prefill_target_length(device: torch.device) -> None:
     p = PolicyParams(budget=16)
-    for name in ["snapkv", "kvcompress", "h2o", "streamingllm", "avgattn"]:
+    for name in ["snapkv", "kvcompress", "h2o", "streamingllm", "avgattn", "expected_attention", "keydiff"]:
         pol = get_policy(name, p)
         assert pol.compress_after_prefill
         assert pol.prefill_target_length(16) is None
@@ -635,7 +939,9 @@ def test_prefill_target_length(device: torch.device) -> None:
     assert get_policy("rkv", p).prefill_target_length(1000) is None
 
 
-@pytest.mark.parametrize("name", ["snapkv", "kvcompress", "h2o", "streamingllm", "avgattn"])
+@pytest.mark.parametrize(
+    "name", ["snapkv", "kvcompress", "h2o", "streamingllm", "avgattn", "expected_attention", "keydiff"]
+)
 def test_no_decode_pass_right_after_the_prefill_pass(name: str, device: torch.device) -> None:
     """What a prompt keeps after prefill is not due for compression again at the first decode step."""
     pol = get_policy(name, PolicyParams(budget=16, buffer=4))
@@ -654,12 +960,15 @@ def test_none_policy_never_compresses(device: torch.device) -> None:
 def test_score_marks_protected_as_inf_and_bf16_inputs_work(device: torch.device) -> None:
     case = CASES[1]
     keys, queries, positions = make_layer(case, 0, device)
-    view = LayerView(keys=keys.bfloat16(), queries=queries.bfloat16(), positions=positions)
-    for name in ["rkv", "snapkv", "kvcompress"]:
+    values = make_values(case, 0, device).bfloat16()
+    view = LayerView(keys=keys.bfloat16(), queries=queries.bfloat16(), positions=positions, values=values)
+    for name in ["rkv", "snapkv", "kvcompress", "expected_attention", "keydiff"]:
         pol = get_policy(name, PolicyParams(budget=KEEP))
         s = pol.score(view)
         assert s.dtype == torch.float32 and s.shape == (case.h_kv, case.n) and s.device == device
-        assert torch.isinf(s[:, -WINDOW:]).all() and torch.isfinite(s[:, :-WINDOW]).all()
+        sinks = pol.params.sink_tokens if name == "expected_attention" else 0
+        assert torch.isinf(s[:, :sinks]).all() and torch.isinf(s[:, -WINDOW:]).all()
+        assert torch.isfinite(s[:, sinks:-WINDOW]).all()
         assert pol.select([view], KEEP).numel() == KEEP
 
 
@@ -696,10 +1005,11 @@ def test_select_property(device, name, n, keep, h_kv, group, budget, window, kee
     for _ in range(layers):
         keys = torch.randn(n, h_kv, d, generator=gen).to(device)
         queries = torch.randn(min(window, n), h_kv * group, d, generator=gen).to(device)
+        values = torch.randn(n, h_kv, d, generator=gen).to(device)
         stats = None
         if pol.uses_stats and name != "kvcompress":
             stats = pol.accumulate(None, random_probs(gen, h_kv * group, 2, n, None).to(device), h_kv)
-        views.append(LayerView(keys=keys, queries=queries, positions=positions, stats=stats))
+        views.append(LayerView(keys=keys, queries=queries, positions=positions, stats=stats, values=values))
     idx = pol.select(views, keep)
     assert idx.dtype == torch.int64 and idx.device == device
     lst = idx.tolist()
@@ -716,15 +1026,15 @@ def test_select_property(device, name, n, keep, h_kv, group, budget, window, kee
         assert carried is None or carried.shape == (h_kv, len(lst))
 
 
-@pytest.mark.parametrize("name", ["rkv", "snapkv", "kvcompress"])
+@pytest.mark.parametrize("name", ["rkv", "snapkv", "kvcompress", "expected_attention", "keydiff"])
 def test_keep_recent_protects_more_than_the_window(device: torch.device, name: str) -> None:
     """keep_recent widens what is always kept, beyond the observation window's own tokens."""
     gen = torch.Generator().manual_seed(5)
     n, window, recent = 60, 4, 20
     keys = torch.randn(n, 2, 8, generator=gen).to(device)
     queries = torch.randn(window, 4, 8, generator=gen).to(device)
-    views = [LayerView(keys=keys, queries=queries)]
-    pol = get_policy(name, PolicyParams(budget=32, window=window, keep_recent=recent))
+    views = [LayerView(keys=keys, queries=queries, values=keys.flip(0))]
+    pol = get_policy(name, PolicyParams(budget=32, window=window, keep_recent=recent, sink_tokens=0))
     prot = pol.protected(views[0])
     assert prot.device == device
     assert torch.nonzero(prot).flatten().tolist() == list(range(n - recent, n))
@@ -776,6 +1086,9 @@ def test_prompt_policy_pairs() -> None:
     assert all(prompt_policy_error(*pair) is None for pair in ok)
     refused = [("rkv", "h2o"), ("rkv", "avgattn"), ("h2o", "kvcompress"), ("h2o", "avgattn"), ("rkv", "none")]
     assert all(prompt_policy_error(*pair) for pair in refused)
+    # the query-agnostic scorers keep no statistic: a prompt policy for every decode policy
+    for prompt in ("expected_attention", "keydiff"):
+        assert all(prompt_policy_error(decode, prompt) is None for decode in available_policies())
 
 
 def test_request_state_picks_the_policy_of_each_moment() -> None:

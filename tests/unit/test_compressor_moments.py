@@ -100,9 +100,10 @@ def _layer(i: int) -> SimpleNamespace:
 CASES = [
     (policy, selection, attend, "uniform")
     for policy, selection in [("h2o", "shared"), ("h2o", "per-head"), ("snapkv", "shared"), ("snapkv", "per-head"),
-                              ("rkv", "shared"), ("kvcompress", "per-head")]
+                              ("rkv", "shared"), ("kvcompress", "per-head"), ("expected_attention", "shared"),
+                              ("expected_attention", "per-head"), ("keydiff", "per-head")]
     for attend in ["batched", "sglang"]
-] + [(policy, "per-head", "batched", "variable") for policy in ["h2o", "snapkv", "kvcompress"]]
+] + [(policy, "per-head", "batched", "variable") for policy in ["h2o", "snapkv", "kvcompress", "expected_attention", "keydiff"]]
 
 
 @pytest.mark.parametrize("work", [3 << 16, 40], ids=["whole-pass", "staged-pass"])

@@ -132,6 +132,12 @@ def test_prompt_policy_flag() -> None:
     config = parse_args(["--policy", "rkv", "--prompt-policy", "kvcompress"])[0]
     assert (config.prompt_policy, config.prompt_policy_name) == ("kvcompress", "kvcompress")
     assert parse_args(["--policy", "h2o", "--prompt-policy", "snapkv"])[0].prompt_policy_name == "snapkv"
+    # the query-agnostic scorers: policies of their own, and prompt policies under any policy
+    assert parse_args(["--policy", "expected_attention"])[0].prompt_policy_name == "expected_attention"
+    assert parse_args(["--policy", "keydiff"])[0].prompt_policy_name == "keydiff"
+    for policy in ("rkv", "h2o", "avgattn", "kvcompress"):
+        for prompt in ("expected_attention", "keydiff"):
+            assert parse_args(["--policy", policy, "--prompt-policy", prompt])[0].prompt_policy_name == prompt
 
 
 def test_flag_defaults_come_from_policy_params() -> None:

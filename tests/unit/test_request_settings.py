@@ -45,9 +45,25 @@ def test_prompt_policy_resolution() -> None:
     from sgl_kvc.policies import prompt_policy_name
 
     assert parse_kv_compression({"prompt_policy": "kvcompress"}).prompt_policy == "kvcompress"
+    for name in ("expected_attention", "keydiff"):  # registered policies are valid by name
+        assert parse_kv_compression({"policy": name, "prompt_policy": name}).prompt_policy == name
     assert RequestCompression().policies("rkv", "auto") == ("rkv", "auto")
     assert RequestCompression().policies("rkv", "streamingllm") == ("rkv", "streamingllm")
     assert RequestCompression(policy="h2o").policies("rkv", "streamingllm") == ("h2o", "auto")
     assert RequestCompression(policy="rkv", prompt_policy="rkv").policies("h2o", "auto") == ("rkv", "rkv")
     assert RequestCompression(prompt_policy="snapkv").policies("h2o", "h2o") == ("h2o", "snapkv")
     assert prompt_policy_name("rkv", "auto") == "snapkv" and prompt_policy_name("rkv", "rkv") == "rkv"
+
+
+def test_query_agnostic_prompt_policies_are_served_under_any_server_policy() -> None:
+    """Expected Attention and KeyDiff keep no statistic: a request may name either as its prompt
+    policy whatever the server decodes with; a statistics policy still may not."""
+    from sgl_kvc.config import KvcConfig
+    from sgl_kvc.request_settings import server_conflict
+
+    for server in ("rkv", "h2o", "avgattn", "kvcompress", "snapkv"):
+        config = KvcConfig(policy=server)
+        for prompt in ("expected_attention", "keydiff"):
+            assert server_conflict(parse_kv_compression({"prompt_policy": prompt}), config) is None
+    refused = server_conflict(parse_kv_compression({"prompt_policy": "avgattn"}), KvcConfig(policy="keydiff"))
+    assert refused is not None and refused.param == "kv_compression.prompt_policy"
