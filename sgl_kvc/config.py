@@ -27,12 +27,12 @@ from sgl_kvc.policies import (
 )
 
 ENV_VAR = "SGLKVC_CONFIG"
-MOMENTS: tuple[str, ...] = ("prefill", "chunk", "decode", "preempt")
-# `chunk` is opt-in: compressed between its chunks, a long prompt is cut back before its end
-# (the question) is read; on 2K-4K pass keys at budget 256 SnapKV kept the key in 25-38% of the
-# prompts against 79% compressing the whole prompt, R-KV in 12% against 92% (docs/quality.md,
-# "Prompts compressed between chunks").
-DEFAULT_MOMENTS: tuple[str, ...] = ("prefill", "decode", "preempt")
+MOMENTS: tuple[str, ...] = ("prefill", "chunk", "chunk-always", "decode", "preempt")
+# Between two chunks a prompt is cut back before its end (the question) is read, which costs
+# answers (docs/quality.md, "Prompts compressed between chunks"): `chunk` does it only when the
+# next chunk would not otherwise fit (`adapter/chunk_pressure.py`), `chunk-always` after every
+# chunk over the budget.
+DEFAULT_MOMENTS: tuple[str, ...] = ("prefill", "chunk", "decode", "preempt")
 FP8_KV_DTYPES: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2")  # served by sgl-kvc's FP8 pool
 DECODE_ATTENTION: tuple[str, ...] = ("batched", "sglang")
 _P = PolicyParams()
@@ -135,9 +135,10 @@ class KvcConfig:
         default=DEFAULT_MOMENTS,
         metadata=_flag(
             "When to compress (comma separated): prefill (after a prompt's last chunk), decode, "
-            "preempt, and chunk (opt-in; between two chunks of a long prompt, Batch-Max: it never "
-            "holds more than budget + one chunk, serves prompts longer than the pool, and forgets "
-            "more of what the prompt's end asks for)."
+            "preempt, and chunk (between two chunks of a long prompt, only when its next chunk "
+            "would not fit the memory left: prompts longer than the pool are served). "
+            "chunk-always instead compresses after every chunk (Batch-Max: a prompt never holds "
+            "more than budget + one chunk, and forgets more of what its end asks for)."
         ),
     )
     kv_cache_dtype: str = field(
@@ -201,6 +202,16 @@ class KvcConfig:
     def prompt_policy_name(self) -> str:
         """The policy that compresses prompts (`--prompt-policy` resolved)."""
         return prompt_policy_name(self.policy, self.prompt_policy)
+
+    @property
+    def chunk_moment(self) -> str | None:
+        """How a prompt read in chunks is compressed between them: "always" (`chunk-always`),
+        "pressure" (`chunk`: only when its next chunk would not fit), or None."""
+        if not self.compressing:
+            return None
+        if "chunk-always" in self.compress_on:
+            return "always"
+        return "pressure" if "chunk" in self.compress_on else None
 
     @property
     def variable_budget(self) -> bool:

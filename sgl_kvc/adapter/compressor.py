@@ -3,8 +3,10 @@
 (a) right after prefill: policies that compress after prefill (SnapKV, KV-Compress, H2O, ...)
     and any request whose prompt is over its budget;
 (a') between two chunks of a long prompt (Batch-Max's prefill-time eviction, Algorithm 1): the
-    cache is cut back to the budget after every chunk, so the prompt never holds more than
-    budget + one chunk; the next chunk's queries attend to what was kept, at logical positions;
+    cache is cut back to the budget when the next chunk would not fit the memory left
+    (`adapter/chunk_pressure.py`; `chunk-always`: after every chunk, so the prompt never holds
+    more than budget + one chunk); the next chunk's queries attend to what was kept, at logical
+    positions;
 (b) before a decode step: when a request's cache reaches its policy's trigger (R-KV: budget +
     buffer, §3.1), compress it back to the budget;
 (c) when SGLang's decode memory check fails: compress running requests that are over their
@@ -37,6 +39,7 @@ from sgl_kvc.adapter.compaction import (
     prepare_per_head,
     prepare_units,
 )
+from sgl_kvc.adapter.chunk_pressure import needs_compression
 from sgl_kvc.adapter.failures import FailedOnAnotherRank, FailureLedger, failure
 from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.adapter.requests import (
@@ -186,7 +189,7 @@ class Compressor:
             if is_middle_chunk(batch, req):
                 # Never staged: the next chunk extends what this pass leaves.
                 if n > budget and chunk_compressible(req, self.config) and self.failures.guarded(
-                    req, "compress", self._publish, req, batch.tree_cache
+                    req, "compress", self._chunk_due, req, state, n, batch.tree_cache
                 ):
                     chunks.append((i, state, budget))
                 continue
@@ -202,7 +205,14 @@ class Compressor:
         self._flush(batch)
         self._settle(batch)
 
-    def _publish(self, req: Any, tree_cache: Any) -> bool:
+    def _chunk_due(self, req: Any, state: ReqKvState, n: int, tree_cache: Any) -> bool:
+        """Whether a prompt over its budget is compressed before its next chunk: after every
+        chunk (`chunk-always`), or when the next chunk would not fit (`chunk`). Before its first
+        such compaction, what it computed so far is published to the tree (still exact)."""
+        if self.config.chunk_moment != "always" and (
+            self.scheduler is None or not needs_compression(self.scheduler, req, state.logical_len(n))
+        ):
+            return False
         publish_exact_prefix(req, tree_cache)
         return True
 

@@ -76,7 +76,7 @@ def hook_table(config: KvcConfig) -> list[Hook]:
             Hook(f"{_SCHEDULER}.init_req_max_new_tokens", _around_max_new_tokens(config), "AROUND",
                  ("req",), "a compressing request's output is not bounded by the pool"),
         ]
-    if config.compressing and "chunk" in config.compress_on:
+    if config.chunk_moment is not None:
         hooks += [
             Hook(f"{_ADDER}._check_prefill_budget", _around_check_prefill_budget(config), "AROUND",
                  ("req", "extend_input_len", "total_tokens"), "one chunk + budget for a long prompt"),
@@ -139,7 +139,7 @@ def _after_batch_result(config: KvcConfig):
     def hook(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         compressor = compressor_of(scheduler.tp_worker.model_runner, config)
         compressor.scheduler = scheduler
-        if batch.forward_mode.is_extend() and ("prefill" in config.compress_on or "chunk" in config.compress_on):
+        if batch.forward_mode.is_extend() and ("prefill" in config.compress_on or config.chunk_moment):
             compressor.after_prefill(batch)
         return result
 

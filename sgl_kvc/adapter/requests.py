@@ -88,7 +88,7 @@ def chunk_compressible(req: Any, config: Any) -> bool:
     compressed between two chunks of its prompt (the chunk moment): a compressing request on a
     server with that moment on, unless it asked for prompt log-probabilities (they index the
     prompt's tokens) or carries multimodal inputs (their positions are not logical ones)."""
-    if "chunk" not in config.compress_on:
+    if config.chunk_moment is None:
         return False
     prompt = getattr(req, "origin_input_ids", None)
     if prompt is None:  # the tokenized input, before its Req exists

@@ -33,7 +33,7 @@ def chunk_server(request: pytest.FixtureRequest, trace: Path):
         sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--dtype", "bfloat16", "--policy", "rkv",
         "--kv-budget", str(BUDGET), "--kv-buffer", str(BUFFER), "--kv-window", str(WINDOW),
         "--max-total-tokens", str(POOL), "--chunked-prefill-size", str(CHUNK),
-        "--compress-on", "chunk,prefill,decode,preempt",
+        "--compress-on", "chunk-always,prefill,decode,preempt",
     ]
     fp8 = None if request.param == "bf16" else request.param
     if fp8:

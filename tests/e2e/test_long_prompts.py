@@ -1,10 +1,11 @@
 """Prompts longer than the chunked-prefill size, under every policy, with the invariants on.
 
 The workload this project exists for: a prompt that SGLang prefills in several chunks. Two servers:
-SGLang's default chunk (4096 on CPU) with the default moments, where a request is compressed once its
-last chunk is in and never between its chunks (the tree holds its earlier chunks as exact KV and the
-next chunk extends them); and chunks of 256 with the chunk moment on, where every policy cuts the
-request back after each chunk. `SGLKVC_CHECK=1` so a broken pool or tree stops the server; each
+SGLang's default chunk (4096 on CPU) with the default moments, where a request whose prompt fits is
+compressed once its last chunk is in and never between its chunks (the tree holds its earlier chunks
+as exact KV and the next chunk extends them; only prompts that together outgrow the pool are cut back
+between chunks); and chunks of 256 with `chunk-always`, where every policy cuts the request back
+after each chunk. `SGLKVC_CHECK=1` so a broken pool or tree stops the server; each
 policy is chosen per request. Prompts go up to the model's context length."""
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def long_server(request):
     if chunk is not None:
         cmd += ["--chunked-prefill-size", str(chunk)]
     if between_chunks:
-        cmd += ["--compress-on", "chunk,prefill,decode,preempt"]
+        cmd += ["--compress-on", "chunk-always,prefill,decode,preempt"]
     with ServerProcess.launch(cmd, env={"SGLKVC_CHECK": "1"}) as server:
         server.prompt_len = n  # type: ignore[attr-defined]
         server.chunked = chunk is not None  # type: ignore[attr-defined]

@@ -33,7 +33,7 @@ CMD = [
     sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv",
     "--kv-budget", "32", "--kv-buffer", "16", "--tp-size", "2", "--max-total-tokens", "4096",
     "--chunked-prefill-size", "64",  # 160-token prompts: compressed between their chunks too
-    "--compress-on", "chunk,prefill,decode,preempt",
+    "--compress-on", "chunk-always,prefill,decode,preempt",
 ]
 # SGLang's CPU engine wants one NUMA node per rank unless cores are bound explicitly.
 ENV = {"SGLKVC_CHECK": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1",

@@ -40,7 +40,7 @@ def servers(trace: Path):
         sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--dtype", "bfloat16", "--policy", "rkv",
         "--kv-head-budget", "variable", "--kv-budget", str(BUDGET), "--kv-buffer", str(BUFFER),
         "--kv-window", str(WINDOW), "--kv-pass-work", "16", "--chunked-prefill-size", str(CHUNK),
-        "--compress-on", "chunk,prefill,decode,preempt",
+        "--compress-on", "chunk-always,prefill,decode,preempt",
     ]
     # the FP8 server also runs the layer mode (Ada-SnapKV: one sort per layer)
     specs = {"bf16": cmd, "fp8": [*cmd, "--kv-cache-dtype", "fp8_e4m3", "--kv-head-budget", "layer"]}

@@ -1,0 +1,55 @@
+"""The chunk moment's trigger (`adapter/chunk_pressure.py`) on stand-ins for SGLang's scheduler:
+a prompt is compressed before its next chunk exactly when the room SGLang's next prefill round
+has (free + evictable - what the running requests reserve) cannot hold that chunk."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from sgl_kvc.adapter.chunk_pressure import needs_compression, next_chunk_room
+
+CHUNK = 256
+
+
+def _req(prompt: int, max_new: int = 0, out: int = 0, ignore_eos: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(
+        origin_input_ids=[1] * prompt, output_ids=[1] * out,
+        sampling_params=SimpleNamespace(max_new_tokens=max_new, ignore_eos=ignore_eos),
+    )
+
+
+def _scheduler(free: int, evictable: int, running: list[SimpleNamespace], ratio: float = 0.5) -> SimpleNamespace:
+    return SimpleNamespace(
+        token_to_kv_pool_allocator=SimpleNamespace(available_size=lambda: free),
+        tree_cache=SimpleNamespace(evictable_size=lambda: evictable),
+        running_batch=SimpleNamespace(reqs=running), chunked_prefill_size=CHUNK,
+        new_token_ratio_tracker=SimpleNamespace(current=ratio),
+    )
+
+
+def test_the_room_is_free_plus_evictable_minus_the_running_reservations() -> None:
+    running = [_req(10, max_new=100, out=20), _req(10, max_new=40, ignore_eos=True)]
+    # SGLang's reservation: (100 - 20) x 0.5 for the first, 40 x 1.0 (ignore_eos) for the second
+    assert next_chunk_room(_scheduler(300, 50, running)) == 300 + 50 - 40 - 40
+    assert next_chunk_room(_scheduler(300, 50, [])) == 350
+
+
+@pytest.mark.parametrize("free, processed, prompt, due", [
+    (1000, 512, 4096, False),  # a whole chunk fits
+    (255, 512, 4096, True),  # one token short of the next chunk
+    (256, 512, 4096, False),  # exactly a chunk
+    (100, 4000, 4096, False),  # the last 96 tokens fit in 100
+    (90, 4000, 4096, True),  # ... but not in 90
+    (0, 4096, 4096, False),  # nothing left to read
+])
+def test_compressed_only_when_the_next_chunk_does_not_fit(free: int, processed: int, prompt: int, due: bool) -> None:
+    assert needs_compression(_scheduler(free, 0, []), _req(prompt), processed) is due
+
+
+def test_running_requests_reservations_count() -> None:
+    """A decoding request's reserved output takes room the chunk would have had."""
+    busy = [_req(10, max_new=200, ignore_eos=True)]
+    assert not needs_compression(_scheduler(400, 0, []), _req(4096), 512)
+    assert needs_compression(_scheduler(400, 0, busy), _req(4096), 512)
