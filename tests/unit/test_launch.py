@@ -148,11 +148,11 @@ def test_flag_defaults_come_from_policy_params() -> None:
     assert (config.kv_budget, config.kv_buffer, config.kv_window, config.rkv_lambda) == (
         p.budget, p.buffer, p.window, p.rkv_lambda)
     # between chunks only when the next chunk would not fit: prompts longer than the pool are served
-    assert config.compress_on == ("prefill", "chunk", "decode", "preempt") and config.chunk_moment == "pressure"
+    assert config.compress_on == ("prefill", "chunk", "decode", "preempt") and config.chunk_moment is None
+    assert parse_args(["--policy", "rkv"])[0].chunk_moment == "pressure"
     assert KvcConfig().compress_on == config.compress_on
-    assert parse_args(["--compress-on", "chunk-always,prefill"])[0].chunk_moment == "always"
-    assert parse_args(["--compress-on", "prefill,decode"])[0].chunk_moment is None
-    assert parse_args(["--policy", "none"])[0].chunk_moment is None
+    assert parse_args(["--policy", "rkv", "--compress-on", "chunk-always,prefill"])[0].chunk_moment == "always"
+    assert parse_args(["--policy", "rkv", "--compress-on", "prefill,decode"])[0].chunk_moment is None
     assert config.kv_selection == "per-head"  # what the papers do
     assert parse_args(["--kv-selection", "shared"])[0].kv_selection == "shared"
     assert config.kv_decode_attention == "batched"
