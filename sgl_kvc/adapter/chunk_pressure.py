@@ -5,8 +5,9 @@ prefill round, with as much of its next chunk as the round's memory allows
 (`PrefillAdder.add_chunked_req`): free slots plus what evicting the radix tree frees, minus what
 the running requests reserve for their outputs (`_get_running_request_total_token_offset`; on a
 compressing server, by their compressed footprint). `next_chunk_room` computes that room between
-the chunk that just ran and the next one. When it cannot hold the next chunk, the request is
-compressed now, to its budget, and the chunk runs whole; otherwise the prompt is compressed once,
+the chunk that just ran and the next one. When it cannot hold the next chunk (and the slots the
+compaction copies the kept entries into), the request is compressed now, to its budget, and the
+chunk runs whole; otherwise the prompt is compressed once,
 after its last chunk, with its question read, exactly as a prompt that was never chunked.
 
 What compressing the running requests would free is not counted: they are compressed at their own
@@ -33,12 +34,14 @@ def next_chunk_room(scheduler: Any) -> int:
     return int(free - reserved)
 
 
-def needs_compression(scheduler: Any, req: Any, processed: int) -> bool:
+def needs_compression(scheduler: Any, req: Any, processed: int, keep: int) -> bool:
     """Whether `req`, whose prompt has been read up to `processed` tokens, must be compressed
     before its next chunk: that chunk (one `chunked_prefill_size`, or the rest of the prompt)
-    would not fit the room the next round has for it."""
+    and the `keep` slots the compaction itself may need would not fit the room the next round
+    has. (SGLang puts every chunk of the prompt into the radix tree as it goes, so the first
+    compaction copies the kept entries out of the tree's slots into `keep` new ones.)"""
     remaining = len(req.origin_input_ids) - processed
     if remaining <= 0:
         return False
     chunk = getattr(scheduler, "chunked_prefill_size", None) or remaining
-    return min(chunk, remaining) > next_chunk_room(scheduler)
+    return min(chunk, remaining) + keep > next_chunk_room(scheduler)

@@ -189,7 +189,7 @@ class Compressor:
             if is_middle_chunk(batch, req):
                 # Never staged: the next chunk extends what this pass leaves.
                 if n > budget and chunk_compressible(req, self.config) and self.failures.guarded(
-                    req, "compress", self._chunk_due, req, state, n, batch.tree_cache
+                    req, "compress", self._chunk_due, req, state, n, budget, batch.tree_cache
                 ):
                     chunks.append((i, state, budget))
                 continue
@@ -205,12 +205,12 @@ class Compressor:
         self._flush(batch)
         self._settle(batch)
 
-    def _chunk_due(self, req: Any, state: ReqKvState, n: int, tree_cache: Any) -> bool:
+    def _chunk_due(self, req: Any, state: ReqKvState, n: int, budget: int, tree_cache: Any) -> bool:
         """Whether a prompt over its budget is compressed before its next chunk: after every
         chunk (`chunk-always`), or when the next chunk would not fit (`chunk`). Before its first
         such compaction, what it computed so far is published to the tree (still exact)."""
         if self.config.chunk_moment != "always" and (
-            self.scheduler is None or not needs_compression(self.scheduler, req, state.logical_len(n))
+            self.scheduler is None or not needs_compression(self.scheduler, req, state.logical_len(n), budget)
         ):
             return False
         publish_exact_prefix(req, tree_cache)

@@ -36,20 +36,23 @@ def test_the_room_is_free_plus_evictable_minus_the_running_reservations() -> Non
     assert next_chunk_room(_scheduler(300, 50, [])) == 350
 
 
+KEEP = 64  # slots the compaction may copy the kept entries into
+
+
 @pytest.mark.parametrize("free, processed, prompt, due", [
     (1000, 512, 4096, False),  # a whole chunk fits
-    (255, 512, 4096, True),  # one token short of the next chunk
-    (256, 512, 4096, False),  # exactly a chunk
-    (100, 4000, 4096, False),  # the last 96 tokens fit in 100
-    (90, 4000, 4096, True),  # ... but not in 90
+    (CHUNK + KEEP - 1, 512, 4096, True),  # one slot short of the next chunk and the kept entries
+    (CHUNK + KEEP, 512, 4096, False),  # exactly enough
+    (96 + KEEP, 4000, 4096, False),  # the last 96 tokens fit
+    (90 + KEEP, 4000, 4096, True),  # ... but not in 90
     (0, 4096, 4096, False),  # nothing left to read
 ])
 def test_compressed_only_when_the_next_chunk_does_not_fit(free: int, processed: int, prompt: int, due: bool) -> None:
-    assert needs_compression(_scheduler(free, 0, []), _req(prompt), processed) is due
+    assert needs_compression(_scheduler(free, 0, []), _req(prompt), processed, KEEP) is due
 
 
 def test_running_requests_reservations_count() -> None:
     """A decoding request's reserved output takes room the chunk would have had."""
     busy = [_req(10, max_new=200, ignore_eos=True)]
-    assert not needs_compression(_scheduler(400, 0, []), _req(4096), 512)
-    assert needs_compression(_scheduler(400, 0, busy), _req(4096), 512)
+    assert not needs_compression(_scheduler(400, 0, []), _req(4096), 512, KEEP)
+    assert needs_compression(_scheduler(400, 0, busy), _req(4096), 512, KEEP)
