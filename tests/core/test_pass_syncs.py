@@ -25,7 +25,7 @@ from sync_guard import SyncCounter
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 D, SLOTS, WINDOW, GROUP, N, BUDGET = 8, 200, 4, 3, 120, 30
-POLICIES = ["rkv", "snapkv", "h2o", "kvcompress", "streamingllm", "avgattn"]
+POLICIES = ["rkv", "snapkv", "h2o", "kvcompress", "streamingllm", "avgattn", "keydiff", "expected_attention"]
 MODES = ["shared", "uniform", "variable", "layer"]
 BOUND = 8  # what the engines read today is 1 to 7; the bound only has to be independent of L x H
 
@@ -39,6 +39,9 @@ class _Pool:
 
     def get_key_buffer(self, layer: int) -> torch.Tensor:
         return self.k[:, layer]
+
+    def get_value_buffer(self, layer: int) -> torch.Tensor:
+        return self.v[:, layer]
 
     def get_kv_buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[:, layer], self.v[:, layer]
@@ -69,7 +72,7 @@ def _pass_syncs(policy: str, mode: str, layers: int, heads: int) -> collections.
     store, state = _request(policy, layers, heads, units=mode in ("variable", "layer"))
     with SyncCounter() as counter:
         if mode == "shared":
-            views = layer_views(store, 0, state, N, state.positions(N), range(layers))
+            views = layer_views(store, 0, state, N, state.positions(N), range(layers), values=state.policy.uses_values)
             state.policy.select(views, BUDGET)
         else:
             tables = state.tables(store.req_to_token[0, :N], layers, heads) if mode != "uniform" else None
