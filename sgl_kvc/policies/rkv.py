@@ -1,6 +1,6 @@
 """R-KV: redundancy-aware decode-time compression (Cai et al., eq. 1-7 and Algorithm 1).
 
-Choices the paper leaves open (see DESIGN.md, "Policy details the papers leave open"):
+Choices the paper leaves open, and how this module makes them:
 
 * Size: §3.1 keeps B_budget tokens IN TOTAL: the alpha observation tokens plus the top
   B_budget - alpha candidates. Algorithm 1 (lines 46 and 50) would keep B_budget candidates plus
@@ -19,9 +19,8 @@ Choices the paper leaves open (see DESIGN.md, "Policy details the papers leave o
 * Exemption (Alg. 1 lines 25-32): u's similarity to its beta most recent similar tokens leaves u's
   own mean (Alg. 1; eq. 6 as printed). The public code takes it from the recent token's mean
   instead (the newest of similar tokens is then the least redundant, as §3.3's prose describes):
-  ``rkv_exemption="recent"`` (``--rkv-exemption recent``). On SmolLM2's long generations at
-  budgets 128 and 256 both keep the same identical prefix of the full cache's output
-  (docs/quality.md, "Long generation"), so the default stays Algorithm 1's.
+  ``rkv_exemption="recent"`` (``--rkv-exemption recent``). The default stays Algorithm 1's; how the
+  two compare is measured in docs/quality.md, "Long generation".
 * Head and layer aggregation: mean over KV heads (Alg. 1 line 44), then mean over layers.
 """
 

@@ -29,6 +29,7 @@ class StreamingLLMPolicy(Policy):
         return mask
 
     def _score(self, view: LayerView) -> Tensor:
-        # recency: later logical position = higher score (float64 keeps large positions exact)
-        recency = view.positions.to(torch.float64).float()
+        # recency: later logical position = higher score (float32 holds every position below 2^24
+        # exactly, far past any context length)
+        recency = view.positions.float()
         return recency.expand(view.n_kv_heads, view.n)
