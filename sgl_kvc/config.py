@@ -89,6 +89,13 @@ class KvcConfig:
             "causes; 0 runs every pass in the step it is due."
         ),
     )
+    kv_chunk_keep: float = field(
+        default=1.0,
+        metadata=_flag(
+            "A pass between two chunks of a prompt keeps this many times the budget; the pass after "
+            "its last chunk, which has read the question, cuts it to the budget (1: the budget)."
+        ),
+    )
     kv_decode_attention: str = field(
         default="batched",
         metadata=_flag(
@@ -188,6 +195,9 @@ class KvcConfig:
             raise ValueError(f"--compress-on: unknown moment(s) {bad}; choose from {list(MOMENTS)}")
         if isinstance(self.kv_pass_work, bool) or not isinstance(self.kv_pass_work, int) or self.kv_pass_work < 0:
             raise ValueError(f"--kv-pass-work must be an integer >= 0, got {self.kv_pass_work!r}")
+        if isinstance(self.kv_chunk_keep, bool) or not isinstance(self.kv_chunk_keep, (int, float)) \
+                or not 1.0 <= self.kv_chunk_keep <= 64.0:
+            raise ValueError(f"--kv-chunk-keep must be a number in [1, 64], got {self.kv_chunk_keep!r}")
         if self.kv_budget_ratio is not None and not 0.0 < self.kv_budget_ratio <= 1.0:
             raise ValueError(f"--kv-budget-ratio must be in (0, 1], got {self.kv_budget_ratio}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
@@ -212,6 +222,10 @@ class KvcConfig:
         if "chunk-always" in self.compress_on:
             return "always"
         return "pressure" if "chunk" in self.compress_on else None
+
+    def chunk_target(self, budget: int) -> int:
+        """What a pass between two chunks of a prompt keeps of a request with this budget."""
+        return max(budget, int(budget * self.kv_chunk_keep))
 
     @property
     def variable_budget(self) -> bool:
@@ -264,7 +278,7 @@ class KvcConfig:
             elif f.name == "compress_on":
                 kwargs["type"] = _moments
                 kwargs["default"] = ",".join(DEFAULT_MOMENTS)
-            elif f.name in ("kv_budget_ratio", "kv_cache_memory_gb"):
+            elif f.name in ("kv_budget_ratio", "kv_cache_memory_gb", "kv_chunk_keep"):
                 kwargs["type"] = float
             else:
                 kwargs["type"] = type(default)

@@ -188,10 +188,11 @@ class Compressor:
             budget = state.effective_budget(n)
             if is_middle_chunk(batch, req):
                 # Never staged: the next chunk extends what this pass leaves.
-                if n > budget and chunk_compressible(req, self.config) and self.failures.guarded(
-                    req, "compress", self._chunk_due, req, state, n, budget, batch.tree_cache
+                keep = self.config.chunk_target(budget)
+                if n > keep and chunk_compressible(req, self.config) and self.failures.guarded(
+                    req, "compress", self._chunk_due, req, state, n, keep, batch.tree_cache
                 ):
-                    chunks.append((i, state, budget))
+                    chunks.append((i, state, keep))
                 continue
             if "prefill" not in self.config.compress_on:
                 continue
@@ -205,12 +206,12 @@ class Compressor:
         self._flush(batch)
         self._settle(batch)
 
-    def _chunk_due(self, req: Any, state: ReqKvState, n: int, budget: int, tree_cache: Any) -> bool:
+    def _chunk_due(self, req: Any, state: ReqKvState, n: int, keep: int, tree_cache: Any) -> bool:
         """Whether a prompt over its budget is compressed before its next chunk: after every
         chunk (`chunk-always`), or when the next chunk would not fit (`chunk`). Before its first
         such compaction, what it computed so far is published to the tree (still exact)."""
         if self.config.chunk_moment != "always" and (
-            self.scheduler is None or not needs_compression(self.scheduler, req, state.logical_len(n), budget)
+            self.scheduler is None or not needs_compression(self.scheduler, req, state.logical_len(n), keep)
         ):
             return False
         publish_exact_prefix(req, tree_cache)

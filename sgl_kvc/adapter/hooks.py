@@ -216,7 +216,7 @@ def _around_max_prefix(config: KvcConfig):
 
 def _around_check_prefill_budget(config: KvcConfig):
     def hook(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any):
-        peak = request_peak_tokens(config, req)
+        peak = request_peak_tokens(config, req, between_chunks=True)
         chunk = kwargs.get("chunk_limit")
         if peak is not None and chunk and "total_tokens" in kwargs and chunk_compressible(req, config):
             # Compressed after every chunk: it never holds more than one chunk beyond its budget.
@@ -271,6 +271,8 @@ def _around_max_new_tokens(config: KvcConfig):
         max_new = max(0, min(wanted, int(scheduler.model_config.context_len) - 1 - input_len - 1))
         # What it holds at most: all of it; or its whole prompt, then its peak once compressed; or,
         # compressed between chunks, one chunk of its prompt + its peak.
+        if chunked:
+            peak = request_peak_tokens(config, req, between_chunks=True)
         held = min(input_len + max_new, min(input_len, chunk) + peak if chunked else max(input_len, peak))
         if held < int(scheduler.max_total_num_tokens):
             sp.max_new_tokens = max_new

@@ -29,8 +29,10 @@ def compressor_of(model_runner: Any, config: KvcConfig) -> Compressor:
     return compressor
 
 
-def request_peak_tokens(config: KvcConfig, req: Any) -> int | None:
-    """Most KV slots a compressing request holds at once, or None if it does not compress."""
+def request_peak_tokens(config: KvcConfig, req: Any, between_chunks: bool = False) -> int | None:
+    """Most KV slots a compressing request holds at once, or None if it does not compress
+    (`between_chunks`: also what a pass between two chunks of its prompt leaves, besides the
+    next chunk: `--kv-chunk-keep` times its budget)."""
     settings = request_settings(req)
     if (settings.policy or config.policy) == "none":
         return None
@@ -38,7 +40,10 @@ def request_peak_tokens(config: KvcConfig, req: Any) -> int | None:
     if settings.budget is None and config.kv_budget_ratio is not None:
         max_new = req.sampling_params.max_new_tokens or 0
         budget = int(config.kv_budget_ratio * (len(req.origin_input_ids) + max_new)) + 1
-    return budget + config.kv_buffer + 1
+    held = budget + config.kv_buffer
+    if between_chunks:
+        held = max(held, config.chunk_target(budget))
+    return held + 1
 
 
 def is_health_check(req: Any) -> bool:

@@ -56,3 +56,20 @@ def test_running_requests_reservations_count() -> None:
     busy = [_req(10, max_new=200, ignore_eos=True)]
     assert not needs_compression(_scheduler(400, 0, []), _req(4096), 512, KEEP)
     assert needs_compression(_scheduler(400, 0, busy), _req(4096), 512, KEEP)
+
+
+def test_a_pass_between_chunks_may_keep_a_multiple_of_the_budget() -> None:
+    """`--kv-chunk-keep`: what a pass between chunks keeps (the pass after the last chunk cuts to
+    the budget), and what admission counts a request compressed between chunks to hold."""
+    from sgl_kvc.adapter.runtime import request_peak_tokens
+    from sgl_kvc.config import KvcConfig
+
+    config = KvcConfig(policy="snapkv", kv_budget=256, kv_buffer=128, kv_chunk_keep=2.0)
+    assert config.chunk_target(256) == 512 and KvcConfig(policy="snapkv").chunk_target(256) == 256
+    req = SimpleNamespace(origin_input_ids=[1] * 4000, custom_params=None,
+                          sampling_params=SimpleNamespace(max_new_tokens=16, custom_params=None))
+    assert request_peak_tokens(config, req) == 256 + 128 + 1
+    assert request_peak_tokens(config, req, between_chunks=True) == 512 + 1
+    for bad in (0.5, True, "2"):
+        with pytest.raises(ValueError, match="--kv-chunk-keep"):
+            KvcConfig(policy="snapkv", kv_chunk_keep=bad)
