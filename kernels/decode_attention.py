@@ -1,4 +1,4 @@
-"""Batched decode attention over SGLang's slot layout (installed as `sgl_kvc.kernels.decode_attention`).
+"""Batched decode attention over SGLang's slot layout.
 
 Layout: one slot list per request (a `req_to_token` row, page size 1); slot s holds the entries
 (key and value) of every KV head of one token, K [S, H_kv, d] and V [S, H_kv, d_v]. After a

@@ -1,4 +1,4 @@
-"""FP8 KV-cache quantization: plain torch, no SGLang (installed as `sgl_kvc.kernels.fp8`).
+"""FP8 KV-cache quantization: plain torch, no SGLang.
 
 Two families of scales:
 

@@ -1,4 +1,4 @@
-"""Attention over head-flattened KV tables (installed as `sgl_kvc.kernels.per_head_attention`).
+"""Attention over head-flattened KV tables.
 
 Layout (KV-Compress §4.2.1, eq. 12, with page size 1): ONE flat pool of units, each unit holding
 the key (and, in a second pool, the value) of one token for one layer and ONE KV head: K [U, d],

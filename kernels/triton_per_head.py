@@ -1,5 +1,5 @@
-"""Triton decode attention over head-flattened KV tables (installed as
-`sgl_kvc.kernels.triton_per_head`): the CUDA path of `per_head_attention.per_head_decode`.
+"""Triton decode attention over head-flattened KV tables: the CUDA path of
+`per_head_attention.per_head_decode`.
 
 Same contract as the torch version: one query per request, each (request, KV head) a sequence
 of its own length whose entry j is unit `tables.units[b, h, j]` of a flat pool K [U, d],

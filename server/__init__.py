@@ -1,4 +1,4 @@
-"""sgl-kvc's additions to SGLang's HTTP API (installed as `sgl_kvc.server`)."""
+"""sgl-kvc's additions to SGLang's HTTP API."""
 
 from sgl_kvc.server.routes import mount, router
 
