@@ -34,3 +34,26 @@ class FakeAllocator:
 
     def get_kvcache(self) -> Any:
         return self.pool
+
+
+class LayeredKvPool:
+    """SGLang's KV pool surface: per-layer [slots, H_kv, d] K and V, as views of one
+    [slots, L, H_kv, d] allocation (the unit pool's layout, so `unit_buffers` is its flat form,
+    present when `units`). Random values from the CPU generator `g`, on `device`."""
+
+    def __init__(self, slots: int, layers: int, heads: int, dim: int, g: torch.Generator,
+                 device: torch.device | str = "cpu", units: bool = False) -> None:
+        self.k = torch.randn(slots, layers, heads, dim, generator=g).to(device)
+        self.v = torch.randn(slots, layers, heads, dim, generator=g).to(device)
+        self.start_layer, self.layer_num = 0, layers
+        if units:
+            self.unit_buffers = lambda: (self.k.view(-1, dim), self.v.view(-1, dim))
+
+    def get_key_buffer(self, layer: int) -> torch.Tensor:
+        return self.k[:, layer]
+
+    def get_value_buffer(self, layer: int) -> torch.Tensor:
+        return self.v[:, layer]
+
+    def get_kv_buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, layer], self.v[:, layer]

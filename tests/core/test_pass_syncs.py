@@ -15,6 +15,7 @@ import collections
 import pytest
 import torch
 
+from fakes import LayeredKvPool
 from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
 from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.core.store import KvcStore
@@ -30,28 +31,11 @@ MODES = ["shared", "uniform", "variable", "layer"]
 BOUND = 8  # what the engines read today is 1 to 7; the bound only has to be independent of L x H
 
 
-class _Pool:
-    def __init__(self, layers: int, heads: int, units: bool, g: torch.Generator) -> None:
-        self.k = torch.randn(SLOTS, layers, heads, D, generator=g)
-        self.v = torch.randn(SLOTS, layers, heads, D, generator=g)
-        if units:
-            self.unit_buffers = lambda: (self.k.view(-1, D), self.v.view(-1, D))
-
-    def get_key_buffer(self, layer: int) -> torch.Tensor:
-        return self.k[:, layer]
-
-    def get_value_buffer(self, layer: int) -> torch.Tensor:
-        return self.v[:, layer]
-
-    def get_kv_buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, layer], self.v[:, layer]
-
-
 def _request(policy: str, layers: int, heads: int, units: bool) -> tuple[KvcStore, ReqKvState]:
     """Row 0 holds N entries, its window queries and (for the statistics policies) statistics.
     R-KV estimates its redundancy from 16 reference keys (a long prompt's path)."""
     g = torch.Generator().manual_seed(0)
-    pool = _Pool(layers, heads, units, g)
+    pool = LayeredKvPool(SLOTS, layers, heads, D, g, units=units)
     r2t = torch.zeros(2, 256, dtype=torch.int32)
     slots = torch.randperm(SLOTS - 1, generator=g)[:N] + 1
     r2t[0, :N] = slots.to(torch.int32)
@@ -64,7 +48,7 @@ def _request(policy: str, layers: int, heads: int, units: bool) -> tuple[KvcStor
         store.record_extend(layer, 0, q, pool_rows=2)
         if state.policy.uses_stats:
             idx = torch.arange(N)
-            store.accumulate(0, layer, q, pool.k[:, layer][slots], idx, idx, 0.3)
+            store.accumulate(0, layer, q, pool.get_key_buffer(layer)[slots], idx, idx, 0.3)
     return store, state
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fakes import LayeredKvPool
 from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
 from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.core.store import KvcStore
@@ -19,32 +20,10 @@ LAYERS, H_KV, GROUP, D, SLOTS, WINDOW = 2, 2, 3, 8, 96, 4
 POLICIES = ["rkv", "snapkv", "h2o", "kvcompress", "streamingllm", "avgattn", "expected_attention", "keydiff"]
 
 
-class Pool:
-    """SGLang's KV pool surface: per-layer [slots, H_kv, d] K and V, as views of one
-    [slots, L, H_kv, d] allocation (the unit pool's layout, so `unit_buffers` is its flat form)."""
-
-    def __init__(self, device: torch.device, seed: int, units: bool = False) -> None:
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        self.k = torch.randn(SLOTS, LAYERS, H_KV, D, generator=g).to(device)
-        self.v = torch.randn(SLOTS, LAYERS, H_KV, D, generator=g).to(device)
-        self.start_layer, self.layer_num = 0, LAYERS
-        if units:
-            self.unit_buffers = lambda: (self.k.view(-1, D), self.v.view(-1, D))
-
-    def get_key_buffer(self, layer: int) -> torch.Tensor:
-        return self.k[:, layer]
-
-    def get_value_buffer(self, layer: int) -> torch.Tensor:
-        return self.v[:, layer]
-
-    def get_kv_buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, layer], self.v[:, layer]
-
-
 def _request(device: torch.device, policy: str, n: int, seed: int, units: bool = False):
     """A store holding one request of n entries (row 0) with its window queries recorded and,
     for the statistics policies, its prefill statistics."""
-    pool = Pool(device, seed, units)
+    pool = LayeredKvPool(SLOTS, LAYERS, H_KV, D, torch.Generator(device="cpu").manual_seed(seed), device, units)
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
     r2t = torch.zeros(2, 64, dtype=torch.int32, device=device)
     slots = (torch.randperm(SLOTS - 1, generator=g)[:n] + 1).to(device)

@@ -633,6 +633,20 @@ def ea_error_bound(keys_t, queries_t, p: PolicyParams, ref_scores) -> float:
     return rel * max(max(row) for row in ref_scores) + U32
 
 
+def assert_matches_reference(pol: Policy, views: list[LayerView], layer_scores: list, ref: set[int], margin: float,
+                             tol: float, device: torch.device) -> None:
+    """Each layer's scores within `tol` of the float64 reference's (protected tokens aside), and the
+    kept set the reference's, decided by a margin beyond float32 rounding."""
+    for view, want in zip(views, layer_scores):
+        got = pol.score(view)
+        assert got.device == device
+        cand = torch.isfinite(got).cpu()
+        err = (got.double().cpu() - torch.tensor(want, dtype=torch.float64))[cand].abs().max().item()
+        assert err <= tol, (err, tol)
+    assert margin > 2 * tol  # the kept set is decided beyond float32 rounding
+    assert kept(pol, views, KEEP) == ref
+
+
 def ea_case(case: Case, device: torch.device, p: PolicyParams | None = None, **variant):
     p = PolicyParams(budget=KEEP, window=WINDOW) if p is None else p
     views, layer_scores, tol = [], [], 0.0
@@ -650,16 +664,7 @@ def ea_case(case: Case, device: torch.device, p: PolicyParams | None = None, **v
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_expected_attention_matches_dense_reference(device: torch.device, case: Case) -> None:
     p, views, layer_scores, ref, margin, tol = ea_case(case, device)
-    pol = get_policy("expected_attention", p)
-    for view, want in zip(views, layer_scores):
-        got = pol.score(view)
-        assert got.device == device
-        cand = torch.isfinite(got)
-        want_t = torch.tensor(want, dtype=torch.float64)
-        err = (got.double().cpu() - want_t)[cand.cpu()].abs().max().item()
-        assert err <= tol, (err, tol)
-    assert margin > 2 * tol  # the kept set is decided beyond float32 rounding
-    assert kept(pol, views, KEEP) == ref
+    assert_matches_reference(get_policy("expected_attention", p), views, layer_scores, ref, margin, tol, device)
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=[CASE_IDS[0], CASE_IDS[3]])  # well-conditioned cuts
@@ -778,15 +783,7 @@ def keydiff_case(case: Case, device: torch.device, **variant):
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_keydiff_matches_dense_reference(device: torch.device, case: Case) -> None:
     p, views, layer_scores, ref, margin, tol = keydiff_case(case, device)
-    pol = get_policy("keydiff", p)
-    for view, want in zip(views, layer_scores):
-        got = pol.score(view)
-        assert got.device == device
-        cand = torch.isfinite(got).cpu()
-        err = (got.double().cpu() - torch.tensor(want, dtype=torch.float64))[cand].abs().max().item()
-        assert err <= tol, (err, tol)
-    assert margin > 2 * tol  # the kept set is decided beyond float32 rounding
-    assert kept(pol, views, KEEP) == ref
+    assert_matches_reference(get_policy("keydiff", p), views, layer_scores, ref, margin, tol, device)
 
 
 def test_keydiff_reference_is_discriminative(device: torch.device) -> None:
