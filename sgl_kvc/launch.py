@@ -38,12 +38,10 @@ CPU_DEFAULTS: dict[str, str | None] = {
 }
 GPU_DEFAULTS: dict[str, str | None] = {"--attention-backend": "flashinfer"}
 # The model dtype on a CPU without native bfloat16 (no AVX512-BF16 or AMX), where a bfloat16 or
-# float16 model's matrix products are emulated. Measured on 2 AVX2 cores with SmolLM2-135M
-# (benchmarks/results/cpu-decode.md, eviction-cpu-dtype.md): float32 serves 16 users at 2.1x the
-# output tokens/s (78.6 against 36.6 for `--policy rkv`) and pre-fills 5.4x faster; one user alone
-# decodes at 0.68x (12.1 against 17.9 tokens/s: batch-1 decode reads the weights, twice the
-# bytes in float32). A server exists for many requests, so float32, at twice the bytes per KV
-# entry; `--dtype` overrides it.
+# float16 model's matrix products are emulated: float32 serves many users and pre-fills faster
+# there, one user alone decodes slower (batch-1 decode reads the weights, twice the bytes), and
+# a server exists for many requests; the numbers are in docs/benchmarks.md, "CPU dtype".
+# `--dtype` overrides it.
 EMULATED_BF16_DTYPE = "float32"
 # `--model-path demo`: the tiny random-weight Llama (fast tests; its answers are noise).
 DEMO_ALIAS = "demo"
@@ -367,8 +365,7 @@ def _set_cpu_threads_bind(argv: list[str]) -> None:
         return
     os.environ[THREADS_BIND_ENV] = bind  # inherited by the scheduler processes
     # SGLang applies the bind only on CPUs with AMX; elsewhere every rank would start one
-    # OpenMP thread per core and the ranks would contend for them (measured: two ranks on two
-    # AVX2 cores served 5x fewer tokens/s than with one thread each).
+    # OpenMP thread per core and the ranks would contend for them (docs/scaling.md measures it).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(cpus) // ranks)))
     logger.info("sgl-kvc: %s=%s, OMP_NUM_THREADS=%s (more CPU ranks than NUMA nodes)",
                 THREADS_BIND_ENV, bind, os.environ["OMP_NUM_THREADS"])

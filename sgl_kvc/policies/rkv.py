@@ -38,9 +38,9 @@ from .base import LayerView, Policy
 from .registry import register_policy
 
 _EPS = 1e-8  # R-KV eq. (5) epsilon
-# Bound on the similarity block held at once (elements). On a CPU a block that stays in cache
-# (4 MB) scores an 8K-token prompt 1.9x faster than 64 MB blocks (2 cores, AVX2); on a GPU
-# larger blocks mean fewer kernel launches.
+# Bound on the similarity block held at once (elements): on a CPU a block that stays in cache
+# (4 MB of float32) scores a long prompt faster than large blocks; on a GPU larger blocks mean
+# fewer kernel launches.
 _SIM_CHUNK_ELEMS: Mapping[str, int] = MappingProxyType({"cpu": 1 << 20})  # by device type
 _SIM_CHUNK_ELEMS_DEFAULT = 1 << 24
 
@@ -136,9 +136,9 @@ class RKVPolicy(Policy):
     prompt_policy: ClassVar[str | None] = "snapkv"
 
     def score_cost(self, n: int) -> int:
-        # Redundancy compares each candidate with up to `rkv_reference_keys` others (eq. 5-6):
-        # measured on a 2-core CPU (SmolLM2's 3 KV heads of 64), a layer of 512 to 8K tokens
-        # takes 20-25 units a token (a unit: a token of a linear-cost scorer such as SnapKV).
+        # Redundancy compares each candidate with up to `rkv_reference_keys` others (eq. 5-6), so
+        # a token costs more than one unit (a token of a linear-cost scorer such as SnapKV); the
+        # divisor was fitted to timings (docs/architecture.md, "Staged passes").
         return n * (1 + min(n, self.params.rkv_reference_keys) // 48)
 
     def _score(self, view: LayerView) -> Tensor:
