@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import PolicyParams, get_policy
 
@@ -71,7 +71,7 @@ def serving_step(
         store.fused = fused
     params = PolicyParams(budget=shape.budget, buffer=shape.buffer, window=shape.window)
     for row, n in enumerate(lens):
-        state = ReqKvState(policy=get_policy(policies[row % len(policies)], params), budget=shape.budget,
+        state = ReqKvState(policy=get_policy(policies[row % len(policies)], params), budget=Budget(shape.budget),
                            device=device)
         store.begin(row, state)
         if state.policy.uses_stats:

@@ -1,20 +1,28 @@
-"""Per-request compression settings: the `kv_compression` object of a request body.
+"""Per-request compression settings, in one place: the `kv_compression` object of a request body,
+parsed; checked against the server's configuration; resolved against it into what the request
+runs with (`resolve`: policy, prompt policy, budget, selection, peak); and read back from a
+scheduler request (`of_request`, `admit`).
 
     client.chat.completions.create(..., extra_body={"kv_compression": {"policy": "rkv", "budget": 256}})
 
 `policy` compresses the generated tokens, `prompt_policy` the prompt (default: the one `policy`
 names, see `--prompt-policy`).
 
-The HTTP layer validates it (a bad value is an OpenAI-style 400 naming the field) and forwards it
-to the scheduler inside SGLang's `custom_params`, under `CUSTOM_PARAMS_KEY`.
+The HTTP layer (`server/settings.py` walks the request bodies) validates it (a bad value is an
+OpenAI-style 400 naming the field) and forwards it to the scheduler inside SGLang's
+`custom_params`, under `CUSTOM_PARAMS_KEY`. The scheduler reads it back from the request
+(`sampling_params.custom_params` of SGLang's `Req`, by attribute: this module imports no SGLang)
+and checks it again when the request enters the queue.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-from sgl_kvc.policies import AUTO, SELECTIONS, available_policies, prompt_policy_error
+from sgl_kvc.core.request_state import Budget
+from sgl_kvc.policies import AUTO, SELECTIONS, available_policies, prompt_policy_error, prompt_policy_name
 
 if TYPE_CHECKING:
     from sgl_kvc.config import KvcConfig
@@ -50,6 +58,36 @@ class RequestCompression:
 
     def to_custom_params(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def resolve(self, config: "KvcConfig") -> "ResolvedCompression":
+        """What a request with these settings runs with on a server started with `config`."""
+        policy, prompt = self.policies(config.policy, config.prompt_policy)
+        floor = config.policy_params().recent_kept + 1  # a ratio never cuts into the window
+        budget = (Budget(self.budget, floor=floor) if self.budget is not None
+                  else Budget(config.kv_budget, config.kv_budget_ratio, floor))
+        return ResolvedCompression(
+            policy=policy, prompt_policy=prompt, budget=budget,
+            selection=self.selection or config.kv_selection,
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedCompression:
+    """One request's settings resolved against the server's flags: every field has its value."""
+
+    policy: str  # compresses the generated tokens (decode, preempt)
+    prompt_policy: str  # as asked: a policy or "auto" (`prompt_policy_name` resolves "auto")
+    budget: Budget
+    selection: str
+
+    @property
+    def compressing(self) -> bool:
+        return self.policy != "none"
+
+    @property
+    def prompt_policy_name(self) -> str:
+        """The policy that compresses the prompt (prefill and chunk moments)."""
+        return prompt_policy_name(self.policy, self.prompt_policy)
 
 
 def parse_kv_compression(obj: Any, field: str = FIELD) -> RequestCompression:
@@ -142,3 +180,78 @@ def json_type_name(value: Any) -> str:
     if isinstance(value, dict):
         return "an object"
     return "a value of another type"
+
+
+# --- read back from a scheduler request ------------------------------------------------------
+_SETTINGS_ATTR = "_sgl_kvc_settings"
+_RESOLVED_ATTR = "_sgl_kvc_resolved"
+# What an invalid request runs with until its abort completes: nothing to compress.
+_INERT = RequestCompression(policy="none")
+
+
+def _parse_request(req: Any, config: "KvcConfig | None" = None) -> tuple[RequestCompression, str | None]:
+    """The request's settings (validated, and checked against the server's `config` when given),
+    or the inert ones and why they are refused."""
+    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    try:
+        settings = from_custom_params(custom)
+        conflict = None if config is None else server_conflict(settings, config, f"custom_params.{CUSTOM_PARAMS_KEY}")
+        if conflict is not None:
+            raise conflict
+        return settings, None
+    except RequestSettingError as e:
+        return _INERT, f"Invalid {e.param}: {e}"
+    except Exception as e:  # noqa: BLE001 - a client's value must never raise in the scheduler
+        return _INERT, f"Invalid custom_params ({type(e).__name__})"
+
+
+def of_request(req: Any, cache: bool = True) -> RequestCompression:
+    """The settings of a scheduler request (SGLang's `Req`; with `cache=False` also the tokenized
+    input it is made from, left untouched), validated; cached on the request when it entered the
+    queue (`admit`). Never raises."""
+    settings = getattr(req, _SETTINGS_ATTR, None)
+    if settings is None:
+        settings, _ = _parse_request(req)
+        if cache:
+            setattr(req, _SETTINGS_ATTR, settings)
+    return settings
+
+
+def resolved(req: Any, config: "KvcConfig") -> ResolvedCompression:
+    """What a scheduler request runs with on this server (resolved once: the admission hooks ask
+    for it several times per request per step)."""
+    cached = getattr(req, _RESOLVED_ATTR, None)
+    if cached is not None and cached[0] is config:
+        return cached[1]
+    settings = of_request(req).resolve(config)
+    setattr(req, _RESOLVED_ATTR, (config, settings))
+    return settings
+
+
+def peak_tokens(config: "KvcConfig", req: Any, between_chunks: bool = False) -> int | None:
+    """Most KV slots a compressing scheduler request holds at once, or None if it does not
+    compress (`between_chunks`: also what a pass between two chunks of its prompt leaves, besides
+    the next chunk: `--kv-chunk-keep` times its budget)."""
+    settings = resolved(req, config)
+    if not settings.compressing:
+        return None
+    # The largest its budget gets: a ratio grows with the length, up to prompt + most new tokens.
+    budget = settings.budget.at(len(req.origin_input_ids) + (req.sampling_params.max_new_tokens or 0))
+    held = budget + config.kv_buffer
+    if between_chunks:
+        held = max(held, config.chunk_target(budget))
+    return held + 1
+
+
+def admit(req: Any, config: "KvcConfig") -> bool:
+    """When a request enters the scheduler's queue: parse its settings and check them against the
+    server's `config` once; a bad or unservable one aborts it with a 400 (SGLang's
+    `set_finish_with_abort`) before it is scheduled, and it runs with no compression until then.
+    True when it was refused. Nothing a client sends can raise later inside the scheduler loop."""
+    settings, error = _parse_request(req, config)
+    setattr(req, _SETTINGS_ATTR, settings)
+    setattr(req, _RESOLVED_ATTR, None)
+    if error is None or req.finished():
+        return False
+    req.set_finish_with_abort(error, status_code=HTTPStatus.BAD_REQUEST)
+    return True

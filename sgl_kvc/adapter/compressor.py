@@ -42,9 +42,7 @@ from sgl_kvc.adapter.compaction import (
 from sgl_kvc.adapter.chunk_pressure import needs_compression
 from sgl_kvc.adapter.failures import FailedOnAnotherRank, FailureLedger, failure
 from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
-from sgl_kvc.adapter.requests import (
-    chunk_compressible, is_middle_chunk, on_release, publish_exact_prefix, request_settings,
-)
+from sgl_kvc.adapter.requests import chunk_compressible, is_middle_chunk, on_release, publish_exact_prefix
 from sgl_kvc.adapter.rope import rope_params
 from sgl_kvc.adapter.tp import RankVote, ScoreReducer, tp_rank
 from sgl_kvc.adapter.trace import CompactionTrace
@@ -53,7 +51,8 @@ from sgl_kvc.core.passes import DueCompaction, StepWork, advance_uniform, advanc
 from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.core.views import layer_views, with_gaps
-from sgl_kvc.policies import HeadSelection, Policy, get_policy, prompt_policy_error, prompt_policy_name
+from sgl_kvc.policies import HeadSelection, Policy, get_policy, prompt_policy_error
+from sgl_kvc.request_settings import resolved
 
 logger = logging.getLogger(__name__)
 
@@ -111,17 +110,14 @@ class Compressor:
         return policy
 
     def new_state(self, req: Any) -> ReqKvState:
-        settings = request_settings(req)
-        name, prompt = settings.policies(self.config.policy, self.config.prompt_policy)
-        why = prompt_policy_error(name, prompt)
+        settings = resolved(req, self.config)
+        why = prompt_policy_error(settings.policy, settings.prompt_policy)
         if why is not None:  # the HTTP layer refuses it first; this guards the scheduler
             raise ValueError(why)
-        budget = settings.budget or self.config.kv_budget
-        ratio = None if settings.budget else self.config.kv_budget_ratio
         return ReqKvState(
-            policy=self.policy(name, budget), budget=budget, budget_ratio=ratio,
-            selection=settings.selection or self.config.kv_selection, device=self.store.device,
-            prompt_policy=prompt_policy_name(name, prompt),
+            policy=self.policy(settings.policy, settings.budget.tokens), budget=settings.budget,
+            selection=settings.selection, device=self.store.device,
+            prompt_policy=settings.prompt_policy_name,
         )
 
     def state(self, req: Any) -> ReqKvState | None:

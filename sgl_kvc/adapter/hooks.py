@@ -22,15 +22,14 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from sgl_kvc.adapter.requests import (
-    chunk_compressible, reject_invalid, released, request_settings, shifted_fill_ids,
-)
+from sgl_kvc.adapter.requests import chunk_compressible, released, shifted_fill_ids
 from sgl_kvc.adapter.compressor import STATE_ATTR
-from sgl_kvc.adapter.runtime import KvcRuntime, collect_stats, compressor_of, request_peak_tokens
+from sgl_kvc.adapter.runtime import KvcRuntime, collect_stats, compressor_of
 from sgl_kvc.adapter.sglang_api import Hook
 from sgl_kvc.adapter.tp import dp_rank
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.policies import policy_class
+from sgl_kvc.request_settings import admit, peak_tokens, resolved
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +169,7 @@ def _around_add_to_queue(config: KvcConfig):
         # The one place every new (and retracted) request passes: settings a client put in
         # `custom_params` are checked here, against this server's configuration too, so a bad
         # or unservable one is a 400 for that request and is never read again by the hooks below.
-        reject_invalid(req, config)
+        admit(req, config)
         return original(scheduler, req, *a, **kw)
 
     return hook
@@ -178,7 +177,7 @@ def _around_add_to_queue(config: KvcConfig):
 
 def _around_add_one_req(config: KvcConfig):
     def hook(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any):
-        peak = request_peak_tokens(config, req)
+        peak = peak_tokens(config, req)
         sp = req.sampling_params
         if peak is None or sp.max_new_tokens is None:
             return original(adder, req, *args, **kwargs)
@@ -198,9 +197,9 @@ def _around_add_one_req(config: KvcConfig):
 def _around_max_prefix(config: KvcConfig):
     def hook(original: Callable[..., Any], req: Any, input_len: int, *args: Any, **kwargs: Any):
         limit = original(req, input_len, *args, **kwargs)
-        if "prefill" not in config.compress_on or request_peak_tokens(config, req) is None:
+        if "prefill" not in config.compress_on or peak_tokens(config, req) is None:
             return limit
-        policy = policy_class(request_settings(req).policy or config.policy)
+        policy = policy_class(resolved(req, config).policy)
         if policy.accumulate_prefill and not getattr(req.kv, "holds_kv", False):
             # H2O / Batch-Max score by the attention every prompt query paid each token; a prefix
             # served from the tree was never attended by this request's queries. Such a request
@@ -216,7 +215,7 @@ def _around_max_prefix(config: KvcConfig):
 
 def _around_check_prefill_budget(config: KvcConfig):
     def hook(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any):
-        peak = request_peak_tokens(config, req, between_chunks=True)
+        peak = peak_tokens(config, req, between_chunks=True)
         chunk = kwargs.get("chunk_limit")
         if peak is not None and chunk and "total_tokens" in kwargs and chunk_compressible(req, config):
             # Compressed after every chunk: it never holds more than one chunk beyond its budget.
@@ -254,7 +253,7 @@ def _around_handle_generate(config: KvcConfig):
 
 def _around_max_new_tokens(config: KvcConfig):
     def hook(original: Callable[..., Any], scheduler: Any, req: Any, *args: Any, **kwargs: Any):
-        peak = request_peak_tokens(config, req)
+        peak = peak_tokens(config, req)
         if peak is None or req.finished() or "decode" not in config.compress_on:
             return original(scheduler, req, *args, **kwargs)
         # SGLang bounds prompt + output by the pool (and silently cuts the output to fit); a
@@ -272,7 +271,7 @@ def _around_max_new_tokens(config: KvcConfig):
         # What it holds at most: all of it; or its whole prompt, then its peak once compressed; or,
         # compressed between chunks, one chunk of its prompt + its peak.
         if chunked:
-            peak = request_peak_tokens(config, req, between_chunks=True)
+            peak = peak_tokens(config, req, between_chunks=True)
         held = min(input_len + max_new, min(input_len, chunk) + peak if chunked else max(input_len, peak))
         if held < int(scheduler.max_total_num_tokens):
             sp.max_new_tokens = max_new
@@ -300,7 +299,7 @@ def _around_refresh_fill_ids(original: Callable[..., Any], req: Any, *args: Any,
 def _around_running_offset(config: KvcConfig):
     def hook(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any):
         offset = original(adder, req, *args, **kwargs)
-        peak = request_peak_tokens(config, req)
+        peak = peak_tokens(config, req)
         if peak is None:
             return offset
         return min(offset, max(peak - req.kv.kv_committed_len, 0))

@@ -1,64 +1,16 @@
-"""What sgl-kvc reads from and does to one SGLang `Req`: its validated compression settings, its
-chunked-prefill phase, and hearing when its row is released (a failed request is aborted by
-`adapter/failures.py`).
-
-Settings are validated once per request, when the request enters the scheduler's queue; a bad one
-aborts that request with a 400 (SGLang's own `set_finish_with_abort` path) and is never read again,
-so nothing a client sends can raise later inside the scheduler loop.
+"""What sgl-kvc reads from and does to one SGLang `Req` besides its settings (those are
+`sgl_kvc/request_settings.py`): its chunked-prefill phase, and hearing when its row is released
+(a failed request is aborted by `adapter/failures.py`).
 """
 
 from __future__ import annotations
 
-from http import HTTPStatus
 from typing import Any, Callable
 
 from sgl_kvc.config import KvcConfig
-from sgl_kvc.request_settings import (
-    CUSTOM_PARAMS_KEY, RequestCompression, RequestSettingError, from_custom_params, server_conflict,
-)
+from sgl_kvc.request_settings import of_request
 
-_SETTINGS_ATTR = "_sgl_kvc_settings"
 _RELEASE_ATTR = "_sgl_kvc_on_release"  # on SGLang's ReqToTokenPool
-# What an invalid request runs with until its abort completes: nothing to compress.
-_INERT = RequestCompression(policy="none")
-
-
-def _parse(req: Any, config: KvcConfig | None = None) -> tuple[RequestCompression, str | None]:
-    """The request's settings (validated, and resolved against the server's `config` when given),
-    or the inert ones and why they are refused."""
-    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    try:
-        settings = from_custom_params(custom)
-        conflict = None if config is None else server_conflict(settings, config, f"custom_params.{CUSTOM_PARAMS_KEY}")
-        if conflict is not None:
-            raise conflict
-        return settings, None
-    except RequestSettingError as e:
-        return _INERT, f"Invalid {e.param}: {e}"
-    except Exception as e:  # noqa: BLE001 - a client's value must never raise in the scheduler
-        return _INERT, f"Invalid custom_params ({type(e).__name__})"
-
-
-def request_settings(req: Any) -> RequestCompression:
-    """The request's validated settings (cached on the request when it entered the queue,
-    `reject_invalid`); never raises."""
-    settings = getattr(req, _SETTINGS_ATTR, None)
-    if settings is None:
-        settings, _ = _parse(req)
-        setattr(req, _SETTINGS_ATTR, settings)
-    return settings
-
-
-def reject_invalid(req: Any, config: KvcConfig) -> bool:
-    """When a request enters the scheduler's queue: parse its settings and resolve them against
-    the server's `config` once; a bad or unservable one aborts it with a 400 before it is
-    scheduled (and it runs with no compression until then)."""
-    settings, error = _parse(req, config)
-    setattr(req, _SETTINGS_ATTR, settings)
-    if error is None or req.finished():
-        return False
-    req.set_finish_with_abort(error, status_code=HTTPStatus.BAD_REQUEST)
-    return True
 
 
 def is_middle_chunk(batch: Any, req: Any) -> bool:
@@ -83,7 +35,7 @@ def released(req_to_token_pool: Any, req: Any) -> None:
         listener(req)
 
 
-def chunk_compressible(req: Any, config: Any) -> bool:
+def chunk_compressible(req: Any, config: KvcConfig) -> bool:
     """Whether `req` (SGLang's `Req`, or the `TokenizedGenerateReqInput` it is made from) is
     compressed between two chunks of its prompt (the chunk moment): a compressing request on a
     server with that moment on, unless it asked for prompt log-probabilities (they index the
@@ -91,12 +43,10 @@ def chunk_compressible(req: Any, config: Any) -> bool:
     if config.chunk_moment is None:
         return False
     prompt = getattr(req, "origin_input_ids", None)
-    if prompt is None:  # the tokenized input, before its Req exists
+    tokenized = prompt is None  # the tokenized input, before its Req exists
+    if tokenized:
         prompt = getattr(req, "input_ids", None) or ()
-        settings, _ = _parse(req)
-    else:
-        settings = request_settings(req)
-    if (settings.policy or config.policy) == "none":
+    if not of_request(req, cache=not tokenized).resolve(config).compressing:
         return False
     if getattr(req, "return_logprob", False) and 0 <= getattr(req, "logprob_start_len", -1) < len(prompt):
         return False

@@ -14,7 +14,7 @@ from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 from sgl_kvc.adapter.compressor import Compressor
 from sgl_kvc.adapter.fp8_pool import pool_bytes
 from sgl_kvc.adapter.memory_budget import RESERVED_ATTR
-from sgl_kvc.adapter.requests import on_release, request_settings
+from sgl_kvc.adapter.requests import on_release
 from sgl_kvc.config import KvcConfig
 
 _RUNTIME_ATTR = "_sgl_kvc_runtime"
@@ -27,23 +27,6 @@ def compressor_of(model_runner: Any, config: KvcConfig) -> Compressor:
         compressor = Compressor(config, model_runner)
         setattr(model_runner, _COMPRESSOR_ATTR, compressor)
     return compressor
-
-
-def request_peak_tokens(config: KvcConfig, req: Any, between_chunks: bool = False) -> int | None:
-    """Most KV slots a compressing request holds at once, or None if it does not compress
-    (`between_chunks`: also what a pass between two chunks of its prompt leaves, besides the
-    next chunk: `--kv-chunk-keep` times its budget)."""
-    settings = request_settings(req)
-    if (settings.policy or config.policy) == "none":
-        return None
-    budget = settings.budget or config.kv_budget
-    if settings.budget is None and config.kv_budget_ratio is not None:
-        max_new = req.sampling_params.max_new_tokens or 0
-        budget = int(config.kv_budget_ratio * (len(req.origin_input_ids) + max_new)) + 1
-    held = budget + config.kv_buffer
-    if between_chunks:
-        held = max(held, config.chunk_target(budget))
-    return held + 1
 
 
 def is_health_check(req: Any) -> bool:

@@ -32,6 +32,23 @@ def unit_index(slots: Tensor, num_layers: int, num_heads: int) -> Tensor:
 
 
 @dataclass(frozen=True)
+class Budget:
+    """A request's budget: the entries each (layer, KV head) keeps after a pass. `tokens` fixed,
+    or with `ratio` (`--kv-budget-ratio`) that fraction of the tokens it has processed, never
+    fewer than `floor` (the window a policy always keeps, + 1)."""
+
+    tokens: int
+    ratio: float | None = None
+    floor: int = 1
+
+    def at(self, length: int) -> int:
+        """The budget of a request that has processed `length` tokens."""
+        if self.ratio is None:
+            return self.tokens
+        return max(self.floor, math.ceil(self.ratio * length))
+
+
+@dataclass(frozen=True)
 class RequestTables:
     """One request's cache per (layer, KV head) in the unit pool: entry j of head (l, h) is unit
     `units[l, h, j]` at logical position `positions[l, h, j]`, for j < lens[l, h] (the rest is
@@ -123,8 +140,7 @@ class ReqKvState:
     """
 
     policy: Policy  # compresses the generated tokens (decode, preempt); owns `stats`
-    budget: int
-    budget_ratio: float | None = None
+    budget: Budget
     selection: str = DEFAULT_SELECTION
     device: Any = "cpu"
     kept_positions: Tensor | None = None
@@ -196,6 +212,5 @@ class ReqKvState:
         return n + self.offset
 
     def effective_budget(self, n: int) -> int:
-        if self.budget_ratio is None:
-            return self.budget
-        return max(self.policy.params.recent_kept + 1, math.ceil(self.budget_ratio * self.logical_len(n)))
+        """The budget now, for n cached entries."""
+        return self.budget.at(self.logical_len(n))

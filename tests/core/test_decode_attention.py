@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sgl_kvc.core.decode as decode_module
-from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.kernels.decode_attention import decode_attention, decode_probs
 from sgl_kvc.kernels.fp8 import Fp8Rows
@@ -130,7 +130,7 @@ def test_store_attends_the_whole_batch_and_feeds_the_statistics(device: torch.de
     attending.fused = beside.fused = fused
     for store in (attending, beside):
         for row, name in policies.items():
-            store.begin(row, ReqKvState(policy=get_policy(name), budget=8, device=device))
+            store.begin(row, ReqKvState(policy=get_policy(name), budget=Budget(8), device=device))
         store.begin_decode(rows, lens)
     assert attending.decode_step.attends and attending.decode_step.size == 4
     assert sorted(i for b in attending.decode_step.blocks for i in _members(b, len(rows))) == rows
@@ -164,7 +164,7 @@ def test_store_attends_the_whole_batch_and_feeds_the_statistics(device: torch.de
     assert torch.allclose(out.double(), _reference(q2, k, v, r2t, grown, 0.3), atol=1e-5)
     alone = KvcStore(1, 4, r2t, _Pool(k, v))
     for row, name in policies.items():
-        alone.begin(row, ReqKvState(policy=get_policy(name), budget=8, device=device))
+        alone.begin(row, ReqKvState(policy=get_policy(name), budget=Budget(8), device=device))
     alone.begin_decode(rows, grown)
     alone.decode_step.accumulate(0, q2, k, 0.3)
     for row, name in policies.items():

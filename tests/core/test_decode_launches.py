@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import sgl_kvc.core.decode as decode_module
-from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import PolicyParams, get_policy
 from sync_guard import HostSync, LaunchCounter, SyncGuard
@@ -68,7 +68,7 @@ def _store(batch: int, policies: tuple[str, ...], *, unit_pool: bool, fused: boo
     rows, lens = list(range(batch)), []
     for row in rows:
         name = policies[row % len(policies)]
-        state = ReqKvState(policy=get_policy(name, PolicyParams(budget=64)), budget=64, device=DEVICE)
+        state = ReqKvState(policy=get_policy(name, PolicyParams(budget=64)), budget=Budget(64), device=DEVICE)
         store.begin(row, state)
         n = rng.randint(2, 300)
         width = n

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import PolicyParams, get_policy
 
@@ -61,7 +61,7 @@ def test_a_decode_step_replays_from_a_cuda_graph() -> None:
     assert store.fused, "on CUDA with Triton a decode step is fused"
     for row in range(batch):
         name = ("rkv", "snapkv", "streamingllm")[row % 3]
-        store.begin(row, ReqKvState(policy=get_policy(name, PolicyParams(budget=64)), budget=64, device="cuda"))
+        store.begin(row, ReqKvState(policy=get_policy(name, PolicyParams(budget=64)), budget=Budget(64), device="cuda"))
     store.reserve_queries(H_KV * GROUP, D, torch.bfloat16)
     store.begin_decode(list(range(batch)), lens)
     step = store.decode_step

@@ -17,7 +17,7 @@ import torch
 
 from fakes import LayeredKvPool
 from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
-from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.core.views import layer_views
 from sgl_kvc.policies import Policy, PolicyParams, get_policy
@@ -41,7 +41,7 @@ def _request(policy: str, layers: int, heads: int, units: bool) -> tuple[KvcStor
     r2t[0, :N] = slots.to(torch.int32)
     store = KvcStore(layers, WINDOW, r2t, pool)
     params = PolicyParams(budget=BUDGET, rkv_reference_keys=16)
-    state = ReqKvState(policy=get_policy(policy, params), budget=BUDGET, device="cpu")
+    state = ReqKvState(policy=get_policy(policy, params), budget=Budget(BUDGET), device="cpu")
     store.begin(0, state)
     for layer in range(layers):
         q = torch.randn(N, heads * GROUP, D, generator=g)

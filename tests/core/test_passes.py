@@ -10,7 +10,7 @@ import torch
 
 from fakes import LayeredKvPool
 from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
-from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import LayerView, get_policy, select_from_scores, select_per_head
 
@@ -29,7 +29,7 @@ def _request(device: torch.device, policy: str, n: int, seed: int, units: bool =
     slots = (torch.randperm(SLOTS - 1, generator=g)[:n] + 1).to(device)
     r2t[0, :n] = slots.to(torch.int32)
     store = KvcStore(LAYERS, WINDOW, r2t, pool)
-    state = ReqKvState(policy=get_policy(policy), budget=6, device=device)
+    state = ReqKvState(policy=get_policy(policy), budget=Budget(6), device=device)
     store.begin(0, state)
     for layer in range(LAYERS):
         q = torch.randn(n, H_KV * GROUP, D, generator=g).to(device)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from fakes import FakeAllocator
 
 from sgl_kvc.core.compaction import move_units_many
-from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.kernels.fp8 import Fp8Rows
 from sgl_kvc.policies import LayerView, get_policy, select_per_head
 
@@ -118,7 +118,7 @@ def test_move_units_moves_fp8_codes_and_scales_as_they_are(device: torch.device)
 
 
 def test_positions_per_head_follow_compactions(device: torch.device) -> None:
-    s = ReqKvState(policy=get_policy("snapkv"), budget=3, device=device)
+    s = ReqKvState(policy=get_policy("snapkv"), budget=Budget(3), device=device)
     # 6 tokens compacted per head to 3 entries each (2 layers x 2 heads); the next is logical 6
     s.kept_positions = torch.tensor([[[0, 2, 5], [1, 4, 5]], [[3, 4, 5], [0, 1, 5]]], device=device)
     s.offset = 6 - 3

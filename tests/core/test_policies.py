@@ -1089,8 +1089,8 @@ def test_prompt_policy_pairs() -> None:
 
 
 def test_request_state_picks_the_policy_of_each_moment() -> None:
-    from sgl_kvc.core.request_state import ReqKvState
+    from sgl_kvc.core.request_state import Budget, ReqKvState
 
-    state = ReqKvState(policy=get_policy("rkv"), budget=8, prompt_policy="snapkv")
+    state = ReqKvState(policy=get_policy("rkv"), budget=Budget(8), prompt_policy="snapkv")
     assert [state.policy_name(m) for m in ("prefill", "chunk", "decode", "preempt")] == ["snapkv", "snapkv", "rkv", "rkv"]
-    assert ReqKvState(policy=get_policy("h2o"), budget=8).policy_name("prefill") == "h2o"
+    assert ReqKvState(policy=get_policy("h2o"), budget=Budget(8)).policy_name("prefill") == "h2o"

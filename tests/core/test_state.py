@@ -7,13 +7,13 @@ import torch
 
 from sgl_kvc.core import decode as decode_module
 from sgl_kvc.core import store as store_module
-from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import get_policy
 
 
 def _state(device: torch.device, budget: int = 8, ratio: float | None = None) -> ReqKvState:
-    return ReqKvState(policy=get_policy("rkv"), budget=budget, budget_ratio=ratio, device=device)
+    return ReqKvState(policy=get_policy("rkv"), budget=Budget(budget, ratio), device=device)
 
 
 def test_positions_follow_compactions(device: torch.device) -> None:
@@ -35,6 +35,13 @@ def test_effective_budget_ratio_uses_logical_length(device: torch.device) -> Non
     s.offset = 100
     assert s.effective_budget(100) == 100  # half of 200 logical tokens
     assert _state(device, budget=8).effective_budget(10_000) == 8
+
+
+def test_a_budget_ratio_rounds_up_and_never_cuts_into_the_window() -> None:
+    assert Budget(8, 0.25, floor=9).at(100) == 25
+    assert Budget(8, 0.25, floor=9).at(101) == 26  # ceil
+    assert Budget(8, 0.25, floor=9).at(12) == 9  # the window + 1
+    assert Budget(8, floor=9).at(12) == 8  # a fixed budget is what was asked
 
 
 def test_query_window_keeps_the_last_queries_in_order(device: torch.device) -> None:
@@ -146,7 +153,7 @@ def test_batched_decode_statistics_equal_the_per_request_ones(device: torch.devi
         for store in (batched, looped):
             for row in range(rows):
                 policy = get_policy("rkv" if row == 1 else name)
-                store.begin(row, ReqKvState(policy=policy, budget=8, device=device))
+                store.begin(row, ReqKvState(policy=policy, budget=Budget(8), device=device))
         batched.begin_decode(batch_rows, batch_lens)
         planned = sorted(i for block in batched.decode_step.blocks for i in block.index.tolist())
         assert planned == [0, 2, 3]  # the statistics requests only: SGLang attends
@@ -175,7 +182,7 @@ def test_batched_decode_statistics_with_a_policy_per_request(device: torch.devic
     looped = KvcStore(1, 4, r2t, _Pool(keys))
     for store in (batched, looped):
         for row, name in names.items():
-            store.begin(row, ReqKvState(policy=get_policy(name), budget=8, device=device))
+            store.begin(row, ReqKvState(policy=get_policy(name), budget=Budget(8), device=device))
     for step in range(3):  # statistics grow by one token per step, old ones carried
         q = torch.randn(4, h_kv * group, d, generator=g).to(device)
         step_lens = [n - 2 + step for n in lens]
@@ -220,7 +227,7 @@ def test_prefill_statistics_equal_dense_causal_attention(device: torch.device, m
     keys = torch.randn(n, h_kv, d, generator=g)
     q = torch.randn(7, h_kv * group, d, generator=g)  # queries of entries 3..9
     store = KvcStore(1, 4, torch.zeros(1, 16, dtype=torch.int32, device=device), kv_pool=None)
-    store.begin(0, ReqKvState(policy=get_policy("h2o"), budget=8, device=device))
+    store.begin(0, ReqKvState(policy=get_policy("h2o"), budget=Budget(8), device=device))
     store.accumulate(0, 0, q.to(device), keys.to(device), torch.arange(3, 10, device=device),
                      torch.arange(n, device=device), 0.3)
     k = keys.double().repeat_interleave(group, dim=1)  # query head h reads KV head h // G

@@ -16,7 +16,7 @@ from fakes import FakeAllocator
 
 from sgl_kvc.adapter.compaction import compact_requests_units
 from sgl_kvc.core.decode import DecodeStep
-from sgl_kvc.core.request_state import ReqKvState, unit_index
+from sgl_kvc.core.request_state import Budget, ReqKvState, unit_index
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import get_policy, select_from_scores
 
@@ -95,7 +95,7 @@ def test_variable_compactions_pack_every_heads_kept_entries(device, n, budget, l
     head (l, h) reads through its table exactly the keys, values and positions it kept, the
     request holds ceil(total / (L x H)) slots and gives every other slot back."""
     pool, allocator = UnitPool(128, layers, heads, seed, device), FakeAllocator(128, seed=seed, device=device)
-    state = ReqKvState(policy=get_policy("snapkv"), budget=budget, device=device)
+    state = ReqKvState(policy=get_policy("snapkv"), budget=Budget(budget), device=device)
     batch = _batch(allocator, n, state)
     for round_ in range(2):
         selection, want = _compact(batch, pool, state, budget, seed + round_)
@@ -141,7 +141,7 @@ def test_decode_step_tables_are_each_requests_own(device, rows, layers, heads, t
         if kind == 0:  # no sgl-kvc state: every head reads the whole row
             lens.append(k + tail)
             continue
-        state = ReqKvState(policy=get_policy("snapkv"), budget=k, device=device)
+        state = ReqKvState(policy=get_policy("snapkv"), budget=Budget(k), device=device)
         if kind == 2:  # packed into its first `packed` slots
             unit_lens = torch.randint(0, k + 1, (layers, heads), generator=g)
             unit_lens.view(-1)[0] = k  # the widest head fills the packed table
@@ -162,7 +162,7 @@ def test_decode_step_tables_are_each_requests_own(device, rows, layers, heads, t
         for j, i in enumerate(members):
             seen.append(i)
             slots = r2t[i, : lens[i]]
-            alone = states[i] if i in states else ReqKvState(policy=get_policy("snapkv"), budget=1, device=device)
+            alone = states[i] if i in states else ReqKvState(policy=get_policy("snapkv"), budget=Budget(1), device=device)
             want = alone.tables(slots, layers, heads)
             got_lens = block.lens[:, j]
             assert block.units.device == device and torch.equal(got_lens, want.lens)
@@ -189,7 +189,7 @@ def test_decode_reads_packed_requests_through_their_tables(device: torch.device)
     computed becomes the packed request's statistic, column by column of its tables."""
     layers, heads, group = 2, 2, 2
     pool, allocator = UnitPool(128, layers, heads, 3, device), FakeAllocator(128, seed=3, device=device)
-    packed = ReqKvState(policy=get_policy("h2o"), budget=4, device=device)
+    packed = ReqKvState(policy=get_policy("h2o"), budget=Budget(4), device=device)
     batch = _batch(allocator, 20, packed)
     _compact(batch, pool, packed, 4, 5)
     g = packed.packed
@@ -201,7 +201,7 @@ def test_decode_reads_packed_requests_through_their_tables(device: torch.device)
     assert store.unit_layout == (layers, heads)
     store.attends = True
     store.begin(0, packed)
-    store.begin(1, ReqKvState(policy=get_policy("snapkv"), budget=4, device=device))
+    store.begin(1, ReqKvState(policy=get_policy("snapkv"), budget=Budget(4), device=device))
     packed.stats = [None] * layers
     store.begin_decode([0, 1], lens)
     [block] = store.decode_step.blocks
@@ -244,7 +244,7 @@ def test_a_failed_variable_compaction_gives_back_the_slots_it_allocated(
 
     layers, heads, n = 2, 2, 12
     pool, allocator = UnitPool(64, layers, heads, 1, device), FakeAllocator(64, seed=1, device=device)
-    state = ReqKvState(policy=get_policy("snapkv"), budget=4, device=device)
+    state = ReqKvState(policy=get_policy("snapkv"), budget=Budget(4), device=device)
     batch = _batch(allocator, n, state)
     batch.reqs[0].kv.cache_protected_len = n - 1  # owns one slot; 4 x L x H kept need 4
     monkeypatch.setattr(compaction, "_make_room_in_tree", lambda tree, need: None)  # a fake tree: nothing to evict

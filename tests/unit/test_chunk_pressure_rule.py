@@ -61,8 +61,8 @@ def test_running_requests_reservations_count() -> None:
 def test_a_pass_between_chunks_may_keep_a_multiple_of_the_budget() -> None:
     """`--kv-chunk-keep`: what a pass between chunks keeps (the pass after the last chunk cuts to
     the budget), and what admission counts a request compressed between chunks to hold."""
-    from sgl_kvc.adapter.runtime import request_peak_tokens
     from sgl_kvc.config import KvcConfig
+    from sgl_kvc.request_settings import peak_tokens as request_peak_tokens
 
     config = KvcConfig(policy="snapkv", kv_budget=256, kv_buffer=128, kv_chunk_keep=2.0)
     assert config.chunk_target(256) == 512 and KvcConfig(policy="snapkv").chunk_target(256) == 256
@@ -73,3 +73,23 @@ def test_a_pass_between_chunks_may_keep_a_multiple_of_the_budget() -> None:
     for bad in (0.5, True, "2"):
         with pytest.raises(ValueError, match="--kv-chunk-keep"):
             KvcConfig(policy="snapkv", kv_chunk_keep=bad)
+
+
+def test_admission_reserves_the_budget_a_request_decodes_with() -> None:
+    """One budget resolution: what admission reserves for a request is the budget its passes cut
+    to at its longest (`--kv-budget-ratio`: that fraction of prompt + most new tokens, never
+    below the window), and a request's own budget wins over the ratio."""
+    from sgl_kvc.config import KvcConfig
+    from sgl_kvc.request_settings import peak_tokens, resolved
+
+    def req(custom=None):
+        return SimpleNamespace(origin_input_ids=[1] * 990,
+                               sampling_params=SimpleNamespace(max_new_tokens=10, custom_params=custom))
+
+    config = KvcConfig(policy="rkv", kv_budget_ratio=0.25, kv_buffer=128, kv_window=8)
+    r = req()
+    assert peak_tokens(config, r) == resolved(r, config).budget.at(1000) + 128 + 1 == 250 + 129
+    tiny = KvcConfig(policy="rkv", kv_budget_ratio=0.001, kv_buffer=128, kv_window=8)
+    assert peak_tokens(tiny, req()) == 8 + 1 + 128 + 1  # the window's floor, as a pass keeps
+    own = req({"sgl_kvc": {"budget": 64}})
+    assert peak_tokens(config, own) == 64 + 128 + 1 and resolved(own, config).budget.ratio is None

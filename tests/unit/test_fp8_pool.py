@@ -76,7 +76,7 @@ def test_fp8_unit_pool_units_are_the_layers_rows_and_move_exactly() -> None:
 
     from fakes import FakeAllocator
     from sgl_kvc.adapter.compaction import compact_requests_units
-    from sgl_kvc.core.request_state import ReqKvState, unit_index
+    from sgl_kvc.core.request_state import Budget, ReqKvState, unit_index
     from sgl_kvc.policies import get_policy
     from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode
     from sgl_kvc.policies import select_from_scores
@@ -102,7 +102,7 @@ def test_fp8_unit_pool_units_are_the_layers_rows_and_move_exactly() -> None:
         seq_lens_cpu=torch.tensor([n]), tree_cache=None,
         req_to_token_pool=SimpleNamespace(req_to_token=r2t), token_to_kv_pool_allocator=allocator,
     )
-    tables = ReqKvState(policy=get_policy("snapkv"), budget=3).tables(slots, layers, heads)  # unpacked
+    tables = ReqKvState(policy=get_policy("snapkv"), budget=Budget(3)).tables(slots, layers, heads)  # unpacked
     scores = torch.rand(layers, heads, n, generator=torch.Generator().manual_seed(0))
     selection = select_from_scores(scores, torch.zeros(scores.shape, dtype=torch.bool), 3,
                                    lengths=tables.lens, mode="variable")

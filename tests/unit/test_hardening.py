@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_kvc.adapter.requests import is_middle_chunk, reject_invalid, request_settings
+from sgl_kvc.adapter.requests import is_middle_chunk
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.adapter.tp import ScoreReducer
 from sgl_kvc.policies import LayerView, PolicyParams, available_policies, get_policy
-from sgl_kvc.request_settings import RequestCompression
+from sgl_kvc.request_settings import RequestCompression, admit, of_request
 
 
 class FakeReq:
@@ -39,8 +39,8 @@ SERVER = KvcConfig(policy="rkv")
 )
 def test_bad_settings_abort_the_request_with_a_400(value) -> None:
     req = FakeReq({"sgl_kvc": value})
-    assert request_settings(req) == RequestCompression(policy="none")  # never raises
-    assert reject_invalid(req, SERVER)
+    assert of_request(req) == RequestCompression(policy="none")  # never raises
+    assert admit(req, SERVER)
     msg, status = req.aborted
     assert status == 400 and "custom_params.sgl_kvc" in msg
     assert "Traceback" not in msg and "Error(" not in msg
@@ -57,8 +57,8 @@ def test_bad_settings_abort_the_request_with_a_400(value) -> None:
 )
 def test_good_settings_pass(custom, expected) -> None:
     req = FakeReq(custom)
-    assert request_settings(req) == expected
-    assert not reject_invalid(req, SERVER) and req.aborted is None
+    assert of_request(req) == expected
+    assert not admit(req, SERVER) and req.aborted is None
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,7 @@ def test_settings_this_server_cannot_serve_are_a_400_at_admission(custom, config
     """Checked against the server's configuration when the request enters the queue, so that it
     never fails later, in a step it shares with other requests."""
     req = FakeReq({"sgl_kvc": custom})
-    refused = reject_invalid(req, config)
+    refused = admit(req, config)
     assert refused == (param is not None)
     if param is not None:
         msg, status = req.aborted
@@ -85,9 +85,9 @@ def test_settings_this_server_cannot_serve_are_a_400_at_admission(custom, config
 
 def test_settings_are_parsed_once() -> None:
     req = FakeReq({"sgl_kvc": {"policy": "h2o"}})
-    first = request_settings(req)
+    first = of_request(req)
     req.sampling_params.custom_params = {"sgl_kvc": {"policy": "bogus"}}
-    assert request_settings(req) is first
+    assert of_request(req) is first
 
 
 def test_middle_chunk_is_told_by_the_batch() -> None:

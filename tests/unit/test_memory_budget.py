@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sgl_kvc.adapter.memory_budget import MAX_QUERY_SHARE, Reservation, fit_pool
-from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import get_policy
 
@@ -20,7 +20,7 @@ def test_the_reservation_is_what_the_store_allocates() -> None:
     a SmolLM2-shaped model: its window queries (bf16) and a statistic per layer and KV head."""
     layers, q_heads, kv_heads, d, window, n = 30, 9, 3, 64, 8, 40
     store = KvcStore(layers, window, torch.zeros(4, 64, dtype=torch.int32), kv_pool=None)
-    state = ReqKvState(policy=get_policy("h2o"), budget=16)
+    state = ReqKvState(policy=get_policy("h2o"), budget=Budget(16))
     store.begin(3, state)  # the top row: the ring buffer holds one request
     g = torch.Generator().manual_seed(0)
     for layer in range(layers):
