@@ -71,7 +71,7 @@ def default_attention_backend(on_gpu: bool, fp8_kv: bool = False, unit_pool: boo
 
 def build_sglang_argv(
     argv: list[str], on_gpu: bool, compressing: bool = False, fp8_kv: bool = False,
-    kv_memory_budget: bool = False, unit_pool: bool = False, native_bf16: bool = True,
+    kv_memory_gb: bool = False, unit_pool: bool = False, native_bf16: bool = True,
 ) -> list[str]:
     """SGLang's argument list: the user's flags plus the defaults they did not override.
     `native_bf16`: whether this CPU multiplies bfloat16 natively (see `EMULATED_BF16_DTYPE`)."""
@@ -80,8 +80,8 @@ def build_sglang_argv(
     out = list(argv)
     defaults = dict(GPU_DEFAULTS if on_gpu else CPU_DEFAULTS)
     defaults["--attention-backend"] = default_attention_backend(on_gpu, fp8_kv, unit_pool)
-    if kv_memory_budget:
-        defaults.pop("--max-total-tokens", None)  # the byte budget decides the pool's size
+    if kv_memory_gb:
+        defaults.pop("--max-total-tokens", None)  # the KV memory decides the pool's size
     if compressing and not has_flag(out, "--disable-overlap-schedule"):
         # Compaction rewrites request rows between steps; the overlap scheduler would prepare
         # the next step while the previous one still reads them.
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     native_bf16 = on_gpu or _native_bf16()
     sglang_argv = build_sglang_argv(
         rest, on_gpu, config.compressing, fp8_kv=config.fp8_kv is not None,
-        kv_memory_budget=config.kv_cache_memory_gb is not None, unit_pool=config.variable_budget,
+        kv_memory_gb=config.kv_cache_memory_gb is not None, unit_pool=config.variable_budget,
         native_bf16=native_bf16,
     )
     config.to_env()  # read by the plugin in this process and in SGLang's worker processes

@@ -24,15 +24,15 @@ class HookTargetMissing(RuntimeError):
 
 def hook_table(config: KvcConfig) -> list[Hook]:
     """Every hook sgl-kvc registers for `config`, in registration order (the FP8 pool's fixed
-    budget before the memory budget's probe of it)."""
-    from sgl_kvc.adapter import fp8_pool, hooks, memory_budget, refusals, request_guard, unit_pool
+    size before the KV memory's probe of it)."""
+    from sgl_kvc.adapter import fp8_pool, hooks, kv_memory, refusals, request_guard, unit_pool
 
     return [
         *refusals.hook_table(config),  # scheduler start-up: models and backends compaction cannot serve
         *hooks.hook_table(config),
         *fp8_pool.hook_table(config, unit_pool.fp8_unit_pool_class(config)),  # FP8: per-layer or unit layout
         *unit_pool.hook_table(config),  # --kv-head-budget variable / layer
-        *memory_budget.hook_table(config),
+        *kv_memory.hook_table(config),
         *request_guard.hook_table(),  # HTTP process: out-of-vocabulary prompt token ids are a 400
     ]
 

@@ -2,7 +2,7 @@
 
 SGLang keeps one slot table (`req_to_token`) for all layers and heads and runs attention with
 page size 1 over it. A compaction moves each request's kept entries into the first slots it
-owns (`sgl_kvc.core.compaction`), rewrites its row to those slots, shortens its lengths and
+owns (`sgl_kvc.core.moves`), rewrites its row to those slots, shortens its lengths and
 frees the rest through the allocator.
 
 Per-head (`--kv-selection per-head`, KV-Compress §4.2 with page size 1): every (layer, KV head)
@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from sgl_kvc.adapter import failpoints, invariants
-from sgl_kvc.core.compaction import UnitMoves, move_unit_entries, move_units_many, packed_slots, unit_moves
+from sgl_kvc.core.moves import UnitMoves, move_unit_entries, move_units_many, packed_slots, unit_moves
 from sgl_kvc.policies import HeadSelection
 
 

@@ -1,16 +1,17 @@
 """The compression moments, run by the scheduler between forward steps.
 
-(a) right after prefill: policies that compress after prefill (SnapKV, KV-Compress, H2O, ...)
-    and any request whose prompt is over its budget;
-(a') between two chunks of a long prompt (Batch-Max's prefill-time eviction, Algorithm 1): the
-    cache is cut back to the budget when the next chunk would not fit the memory left
+(a) `prefill`, right after prefill: policies that compress after prefill (SnapKV, KV-Compress,
+    H2O, ...) and any request whose prompt is over its budget;
+(a') `chunk`, between two chunks of a long prompt (Batch-Max's prefill-time eviction, Algorithm
+    1): the cache is cut back to the budget when the next chunk would not fit the memory left
     (`adapter/chunk_pressure.py`; `chunk-always`: after every chunk, so the prompt never holds
     more than budget + one chunk); the next chunk's queries attend to what was kept, at logical
     positions;
-(b) before a decode step: when a request's cache reaches its policy's trigger (R-KV: budget +
-    buffer, §3.1), compress it back to the budget;
-(c) when SGLang's decode memory check fails: compress running requests that are over their
-    budget (largest first) until the step fits; SGLang retracts only if memory is still short.
+(b) `decode`, before a decode step: when a request's cache reaches its policy's trigger (R-KV:
+    budget + buffer, §3.1), compress it back to the budget;
+(c) `preempt`, when SGLang's decode memory check fails: compress running requests that are over
+    their budget (largest first) until the step fits; SGLang preempts (in its words, retracts)
+    only if memory is still short.
 
 A moment runs passes (`sgl_kvc.core.passes`): per-head passes are staged over scheduler steps
 within `--kv-pass-work`, shared among the step's passes; the selections that finish in a
@@ -231,7 +232,7 @@ class Compressor:
         self._flush(batch)
         self._settle(batch)
 
-    def before_retract(self, batch: Any) -> bool:
+    def before_preempt(self, batch: Any) -> bool:
         """Compress over-budget requests until the next decode step fits. True if it fits."""
         order = sorted(range(len(batch.reqs)), key=lambda j: -int(batch.seq_lens_cpu[j]))
         compressed = fits = False
@@ -273,7 +274,7 @@ class Compressor:
         share = max(1, limit // runs) if limit > 0 else 0
 
         def work() -> StepWork:
-            return StepWork(budget=share) if limit > 0 else StepWork.unlimited()
+            return StepWork(allowance=share) if limit > 0 else StepWork.unlimited()
 
         for i, state in pending:
             self.failures.guarded(batch.reqs[i], "compress", self._advance, batch, i, state, work())

@@ -3,8 +3,8 @@
 | target (sglang 0.5.23)                          | kind   | what for                               |
 | ----------------------------------------------- | ------ | -------------------------------------- |
 | ForwardBatch.init_new                           | after  | request state at first prefill; logical RoPE positions for compacted requests |
-| Scheduler.process_batch_result                  | after  | compression moment (a), after prefill  |
-| Scheduler.update_running_batch                  | around | moments (b) before decode, (c) before retraction; counts retractions |
+| Scheduler.process_batch_result                  | after  | moments `prefill` and `chunk`          |
+| Scheduler.update_running_batch                  | around | moments `decode` and `preempt`; counts SGLang's retractions |
 | PrefillAdder.add_one_req / running-token offset | around | admission by compressed footprint      |
 | PrefillAdder._check_prefill_budget              | around | a chunk-compressed prompt needs one chunk + budget |
 | Scheduler.handle_generate_request               | around | prompts longer than the pool, compressed between chunks |
@@ -152,7 +152,7 @@ def _around_update_running(config: KvcConfig):
         if config.compressing and "decode" in config.compress_on:
             compressor.before_decode(batch)
         if config.compressing and "preempt" in config.compress_on and not batch.check_decode_mem():
-            compressor.before_retract(batch)
+            compressor.before_preempt(batch)
         before = list(batch.reqs)
         out = original(scheduler, batch, *args, **kwargs)
         # A retracted request released its row (its state went with it, `Compressor._released`)

@@ -13,7 +13,7 @@ from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 
 from sgl_kvc.adapter.compressor import Compressor
 from sgl_kvc.adapter.fp8_pool import pool_bytes
-from sgl_kvc.adapter.memory_budget import RESERVED_ATTR
+from sgl_kvc.adapter.kv_memory import RESERVED_ATTR
 from sgl_kvc.adapter.requests import on_release
 from sgl_kvc.config import KvcConfig
 
@@ -108,7 +108,7 @@ def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
             "free_tokens": int(scheduler.token_to_kv_pool_allocator.available_size()),
             "cached_tokens": int(tree.evictable_size()),
             # sgl-kvc's own buffer (observation queries) in use, and what the KV budget
-            # reserves for its queries and statistics (adapter/memory_budget.py)
+            # reserves for its queries and statistics (adapter/kv_memory.py)
             "observation_bytes": compressor.store.query_buffer_bytes,
             # what the live requests' states hold (statistics, staged passes, tables): 0 when idle
             "request_state_bytes": compressor.store.state_bytes,

@@ -33,15 +33,15 @@ class StepWork:
     cached token scored in one layer by a linear-cost policy, `Policy.score_cost`). A pass
     always makes progress: the first (layer, head) of a step runs whatever it costs."""
 
-    budget: int
+    allowance: int
     spent: int = 0
 
     @classmethod
     def unlimited(cls) -> "StepWork":
-        return cls(budget=1 << 62)
+        return cls(allowance=1 << 62)
 
     def fits(self, cost: int) -> bool:
-        return self.spent + cost <= self.budget
+        return self.spent + cost <= self.allowance
 
     def allows(self, cost: int) -> bool:
         """Whether a (layer, head) of this cost may run now: it fits, or nothing ran yet."""

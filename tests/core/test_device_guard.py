@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import sgl_kvc.core.compaction as compaction
+import sgl_kvc.core.moves as entry_moves
 from device_guard import LIBRARY_ROOTS, DeviceMix
 from sgl_kvc.policies import HeadSelection
 
 
 def _library_function(source: str, name: str) -> object:
     """`source` compiled as if it were a file of sgl-kvc (the guard judges code by its file)."""
-    namespace = {"torch": torch, "HeadSelection": HeadSelection, "UnitMoves": compaction.UnitMoves}
+    namespace = {"torch": torch, "HeadSelection": HeadSelection, "UnitMoves": entry_moves.UnitMoves}
     exec(compile(source, LIBRARY_ROOTS[0] + "planted.py", "exec"), namespace)
     return namespace[name]
 
@@ -44,7 +44,7 @@ def test_the_planted_unit_plan_bug_fails(monkeypatch: pytest.MonkeyPatch) -> Non
     )
     units = torch.arange(6).reshape(1, 2, 3)
     dest = torch.tensor([5, 9])
-    moves = compaction.unit_moves(selection, units, dest)  # the real one passes
+    moves = entry_moves.unit_moves(selection, units, dest)  # the real one passes
     assert moves.dst.tolist() == [10, 11, 18]
     with pytest.raises(DeviceMix):
         planted(selection, units, dest)

@@ -41,12 +41,12 @@ def _request(device: torch.device, policy: str, n: int, seed: int, units: bool =
     return store, state, pool, slots
 
 
-def _run(store: KvcStore, state: ReqKvState, n: int, target: int, budget: int, mode: str | None = None):
-    """Start a pass to `target` and advance it with `budget` work per step until it is due."""
+def _run(store: KvcStore, state: ReqKvState, n: int, target: int, allowance: int, mode: str | None = None):
+    """Start a pass to `target` and advance it with `allowance` work per step until it is due."""
     tables = state.tables(store.req_to_token[0, :n], LAYERS, H_KV) if mode else None
     state.pending = start_pass(store, 0, state, state.policy, n, target, "prefill", tables)
     for _ in range(100):
-        work = StepWork(budget=budget)
+        work = StepWork(allowance=allowance)
         due = advance_variable(store, 0, state, n, work, mode) if mode else advance_uniform(store, 0, state, n, work)
         if due is not None:
             return due
@@ -57,7 +57,7 @@ def _run(store: KvcStore, state: ReqKvState, n: int, target: int, budget: int, m
 def test_a_staged_pass_chooses_what_a_whole_pass_chooses(device: torch.device, policy: str) -> None:
     n, target = 30, 6
     store, state, pool, slots = _request(device, policy, n, seed=3)
-    whole = _run(store, state, n, target, budget=1 << 40)
+    whole = _run(store, state, n, target, allowance=1 << 40)
     assert not whole.staged and state.pending is None
     views = [
         LayerView(keys=pool.get_key_buffer(layer)[slots], queries=store.window_queries(0, n)[layer], stats=state.stats[layer],
@@ -68,7 +68,7 @@ def test_a_staged_pass_chooses_what_a_whole_pass_chooses(device: torch.device, p
     assert torch.equal(whole.selection.indices, want)
     assert whole.selection.indices.device == device and whole.kept_positions.device == device
     assert torch.equal(whole.kept_positions, want)  # no compaction yet: logical = physical
-    staged = _run(store, state, n, target, budget=1)  # one KV head per step
+    staged = _run(store, state, n, target, allowance=1)  # one KV head per step
     assert staged.staged and torch.equal(staged.selection.indices, whole.selection.indices)
     if state.policy.uses_stats:
         for layer in range(LAYERS):
@@ -82,10 +82,10 @@ def test_entries_appended_during_a_staged_pass_are_kept_by_every_head(device: to
     n0, n, target = 24, 27, 5
     store, state, pool, _ = _request(device, "snapkv", n, seed=7)
     state.pending = start_pass(store, 0, state, state.policy, n0, target, "decode", None)
-    assert advance_uniform(store, 0, state, n0, StepWork(budget=1)) is None  # one head, not done
+    assert advance_uniform(store, 0, state, n0, StepWork(allowance=1)) is None  # one head, not done
     due = None
     while due is None:
-        due = advance_uniform(store, 0, state, n, StepWork(budget=1))
+        due = advance_uniform(store, 0, state, n, StepWork(allowance=1))
     assert due.selection.n == n and due.began_at == n0
     tail = torch.arange(n0, n, device=device)
     assert torch.equal(due.selection.indices[..., target:], tail.expand(LAYERS, H_KV, n - n0))
@@ -97,7 +97,7 @@ def test_entries_appended_during_a_staged_pass_are_kept_by_every_head(device: to
 def test_variable_pass_sorts_every_heads_scores_once(device: torch.device, mode: str, policy: str) -> None:
     n, target = 26, 5
     store, state, pool, slots = _request(device, policy, n, seed=11, units=True)
-    whole = _run(store, state, n, target, budget=1 << 40, mode=mode)
+    whole = _run(store, state, n, target, allowance=1 << 40, mode=mode)
     scores = torch.empty(LAYERS, H_KV, n, device=device)
     protected = torch.zeros(LAYERS, H_KV, n, dtype=torch.bool, device=device)
     for layer in range(LAYERS):
@@ -114,14 +114,14 @@ def test_variable_pass_sorts_every_heads_scores_once(device: torch.device, mode:
     assert torch.equal(whole.selection.lengths, want.lengths)
     assert torch.equal(whole.selection.indices, want.indices)
     assert whole.units.device == device and whole.selection.total <= target * LAYERS * H_KV
-    staged = _run(store, state, n, target, budget=1, mode=mode)
+    staged = _run(store, state, n, target, allowance=1, mode=mode)
     assert staged.staged and torch.equal(staged.selection.indices, whole.selection.indices)
     if state.policy.uses_stats:
         assert all(s.shape == (H_KV, whole.selection.max_keep) for s in whole.stats)
 
 
 def test_step_work_lets_the_first_head_run_whatever_it_costs() -> None:
-    work = StepWork(budget=10)
+    work = StepWork(allowance=10)
     assert work.allows(50) and not work.fits(50)
     work.spend(50)
     assert not work.allows(1)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from fakes import FakeAllocator
 
-from sgl_kvc.core.compaction import move_units_many
+from sgl_kvc.core.moves import move_units_many
 from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.kernels.fp8 import Fp8Rows
 from sgl_kvc.policies import LayerView, get_policy, select_per_head

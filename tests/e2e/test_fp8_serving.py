@@ -22,7 +22,7 @@ from kvc_reference import generate as _generate
 from kvc_reference import REASONING_PROMPT as LONG_PROMPT
 from kvc_reference import assert_pool_whole, fp8_attention, kept_count, reference_logprobs, trace_events
 from loadtest.server import ServerProcess
-from sgl_kvc.adapter.memory_budget import Reservation, fit_pool
+from sgl_kvc.adapter.kv_memory import Reservation, fit_pool
 
 pytestmark = pytest.mark.e2e
 
@@ -96,7 +96,7 @@ def test_capacity_at_the_same_memory_budget(servers) -> None:
     assert ratio == pytest.approx(BF16_BYTES_PER_TOKEN / FP8_BYTES_PER_TOKEN, rel=1e-3)
     assert ratio > 1.85
     # A compressing server charges its observation queries and statistics to the same budget
-    # (adapter/memory_budget.py): its pool is that much smaller, and both fit together.
+    # (adapter/kv_memory.py): its pool is that much smaller, and both fit together.
     stats = servers["e4m3_rkv"].stats()
     pool = stats["pool"]
     reserve = Reservation.for_model(window=WINDOW, num_layers=2, q_heads=4, kv_heads=2, head_dim=32, q_bytes=2)

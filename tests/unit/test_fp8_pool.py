@@ -35,7 +35,7 @@ class _Layer:
 @pytest.mark.parametrize("fp8", FORMATS)
 def test_pool_stores_fp8_and_reads_dequantized_rows(fp8: str, units: bool) -> None:
     pool = _pool(fp8, units=units)
-    from sgl_kvc.core.compaction import move_units_many
+    from sgl_kvc.core.moves import move_units_many
     from sgl_kvc.adapter.fp8_pool import pool_bytes
 
     # memory: codes + scales, as SGLang counts it (get_kv_size_bytes), per slot
@@ -203,7 +203,7 @@ def test_memory_budget_replaces_the_cpu_token_cap() -> None:
     config, _ = parse_args(["--kv-cache-memory-gb", "0.5"])
     assert config.kv_cache_memory_gb == 0.5
     assert "--max-total-tokens" in build_sglang_argv(["--model-path", "/m"], on_gpu=False)
-    argv = build_sglang_argv(["--model-path", "/m"], on_gpu=False, kv_memory_budget=True)
+    argv = build_sglang_argv(["--model-path", "/m"], on_gpu=False, kv_memory_gb=True)
     assert "--max-total-tokens" not in argv
     with pytest.raises(ValueError, match="kv-cache-memory-gb"):
         KvcConfig(kv_cache_memory_gb=0.0)

@@ -1,4 +1,4 @@
-"""sgl-kvc's own buffers, sized inside the KV memory budget SGLang profiles.
+"""sgl-kvc's own buffers, sized inside the KV memory SGLang profiles.
 
 A compressing server keeps, besides SGLang's KV pool, two buffers that live as long as requests
 do (`sgl_kvc/core/store.py`):
@@ -8,14 +8,14 @@ do (`sgl_kvc/core/store.py`):
 * attention statistics (H2O, Batch-Max, KV-Compress): one float32 per layer and KV head per
   cached token, at most one per pool token.
 
-SGLang sizes its pool from a byte budget (`KVCacheConfigurator._profile_available_bytes`:
+SGLang sizes its pool from a number of bytes, its KV memory (`KVCacheConfigurator._profile_available_bytes`:
 free memory after weights, minus the activation slack of `--mem-fraction-static`; or
 `--kv-cache-memory-gb`). Left outside, these buffers would be taken from the activation slack
 (an 8B model's queries for 2,048 request slots are 4 GiB). So after SGLang resolves its pool
-(`_resolve_memory_pool_config`), this hook charges them to the same budget: the pool gets
-`(budget - slots x per_request) / (cell + per_token)` tokens when that is fewer than SGLang
+(`_resolve_memory_pool_config`), this hook charges them to the same memory: the pool gets
+`(memory - slots x per_request) / (cell + per_token)` tokens when that is fewer than SGLang
 chose, and the request slots are capped so the queries take at most `MAX_QUERY_SHARE` of the
-budget (SGLang's default of 2,048+ slots would otherwise eat a small pool whole).
+memory (SGLang's default of 2,048+ slots would otherwise eat a small pool whole).
 
 Transient work (one layer's keys while a pass scores it; the bounded block of padded float32
 keys and values of the batched decode kernel, `DECODE_BLOCK_ELEMS`) is activation memory, like
@@ -34,7 +34,7 @@ from sgl_kvc.config import KvcConfig
 logger = logging.getLogger(__name__)
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
-MAX_QUERY_SHARE = 0.1  # of the KV budget, for the observation queries of all request slots
+MAX_QUERY_SHARE = 0.1  # of the KV memory, for the observation queries of all request slots
 STATS_BYTES = 4  # float32 statistic per (token, layer, KV head)
 
 
@@ -62,14 +62,14 @@ class PoolFit:
     reserved_bytes: int
 
 
-def fit_pool(budget: int, cell: int, tokens: int, requests: int, r: Reservation) -> PoolFit:
-    """Tokens and request slots such that pool + sgl-kvc's buffers fit in `budget` bytes.
+def fit_pool(memory: int, cell: int, tokens: int, requests: int, r: Reservation) -> PoolFit:
+    """Tokens and request slots such that pool + sgl-kvc's buffers fit in `memory` bytes.
 
     `cell`: SGLang's bytes per pool token; `tokens`, `requests`: what SGLang chose alone (its
-    token count may already be below what the budget allows, e.g. `--max-total-tokens`)."""
+    token count may already be below what the memory allows, e.g. `--max-total-tokens`)."""
     if r.per_request:
-        requests = min(requests, max(1, int(MAX_QUERY_SHARE * budget) // r.per_request))
-    fit = (budget - requests * r.per_request) // (cell + r.per_token)
+        requests = min(requests, max(1, int(MAX_QUERY_SHARE * memory) // r.per_request))
+    fit = (memory - requests * r.per_request) // (cell + r.per_token)
     tokens = max(1, min(tokens, fit))
     return PoolFit(tokens, requests, requests * r.per_request + tokens * r.per_token)
 
@@ -77,36 +77,36 @@ def fit_pool(budget: int, cell: int, tokens: int, requests: int, r: Reservation)
 def hook_table(config: KvcConfig) -> list[Hook]:
     if not config.compressing:  # --policy none keeps no buffers: SGLang's sizing, untouched
         return []
-    probe = _BudgetProbe()  # the configurator has __slots__: the budget travels here
+    probe = _MemoryProbe()  # the configurator has __slots__: the memory travels here
     return [
         Hook(f"{_CONFIGURATOR}._profile_available_bytes", probe.after_profile, "AFTER", (),
-             "the KV byte budget SGLang profiled"),
+             "the KV memory (bytes) SGLang profiled"),
         Hook(f"{_CONFIGURATOR}._resolve_memory_pool_config", _around_resolve(config, probe), "AROUND", (),
-             "sgl-kvc's buffers charged to that budget"),
+             "sgl-kvc's buffers charged to that memory"),
     ]
 
 
 RESERVED_ATTR = "kvc_reserved_bytes"  # on SGLang's MemoryPoolConfig (model_runner.memory_pool_config)
 
 
-class _BudgetProbe:
-    """The byte budget SGLang profiled, from `_profile_available_bytes` (registered after
-    `--kv-cache-memory-gb`'s hook, so it sees a fixed budget too) to the resolve hook."""
+class _MemoryProbe:
+    """The KV memory (bytes) SGLang profiled, from `_profile_available_bytes` (registered after
+    `--kv-cache-memory-gb`'s hook, so it sees a fixed size too) to the resolve hook."""
 
     def __init__(self) -> None:
-        self.budget: int | None = None
+        self.memory: int | None = None
 
     def after_profile(self, result: int, kvc: Any, *args: Any, **kwargs: Any) -> int:
-        self.budget = int(result)
+        self.memory = int(result)
         return result
 
 
-def _around_resolve(config: KvcConfig, probe: _BudgetProbe) -> Callable[..., Any]:
+def _around_resolve(config: KvcConfig, probe: _MemoryProbe) -> Callable[..., Any]:
     def hook(original: Callable[..., Any], kvc: Any, *args: Any, **kwargs: Any) -> Any:
-        probe.budget = None
+        probe.memory = None
         pool = original(kvc, *args, **kwargs)
-        budget = probe.budget
-        if budget is None or kvc.is_draft_worker or pool.max_running_requests is None:
+        memory = probe.memory
+        if memory is None or kvc.is_draft_worker or pool.max_running_requests is None:
             return pool
         from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
         from sglang.srt.runtime_context import get_parallel, get_schedule
@@ -125,9 +125,9 @@ def _around_resolve(config: KvcConfig, probe: _BudgetProbe) -> Callable[..., Any
         cell = getattr(configurator, "_cell_size", None)  # SGLang's bytes per token (FP8 included)
         if not cell:  # a pool layout without one cost per token (hybrid, MLA...)
             logger.warning("sgl-kvc: %s has no per-token cost; its buffers are not reserved in "
-                           "the KV budget", type(configurator).__name__)
+                           "the KV memory", type(configurator).__name__)
             return pool
-        fit = fit_pool(budget, int(cell), pool.max_total_num_tokens, pool.max_running_requests, r)
+        fit = fit_pool(memory, int(cell), pool.max_total_num_tokens, pool.max_running_requests, r)
         if fit.tokens < pool.max_total_num_tokens:
             resized = configurator.calculate_pool_sizes_from_max_tokens(
                 fit.tokens, get_schedule().page_size
@@ -139,9 +139,9 @@ def _around_resolve(config: KvcConfig, probe: _BudgetProbe) -> Callable[..., Any
             pool.max_running_requests = fit.requests
         setattr(pool, RESERVED_ATTR, fit.reserved_bytes)  # read by /v1/kvc/stats
         logger.info(
-            "sgl-kvc: %.1f MB of the %.1f MB KV budget reserved for observation queries (%d request "
+            "sgl-kvc: %.1f MB of the %.1f MB KV memory reserved for observation queries (%d request "
             "slots x %d B) and attention statistics (%d B per token): pool %d tokens, %d requests",
-            fit.reserved_bytes / 1e6, budget / 1e6, pool.max_running_requests, r.per_request,
+            fit.reserved_bytes / 1e6, memory / 1e6, pool.max_running_requests, r.per_request,
             r.per_token, pool.max_total_num_tokens, pool.max_running_requests,
         )
         return pool

@@ -1,4 +1,4 @@
-"""sgl-kvc's buffers are charged to SGLang's KV memory budget (`adapter/memory_budget.py`)."""
+"""sgl-kvc's buffers are charged to SGLang's KV memory (`adapter/kv_memory.py`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sgl_kvc.adapter.memory_budget import MAX_QUERY_SHARE, Reservation, fit_pool
+from sgl_kvc.adapter.kv_memory import MAX_QUERY_SHARE, Reservation, fit_pool
 from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import get_policy
