@@ -50,7 +50,7 @@ from sgl_kvc.launch import has_flag
 
 CLUSTER_PREFIX = "cluster:"
 
-DEFAULT_CONFIGS = ["none", "rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress"]
+DEFAULT_CONFIGS = ["none", "rkv", "h2o", "snapkv", "streamingllm", "batchmax", "kvcompress"]
 
 
 @dataclass

@@ -54,7 +54,7 @@ from benchmarks.quality_samples import (
     LONG_OUTPUT_KINDS, MAX_LONG_OUTPUT_PER_KIND, Sample, check_per_kind, long_output_samples,
 )
 
-CONFIGS = ["rkv@128", "rkv@256", "rkv@512", "snapkv@256", "streamingllm@256", "h2o@256", "avgattn@256",
+CONFIGS = ["rkv@128", "rkv@256", "rkv@512", "snapkv@256", "streamingllm@256", "h2o@256", "batchmax@256",
            "kvcompress@256"]
 FULL, FULL_AGAIN = "full", "full (again)"
 

@@ -60,7 +60,7 @@ from benchmarks.quality_samples import (
 from loadtest.server import ServerProcess
 from sgl_kvc.policies import BUDGET_MODES
 
-POLICIES = ["rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress", "rkv/shared", "snapkv/shared"]
+POLICIES = ["rkv", "h2o", "snapkv", "streamingllm", "batchmax", "kvcompress", "rkv/shared", "snapkv/shared"]
 BUDGETS = [128, 256, 512, 1024]
 UNCOMPRESSED = 1 << 20  # a per-request budget above any prompt: nothing is evicted
 REPO = Path(__file__).resolve().parents[1]

@@ -22,6 +22,7 @@ from sgl_kvc.policies import (
     SELECTIONS,
     PolicyParams,
     available_policies,
+    canonical_policy,
     prompt_policy_error,
     prompt_policy_name,
 )
@@ -164,6 +165,9 @@ class KvcConfig:
     )
 
     def __post_init__(self) -> None:
+        # An earlier policy name (e.g. avgattn) is stored as the policy's name.
+        object.__setattr__(self, "policy", canonical_policy(self.policy))
+        object.__setattr__(self, "prompt_policy", canonical_policy(self.prompt_policy))
         choices = available_policies()
         if self.policy not in choices:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {choices}")
@@ -270,8 +274,10 @@ class KvcConfig:
             kwargs: dict[str, Any] = {"default": default, "help": f.metadata.get("help", "")}
             if f.name == "policy":
                 kwargs["choices"] = available_policies()
+                kwargs["type"] = canonical_policy  # an earlier name is accepted
             elif f.name == "prompt_policy":
                 kwargs["choices"] = [AUTO, *(p for p in available_policies() if p != "none")]
+                kwargs["type"] = canonical_policy
             elif f.name in _CHOICES:
                 kwargs["choices"] = _CHOICES[f.name]
                 kwargs["type"] = str

@@ -22,7 +22,9 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from sgl_kvc.core.request_state import Budget
-from sgl_kvc.policies import AUTO, SELECTIONS, available_policies, prompt_policy_error, prompt_policy_name
+from sgl_kvc.policies import (
+    AUTO, SELECTIONS, available_policies, canonical_policy, prompt_policy_error, prompt_policy_name,
+)
 
 if TYPE_CHECKING:
     from sgl_kvc.config import KvcConfig
@@ -101,7 +103,7 @@ def parse_kv_compression(obj: Any, field: str = FIELD) -> RequestCompression:
             f"{field}.{unknown[0]}",
             f"unknown field(s) {', '.join(unknown)} in {field}; allowed: {', '.join(ALLOWED)}",
         )
-    policy = obj.get("policy")
+    policy = canonical_policy(obj.get("policy"))  # an earlier name is accepted
     if policy is not None and (not isinstance(policy, str) or policy not in available_policies()):
         shown = f'"{policy}"' if isinstance(policy, str) else json_type_name(policy)
         raise RequestSettingError(
@@ -122,7 +124,7 @@ def parse_kv_compression(obj: Any, field: str = FIELD) -> RequestCompression:
         raise RequestSettingError(
             f"{field}.selection", f"unknown selection {shown}; choose one of {', '.join(SELECTIONS)}"
         )
-    prompt_policy = obj.get("prompt_policy")
+    prompt_policy = canonical_policy(obj.get("prompt_policy"))
     choices = [AUTO, *(p for p in available_policies() if p != "none")]
     if prompt_policy is not None and (not isinstance(prompt_policy, str) or prompt_policy not in choices):
         shown = f'"{prompt_policy}"' if isinstance(prompt_policy, str) else json_type_name(prompt_policy)

@@ -6,9 +6,9 @@ Importing this package registers every policy; use :func:`get_policy` / :func:`a
 from __future__ import annotations
 
 from . import (  # noqa: F401  (register)
-    avgattn, expected_attention, h2o, keydiff, kvcompress, none, rkv, snapkv, streamingllm,
+    batchmax, expected_attention, h2o, keydiff, kvcompress, none, rkv, snapkv, streamingllm,
 )
-from .avgattn import AvgAttnPolicy
+from .batchmax import BatchMaxPolicy
 from ._ops import gqa_logits
 from .base import RKV_EXEMPTIONS, LayerView, Policy, PolicyParams
 from .expected_attention import ExpectedAttentionPolicy
@@ -28,6 +28,7 @@ from .per_head import (
 from .registry import (
     AUTO,
     available_policies,
+    canonical_policy,
     get_policy,
     policy_class,
     prompt_policy_error,
@@ -44,7 +45,7 @@ __all__ = [
     "DEFAULT_SELECTION",
     "RKV_EXEMPTIONS",
     "SELECTIONS",
-    "AvgAttnPolicy",
+    "BatchMaxPolicy",
     "ExpectedAttentionPolicy",
     "H2OPolicy",
     "HeadSelection",
@@ -58,6 +59,7 @@ __all__ = [
     "SnapKVPolicy",
     "StreamingLLMPolicy",
     "available_policies",
+    "canonical_policy",
     "carry_stats_per_head",
     "get_policy",
     "gqa_logits",

@@ -241,6 +241,8 @@ class Policy(ABC):
     """One eviction policy. Subclasses implement :meth:`_score` and override rules as needed."""
 
     name: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
+    """Earlier names of the policy, still accepted wherever a policy is named (flags, requests)."""
     uses_stats: ClassVar[bool] = False
     """Whether the caller must maintain ``stats`` through :meth:`accumulate`."""
     accumulate_prefill: ClassVar[bool] = False

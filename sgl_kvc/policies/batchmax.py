@@ -28,8 +28,9 @@ from .registry import register_policy
 
 
 @register_policy
-class AvgAttnPolicy(Policy):
-    name: ClassVar[str] = "avgattn"
+class BatchMaxPolicy(Policy):
+    name: ClassVar[str] = "batchmax"
+    aliases: ClassVar[tuple[str, ...]] = ("avgattn",)  # its name before; accepted for a release
     uses_stats: ClassVar[bool] = True
     accumulate_prefill: ClassVar[bool] = True
     compress_after_prefill: ClassVar[bool] = True
@@ -39,7 +40,7 @@ class AvgAttnPolicy(Policy):
 
     def _score(self, view: LayerView) -> Tensor:
         if view.stats is None:
-            raise ValueError("policy 'avgattn' needs accumulated attention (LayerView.stats)")
+            raise ValueError("policy 'batchmax' needs accumulated attention (LayerView.stats)")
         sums = pad_stats(view.stats, view.n)
         pos = view.positions.to(torch.float64)
         # positions are [n] or, per head, [H_kv, n]: curr_id is the newest token any head holds

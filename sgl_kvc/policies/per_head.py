@@ -21,7 +21,7 @@ Two budget modes (``budget`` is the per-request budget in tokens, as in ``Policy
   and eq. 18 evicts the request's E_s globally smallest ones. Every head first keeps its protected
   tokens (KV-Compress §3: keys of the observation window are safe from eviction) and at least
   ``min_per_head`` tokens (not in the paper: a floor so that no head is ever emptied, which
-  matters for policies with nothing protected, e.g. avgattn); the rest of the budget goes to the
+  matters for policies with nothing protected, e.g. batchmax); the rest of the budget goes to the
   globally highest metrics.
 * ``"layer"``: Ada-SnapKV's allocation as KV-Compress §4.2 describes it ("sorting metrics over a
   flattened tensor where head and sequence length dimensions are combined, then selecting ... the
@@ -30,7 +30,7 @@ Two budget modes (``budget`` is the per-request budget in tokens, as in ``Policy
 
 Comparability of scores across heads and layers (needed by the variable and layer modes only): like
 KV-Compress and Ada-SnapKV we sort the RAW metrics, with no per-head normalisation. Each metric
-is already on a common scale: SnapKV, H2O, avgattn and KV-Compress sum (squared) softmax
+is already on a common scale: SnapKV, H2O, batchmax and KV-Compress sum (squared) softmax
 probabilities, and every query head spreads exactly mass 1 over the keys it sees, so every KV head
 of every layer receives the same total mass from the same queries; R-KV's Z (eq. 7) is a
 difference of two distributions over the candidates (importance and softmax redundancy), again

@@ -7,6 +7,7 @@ from typing import TypeVar
 from .base import Policy, PolicyParams
 
 _REGISTRY: dict[str, type[Policy]] = {}
+_ALIASES: dict[str, str] = {}  # an earlier name -> the policy's name
 
 P = TypeVar("P", bound=type[Policy])
 
@@ -20,7 +21,15 @@ def register_policy(cls: P) -> P:
     if existing is not None and existing is not cls:
         raise ValueError(f"policy name {name!r} already registered by {existing.__name__}")
     _REGISTRY[name] = cls
+    for alias in getattr(cls, "aliases", ()):
+        _ALIASES[alias] = name
     return cls
+
+
+def canonical_policy(name: str) -> str:
+    """The policy's name for ``name``, which may be an earlier name it still accepts (its
+    ``aliases``: ``avgattn`` for ``batchmax``); anything else unchanged."""
+    return _ALIASES.get(name, name) if isinstance(name, str) else name
 
 
 def available_policies() -> list[str]:
@@ -30,7 +39,7 @@ def available_policies() -> list[str]:
 
 def policy_class(name: str) -> type[Policy]:
     """The class registered as ``name``; ValueError naming the choices otherwise."""
-    cls = _REGISTRY.get(name)
+    cls = _REGISTRY.get(canonical_policy(name))
     if cls is None:
         raise ValueError(
             f"unknown KV-cache policy {name!r}; choose one of: {', '.join(available_policies())}"

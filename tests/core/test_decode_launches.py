@@ -27,7 +27,7 @@ from sync_guard import HostSync, LaunchCounter, SyncGuard
 
 LAYERS, H_KV, GROUP, D, WINDOW = 3, 2, 3, 16, 8
 DEVICE = torch.device("meta")
-MIXED = ("rkv", "h2o", "snapkv", "kvcompress", "avgattn", "streamingllm")
+MIXED = ("rkv", "h2o", "snapkv", "kvcompress", "batchmax", "streamingllm")
 
 
 @dataclass

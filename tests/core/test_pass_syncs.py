@@ -26,7 +26,7 @@ from sync_guard import SyncCounter
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 D, SLOTS, WINDOW, GROUP, N, BUDGET = 8, 200, 4, 3, 120, 30
-POLICIES = ["rkv", "snapkv", "h2o", "kvcompress", "streamingllm", "avgattn", "keydiff", "expected_attention"]
+POLICIES = ["rkv", "snapkv", "h2o", "kvcompress", "streamingllm", "batchmax", "keydiff", "expected_attention"]
 MODES = ["shared", "uniform", "variable", "layer"]
 BOUND = 8  # what the engines read today is 1 to 7; the bound only has to be independent of L x H
 

@@ -17,7 +17,7 @@ from sgl_kvc.policies import LayerView, get_policy, select_from_scores, select_p
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 LAYERS, H_KV, GROUP, D, SLOTS, WINDOW = 2, 2, 3, 8, 96, 4
-POLICIES = ["rkv", "snapkv", "h2o", "kvcompress", "streamingllm", "avgattn", "expected_attention", "keydiff"]
+POLICIES = ["rkv", "snapkv", "h2o", "kvcompress", "streamingllm", "batchmax", "expected_attention", "keydiff"]
 
 
 def _request(device: torch.device, policy: str, n: int, seed: int, units: bool = False):

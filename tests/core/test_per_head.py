@@ -347,8 +347,8 @@ def make_views(
     return views
 
 
-POLICIES = ["snapkv", "kvcompress", "rkv", "h2o", "avgattn", "streamingllm", "expected_attention", "keydiff"]
-STATS = {"h2o", "avgattn"}
+POLICIES = ["snapkv", "kvcompress", "rkv", "h2o", "batchmax", "streamingllm", "expected_attention", "keydiff"]
+STATS = {"h2o", "batchmax"}
 
 
 def policy_and_views(
@@ -413,8 +413,8 @@ def test_variable_is_one_global_sort(device: torch.device, name: str) -> None:
 
 
 def test_variable_handles_no_protected_tokens_with_floor(device: torch.device) -> None:
-    """avgattn protects nothing; a strongly skewed head gets most of the budget but never all."""
-    policy, views = policy_and_views("avgattn", seed=4, device=device)
+    """batchmax protects nothing; a strongly skewed head gets most of the budget but never all."""
+    policy, views = policy_and_views("batchmax", seed=4, device=device)
     for v in views:
         v.stats[1:] *= 1e-3  # heads 1, 2 score far lower than head 0
     sel = select_per_head(policy, views, BUDGET, mode="variable", min_per_head=2)

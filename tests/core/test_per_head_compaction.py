@@ -135,7 +135,7 @@ def test_layer_view_takes_per_head_positions(device: torch.device) -> None:
         LayerView(keys=keys, positions=torch.zeros(3, 5, dtype=torch.int64, device=device))
 
 
-@pytest.mark.parametrize("name", ["streamingllm", "avgattn"])
+@pytest.mark.parametrize("name", ["streamingllm", "batchmax"])
 def test_position_policies_score_each_heads_own_tokens(device: torch.device, name: str) -> None:
     """Per-head positions: head h's scores equal those of a one-head view of its own tokens."""
     policy = get_policy(name)
@@ -174,7 +174,7 @@ def test_staged_pass_cost_follows_the_policys_scoring_cost(device: torch.device)
 
 
 @pytest.mark.parametrize(
-    "name", ["rkv", "snapkv", "h2o", "avgattn", "kvcompress", "streamingllm", "expected_attention", "keydiff"]
+    "name", ["rkv", "snapkv", "h2o", "batchmax", "kvcompress", "streamingllm", "expected_attention", "keydiff"]
 )
 def test_one_head_at_a_time_chooses_what_the_whole_layer_chooses(device: torch.device, name: str) -> None:
     """Staged passes score one KV head at a time where a layer does not fit in a step's work

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 ALL_POLICIES = [
-    "avgattn", "expected_attention", "h2o", "keydiff", "kvcompress", "none", "rkv", "snapkv", "streamingllm",
+    "batchmax", "expected_attention", "h2o", "keydiff", "kvcompress", "none", "rkv", "snapkv", "streamingllm",
 ]
 
 # --------------------------------------------------------------------------------------------------
@@ -449,7 +449,7 @@ def stats_case(name: str, case: Case, device: torch.device, recent: bool = True,
     for layer in range(LAYERS):
         view, sums, pos = simulate_stats(pol, case, layer, device)
         views.append(view)
-        if name == "avgattn" and average:
+        if name == "batchmax" and average:
             # Batch-Max §3.2: ave_weights = sum_weights / (curr_id + 1 - kv_ids)
             curr = pos[-1]
             sums = [[s[i] / (curr + 1 - pos[i]) for i in range(case.n)] for s in sums]
@@ -459,7 +459,7 @@ def stats_case(name: str, case: Case, device: torch.device, recent: bool = True,
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("name", ["h2o", "avgattn"])
+@pytest.mark.parametrize("name", ["h2o", "batchmax"])
 def test_accumulated_attention_policies_match_reference(device: torch.device, name: str, case: Case) -> None:
     pol, views, ref = stats_case(name, case, device)
     assert kept(pol, views, KEEP) == ref
@@ -469,9 +469,9 @@ def test_accumulated_attention_references_are_discriminative(device: torch.devic
     h2o = [stats_case("h2o", c, device) for c in CASES]
     ours = [kept(pol, views, KEEP) for pol, views, _ in h2o]
     assert ours != [stats_case("h2o", c, device, recent=False)[2] for c in CASES]
-    avg = [stats_case("avgattn", c, device) for c in CASES]
+    avg = [stats_case("batchmax", c, device) for c in CASES]
     ours = [kept(pol, views, KEEP) for pol, views, _ in avg]
-    assert ours != [stats_case("avgattn", c, device, average=False)[2] for c in CASES]
+    assert ours != [stats_case("batchmax", c, device, average=False)[2] for c in CASES]
 
 
 def test_h2o_half_recent_half_heavy(device: torch.device) -> None:
@@ -496,7 +496,7 @@ def test_stats_narrower_than_n_are_zero_padded(device: torch.device) -> None:
 
 def test_stats_policies_require_stats(device: torch.device) -> None:
     view = LayerView(keys=torch.randn(20, 2, 4, device=device))
-    for name in ["h2o", "avgattn", "kvcompress", "rkv", "snapkv"]:
+    for name in ["h2o", "batchmax", "kvcompress", "rkv", "snapkv"]:
         with pytest.raises(ValueError, match=name):
             get_policy(name, PolicyParams(budget=4)).select([view], 4)
 
@@ -914,30 +914,30 @@ def test_amortised_target_length(device: torch.device, name: str) -> None:
     assert pol0.target_length(17) == 16
 
 
-def test_avgattn_target_length_evicts_chunks(device: torch.device) -> None:
-    pol = get_policy("avgattn", PolicyParams(budget=128, evict_chunk=64))
+def test_batchmax_target_length_evicts_chunks(device: torch.device) -> None:
+    pol = get_policy("batchmax", PolicyParams(budget=128, evict_chunk=64))
     assert pol.target_length(127) is None
     assert pol.target_length(128) == 64
     assert pol.target_length(1000) == 64
-    small = get_policy("avgattn", PolicyParams(budget=16, evict_chunk=64))
+    small = get_policy("batchmax", PolicyParams(budget=16, evict_chunk=64))
     assert small.target_length(16) == 8  # chunk clamped to budget // 2
-    tiny = get_policy("avgattn", PolicyParams(budget=1))
+    tiny = get_policy("batchmax", PolicyParams(budget=1))
     assert tiny.target_length(1) is None and tiny.target_length(2) == 1
 
 
 def test_prefill_target_length(device: torch.device) -> None:
     p = PolicyParams(budget=16)
-    for name in ["snapkv", "kvcompress", "h2o", "streamingllm", "avgattn", "expected_attention", "keydiff"]:
+    for name in ["snapkv", "kvcompress", "h2o", "streamingllm", "batchmax", "expected_attention", "keydiff"]:
         pol = get_policy(name, p)
         assert pol.compress_after_prefill
         assert pol.prefill_target_length(16) is None
         # Batch-Max evicts as Algorithm 1 does at its ceiling: to budget - p (p clamped to 8 here)
-        assert pol.prefill_target_length(17) == (8 if name == "avgattn" else 16)
+        assert pol.prefill_target_length(17) == (8 if name == "batchmax" else 16)
     assert get_policy("rkv", p).prefill_target_length(1000) is None
 
 
 @pytest.mark.parametrize(
-    "name", ["snapkv", "kvcompress", "h2o", "streamingllm", "avgattn", "expected_attention", "keydiff"]
+    "name", ["snapkv", "kvcompress", "h2o", "streamingllm", "batchmax", "expected_attention", "keydiff"]
 )
 def test_no_decode_pass_right_after_the_prefill_pass(name: str, device: torch.device) -> None:
     """What a prompt keeps after prefill is not due for compression again at the first decode step."""
@@ -1079,9 +1079,9 @@ def test_prompt_policy_pairs() -> None:
     assert prompt_policy_name("rkv") == "snapkv"
     assert all(prompt_policy_name(p) == p for p in available_policies() if p != "rkv")
     ok = [("rkv", "rkv"), ("rkv", "kvcompress"), ("h2o", "snapkv"), ("kvcompress", "streamingllm"),
-          ("avgattn", "avgattn"), ("none", "h2o"), ("h2o", "auto")]
+          ("batchmax", "batchmax"), ("none", "h2o"), ("h2o", "auto")]
     assert all(prompt_policy_error(*pair) is None for pair in ok)
-    refused = [("rkv", "h2o"), ("rkv", "avgattn"), ("h2o", "kvcompress"), ("h2o", "avgattn"), ("rkv", "none")]
+    refused = [("rkv", "h2o"), ("rkv", "batchmax"), ("h2o", "kvcompress"), ("h2o", "batchmax"), ("rkv", "none")]
     assert all(prompt_policy_error(*pair) for pair in refused)
     # the query-agnostic scorers keep no statistic: a prompt policy for every decode policy
     for prompt in ("expected_attention", "keydiff"):

@@ -147,7 +147,7 @@ def test_batched_decode_statistics_equal_the_per_request_ones(device: torch.devi
     r2t = torch.randperm(64, generator=g)[: rows * 16].reshape(rows, 16).to(device, torch.int32)
     batch_rows, batch_lens = [3, 1, 0, 2], [5, 7, 16, 9]  # row 1's policy keeps no statistics
     q = torch.randn(4, h_kv * group, d, generator=g).to(device)
-    for name in ("h2o", "avgattn", "kvcompress"):
+    for name in ("h2o", "batchmax", "kvcompress"):
         batched = KvcStore(1, 4, r2t, _Pool(keys))
         looped = KvcStore(1, 4, r2t, _Pool(keys))
         for store in (batched, looped):
@@ -176,7 +176,7 @@ def test_batched_decode_statistics_with_a_policy_per_request(device: torch.devic
     h_kv, group, d = 2, 2, 8
     keys = torch.randn(64, h_kv, d, generator=g).to(device)
     r2t = torch.randperm(64, generator=g)[:48].reshape(4, 12).to(device, torch.int32)
-    names = {0: "h2o", 1: "kvcompress", 2: "avgattn", 3: "kvcompress"}
+    names = {0: "h2o", 1: "kvcompress", 2: "batchmax", 3: "kvcompress"}
     rows, lens = [2, 0, 3, 1], [7, 12, 5, 9]
     batched = KvcStore(1, 4, r2t, _Pool(keys))
     looped = KvcStore(1, 4, r2t, _Pool(keys))

@@ -106,7 +106,7 @@ def test_shared_prefix_hits_while_compressing(rkv_server, demo_model_path) -> No
     assert_pool_whole(after)
 
 
-@pytest.mark.parametrize("policy", ["h2o", "avgattn"])
+@pytest.mark.parametrize("policy", ["h2o", "batchmax"])
 def test_prefill_statistics_policies_compute_their_whole_prompt(rkv_server, trace, policy) -> None:
     """H2O and Batch-Max score tokens by the attention of every prompt query, which a prefix
     served from the tree never paid: such requests take no prefix hit, so a repeated prompt
@@ -120,7 +120,7 @@ def test_prefill_statistics_policies_compute_their_whole_prompt(rkv_server, trac
     assert first and [e["kept_positions"] for e in first] == [e["kept_positions"] for e in second]
 
 
-@pytest.mark.parametrize("policy", ["rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress"])
+@pytest.mark.parametrize("policy", ["rkv", "h2o", "snapkv", "streamingllm", "batchmax", "kvcompress"])
 def test_every_policy_compresses_per_request(rkv_server, trace, policy: str) -> None:
     r = rkv_server.post(
         "/v1/completions",
@@ -175,7 +175,7 @@ def test_statistics_prompt_policy_needs_its_own_decode_policy(rkv_server) -> Non
     assert ok.status_code == 200, ok.text
 
 
-@pytest.mark.parametrize("policy", ["rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress"])
+@pytest.mark.parametrize("policy", ["rkv", "h2o", "snapkv", "streamingllm", "batchmax", "kvcompress"])
 def test_budget_above_length_gives_same_tokens_as_none(rkv_server, policy: str) -> None:
     def greedy(settings: dict) -> str:
         r = rkv_server.post(
@@ -193,7 +193,7 @@ def test_concurrent_compressing_requests_complete_and_free_everything(rkv_server
     """A load of every policy and both selections, staged passes under way and a client that
     disconnects mid-stream: once idle, every slot is free or cached and no request state is
     left in the store (statistics, staged passes' query copies, tables)."""
-    policies = ["rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress", "rkv", "h2o"]
+    policies = ["rkv", "h2o", "snapkv", "streamingllm", "batchmax", "kvcompress", "rkv", "h2o"]
 
     def settings(i: int) -> dict:
         return {"kv_compression": {"policy": policies[i], "selection": "shared" if i % 3 == 2 else "per-head"}}

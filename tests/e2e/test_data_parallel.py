@@ -20,7 +20,7 @@ from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
 
-POLICIES = ("rkv", "h2o", "snapkv", "streamingllm", "avgattn", "kvcompress")
+POLICIES = ("rkv", "h2o", "snapkv", "streamingllm", "batchmax", "kvcompress")
 CMD = [
     sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv",
     "--kv-budget", "32", "--kv-buffer", "16", "--dp-size", "2", "--max-total-tokens", "4096",

@@ -66,7 +66,7 @@ def test_good_settings_pass(custom, expected) -> None:
     [
         ({"policy": "h2o", "prompt_policy": "snapkv"}, KvcConfig(policy="h2o"), None),  # servable
         ({"policy": "snapkv", "prompt_policy": "h2o"}, KvcConfig(policy="rkv"), "custom_params.sgl_kvc.prompt_policy"),
-        ({"prompt_policy": "avgattn"}, KvcConfig(policy="rkv"), "custom_params.sgl_kvc.prompt_policy"),
+        ({"prompt_policy": "batchmax"}, KvcConfig(policy="rkv"), "custom_params.sgl_kvc.prompt_policy"),
         ({"budget": 64}, KvcConfig(policy="none"), "custom_params.sgl_kvc.budget"),
         ({"policy": "none", "budget": 64}, KvcConfig(policy="none"), "custom_params.sgl_kvc.budget"),
         ({"policy": "none"}, KvcConfig(policy="none"), None),

@@ -135,7 +135,7 @@ def test_prompt_policy_flag() -> None:
     # the query-agnostic scorers: policies of their own, and prompt policies under any policy
     assert parse_args(["--policy", "expected_attention"])[0].prompt_policy_name == "expected_attention"
     assert parse_args(["--policy", "keydiff"])[0].prompt_policy_name == "keydiff"
-    for policy in ("rkv", "h2o", "avgattn", "kvcompress"):
+    for policy in ("rkv", "h2o", "batchmax", "kvcompress"):
         for prompt in ("expected_attention", "keydiff"):
             assert parse_args(["--policy", policy, "--prompt-policy", prompt])[0].prompt_policy_name == prompt
 

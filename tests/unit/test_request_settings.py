@@ -61,9 +61,27 @@ def test_query_agnostic_prompt_policies_are_served_under_any_server_policy() -> 
     from sgl_kvc.config import KvcConfig
     from sgl_kvc.request_settings import server_conflict
 
-    for server in ("rkv", "h2o", "avgattn", "kvcompress", "snapkv"):
+    for server in ("rkv", "h2o", "batchmax", "kvcompress", "snapkv"):
         config = KvcConfig(policy=server)
         for prompt in ("expected_attention", "keydiff"):
             assert server_conflict(parse_kv_compression({"prompt_policy": prompt}), config) is None
-    refused = server_conflict(parse_kv_compression({"prompt_policy": "avgattn"}), KvcConfig(policy="keydiff"))
+    refused = server_conflict(parse_kv_compression({"prompt_policy": "batchmax"}), KvcConfig(policy="keydiff"))
     assert refused is not None and refused.param == "kv_compression.prompt_policy"
+
+
+def test_an_earlier_policy_name_is_accepted_as_the_policy() -> None:
+    """`avgattn`, Batch-Max's name before it was `batchmax`, still works in flags and requests,
+    and is served (and reported) as `batchmax`; it is not listed as a choice of its own."""
+    import argparse
+
+    from sgl_kvc.config import KvcConfig
+    from sgl_kvc.policies import available_policies, get_policy
+
+    assert "avgattn" not in available_policies() and get_policy("avgattn").name == "batchmax"
+    parsed = parse_kv_compression({"policy": "avgattn", "prompt_policy": "avgattn"})
+    assert parsed == RequestCompression(policy="batchmax", prompt_policy="batchmax")
+    assert KvcConfig(policy="avgattn").policy == "batchmax"
+    parser = argparse.ArgumentParser()
+    KvcConfig.add_cli_args(parser)
+    ns = parser.parse_args(["--policy", "avgattn", "--prompt-policy", "avgattn"])
+    assert KvcConfig.from_cli_args(ns).policy == KvcConfig.from_cli_args(ns).prompt_policy == "batchmax"
