@@ -26,7 +26,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,6 +55,12 @@ from sgl_kvc.core.views import layer_views, with_gaps
 from sgl_kvc.policies import HeadSelection, Policy, get_policy, prompt_policy_error
 from sgl_kvc.request_settings import resolved
 
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
 logger = logging.getLogger(__name__)
 
 STATE_ATTR = "_sgl_kvc_state"
@@ -66,7 +72,7 @@ POLICY_CACHE_SIZE = 64
 class Compressor:
     """One per scheduler process. Owns the policies, the store and the counters."""
 
-    def __init__(self, config: KvcConfig, model_runner: Any) -> None:
+    def __init__(self, config: KvcConfig, model_runner: ModelRunner) -> None:
         self.config = config
         self.stats = CompressionStats()
         pool = model_runner.token_to_kv_pool
@@ -110,7 +116,7 @@ class Compressor:
             self._policies.move_to_end(key)
         return policy
 
-    def new_state(self, req: Any) -> ReqKvState:
+    def new_state(self, req: Req) -> ReqKvState:
         settings = resolved(req, self.config)
         why = prompt_policy_error(settings.policy, settings.prompt_policy)
         if why is not None:  # the HTTP layer refuses it first; this guards the scheduler
@@ -121,10 +127,10 @@ class Compressor:
             prompt_policy=settings.prompt_policy_name,
         )
 
-    def state(self, req: Any) -> ReqKvState | None:
+    def state(self, req: Req) -> ReqKvState | None:
         return getattr(req, STATE_ATTR, None)
 
-    def begin_extend(self, batch: Any) -> None:
+    def begin_extend(self, batch: ScheduleBatch) -> None:
         """Before a prefill (chunk): give requests seen for the first time their state, and tell
         the observation store the batch's rows and the tables of its packed requests (host-side:
         no device sync in the forward)."""
@@ -135,29 +141,29 @@ class Compressor:
         self.store.begin_extend(rows, batch.seq_lens_cpu.tolist())
         self._plant_observation_faults(batch.reqs, rows)
 
-    def _begin(self, req: Any) -> None:
+    def _begin(self, req: Req) -> None:
         state = self.new_state(req)
         self.store.begin(req.kv.req_pool_idx, state)
         setattr(req, STATE_ATTR, state)
 
-    def _released(self, req: Any) -> None:
+    def _released(self, req: Req) -> None:
         """A request gave its row back (finished, aborted, retracted): drop what it held."""
         row = getattr(req.kv, "req_pool_idx", None)
         if row is not None:
             self.store.release(row)
         setattr(req, STATE_ATTR, None)
 
-    def begin_decode(self, batch: Any, fb: Any) -> None:
+    def begin_decode(self, batch: ScheduleBatch, fb: ForwardBatch) -> None:
         """Before a decode forward: the step's plan, from host-side data."""
         rows = [req.kv.req_pool_idx for req in batch.reqs]
         self.store.begin_decode(rows, fb.seq_lens_cpu.tolist())  # a CPU tensor: no device sync
         self._plant_observation_faults(batch.reqs, rows)
 
-    def _plant_observation_faults(self, reqs: list[Any], rows: list[int]) -> None:
+    def _plant_observation_faults(self, reqs: list[Req], rows: list[int]) -> None:
         if failpoints.active("observe_raise"):
             self.store.planted_rows = frozenset(r for req, r in zip(reqs, rows) if failpoints.hits("observe_raise", req))
 
-    def extend_position_offsets(self, batch: Any, fb: Any) -> Any:
+    def extend_position_offsets(self, batch: ScheduleBatch, fb: ForwardBatch) -> Any:
         """Per-token RoPE offsets of an extend batch (on the device), or None if all are 0: the
         chunks after a compaction between chunks continue at logical positions."""
         if not self.store.offset_rows or not any(r.kv.req_pool_idx in self.store.offset_rows for r in batch.reqs):
@@ -172,7 +178,7 @@ class Compressor:
         return self.store.offsets[req_pool_indices]
 
     # --- the moments ---------------------------------------------------------------------------
-    def after_prefill(self, batch: Any) -> None:
+    def after_prefill(self, batch: ScheduleBatch) -> None:
         """After an extend: the chunk moment for requests between two chunks of their prompt,
         the prefill moment for those whose prompt is done."""
         self._step_seconds = 0.0
@@ -203,7 +209,7 @@ class Compressor:
         self._flush(batch)
         self._settle(batch)
 
-    def _chunk_due(self, req: Any, state: ReqKvState, n: int, keep: int, tree_cache: Any) -> bool:
+    def _chunk_due(self, req: Req, state: ReqKvState, n: int, keep: int, tree_cache: BasePrefixCache) -> bool:
         """Whether a prompt over its budget is compressed before its next chunk: after every
         chunk (`chunk-always`), or when the next chunk would not fit (`chunk`). Before its first
         such compaction, what it computed so far is published to the tree (still exact)."""
@@ -214,7 +220,7 @@ class Compressor:
         publish_exact_prefix(req, tree_cache)
         return True
 
-    def before_decode(self, batch: Any) -> None:
+    def before_decode(self, batch: ScheduleBatch) -> None:
         self._step_seconds = 0.0
         pending, starts = [], []
         for i, req in enumerate(batch.reqs):
@@ -232,7 +238,7 @@ class Compressor:
         self._flush(batch)
         self._settle(batch)
 
-    def before_preempt(self, batch: Any) -> bool:
+    def before_preempt(self, batch: ScheduleBatch) -> bool:
         """Compress over-budget requests until the next decode step fits. True if it fits."""
         order = sorted(range(len(batch.reqs)), key=lambda j: -int(batch.seq_lens_cpu[j]))
         compressed = fits = False
@@ -260,7 +266,7 @@ class Compressor:
         return fits or batch.check_decode_mem()
 
     def _run_passes(
-        self, batch: Any, pending: list[tuple[int, ReqKvState]], starts: list[tuple[int, ReqKvState, int]],
+        self, batch: ScheduleBatch, pending: list[tuple[int, ReqKvState]], starts: list[tuple[int, ReqKvState, int]],
         moment: str, whole: bool = False,
     ) -> None:
         """Advance the staged passes and start the new ones of one moment. The step's work
@@ -282,7 +288,7 @@ class Compressor:
             self.failures.guarded(batch.reqs[i], "compress", self._start_pass, batch, i, state, target, moment, work())
 
     # --- failure isolation ----------------------------------------------------------------------
-    def _drop(self, req: Any) -> None:
+    def _drop(self, req: Req) -> None:
         """A failed request: sgl-kvc forgets it at once (its state, a staged pass, its observations),
         and its KV, which may be half moved, never enters the radix tree."""
         setattr(req, STATE_ATTR, None)
@@ -291,13 +297,13 @@ class Compressor:
             self.store.release(row)
         req.skip_radix_cache_insert = True
 
-    def _settle(self, batch: Any) -> None:
+    def _settle(self, batch: ScheduleBatch) -> None:
         """End of a moment's hook: the ranks agree on what failed, and it is aborted."""
         self.stats.failed_requests += self.failures.settle(batch.reqs, self.scheduler)
 
     # --- passes ---------------------------------------------------------------------------------
     def _start_pass(
-        self, batch: Any, i: int, state: ReqKvState, target: int, moment: str, work: StepWork
+        self, batch: ScheduleBatch, i: int, state: ReqKvState, target: int, moment: str, work: StepWork
     ) -> None:
         """Begin a pass to `target` entries and run what `work` allows of it."""
         if not state.per_head:
@@ -316,7 +322,7 @@ class Compressor:
         self._account(time.perf_counter() - t0)
         self._advance(batch, i, state, work)
 
-    def _advance(self, batch: Any, i: int, state: ReqKvState, work: StepWork) -> None:
+    def _advance(self, batch: ScheduleBatch, i: int, state: ReqKvState, work: StepWork) -> None:
         """Score what `work` allows of the request's pass; a finished selection is due for this
         moment's compaction (`_flush`)."""
         t0 = time.perf_counter()
@@ -330,7 +336,7 @@ class Compressor:
             self._due.append(due)
         self._account(time.perf_counter() - t0)
 
-    def _compress_shared(self, batch: Any, i: int, state: ReqKvState, target: int, moment: str) -> None:
+    def _compress_shared(self, batch: ScheduleBatch, i: int, state: ReqKvState, target: int, moment: str) -> None:
         """The shared selection: one set of tokens for every layer and head, in one step (with
         tensor parallelism, scores averaged over the ranks first)."""
         t0 = time.perf_counter()
@@ -365,7 +371,7 @@ class Compressor:
         self._account(time.perf_counter() - t0)
 
     # --- compaction and commit ------------------------------------------------------------------
-    def _flush(self, batch: Any) -> None:
+    def _flush(self, batch: ScheduleBatch) -> None:
         """Compact the requests whose selection finished in this step, together: each kind (per
         head or shared; packed in the unit pool) by its routine, one batched move per kind. Then
         the ranks agree on what moved everywhere (`_vote`), that is applied, and each request is
@@ -397,7 +403,7 @@ class Compressor:
                 self.failures.guarded(batch.reqs[d.i], "compress", self._commit, batch, d, outcome)
         self._account(time.perf_counter() - t0)
 
-    def _vote(self, batch: Any, outcomes: dict[int, Prepared | Exception]) -> list[Prepared]:
+    def _vote(self, batch: ScheduleBatch, outcomes: dict[int, Prepared | Exception]) -> list[Prepared]:
         """The prepared compactions to apply, the same on every rank: a request whose compaction
         failed on any rank (or which failed there earlier in the step) fails on all; one skipped
         everywhere is skipped; one skipped on some ranks and prepared on others (their pools no
@@ -428,7 +434,7 @@ class Compressor:
                 self.failures.fail(batch.reqs[i], "compress", FailedOnAnotherRank())
         return ready
 
-    def _commit(self, batch: Any, d: DueCompaction, outcome: CompactionResult) -> None:
+    def _commit(self, batch: ScheduleBatch, d: DueCompaction, outcome: CompactionResult) -> None:
         """After request d.i's compaction: its state, position offset, query count, counters."""
         req = batch.reqs[d.i]
         state, row = d.state, req.kv.req_pool_idx
@@ -461,7 +467,7 @@ class Compressor:
         if self.metrics:
             self.metrics.compressed(d.moment, n - outcome.kept)
 
-    def _reopen_admission(self, batch: Any) -> None:
+    def _reopen_admission(self, batch: ScheduleBatch) -> None:
         """A compaction freed slots: let the scheduler try its waiting requests again. SGLang
         stops admitting once a request did not fit (`batch_is_full`) and reopens only when a
         request leaves; freed slots are the same news (sglang 0.5.23, `Scheduler
@@ -471,7 +477,7 @@ class Compressor:
             if b is not None and getattr(b, "batch_is_full", False):
                 b.batch_is_full = False
 
-    def _other_batches(self, batch: Any) -> tuple[Any, ...]:
+    def _other_batches(self, batch: ScheduleBatch) -> tuple[ScheduleBatch, ...]:
         """The other running batch (read only by the invariant check)."""
         running = getattr(self.scheduler, "running_batch", None)
         return (running,) if running is not None and running is not batch else ()

@@ -5,15 +5,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.request_settings import of_request
 
+if TYPE_CHECKING:
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
 _RELEASE_ATTR = "_sgl_kvc_on_release"  # on SGLang's ReqToTokenPool
 
 
-def is_middle_chunk(batch: Any, req: Any) -> bool:
+def is_middle_chunk(batch: ScheduleBatch, req: Req) -> bool:
     """True when this extend batch ran a chunk of `req`'s prompt that is not its last one.
 
     SGLang marks the request still being chunked as `batch.chunked_req`; its own counter
@@ -22,20 +28,20 @@ def is_middle_chunk(batch: Any, req: Any) -> bool:
     return getattr(batch, "chunked_req", None) is req or getattr(req, "inflight_middle_chunks", 0) > 0
 
 
-def on_release(req_to_token_pool: Any, listener: Callable[[Any], None]) -> None:
+def on_release(req_to_token_pool: ReqToTokenPool, listener: Callable[[Req], None]) -> None:
     """Call `listener(req)` whenever a request gives its row back to `req_to_token_pool`
     (finished, aborted or retracted; SGLang's `release_kv_cache`), before the row is freed."""
     listeners = getattr(req_to_token_pool, _RELEASE_ATTR, ())
     setattr(req_to_token_pool, _RELEASE_ATTR, (*listeners, listener))
 
 
-def released(req_to_token_pool: Any, req: Any) -> None:
+def released(req_to_token_pool: ReqToTokenPool, req: Req) -> None:
     """Tell the listeners of `req_to_token_pool` that `req` releases its row."""
     for listener in getattr(req_to_token_pool, _RELEASE_ATTR, ()):
         listener(req)
 
 
-def chunk_compressible(req: Any, config: KvcConfig) -> bool:
+def chunk_compressible(req: Req | TokenizedGenerateReqInput, config: KvcConfig) -> bool:
     """Whether `req` (SGLang's `Req`, or the `TokenizedGenerateReqInput` it is made from) is
     compressed between two chunks of its prompt (the chunk moment): a compressing request on a
     server with that moment on, unless it asked for prompt log-probabilities (they index the
@@ -53,7 +59,7 @@ def chunk_compressible(req: Any, config: KvcConfig) -> bool:
     return getattr(req, "multimodal_inputs", None) is None and getattr(req, "mm_inputs", None) is None
 
 
-def shifted_fill_ids(req: Any, offset: int) -> None:
+def shifted_fill_ids(req: Req, offset: int) -> None:
     """A request compacted between two chunks holds `offset` fewer entries than the tokens it
     has processed: SGLang reads the next chunk's tokens at `prefix_len` (its physical length) in
     `full_untruncated_fill_ids`, so that array starts `offset` tokens later (SGLang's
@@ -62,7 +68,7 @@ def shifted_fill_ids(req: Any, offset: int) -> None:
     req.full_untruncated_fill_ids = (req.origin_input_ids + req.output_ids)[offset:]
 
 
-def publish_exact_prefix(req: Any, tree_cache: Any) -> None:
+def publish_exact_prefix(req: Req, tree_cache: BasePrefixCache) -> None:
     """Before the first compaction between chunks: what the request computed so far is still
     exact KV of its prompt, so the radix tree gets it, as SGLang would have published it before
     the next chunk (`checkpoint_kv_cache`); a later request with the same prefix hits it. Chunks

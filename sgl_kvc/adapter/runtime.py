@@ -7,7 +7,7 @@ globals, and every number in the snapshot is read from the scheduler process tha
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 
@@ -17,11 +17,16 @@ from sgl_kvc.adapter.kv_memory import RESERVED_ATTR
 from sgl_kvc.adapter.requests import on_release
 from sgl_kvc.config import KvcConfig
 
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
 _RUNTIME_ATTR = "_sgl_kvc_runtime"
 _COMPRESSOR_ATTR = "_sgl_kvc_compressor"
 
 
-def compressor_of(model_runner: Any, config: KvcConfig) -> Compressor:
+def compressor_of(model_runner: ModelRunner, config: KvcConfig) -> Compressor:
     compressor = getattr(model_runner, _COMPRESSOR_ATTR, None)
     if compressor is None:
         compressor = Compressor(config, model_runner)
@@ -29,14 +34,14 @@ def compressor_of(model_runner: Any, config: KvcConfig) -> Compressor:
     return compressor
 
 
-def is_health_check(req: Any) -> bool:
+def is_health_check(req: Req) -> bool:
     """SGLang's own `/health` check: a one-token generate it runs whenever the worker is idle. A
     gateway polls every worker, so counting these would add requests nobody sent (a prefix hit
     rate skewed, a worker never idle)."""
     return str(req.rid).startswith(HEALTH_CHECK_RID_PREFIX)
 
 
-def client_requests(reqs: Iterable[Any]) -> int:
+def client_requests(reqs: Iterable[Req]) -> int:
     return sum(1 for req in reqs if not is_health_check(req))
 
 
@@ -49,7 +54,7 @@ class PrefixStats:
     prompt_tokens: int = 0
     hit_tokens: int = 0
 
-    def count(self, req: Any) -> None:
+    def count(self, req: Req) -> None:
         # Retracted requests release their row too, and again when they finish: count at
         # finish only. SGLang computes `cached_tokens` once per request, at its first admission.
         if req.finished() and not is_health_check(req):
@@ -65,7 +70,7 @@ class KvcRuntime:
     prefix: PrefixStats = field(default_factory=PrefixStats)
 
     @classmethod
-    def of(cls, scheduler: Any, config: KvcConfig) -> "KvcRuntime":
+    def of(cls, scheduler: Scheduler, config: KvcConfig) -> "KvcRuntime":
         runtime = getattr(scheduler, _RUNTIME_ATTR, None)
         if runtime is None:
             runtime = cls(config)
@@ -86,7 +91,7 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def collect_stats(scheduler: Any, runtime: KvcRuntime) -> dict[str, Any]:
+def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
     tree = scheduler.tree_cache
     prefix = runtime.prefix
     model_runner = scheduler.tp_worker.model_runner
