@@ -44,3 +44,31 @@ def test_a_changed_signature_or_a_lost_attribute_is_reported() -> None:
         "sglang.srt.managers.schedule_batch.ScheduleBatch: no attribute no_such_field",
         "sglang.srt.managers.scheduler.Scheduler.no_such_method: missing",
     ]
+
+
+def _type_checking_imports() -> list[tuple[str, str, str]]:
+    """(file, module, name) of every import under `if TYPE_CHECKING:` in sgl-kvc's code."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for path in sorted([*(root / "sgl_kvc").rglob("*.py"), *(root / "server").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+                for stmt in node.body:
+                    if isinstance(stmt, ast.ImportFrom) and stmt.module:
+                        found += [(path.name, stmt.module, alias.name) for alias in stmt.names]
+    return found
+
+
+def test_type_hints_name_what_the_installed_sglang_has() -> None:
+    """The SGLang types named in hints (`Req`, `ScheduleBatch`, ...) are never imported at run
+    time; a moved or renamed one is reported here instead of going stale."""
+    import importlib
+
+    imports = _type_checking_imports()
+    assert any(module.startswith("sglang.") for _, module, _ in imports)
+    missing = [f"{file}: {module}.{name}" for file, module, name in imports
+               if not hasattr(importlib.import_module(module), name)]
+    assert missing == []
