@@ -62,6 +62,48 @@ SETTINGS: dict[str, dict[str, float]] = {
 }
 
 
+# --- per-layer scales: what sgl-kvc's scale per (token, KV head) is compared against --------------
+def quantize_tensor(x: Tensor, scale: float | Tensor, fp8: str = "fp8_e4m3") -> Tensor:
+    """Quantize with one scale for the whole tensor (SGLang: the checkpoint's or 1.0)."""
+    spec = F.fp8_spec(fp8)
+    return (x.float() / scale).clamp_(-spec.max, spec.max).to(spec.dtype)
+
+
+def dequantize_tensor(codes: Tensor, scale: float | Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    return (codes.to(torch.float32) * scale).to(dtype)
+
+
+def fake_quantize_tensor(x: Tensor, scale: float | Tensor, fp8: str = "fp8_e4m3") -> Tensor:
+    return dequantize_tensor(quantize_tensor(x, scale, fp8), scale, x.dtype)
+
+
+class RunningAmax:
+    """One scale per layer from the largest magnitude seen so far (`amax / fp8_max`).
+
+    A cache using it holds codes quantized with the scale of the moment; when new data raises
+    the amax, `observe` returns the old and new scale so that the stored codes can be
+    re-quantized (`requantize`), which costs a pass over the layer and a second rounding."""
+
+    def __init__(self, fp8: str = "fp8_e4m3") -> None:
+        self.spec = F.fp8_spec(fp8)
+        self.amax = 0.0
+
+    @property
+    def scale(self) -> float:
+        return max(self.amax, torch.finfo(torch.float32).tiny) / self.spec.max
+
+    def observe(self, x: Tensor) -> tuple[float, float]:
+        """Update with new data; returns (old scale, new scale)."""
+        old = self.scale
+        self.amax = max(self.amax, float(x.detach().abs().max())) if x.numel() else self.amax
+        return old, self.scale
+
+    def requantize(self, codes: Tensor, old: float, new: float) -> Tensor:
+        if old == new:
+            return codes
+        return quantize_tensor(dequantize_tensor(codes, old), new, self.spec.name)
+
+
 # --- stores: how one layer's K (or V) is kept ------------------------------------------------
 class Store:
     """Holds one layer's keys (or values) `[B, H, T, D]`; `append` returns what attention reads."""
@@ -96,11 +138,16 @@ class RowStore(Store):
 
     def encode(self, x: Tensor) -> Tensor:
         if self.per_head:
-            return F.fake_quantize_rows(x, self.fp8, self.scale_format)
+            return self._round_trip(x)
         b, h, t, d = x.shape
         rows = x.permute(0, 2, 1, 3).reshape(b, t, h * d)
-        y = F.fake_quantize_rows(rows, self.fp8, self.scale_format)
+        y = self._round_trip(rows)
         return y.reshape(b, t, h, d).permute(0, 2, 1, 3)
+
+    def _round_trip(self, x: Tensor) -> Tensor:
+        """What a reader of the pool gets back: the rows quantized with their scales, dequantized."""
+        codes, stored = F.quantize_rows(x, self.fp8, self.scale_format)
+        return F.dequantize_rows(codes, stored, self.scale_format, x.dtype)
 
 
 class FixedScaleStore(Store):
@@ -109,7 +156,7 @@ class FixedScaleStore(Store):
         self.fp8, self.scale = fp8, scale
 
     def encode(self, x: Tensor) -> Tensor:
-        return F.fake_quantize_tensor(x, self.scale, self.fp8)
+        return fake_quantize_tensor(x, self.scale, self.fp8)
 
 
 class RunningAmaxStore(Store):
@@ -117,7 +164,7 @@ class RunningAmaxStore(Store):
 
     def __init__(self, fp8: str) -> None:
         super().__init__()
-        self.amax = F.RunningAmax(fp8)
+        self.amax = RunningAmax(fp8)
         self.codes: Tensor | None = None
         self.requantized = 0
 
@@ -126,9 +173,9 @@ class RunningAmaxStore(Store):
         if self.codes is not None and new != old:
             self.codes = self.amax.requantize(self.codes, old, new)
             self.requantized += 1
-        codes = F.quantize_tensor(x, new, self.amax.spec.name)
+        codes = quantize_tensor(x, new, self.amax.spec.name)
         self.codes = codes if self.codes is None else torch.cat([self.codes, codes], dim=-2)
-        return F.dequantize_tensor(self.codes, new, x.dtype)
+        return dequantize_tensor(self.codes, new, x.dtype)
 
 
 @dataclass(frozen=True)
