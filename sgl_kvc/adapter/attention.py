@@ -155,26 +155,20 @@ def _layer_keys(store: KvcStore, layer: Any, row: int, n: int) -> torch.Tensor:
     return store.kv_pool.get_key_buffer(layer.layer_id)[slots]
 
 
-def _planted(store: KvcStore, layer_id: int, rows: list[int]) -> None:
-    """The `observe_raise` failpoint: the second layer of the rank raises for its rows."""
-    if store.planted_rows and layer_id == store.first_layer + 1 and store.planted_rows.intersection(rows):
-        raise failpoints.PlantedFault(f"planted fault observing rows {sorted(store.planted_rows)}")
-
-
 def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any, attended: bool) -> None:
     h_q, d = layer.tp_q_head_num, layer.qk_head_dim
     q = q.reshape(-1, h_q, d)
     pool_rows = store.req_to_token.shape[0]
     rows = store.decode_rows  # the batch's rows in order, from the scheduler's host-side batch
     try:
-        _planted(store, layer.layer_id, rows)
+        failpoints.check_observation(layer.layer_id - store.first_layer, rows)
         store.record_decode(layer.layer_id, fb.req_pool_indices, q, pool_rows)
     except Exception:  # noqa: BLE001 - again one row at a time: only the rows that fail alone lose theirs
         logger.exception("sgl-kvc: recording decode queries failed in layer %s; retrying row by row", layer.layer_id)
         lost = []
         for j, row in enumerate(rows):
             try:
-                _planted(store, layer.layer_id, [row])
+                failpoints.check_observation(layer.layer_id - store.first_layer, [row])
                 store.record_decode(layer.layer_id, fb.req_pool_indices[j : j + 1], q[j : j + 1], pool_rows)
             except Exception:  # noqa: BLE001
                 lost.append(row)
@@ -202,7 +196,7 @@ def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> No
         if e == 0:
             continue
         try:  # one request at a time: what fails for it empties its observations alone
-            _planted(store, layer.layer_id, [row])
+            failpoints.check_observation(layer.layer_id - store.first_layer, [row])
             _observe_extend_row(store, layer, row, qi, p, e, pool_rows)
         except Exception:  # noqa: BLE001
             logger.exception("sgl-kvc: observing row %s failed in layer %s", row, layer.layer_id)

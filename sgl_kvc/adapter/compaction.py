@@ -200,7 +200,7 @@ def _prepare_many(
 
 def _ready(batch: Any, p: _Plan) -> Prepared:
     """Everything about request p.i's new row that can fail, before anything of it changes."""
-    failpoints.maybe_raise("rewrite_raise", batch.reqs[p.i], "rewriting the row of")
+    failpoints.check("rewrite_raise", batch.reqs[p.i])
     return Prepared(p.i, p.dest, p.evicted, p.copied, p.result)
 
 
@@ -229,8 +229,7 @@ def apply(batch: Any, prepared: Sequence[Prepared], other_batches: tuple[Any, ..
         outcomes.append(p.result)
         done.append(batch.reqs[p.i])
         evicted.append(p.evicted)
-    leaky = any(failpoints.hits("leak_slot", req) for req in done)
-    freed = (_free(allocator, torch.cat(evicted), leaky) if evicted
+    freed = (_free(allocator, failpoints.leak_slot(torch.cat(evicted), done)) if evicted
              else torch.zeros(0, dtype=torch.int64, device=batch.req_to_token_pool.req_to_token.device))
     if done and invariants.enabled():
         invariants.check_after_compaction([batch, *other_batches], done, freed)
@@ -274,9 +273,7 @@ def _make_room_in_tree(tree_cache: Any, need: int) -> None:
     evict_from_tree_cache(tree_cache, need)
 
 
-def _free(allocator: Any, slots: Tensor, leak: bool = False) -> Tensor:
-    if leak and slots.numel():
-        slots = slots[1:]  # planted accounting error (tests of SGLKVC_CHECK)
+def _free(allocator: Any, slots: Tensor) -> Tensor:
     if slots.numel():
         allocator.free(slots)
     return slots

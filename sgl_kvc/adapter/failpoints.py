@@ -16,13 +16,22 @@ on. `name@R` plants the fault on tensor-parallel rank R only (a fault one rank s
   layer recorded its own.
 - `tp_local_scores`: with tensor parallelism, each rank chooses the shared selection of a
   request whose id starts with `failpoint-tp` from its own heads' scores.
+
+Serving code reaches them only through this module, one call per site (docs/safety.md, "Checks
+for tests"); `sgl_kvc/core/` knows nothing of them.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any, Sequence
 
 ENV = "SGLKVC_FAILPOINTS"
+
+# What a raising fault says it was doing, per name.
+_DOING = {"compress_raise": "compressing", "rewrite_raise": "rewriting the row of"}
+# Rows of the batch being run that `observe_raise` is planted for (set by `observing`).
+_observe_rows: frozenset[int] = frozenset()
 
 
 class PlantedFault(RuntimeError):
@@ -42,9 +51,32 @@ def hits(name: str, req: object) -> bool:
     return active(name) and str(getattr(req, "rid", "")).startswith("failpoint-" + name.split("_")[0])
 
 
-def maybe_raise(name: str, req: object, what: str) -> None:
+def check(name: str, req: object) -> None:
+    """A site where a planted fault raises (`compress_raise`, `rewrite_raise`)."""
     if hits(name, req):
-        raise PlantedFault(f"planted fault {what} {getattr(req, 'rid', '')}")
+        raise PlantedFault(f"planted fault {_DOING[name]} {getattr(req, 'rid', '')}")
+
+
+def leak_slot(slots: Any, reqs: Sequence[object]) -> Any:
+    """The evicted slots a compaction frees: one fewer when `leak_slot` is planted for one of the
+    compacted requests `reqs` (an accounting error `SGLKVC_CHECK` must catch)."""
+    if slots.numel() and any(hits("leak_slot", req) for req in reqs):
+        return slots[1:]
+    return slots
+
+
+def observing(reqs: Sequence[object], rows: Sequence[int]) -> None:
+    """Before a forward batch (request i in row rows[i]): the rows `observe_raise` is planted for."""
+    global _observe_rows
+    if active("observe_raise"):
+        _observe_rows = frozenset(r for req, r in zip(reqs, rows) if hits("observe_raise", req))
+
+
+def check_observation(layer: int, rows: Sequence[int]) -> None:
+    """Recording the queries of `rows` in the rank's layer `layer` (0: its first): `observe_raise`
+    raises in the second layer for its rows."""
+    if _observe_rows and layer == 1 and _observe_rows.intersection(rows):
+        raise PlantedFault(f"planted fault observing rows {sorted(_observe_rows)}")
 
 
 def _tp_rank() -> int:
