@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from sgl_kvc.adapter import failpoints
 from sgl_kvc.core.store import KvcStore
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +126,7 @@ class TorchNativeKernelMixin:
         return output
 
 
-def _kernel_attends(store: KvcStore, q: Any, layer: Any, fb: Any) -> bool:
+def _kernel_attends(store: KvcStore, q: Any, layer: Any, fb: ForwardBatch) -> bool:
     """Whether this layer's decode attention is the batched kernel's: the step was planned
     for it, and the layer needs nothing the kernel does not do (cross-attention, a sliding
     window, encoder tokens, a logit cap)."""
@@ -155,7 +159,7 @@ def _layer_keys(store: KvcStore, layer: Any, row: int, n: int) -> torch.Tensor:
     return store.kv_pool.get_key_buffer(layer.layer_id)[slots]
 
 
-def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any, attended: bool) -> None:
+def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: ForwardBatch, attended: bool) -> None:
     h_q, d = layer.tp_q_head_num, layer.qk_head_dim
     q = q.reshape(-1, h_q, d)
     pool_rows = store.req_to_token.shape[0]
@@ -180,7 +184,7 @@ def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any, atten
         step.accumulate(layer.layer_id, q, store.kv_pool.get_key_buffer(layer.layer_id), layer.scaling)
 
 
-def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> None:
+def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: ForwardBatch) -> None:
     h_q, d = layer.tp_q_head_num, layer.qk_head_dim
     q = q.reshape(-1, h_q, d)
     pool_rows = store.req_to_token.shape[0]
@@ -244,7 +248,7 @@ def is_kvc_backend(backend: Any) -> bool:
 
 
 def _wrap(name: str, factory: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def create(runner: Any) -> Any:
+    def create(runner: ModelRunner) -> Any:
         backend = factory(runner)
         if not is_kvc_backend(backend):
             backend.__class__ = _kvc_class(type(backend), name)
