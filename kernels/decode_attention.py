@@ -14,9 +14,9 @@ queries' dtype.
 
 What it costs on a CPU is memory traffic, not arithmetic (one query per request and head group):
 the keys and values are gathered once, straight into the [b, H_kv, n, d] layout the products
-read (no transposed copy), and read once more by the two products (measured on 2 AVX2 cores:
-2.5-3x faster than indexing [b, n, H, d] and transposing; a fused
-`scaled_dot_product_attention` was no faster). The softmax attention is returned too: H2O,
+read (no transposed copy), and read once more by the two products (faster than indexing
+[b, n, H, d] and transposing, or a fused `scaled_dot_product_attention`: docs/benchmarks.md,
+"CPU decode"). The softmax attention is returned too: H2O,
 Batch-Max and KV-Compress add it to their statistics and pay no second q.K.
 
 Padding: entry j >= a request's length is masked out of the softmax, and its slot must hold

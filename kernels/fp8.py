@@ -1,19 +1,14 @@
 """FP8 KV-cache quantization: plain torch, no SGLang.
 
-Two families of scales:
-
-* per row: one scale per (token, KV head), computed from the row as it is written,
-  `scale = amax(|row|) / fp8_max`. This is what the sgl-kvc FP8 pool stores. The scale itself is
-  stored in one of `SCALE_FORMATS`: `bfloat16` (the pool's choice: float32's range in two
-  bytes; rounded up so that no value of the row saturates), `float16`, `float32`, or `e8m0`, the
-  power-of-two exponent of the scale in one byte as in the OCP MX formats. With a power-of-two
-  scale a floating-point FP8 code rounds exactly as with no scale at all, so e8m0 only moves the
-  range; an exact scale also maps the row's largest value (nearly) exactly onto fp8_max, which
-  measurably lowers the error (research/fp8_accuracy.py, demo model with outlier keys: logits
-  relative error 0.0431 with bfloat16 scales, 0.0424 float16, 0.0423 float32, 0.0456 e8m0).
-* per tensor (layer): one scale for a whole layer's K (or V): a fixed scale (SGLang's default is
-  1.0 when the checkpoint has none), or a running amax that grows as data arrives
-  (`RunningAmax`; the cache then has to re-quantize what it already holds when the scale grows).
+One scale per row, per (token, KV head), computed from the row as it is written,
+`scale = amax(|row|) / fp8_max`. This is what the sgl-kvc FP8 pool stores. The scale itself is
+stored in one of `SCALE_FORMATS`: `bfloat16` (the pool's choice: float32's range in two
+bytes; rounded up so that no value of the row saturates), `float16`, `float32`, or `e8m0`, the
+power-of-two exponent of the scale in one byte as in the OCP MX formats. With a power-of-two
+scale a floating-point FP8 code rounds exactly as with no scale at all, so e8m0 only moves the
+range; an exact scale also maps the row's largest value (nearly) exactly onto fp8_max, which
+lowers the error (docs/fp8.md, Accuracy, scale formats). The per-layer scales sgl-kvc is
+compared against (SGLang's fixed scale, a running amax) are in research/fp8_accuracy.py.
 
 Casting to FP8 is done after an explicit clamp to +-fp8_max, so out-of-range values saturate on
 every device (torch's cast saturates on CPU; not every kernel does).
@@ -27,10 +22,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-FP8_DTYPES: dict[str, torch.dtype] = {
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
 # Bytes per stored scale.
 SCALE_FORMATS: dict[str, int] = {"e8m0": 1, "float16": 2, "bfloat16": 2, "float32": 4}
 DEFAULT_SCALE_FORMAT = "bfloat16"
@@ -46,16 +37,6 @@ class Fp8Spec:
     max: float
     mantissa_bits: int
     min_normal_exp: int  # smallest normal value is 2**min_normal_exp
-
-    @property
-    def rel_error(self) -> float:
-        """Largest relative rounding error of a value in the normal range (half an ulp)."""
-        return 2.0 ** -(self.mantissa_bits + 1)
-
-    @property
-    def subnormal_step(self) -> float:
-        """Spacing of the subnormal codes (absolute, before scaling)."""
-        return 2.0 ** (self.min_normal_exp - self.mantissa_bits)
 
 
 FP8_SPECS: dict[str, Fp8Spec] = {
@@ -96,7 +77,7 @@ def bytes_per_token(
     return codes + scales
 
 
-# --- per-row scales (the pool's granularity) ----------------------------------------------------
+# --- per-row scales ------------------------------------------------------------------------------
 def encode_scales(amax: Tensor, spec: Fp8Spec, scale_format: str) -> Tensor:
     """Stored scales for rows whose largest magnitude is `amax` (float32)."""
     _check_scale_format(scale_format)
@@ -145,56 +126,6 @@ def dequantize_rows(
     """Inverse of `quantize_rows`: `codes * scale` per row, in `dtype`."""
     scale = decode_scales(stored_scales, scale_format)
     return (codes.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)
-
-
-def fake_quantize_rows(
-    x: Tensor, fp8: str = "fp8_e4m3", scale_format: str = DEFAULT_SCALE_FORMAT
-) -> Tensor:
-    """dequantize(quantize(x)) in x's dtype: what a reader of the cache gets back."""
-    codes, stored = quantize_rows(x, fp8, scale_format)
-    return dequantize_rows(codes, stored, scale_format, x.dtype)
-
-
-# --- per-tensor (per-layer) scales, for comparison -------------------------------------------
-def quantize_tensor(x: Tensor, scale: float | Tensor, fp8: str = "fp8_e4m3") -> Tensor:
-    """Quantize with one scale for the whole tensor (SGLang: the checkpoint's or 1.0)."""
-    spec = fp8_spec(fp8)
-    return (x.float() / scale).clamp_(-spec.max, spec.max).to(spec.dtype)
-
-
-def dequantize_tensor(codes: Tensor, scale: float | Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    return (codes.to(torch.float32) * scale).to(dtype)
-
-
-def fake_quantize_tensor(x: Tensor, scale: float | Tensor, fp8: str = "fp8_e4m3") -> Tensor:
-    return dequantize_tensor(quantize_tensor(x, scale, fp8), scale, x.dtype)
-
-
-class RunningAmax:
-    """One scale per layer from the largest magnitude seen so far (`amax / fp8_max`).
-
-    A cache using it holds codes quantized with the scale of the moment; when new data raises
-    the amax, `observe` returns the old and new scale so that the stored codes can be
-    re-quantized (`requantize`), which costs a pass over the layer and a second rounding."""
-
-    def __init__(self, fp8: str = "fp8_e4m3") -> None:
-        self.spec = fp8_spec(fp8)
-        self.amax = 0.0
-
-    @property
-    def scale(self) -> float:
-        return max(self.amax, torch.finfo(torch.float32).tiny) / self.spec.max
-
-    def observe(self, x: Tensor) -> tuple[float, float]:
-        """Update with new data; returns (old scale, new scale)."""
-        old = self.scale
-        self.amax = max(self.amax, float(x.detach().abs().max())) if x.numel() else self.amax
-        return old, self.scale
-
-    def requantize(self, codes: Tensor, old: float, new: float) -> Tensor:
-        if old == new:
-            return codes
-        return quantize_tensor(dequantize_tensor(codes, old), new, self.spec.name)
 
 
 # --- a cache buffer that dequantizes only what it is indexed with ------------------------------

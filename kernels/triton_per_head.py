@@ -37,9 +37,8 @@ from sgl_kvc.kernels.per_head_attention import HeadTables
 
 BLOCK_N = 64  # units per block of the table walk
 # FP8 rows are half as wide: twice the units per block (and 2 pipeline stages, so a block's tiles
-# stay within sm89's shared memory) keep as many bytes in flight. On an H100, at 128 requests x
-# ~4K units of Llama-3-8B's shape, a step took 0.88 ms against 1.01 ms with 64 units and 3 stages
-# (bf16 rows: 0.81 ms either way; benchmarks/results/per-head-kernel-sweep-h100.md).
+# stay within sm89's shared memory) keep as many bytes in flight, which measured faster on an H100
+# (docs/benchmarks.md, "Per-head decode kernel (GPU)", launch settings).
 FP8_BLOCK_N, FP8_STAGES = 128, 2
 MIN_DOT = 16  # tl.dot's smallest size on every side: query groups are padded to it
 SPLIT_N = 512  # table columns per split (one program each)

@@ -46,6 +46,9 @@ from torch import Tensor
 
 from benchmarks.common import machine, metadata_markdown, run_metadata
 from sgl_kvc.kernels import fp8 as F
+from tests.fp8_reference import (  # the per-layer scales the pool is compared with
+    RunningAmax, dequantize_tensor, fake_quantize_tensor, quantize_tensor,
+)
 
 PROMPTS = [
     "Question: what is the capital of France? Answer:",
@@ -96,11 +99,16 @@ class RowStore(Store):
 
     def encode(self, x: Tensor) -> Tensor:
         if self.per_head:
-            return F.fake_quantize_rows(x, self.fp8, self.scale_format)
+            return self._round_trip(x)
         b, h, t, d = x.shape
         rows = x.permute(0, 2, 1, 3).reshape(b, t, h * d)
-        y = F.fake_quantize_rows(rows, self.fp8, self.scale_format)
+        y = self._round_trip(rows)
         return y.reshape(b, t, h, d).permute(0, 2, 1, 3)
+
+    def _round_trip(self, x: Tensor) -> Tensor:
+        """What a reader of the pool gets back: the rows quantized with their scales, dequantized."""
+        codes, stored = F.quantize_rows(x, self.fp8, self.scale_format)
+        return F.dequantize_rows(codes, stored, self.scale_format, x.dtype)
 
 
 class FixedScaleStore(Store):
@@ -109,7 +117,7 @@ class FixedScaleStore(Store):
         self.fp8, self.scale = fp8, scale
 
     def encode(self, x: Tensor) -> Tensor:
-        return F.fake_quantize_tensor(x, self.scale, self.fp8)
+        return fake_quantize_tensor(x, self.scale, self.fp8)
 
 
 class RunningAmaxStore(Store):
@@ -117,7 +125,7 @@ class RunningAmaxStore(Store):
 
     def __init__(self, fp8: str) -> None:
         super().__init__()
-        self.amax = F.RunningAmax(fp8)
+        self.amax = RunningAmax(fp8)
         self.codes: Tensor | None = None
         self.requantized = 0
 
@@ -126,9 +134,9 @@ class RunningAmaxStore(Store):
         if self.codes is not None and new != old:
             self.codes = self.amax.requantize(self.codes, old, new)
             self.requantized += 1
-        codes = F.quantize_tensor(x, new, self.amax.spec.name)
+        codes = quantize_tensor(x, new, self.amax.spec.name)
         self.codes = codes if self.codes is None else torch.cat([self.codes, codes], dim=-2)
-        return F.dequantize_tensor(self.codes, new, x.dtype)
+        return dequantize_tensor(self.codes, new, x.dtype)
 
 
 @dataclass(frozen=True)

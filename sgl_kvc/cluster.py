@@ -46,7 +46,7 @@ GATEWAY_PACKAGE = "smg"
 #   (polled every 10 s) shows KV usage >= 0.8 or 8 queued requests. A compressing worker fills
 #   its pool by design (it admits by compressed footprint) and its scheduler queues the rest;
 #   with one worker left after a crash, that rule answered 503 "no available workers" to every
-#   request for the 10 s until the next poll (measured: benchmarks/results/cluster.md);
+#   request until the next poll (measured: docs/scaling.md, "Overload protection and compression");
 # - probe workers every 2 s (smg's default is 60 s, too slow to notice a restarted worker);
 # - warnings only in the log (it logs every request at info); metrics on loopback on a free port
 #   (its default, 0.0.0.0:29000, would clash between two gateways on one machine); a 2 s grace

@@ -82,7 +82,7 @@ class KvcConfig:
         ),
     )
     kv_pass_work: int = field(
-        default=3 << 16,  # ~0.09 s of work on a 2-core CPU (docs/architecture.md, "Staged passes")
+        default=3 << 16,  # a short stall per step; what it costs: docs/architecture.md, "Staged passes"
         metadata=_flag(
             "Compression work per scheduler step (cost units: one cached token scored in one "
             "layer by a linear-cost policy; R-KV's redundancy costs more per token). A per-head "

@@ -33,7 +33,8 @@ CPU_DEFAULTS: dict[str, str | None] = {
     "--sampling-backend": "pytorch",
     "--grammar-backend": "none",
     "--max-total-tokens": "16384",
-    # An idle scheduler otherwise polls at 40-70% of a core: much of a small CPU machine.
+    # An idle scheduler otherwise keeps polling, a share of a small CPU machine (docs/architecture.md,
+    # "How it plugs into SGLang").
     "--sleep-on-idle": None,
 }
 GPU_DEFAULTS: dict[str, str | None] = {"--attention-backend": "flashinfer"}

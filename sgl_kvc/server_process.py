@@ -35,7 +35,7 @@ LOOPBACK = "127.0.0.1"
 def cpu_share_env(servers: int) -> dict[str, str]:
     """OMP_NUM_THREADS for one of `servers` CPU servers sharing this machine: an equal share of
     its cores. Several servers each running one OpenMP thread per core spin against each other
-    when busy (measured on 2 cores: a test module took 2.6x its time alone). Empty where the
+    when busy (measured: docs/scaling.md, "One command, one machine"). Empty where the
     user has set OMP_NUM_THREADS."""
     if "OMP_NUM_THREADS" in os.environ:
         return {}

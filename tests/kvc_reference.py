@@ -156,7 +156,7 @@ def fp8_attention(fp8: str | None) -> str:
     from transformers import AttentionInterface
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    from sgl_kvc.kernels.fp8 import fake_quantize_rows
+    from fp8_reference import fake_quantize_rows
 
     def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
         if fp8 is not None:

@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from sgl_kvc.adapter import failpoints
 from sgl_kvc.core.store import KvcStore
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +126,7 @@ class TorchNativeKernelMixin:
         return output
 
 
-def _kernel_attends(store: KvcStore, q: Any, layer: Any, fb: Any) -> bool:
+def _kernel_attends(store: KvcStore, q: Any, layer: Any, fb: ForwardBatch) -> bool:
     """Whether this layer's decode attention is the batched kernel's: the step was planned
     for it, and the layer needs nothing the kernel does not do (cross-attention, a sliding
     window, encoder tokens, a logit cap)."""
@@ -155,26 +159,20 @@ def _layer_keys(store: KvcStore, layer: Any, row: int, n: int) -> torch.Tensor:
     return store.kv_pool.get_key_buffer(layer.layer_id)[slots]
 
 
-def _planted(store: KvcStore, layer_id: int, rows: list[int]) -> None:
-    """The `observe_raise` failpoint: the second layer of the rank raises for its rows."""
-    if store.planted_rows and layer_id == store.first_layer + 1 and store.planted_rows.intersection(rows):
-        raise failpoints.PlantedFault(f"planted fault observing rows {sorted(store.planted_rows)}")
-
-
-def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any, attended: bool) -> None:
+def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: ForwardBatch, attended: bool) -> None:
     h_q, d = layer.tp_q_head_num, layer.qk_head_dim
     q = q.reshape(-1, h_q, d)
     pool_rows = store.req_to_token.shape[0]
     rows = store.decode_rows  # the batch's rows in order, from the scheduler's host-side batch
     try:
-        _planted(store, layer.layer_id, rows)
+        failpoints.check_observation(store, layer.layer_id - store.first_layer, rows)
         store.record_decode(layer.layer_id, fb.req_pool_indices, q, pool_rows)
     except Exception:  # noqa: BLE001 - again one row at a time: only the rows that fail alone lose theirs
         logger.exception("sgl-kvc: recording decode queries failed in layer %s; retrying row by row", layer.layer_id)
         lost = []
         for j, row in enumerate(rows):
             try:
-                _planted(store, layer.layer_id, [row])
+                failpoints.check_observation(store, layer.layer_id - store.first_layer, [row])
                 store.record_decode(layer.layer_id, fb.req_pool_indices[j : j + 1], q[j : j + 1], pool_rows)
             except Exception:  # noqa: BLE001
                 lost.append(row)
@@ -186,7 +184,7 @@ def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any, atten
         step.accumulate(layer.layer_id, q, store.kv_pool.get_key_buffer(layer.layer_id), layer.scaling)
 
 
-def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> None:
+def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: ForwardBatch) -> None:
     h_q, d = layer.tp_q_head_num, layer.qk_head_dim
     q = q.reshape(-1, h_q, d)
     pool_rows = store.req_to_token.shape[0]
@@ -202,7 +200,7 @@ def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> No
         if e == 0:
             continue
         try:  # one request at a time: what fails for it empties its observations alone
-            _planted(store, layer.layer_id, [row])
+            failpoints.check_observation(store, layer.layer_id - store.first_layer, [row])
             _observe_extend_row(store, layer, row, qi, p, e, pool_rows)
         except Exception:  # noqa: BLE001
             logger.exception("sgl-kvc: observing row %s failed in layer %s", row, layer.layer_id)
@@ -250,7 +248,7 @@ def is_kvc_backend(backend: Any) -> bool:
 
 
 def _wrap(name: str, factory: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def create(runner: Any) -> Any:
+    def create(runner: ModelRunner) -> Any:
         backend = factory(runner)
         if not is_kvc_backend(backend):
             backend.__class__ = _kvc_class(type(backend), name)

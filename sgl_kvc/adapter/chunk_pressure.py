@@ -17,10 +17,14 @@ moments (decode, preempt), so under load a prompt is cut back a little earlier, 
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler import Scheduler
 
 
-def next_chunk_room(scheduler: Any) -> int:
+def next_chunk_room(scheduler: Scheduler) -> int:
     """Tokens the next prefill round can give a chunk, as SGLang's admission counts them."""
     from sglang.srt.managers.schedule_policy import PrefillAdder
 
@@ -34,7 +38,7 @@ def next_chunk_room(scheduler: Any) -> int:
     return int(free - reserved)
 
 
-def needs_compression(scheduler: Any, req: Any, processed: int, keep: int) -> bool:
+def needs_compression(scheduler: Scheduler, req: Req, processed: int, keep: int) -> bool:
     """Whether `req`, whose prompt has been read up to `processed` tokens, must be compressed
     before its next chunk: that chunk (one `chunked_prefill_size`, or the rest of the prompt)
     and the `keep` slots the compaction itself may need would not fit the room the next round

@@ -33,7 +33,7 @@ apply; a failed batched move fails every request it moved (their entries may be 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -41,6 +41,9 @@ from torch import Tensor
 from sgl_kvc.adapter import failpoints, invariants
 from sgl_kvc.core.moves import UnitMoves, move_unit_entries, move_units_many, packed_slots, unit_moves
 from sgl_kvc.policies import HeadSelection
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ class Prepared:
 Outcome = Prepared | Exception
 
 
-def prepare_per_head(batch: Any, items: Sequence[tuple[int, HeadSelection]]) -> list[Outcome]:
+def prepare_per_head(batch: ScheduleBatch, items: Sequence[tuple[int, HeadSelection]]) -> list[Outcome]:
     """Per-head compaction of several requests of `batch` (those due in the same step), up to
     `apply`. Each keeps, in every (layer, KV head), its own entries `selection.kept(l, h)`
     (physical indices of its row; the same count in every head: a uniform per-head budget, or a
@@ -113,7 +116,7 @@ def prepare_per_head(batch: Any, items: Sequence[tuple[int, HeadSelection]]) -> 
 
 
 def prepare_units(
-    batch: Any, items: Sequence[tuple[int, HeadSelection, Tensor]], unit_pools: tuple[Any, Any]
+    batch: ScheduleBatch, items: Sequence[tuple[int, HeadSelection, Tensor]], unit_pools: tuple[Any, Any]
 ) -> list[Outcome]:
     """Variable per-head budgets on the unit pool (KV-Compress §4.2), up to `apply`. Item
     (i, selection, units): request i keeps, in (layer l, KV head h), the entries
@@ -145,28 +148,28 @@ def prepare_units(
 
 
 def compact_requests_per_head(
-    batch: Any, items: Sequence[tuple[int, HeadSelection]], other_batches: tuple[Any, ...] = ()
+    batch: ScheduleBatch, items: Sequence[tuple[int, HeadSelection]], other_batches: tuple[ScheduleBatch, ...] = ()
 ) -> list[CompactionResult | Exception]:
     """`prepare_per_head`, then `apply` to every request it prepared."""
     return _apply_prepared(batch, prepare_per_head(batch, items), other_batches)
 
 
 def compact_requests_units(
-    batch: Any, items: Sequence[tuple[int, HeadSelection, Tensor]], unit_pools: tuple[Any, Any],
-    other_batches: tuple[Any, ...] = (),
+    batch: ScheduleBatch, items: Sequence[tuple[int, HeadSelection, Tensor]], unit_pools: tuple[Any, Any],
+    other_batches: tuple[ScheduleBatch, ...] = (),
 ) -> list[CompactionResult | Exception]:
     """`prepare_units`, then `apply` to every request it prepared."""
     return _apply_prepared(batch, prepare_units(batch, items, unit_pools), other_batches)
 
 
-def _apply_prepared(batch: Any, outcomes: list[Outcome], other_batches: tuple[Any, ...]) -> list[CompactionResult | Exception]:
+def _apply_prepared(batch: ScheduleBatch, outcomes: list[Outcome], other_batches: tuple[ScheduleBatch, ...]) -> list[CompactionResult | Exception]:
     ready = [o for o in outcomes if isinstance(o, Prepared)]
     applied = iter(apply(batch, ready, other_batches))
     return [next(applied) if isinstance(o, Prepared) else o for o in outcomes]
 
 
 def _prepare_many(
-    batch: Any, items: Sequence[Any], plan: Callable[[Any], _Plan], move: Callable[[list[_Plan]], None],
+    batch: ScheduleBatch, items: Sequence[Any], plan: Callable[[Any], _Plan], move: Callable[[list[_Plan]], None],
 ) -> list[Outcome]:
     """What the batched compactions share: `plan(item)` plans one request alone or raises for
     it alone; `move(plans)` moves every planned request's kept entries at once; then each new
@@ -198,20 +201,20 @@ def _prepare_many(
     return outcomes
 
 
-def _ready(batch: Any, p: _Plan) -> Prepared:
+def _ready(batch: ScheduleBatch, p: _Plan) -> Prepared:
     """Everything about request p.i's new row that can fail, before anything of it changes."""
-    failpoints.maybe_raise("rewrite_raise", batch.reqs[p.i], "rewriting the row of")
+    failpoints.check("rewrite_raise", batch.reqs[p.i])
     return Prepared(p.i, p.dest, p.evicted, p.copied, p.result)
 
 
-def abandon(batch: Any, prepared: Prepared) -> None:
+def abandon(batch: ScheduleBatch, prepared: Prepared) -> None:
     """A prepared request whose compaction will not be applied: give back the slots allocated
     for it (its kept entries were copied over slots its old row still lists; it must be
     aborted, its KV is no longer its prompt's)."""
     _give_back_copied(batch.token_to_kv_pool_allocator, prepared.row, prepared.copied)
 
 
-def apply(batch: Any, prepared: Sequence[Prepared], other_batches: tuple[Any, ...] = ()) -> list[CompactionResult | Exception]:
+def apply(batch: ScheduleBatch, prepared: Sequence[Prepared], other_batches: tuple[ScheduleBatch, ...] = ()) -> list[CompactionResult | Exception]:
     """Commit prepared requests to SGLang: each row's tree lock dropped, its row and lengths
     rewritten; then the evicted slots of all of them freed in one call, and the invariants
     checked once. Per request: its result, or the exception of a failed unlock (its slots given
@@ -229,15 +232,14 @@ def apply(batch: Any, prepared: Sequence[Prepared], other_batches: tuple[Any, ..
         outcomes.append(p.result)
         done.append(batch.reqs[p.i])
         evicted.append(p.evicted)
-    leaky = any(failpoints.hits("leak_slot", req) for req in done)
-    freed = (_free(allocator, torch.cat(evicted), leaky) if evicted
+    freed = (_free(allocator, failpoints.leak_slot(torch.cat(evicted), done)) if evicted
              else torch.zeros(0, dtype=torch.int64, device=batch.req_to_token_pool.req_to_token.device))
     if done and invariants.enabled():
         invariants.check_after_compaction([batch, *other_batches], done, freed)
     return outcomes
 
 
-def _row(batch: Any, i: int) -> Tensor:
+def _row(batch: ScheduleBatch, i: int) -> Tensor:
     """Request i's slots (its first seq_len entries), int64."""
     n = int(batch.seq_lens_cpu[i])
     return batch.req_to_token_pool.req_to_token[batch.reqs[i].kv.req_pool_idx, :n].to(torch.int64)
@@ -250,7 +252,7 @@ def _give_back_copied(allocator: Any, dest: Tensor, copied: int) -> None:
         allocator.free(dest[dest.numel() - copied :])
 
 
-def _destinations(batch: Any, i: int, g: int) -> tuple[Tensor, Tensor, int]:
+def _destinations(batch: ScheduleBatch, i: int, g: int) -> tuple[Tensor, Tensor, int]:
     """(the g slots a compaction of request i writes, the owned slots it gives back, how many
     of the g were newly allocated). The request's own slots come first (the tree's are never
     written); only a request owning fewer than g (a long prefix hit) needs new ones."""
@@ -274,15 +276,13 @@ def _make_room_in_tree(tree_cache: Any, need: int) -> None:
     evict_from_tree_cache(tree_cache, need)
 
 
-def _free(allocator: Any, slots: Tensor, leak: bool = False) -> Tensor:
-    if leak and slots.numel():
-        slots = slots[1:]  # planted accounting error (tests of SGLKVC_CHECK)
+def _free(allocator: Any, slots: Tensor) -> Tensor:
     if slots.numel():
         allocator.free(slots)
     return slots
 
 
-def _rewrite(batch: Any, p: Prepared) -> None:
+def _rewrite(batch: ScheduleBatch, p: Prepared) -> None:
     """Drop the request's tree lock (the one call into SGLang, so it comes before any change),
     then write its new row and lengths (plain assignments)."""
     req = batch.reqs[p.i]
@@ -301,7 +301,7 @@ def _rewrite(batch: Any, p: Prepared) -> None:
     _set_len(batch, p.i, k)
 
 
-def _set_len(batch: Any, i: int, k: int) -> None:
+def _set_len(batch: ScheduleBatch, i: int, k: int) -> None:
     # New tensors rather than in-place writes: earlier forward inputs may still reference them.
     for name in ("seq_lens", "seq_lens_cpu", "orig_seq_lens"):
         t = getattr(batch, name, None)

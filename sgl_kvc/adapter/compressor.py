@@ -139,7 +139,7 @@ class Compressor:
                 self.failures.guarded(req, "start", self._begin, req)
         rows = [req.kv.req_pool_idx for req in batch.reqs]
         self.store.begin_extend(rows, batch.seq_lens_cpu.tolist())
-        self._plant_observation_faults(batch.reqs, rows)
+        failpoints.observing(self.store, batch.reqs, rows)
 
     def _begin(self, req: Req) -> None:
         state = self.new_state(req)
@@ -157,11 +157,7 @@ class Compressor:
         """Before a decode forward: the step's plan, from host-side data."""
         rows = [req.kv.req_pool_idx for req in batch.reqs]
         self.store.begin_decode(rows, fb.seq_lens_cpu.tolist())  # a CPU tensor: no device sync
-        self._plant_observation_faults(batch.reqs, rows)
-
-    def _plant_observation_faults(self, reqs: list[Req], rows: list[int]) -> None:
-        if failpoints.active("observe_raise"):
-            self.store.planted_rows = frozenset(r for req, r in zip(reqs, rows) if failpoints.hits("observe_raise", req))
+        failpoints.observing(self.store, batch.reqs, rows)
 
     def extend_position_offsets(self, batch: ScheduleBatch, fb: ForwardBatch) -> Any:
         """Per-token RoPE offsets of an extend batch (on the device), or None if all are 0: the
@@ -309,7 +305,7 @@ class Compressor:
         if not state.per_head:
             self._compress_shared(batch, i, state, target, moment)
             return
-        failpoints.maybe_raise("compress_raise", batch.reqs[i], "compressing")
+        failpoints.check("compress_raise", batch.reqs[i])
         t0 = time.perf_counter()
         row = batch.reqs[i].kv.req_pool_idx
         n = int(batch.seq_lens_cpu[i])
@@ -343,7 +339,7 @@ class Compressor:
         req = batch.reqs[i]
         n = int(batch.seq_lens_cpu[i])
         try:
-            failpoints.maybe_raise("compress_raise", req, "compressing")
+            failpoints.check("compress_raise", req)
             policy = self.policy(state.policy_name(moment), state.effective_budget(n))
             positions = state.positions(n)
             views = layer_views(self.store, req.kv.req_pool_idx, state, n, positions, self._layers(),

@@ -16,13 +16,23 @@ on. `name@R` plants the fault on tensor-parallel rank R only (a fault one rank s
   layer recorded its own.
 - `tp_local_scores`: with tensor parallelism, each rank chooses the shared selection of a
   request whose id starts with `failpoint-tp` from its own heads' scores.
+
+Serving code reaches them only through this module, one call per site (docs/safety.md, "Checks
+for tests"); `sgl_kvc/core/` knows nothing of them.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any, Sequence
 
 ENV = "SGLKVC_FAILPOINTS"
+
+# What a raising fault says it was doing, per name.
+_DOING = {"compress_raise": "compressing", "rewrite_raise": "rewriting the row of"}
+# On the observation store: the rows of the batch being run that `observe_raise` is planted
+# for (set by `observing`; the store itself knows nothing of it).
+_OBSERVE_ROWS_ATTR = "_sgl_kvc_failpoint_rows"
 
 
 class PlantedFault(RuntimeError):
@@ -42,9 +52,33 @@ def hits(name: str, req: object) -> bool:
     return active(name) and str(getattr(req, "rid", "")).startswith("failpoint-" + name.split("_")[0])
 
 
-def maybe_raise(name: str, req: object, what: str) -> None:
+def check(name: str, req: object) -> None:
+    """A site where a planted fault raises (`compress_raise`, `rewrite_raise`)."""
     if hits(name, req):
-        raise PlantedFault(f"planted fault {what} {getattr(req, 'rid', '')}")
+        raise PlantedFault(f"planted fault {_DOING[name]} {getattr(req, 'rid', '')}")
+
+
+def leak_slot(slots: Any, reqs: Sequence[object]) -> Any:
+    """The evicted slots a compaction frees: one fewer when `leak_slot` is planted for one of the
+    compacted requests `reqs` (an accounting error `SGLKVC_CHECK` must catch)."""
+    if slots.numel() and any(hits("leak_slot", req) for req in reqs):
+        return slots[1:]
+    return slots
+
+
+def observing(store: object, reqs: Sequence[object], rows: Sequence[int]) -> None:
+    """Before a forward batch (request i in row rows[i]) observed by `store`: the rows
+    `observe_raise` is planted for."""
+    if active("observe_raise"):
+        setattr(store, _OBSERVE_ROWS_ATTR, frozenset(r for req, r in zip(reqs, rows) if hits("observe_raise", req)))
+
+
+def check_observation(store: object, layer: int, rows: Sequence[int]) -> None:
+    """`store` records the queries of `rows` in the rank's layer `layer` (0: its first):
+    `observe_raise` raises in the second layer for its rows."""
+    planted = getattr(store, _OBSERVE_ROWS_ATTR, None)
+    if planted and layer == 1 and planted.intersection(rows):
+        raise PlantedFault(f"planted fault observing rows {sorted(planted)}")
 
 
 def _tp_rank() -> int:

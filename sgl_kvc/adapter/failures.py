@@ -19,12 +19,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
 from sgl_kvc.adapter.invariants import InvariantViolation
 from sgl_kvc.adapter.tp import RankVote
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -35,18 +39,18 @@ class FailedOnAnotherRank(RuntimeError):
     """The request failed on another tensor-parallel rank: it fails here too."""
 
 
-def failure(req: Any) -> str | None:
+def failure(req: Req) -> str | None:
     """Why sgl-kvc failed `req` (the message its client gets), or None."""
     return getattr(req, FAILED_ATTR, None)
 
 
 @dataclass
 class FailureLedger:
-    drop: Callable[[Any], None]  # forget what sgl-kvc holds for a request (the compressor's)
+    drop: Callable[[Req], None]  # forget what sgl-kvc holds for a request (the compressor's)
     vote: RankVote | None = None  # None: a single rank
-    _unsettled: list[Any] = field(default_factory=list)
+    _unsettled: list[Req] = field(default_factory=list)
 
-    def fail(self, req: Any, what: str, error: BaseException) -> None:
+    def fail(self, req: Req, what: str, error: BaseException) -> None:
         """Record that sgl-kvc failed to `what` `req`; a request fails once."""
         if failure(req) is not None:
             return
@@ -59,7 +63,7 @@ class FailureLedger:
         self.drop(req)
         self._unsettled.append(req)
 
-    def guarded(self, req: Any, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    def guarded(self, req: Req, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Run sgl-kvc work for ONE request; an exception fails that request (None is returned)
         instead of reaching SGLang's event loop, where it would stop every request."""
         try:
@@ -70,7 +74,7 @@ class FailureLedger:
             self.fail(req, what, e)
             return None
 
-    def agree(self, reqs: Iterable[Any]) -> list[bool]:
+    def agree(self, reqs: Iterable[Req]) -> list[bool]:
         """Per request of `reqs` (the same list on every rank), whether it failed on any rank:
         here, or on another rank (then it is failed here too). One collective on every rank;
         none with a single rank."""
@@ -84,7 +88,7 @@ class FailureLedger:
                 self.fail(req, "compress", FailedOnAnotherRank())
         return anywhere
 
-    def settle(self, reqs: Iterable[Any], scheduler: Any) -> int:
+    def settle(self, reqs: Iterable[Req], scheduler: Scheduler) -> int:
         """At the end of a scheduler hook: agree on the failures among `reqs` with the other
         ranks, then abort every request failed since the last settle. Returns how many."""
         self.agree(reqs)
@@ -94,7 +98,7 @@ class FailureLedger:
         return len(unsettled)
 
 
-def abort(req: Any, message: str, scheduler: Any) -> None:
+def abort(req: Req, message: str, scheduler: Scheduler) -> None:
     """Finish `req` with an error its client sees (500: the server failed it, not the client).
     Between two chunks of its prompt it is released before its next chunk runs."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT

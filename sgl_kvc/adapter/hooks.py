@@ -20,7 +20,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from sgl_kvc.adapter.requests import chunk_compressible, released, shifted_fill_ids
 from sgl_kvc.adapter.compressor import STATE_ATTR
@@ -30,6 +30,12 @@ from sgl_kvc.adapter.tp import dp_rank
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.policies import policy_class
 from sgl_kvc.request_settings import admit, peak_tokens, resolved
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +94,7 @@ def hook_table(config: KvcConfig) -> list[Hook]:
 
 
 def _after_next_batch(config: KvcConfig):
-    def hook(plan: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    def hook(plan: Any, scheduler: Scheduler, *args: Any, **kwargs: Any) -> Any:
         KvcRuntime.of(scheduler, config).observe_plan(plan)
         return plan
 
@@ -108,7 +114,7 @@ def _after_internal_state(config: KvcConfig):
 
 
 def _after_forward_batch(config: KvcConfig):
-    def hook(fb: Any, cls: Any, batch: Any, model_runner: Any, *args: Any, **kwargs: Any) -> Any:
+    def hook(fb: ForwardBatch, cls: Any, batch: ScheduleBatch, model_runner: ModelRunner, *args: Any, **kwargs: Any) -> Any:
         if getattr(batch, "reqs", None) is None or model_runner.is_draft_worker:
             return fb
         compressor = compressor_of(model_runner, config)
@@ -128,14 +134,14 @@ def _after_forward_batch(config: KvcConfig):
     return hook
 
 
-def _before_free(pool: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+def _before_free(pool: Any, req: Req, *args: Any, **kwargs: Any) -> None:
     # Every finished, aborted or retracted request gives its row back here (SGLang's
     # `release_kv_cache`): what sgl-kvc held for it goes at the same moment.
     released(pool, req)
 
 
 def _after_batch_result(config: KvcConfig):
-    def hook(result: Any, scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    def hook(result: Any, scheduler: Scheduler, batch: ScheduleBatch, *args: Any, **kwargs: Any) -> Any:
         compressor = compressor_of(scheduler.tp_worker.model_runner, config)
         compressor.scheduler = scheduler
         if batch.forward_mode.is_extend() and ("prefill" in config.compress_on or config.chunk_moment):
@@ -146,7 +152,7 @@ def _after_batch_result(config: KvcConfig):
 
 
 def _around_update_running(config: KvcConfig):
-    def hook(original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any):
+    def hook(original: Callable[..., Any], scheduler: Scheduler, batch: ScheduleBatch, *args: Any, **kwargs: Any):
         compressor = compressor_of(scheduler.tp_worker.model_runner, config)
         compressor.scheduler = scheduler
         if config.compressing and "decode" in config.compress_on:
@@ -165,7 +171,7 @@ def _around_update_running(config: KvcConfig):
 
 
 def _around_add_to_queue(config: KvcConfig):
-    def hook(original: Callable[..., Any], scheduler: Any, req: Any, *a: Any, **kw: Any):
+    def hook(original: Callable[..., Any], scheduler: Scheduler, req: Req, *a: Any, **kw: Any):
         # The one place every new (and retracted) request passes: settings a client put in
         # `custom_params` are checked here, against this server's configuration too, so a bad
         # or unservable one is a 400 for that request and is never read again by the hooks below.
@@ -176,7 +182,7 @@ def _around_add_to_queue(config: KvcConfig):
 
 
 def _around_add_one_req(config: KvcConfig):
-    def hook(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any):
+    def hook(original: Callable[..., Any], adder: Any, req: Req, *args: Any, **kwargs: Any):
         peak = peak_tokens(config, req)
         sp = req.sampling_params
         if peak is None or sp.max_new_tokens is None:
@@ -195,7 +201,7 @@ def _around_add_one_req(config: KvcConfig):
 
 
 def _around_max_prefix(config: KvcConfig):
-    def hook(original: Callable[..., Any], req: Any, input_len: int, *args: Any, **kwargs: Any):
+    def hook(original: Callable[..., Any], req: Req, input_len: int, *args: Any, **kwargs: Any):
         limit = original(req, input_len, *args, **kwargs)
         if "prefill" not in config.compress_on or peak_tokens(config, req) is None:
             return limit
@@ -214,7 +220,7 @@ def _around_max_prefix(config: KvcConfig):
 
 
 def _around_check_prefill_budget(config: KvcConfig):
-    def hook(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any):
+    def hook(original: Callable[..., Any], adder: Any, req: Req, *args: Any, **kwargs: Any):
         peak = peak_tokens(config, req, between_chunks=True)
         chunk = kwargs.get("chunk_limit")
         if peak is not None and chunk and "total_tokens" in kwargs and chunk_compressible(req, config):
@@ -226,7 +232,7 @@ def _around_check_prefill_budget(config: KvcConfig):
 
 
 def _around_handle_generate(config: KvcConfig):
-    def hook(original: Callable[..., Any], scheduler: Any, recv_req: Any, *args: Any, **kwargs: Any):
+    def hook(original: Callable[..., Any], scheduler: Scheduler, recv_req: Any, *args: Any, **kwargs: Any):
         chunk = getattr(scheduler, "chunked_prefill_size", None)
         radix = not getattr(scheduler.tree_cache, "disable", True)  # else SGLang admits by the whole prompt
         if not chunk or chunk <= 0 or not radix or not chunk_compressible(recv_req, config):
@@ -252,7 +258,7 @@ def _around_handle_generate(config: KvcConfig):
 
 
 def _around_max_new_tokens(config: KvcConfig):
-    def hook(original: Callable[..., Any], scheduler: Any, req: Any, *args: Any, **kwargs: Any):
+    def hook(original: Callable[..., Any], scheduler: Scheduler, req: Req, *args: Any, **kwargs: Any):
         peak = peak_tokens(config, req)
         if peak is None or req.finished() or "decode" not in config.compress_on:
             return original(scheduler, req, *args, **kwargs)
@@ -288,7 +294,7 @@ def _around_max_new_tokens(config: KvcConfig):
     return hook
 
 
-def _around_refresh_fill_ids(original: Callable[..., Any], req: Any, *args: Any, **kwargs: Any):
+def _around_refresh_fill_ids(original: Callable[..., Any], req: Req, *args: Any, **kwargs: Any):
     out = original(req, *args, **kwargs)
     state = getattr(req, STATE_ATTR, None)
     if state is not None and state.fill_shift and state.offset:
@@ -297,7 +303,7 @@ def _around_refresh_fill_ids(original: Callable[..., Any], req: Any, *args: Any,
 
 
 def _around_running_offset(config: KvcConfig):
-    def hook(original: Callable[..., Any], adder: Any, req: Any, *args: Any, **kwargs: Any):
+    def hook(original: Callable[..., Any], adder: Any, req: Req, *args: Any, **kwargs: Any):
         offset = original(adder, req, *args, **kwargs)
         peak = peak_tokens(config, req)
         if peak is None:

@@ -10,9 +10,12 @@ violation raises inside the scheduler, which stops the server and fails the test
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 
 CHECK_ENV = "SGLKVC_CHECK"
 
@@ -25,7 +28,7 @@ def enabled() -> bool:
     return os.environ.get(CHECK_ENV, "") not in ("", "0")
 
 
-def _rows(batches: list[Any]) -> list[tuple[Any, set[int], int]]:
+def _rows(batches: list[ScheduleBatch]) -> list[tuple[Req, set[int], int]]:
     """(req, slots of its row, slots it owns) for every request of the given batches, once."""
     seen, out = set(), []
     for batch in batches:
@@ -39,7 +42,7 @@ def _rows(batches: list[Any]) -> list[tuple[Any, set[int], int]]:
     return out
 
 
-def check_after_compaction(batches: list[Any], compacted: list[Any], freed: Tensor) -> None:
+def check_after_compaction(batches: list[ScheduleBatch], compacted: list[Req], freed: Tensor) -> None:
     """`batches`: every batch holding running requests (the compacted one first);
     `compacted`: the requests just compacted; `freed`: the slots they gave back."""
     batch = batches[0]

@@ -9,7 +9,10 @@ scheduler process appear there next to SGLang's own `sglang:*` metrics.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
 
 @dataclass
@@ -71,7 +74,7 @@ class CompressionMetrics:
             self.retractions.labels(**self._labels).inc(n)
 
 
-def maybe_metrics(model_runner: Any, policy: str) -> CompressionMetrics | None:
+def maybe_metrics(model_runner: ModelRunner, policy: str) -> CompressionMetrics | None:
     server_args = getattr(model_runner, "server_args", None)
     if not getattr(server_args, "enable_metrics", False):
         return None

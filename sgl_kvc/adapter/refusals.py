@@ -12,10 +12,13 @@ the server takes a request.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from sgl_kvc.adapter.sglang_api import Hook
 from sgl_kvc.config import KvcConfig
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
@@ -57,7 +60,7 @@ def _refuse_layout(policy: str) -> Callable[..., Any]:
 
 
 def _refuse_unattached(policy: str) -> Callable[..., Any]:
-    def hook(result: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    def hook(result: Any, runner: ModelRunner, *args: Any, **kwargs: Any) -> Any:
         if not runner.is_draft_worker:
             for backend in (runner.attn_backend, runner.decode_attn_backend):
                 problem = None if backend is None else unattached_backend(backend, policy)

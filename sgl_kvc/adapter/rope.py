@@ -4,12 +4,15 @@ Attention advances its observation queries to future positions: `PolicyParams.ro
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
-def rope_params(model_runner: Any) -> dict[str, Any]:
+def rope_params(model_runner: ModelRunner) -> dict[str, Any]:
     """`PolicyParams` fields for the model's rotary embedding (SGLang's `RotaryEmbedding`, the first
     one among its modules; a model whose layers rotate with different bases gets the first
     layer's): base, rotary dimensions, layout. Empty (the defaults) when the runner has no model

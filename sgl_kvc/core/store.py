@@ -76,7 +76,6 @@ class KvcStore:
         self.decode_rows: list[int] = []  # rows of the current decode batch, set before it
         self.extend_rows: list[int] = []  # rows of the current extend batch, set before it
         self.lost_observations = 0  # rows whose observations were lost (a failed write), counted per event
-        self.planted_rows: frozenset[int] = frozenset()  # the `observe_raise` failpoint's rows (tests)
         # Packed requests of the current extend batch (a prompt compacted between chunks on the
         # unit pool): their tables, new tokens included; they attend through them.
         self.extend_tables: dict[int, RequestTables] = {}

@@ -39,7 +39,7 @@ def smollm2_gguf_path() -> Path:
 
 def ensure_smollm2(cache_dir: Path | None = None) -> Path:
     """Return the folder of the bf16 HF checkpoint of SmolLM2-135M-Instruct, converting the
-    packaged GGUF on first use (about 20 s on a 2-core CPU)."""
+    packaged GGUF on first use (how long that takes: README.md, "Two commands")."""
     target = (cache_dir or default_cache_dir()) / f"smollm2-135m-instruct-v{_CONVERSION_VERSION}"
     if (target / "config.json").exists():
         return target

@@ -2,8 +2,8 @@
 
 :meth:`Policy.select` averages the per-head scores over heads and layers and keeps ONE set for the
 whole request, because SGLang's single ``req_to_token`` table can hold only one. That shared set
-is what loses quality (measured: per-head SnapKV keeps 5/6 pass keys where the shared set keeps
-0/6). Here each (layer, KV head) ranks its own scores ``Policy.score(view)[h]`` and keeps its own
+is what loses quality (measured: docs/quality.md, "Per-head selection is what the papers' quality
+needs"). Here each (layer, KV head) ranks its own scores ``Policy.score(view)[h]`` and keeps its own
 tokens, as the papers do (SnapKV and R-KV select per head; KV-Compress §4.1 per KV head with the
 query group summed, eq. 9-10). Nothing here changes a policy's scoring, protection or timing.
 

@@ -1,4 +1,5 @@
-"""FP8 KV quantization (sgl_kvc.kernels.fp8): codes, scales and rows that dequantize on read.
+"""FP8 KV quantization (sgl_kvc.kernels.fp8): codes, scales and rows that dequantize on read;
+and the per-layer scales the FP8 study compares them with (tests/fp8_reference.py).
 
 Inputs have outlier channels (a few channels 50x larger than the rest, as real keys have), not
 only Gaussian noise. The SGLang pool built on it: tests/unit/test_fp8_pool.py.
@@ -13,6 +14,9 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from fp8_reference import (
+    RunningAmax, dequantize_tensor, fake_quantize_rows, fake_quantize_tensor, quantize_tensor, rel_error, subnormal_step,
+)
 from fp8_rows import FORMATS, OUTLIER_CHANNELS, outlier_rows
 from sgl_kvc.kernels import fp8 as F
 
@@ -30,11 +34,11 @@ def test_round_trip_error_bound_on_outliers(device: torch.device, fp8: str, scal
     err = (y - x).abs()
     scale = F.decode_scales(stored, scale_format)[..., None]
     # Elementwise: half an ulp of the value in the normal range, half a subnormal step below it.
-    bound = spec.rel_error * x.abs() + 0.5 * spec.subnormal_step * scale
+    bound = rel_error(spec) * x.abs() + 0.5 * subnormal_step(spec) * scale
     assert bool((err <= bound * (1 + 1e-6)).all())
     # Row-wise, relative to the row's largest magnitude (what the outliers set).
     amax = x.abs().amax(-1, keepdim=True)
-    assert bool((err <= spec.rel_error * amax).all())
+    assert bool((err <= rel_error(spec) * amax).all())
     # The ordinary channels keep their own relative precision although the row's scale is
     # set by outliers 50x larger: FP8 is floating point, so only the range moves.
     normal = torch.ones(x.shape[-1], dtype=torch.bool, device=device)
@@ -46,7 +50,7 @@ def test_round_trip_error_bound_on_outliers(device: torch.device, fp8: str, scal
 def test_e4m3_is_twice_as_precise_as_e5m2(device: torch.device) -> None:
     x = outlier_rows().to(device)
     errs = {
-        fp8: float((F.fake_quantize_rows(x, fp8, "float16") - x).norm() / x.norm()) for fp8 in FORMATS
+        fp8: float((fake_quantize_rows(x, fp8, "float16") - x).norm() / x.norm()) for fp8 in FORMATS
     }
     assert 1.6 < errs["fp8_e5m2"] / errs["fp8_e4m3"] < 2.4, errs
 
@@ -57,17 +61,17 @@ def test_scale_one_saturates_and_underflows_where_row_scales_do_not(device: torc
     big = (outlier_rows(factor=50.0) * 20.0).to(device)  # outliers up to ~ 4000
     small = (outlier_rows() * 1e-4).to(device)  # every value below e4m3's smallest normal (2**-6)
     for x, what in ((big, "saturation"), (small, "underflow")):
-        one = F.fake_quantize_tensor(x, 1.0, "fp8_e4m3")
-        rows = F.fake_quantize_rows(x, "fp8_e4m3", "float16")
+        one = fake_quantize_tensor(x, 1.0, "fp8_e4m3")
+        rows = fake_quantize_rows(x, "fp8_e4m3", "float16")
         assert one.device == rows.device == device
         err_one = float((one - x).norm() / x.norm())
         err_rows = float((rows - x).norm() / x.norm())
         assert err_rows < 0.03, what
         assert err_one > 4 * err_rows, (what, err_one, err_rows)
-    assert float(F.fake_quantize_tensor(big, 1.0).abs().max()) == 448.0  # clipped
-    assert float((F.fake_quantize_tensor(small * 1e-2, 1.0) == 0).double().mean()) > 0.99  # flushed
+    assert float(fake_quantize_tensor(big, 1.0).abs().max()) == 448.0  # clipped
+    assert float((fake_quantize_tensor(small * 1e-2, 1.0) == 0).double().mean()) > 0.99  # flushed
     # e5m2 has the range (57344, subnormals to 2**-16) but half the precision of e4m3.
-    e5 = float((F.fake_quantize_tensor(big, 1.0, "fp8_e5m2") - big).norm() / big.norm())
+    e5 = float((fake_quantize_tensor(big, 1.0, "fp8_e5m2") - big).norm() / big.norm())
     assert 0.03 < e5 < 0.08
 
 
@@ -95,7 +99,7 @@ def test_float_scales_are_rounded_up_so_nothing_saturates(device: torch.device, 
 def test_zero_rows_stay_zero(device: torch.device) -> None:
     x = torch.zeros(3, 2, 8, device=device)
     for fmt in F.SCALE_FORMATS:
-        y = F.fake_quantize_rows(x, "fp8_e4m3", fmt)
+        y = fake_quantize_rows(x, "fp8_e4m3", fmt)
         assert y.device == device and torch.equal(y, x)
 
 
@@ -126,20 +130,20 @@ def test_property_error_bounded_by_row_amax(device, fp8, scale_format, rows, d, 
         # bound is a claim about rows whose scale float16 represents (bf16 scales, the default,
         # cover float32's exponent range). Hypothesis found rows with amax ~1e-6 at log_mag -5.
         assume(bool((amax / spec.max >= torch.finfo(torch.float16).tiny).all()))
-    y = F.fake_quantize_rows(x, fp8, scale_format)
-    assert bool(((y - x).abs() <= spec.rel_error * amax * (1 + 1e-6)).all())
+    y = fake_quantize_rows(x, fp8, scale_format)
+    assert bool(((y - x).abs() <= rel_error(spec) * amax * (1 + 1e-6)).all())
 
 
 def test_running_amax_grows_and_requantizes(device: torch.device) -> None:
-    ra = F.RunningAmax("fp8_e4m3")
+    ra = RunningAmax("fp8_e4m3")
     a = outlier_rows(64).to(device)
     old, new = ra.observe(a)
-    codes = F.quantize_tensor(a, new)
+    codes = quantize_tensor(a, new)
     b = a * 3
     old2, new2 = ra.observe(b)
     assert old2 == new and math.isclose(new2, 3 * new, rel_tol=1e-6)
     requant = ra.requantize(codes, old2, new2)
-    back = F.dequantize_tensor(requant, new2)
+    back = dequantize_tensor(requant, new2)
     assert back.device == device
     assert float((back - a).norm() / a.norm()) < 0.05  # a second rounding, still close
     assert ra.observe(a) == (new2, new2)  # smaller data does not move the scale
