@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from sgl_kvc.config import KvcConfig
-from sgl_kvc.request_settings import of_request
+from sgl_kvc.request_settings import of_request, resolved
 
 if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
@@ -52,7 +52,8 @@ def chunk_compressible(req: Req | TokenizedGenerateReqInput, config: KvcConfig) 
     tokenized = prompt is None  # the tokenized input, before its Req exists
     if tokenized:
         prompt = getattr(req, "input_ids", None) or ()
-    if not of_request(req, cache=not tokenized).resolve(config).compressing:
+    settings = of_request(req, cache=False).resolve(config) if tokenized else resolved(req, config)
+    if not settings.compressing:
         return False
     if getattr(req, "return_logprob", False) and 0 <= getattr(req, "logprob_start_len", -1) < len(prompt):
         return False
