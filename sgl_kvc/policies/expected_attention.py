@@ -14,7 +14,8 @@ Steps (the paper's method, in kvpress 0.5.5's order; the formulas are written ne
    length, F = ``ea_future_positions``; ``apply_avg_rope``): mu = Rbar mu~, Sigma = Rbar Sigma~
    Rbar^T. Here they come, when the caller gives them (``LayerView.query_mean``, ``query_cov``),
    from every query of the prompt read so far, accumulated chunk by chunk
-   (`sgl_kvc.core.query_moments`, which undoes RoPE with :func:`prerope_queries`); the
+   (`sgl_kvc.core.query_moments`, which undoes RoPE with :func:`prerope_queries`; a prefix reused
+   from the radix tree was never computed, and only the rest of the prompt counts); the
    covariance term is then k^T Rbar Sigma~ Rbar^T k = (Rbar^T k)^T Sigma~ (Rbar^T k), with
    Rbar^T k one complex multiplication per rotated pair of k. Otherwise (a decode-time pass, a
    prompt no longer than its sinks) they come from the last ``window`` observation queries
