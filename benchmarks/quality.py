@@ -287,7 +287,7 @@ def run_kvpress(samples: list[Sample], args: argparse.Namespace, workdir: Path) 
         return None
     inp.write_text(json.dumps({
         "model": str(args.model_dir), "dtype": args.dtype, "budgets": args.budgets, "presses": args.kvpress_presses,
-        "samples": [s.to_json() for s in retrieval],
+        "samples": [s.to_json() for s in retrieval], "query_agnostic": args.kvpress_query_agnostic,
     }))  # fmt: skip
     cmd = [str(py), str(REPO / "research" / "kvpress_runner.py"), str(inp), str(outp)]
     print(f"[quality] kvpress: {' '.join(cmd)}", flush=True)
@@ -592,6 +592,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvpress-presses", nargs="+", default=["snapkv", "streamingllm", "tova"])
     p.add_argument("--kvpress-timeout", type=float, default=1800)
     p.add_argument("--no-kvpress", action="store_true")
+    p.add_argument("--only-kvpress", action="store_true",
+                   help="run kvpress alone, keeping every other row (the full cache's too) from --merge")
+    p.add_argument("--kvpress-query-agnostic", action="store_true",
+                   help="kvpress compresses each prompt's context without its question, then reads the question "
+                        "(kvpress's own benchmark setting; research/kvpress_runner.py)")
     p.add_argument("--tasks", nargs="+", default=list(RETRIEVAL),
                    help="tasks to run (the others' samples are still built, for --merge)")
     p.add_argument("--merge", type=Path, default=None,
@@ -606,33 +611,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
-    meta = run_metadata("benchmarks.quality", argv)  # before the run writes anything
-    print(metadata_markdown(meta), flush=True)
-    if args.quick:
-        args.passkey, args.multikey = {1024: 1}, 1
-        args.depths, args.timing_lengths, args.styles = [0.5], [1024], args.styles[:1]
-    from transformers import AutoTokenizer
-
-    from sgl_kvc.model import SMOLLM2_MODEL_NAME, ensure_smollm2
-
-    t_start = time.perf_counter()
-    args.model_dir = ensure_smollm2()
-    tok = AutoTokenizer.from_pretrained(args.model_dir)
-    samples = [
-        *(s for style in args.styles for s in passkey_samples(tok, args.passkey, args.depths, args.seed, style)),
-        *(s for style in args.styles
-          for s in multikey_samples(tok, args.multikey, args.multikey_len, args.multikey_facts, args.seed, style)),
-    ]  # fmt: skip
-    all_samples, samples = samples, [s for s in samples if s.task in args.tasks]
-    print(f"[quality] {len(samples)} samples; {len(args.policies)} policies x {len(args.budgets)} "
-          f"budgets", flush=True)  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    logs = Path(tempfile.mkdtemp(prefix="quality-logs-"))
-    common = ["--max-total-tokens", str(args.max_total_tokens), "--dtype", args.dtype]
-    phases: dict[str, float] = {}
-
+def run_servers(
+    args: argparse.Namespace, samples: list[Sample], tok: Any, logs: Path, common: list[str], phases: dict[str, float],
+) -> tuple[list[Outcome], list[TimingResult], list[KeptSummary]]:
+    """The full cache's server, then the compressing one: every outcome, the pass timings and what
+    the compactions kept."""
     t0 = time.perf_counter()
     ref_server = ManagedServer("full", ["--policy", "none", *common], logs, args.server_timeout)
     try:
@@ -659,7 +642,43 @@ def main(argv: list[str] | None = None) -> dict:
         phases["timing"] = time.perf_counter() - t0
     finally:
         comp_server.close()
-    kept = kept_summaries(samples, outcomes, trace, tok)
+    return outcomes, timing, kept_summaries(samples, outcomes, trace, tok)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.only_kvpress and (args.merge is None or args.no_kvpress):
+        raise SystemExit("--only-kvpress needs --merge (the run whose other rows it keeps) and kvpress")
+    meta = run_metadata("benchmarks.quality", argv)  # before the run writes anything
+    print(metadata_markdown(meta), flush=True)
+    if args.quick:
+        args.passkey, args.multikey = {1024: 1}, 1
+        args.depths, args.timing_lengths, args.styles = [0.5], [1024], args.styles[:1]
+    from transformers import AutoTokenizer
+
+    from sgl_kvc.model import SMOLLM2_MODEL_NAME, ensure_smollm2
+
+    t_start = time.perf_counter()
+    args.model_dir = ensure_smollm2()
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    samples = [
+        *(s for style in args.styles for s in passkey_samples(tok, args.passkey, args.depths, args.seed, style)),
+        *(s for style in args.styles
+          for s in multikey_samples(tok, args.multikey, args.multikey_len, args.multikey_facts, args.seed, style)),
+    ]  # fmt: skip
+    all_samples, samples = samples, [s for s in samples if s.task in args.tasks]
+    print(f"[quality] {len(samples)} samples; {len(args.policies)} policies x {len(args.budgets)} "
+          f"budgets", flush=True)  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="quality-logs-"))
+    common = ["--max-total-tokens", str(args.max_total_tokens), "--dtype", args.dtype]
+    phases: dict[str, float] = {}
+
+    if args.only_kvpress:
+        # The sgl-kvc rows (and the full cache) are the merged run's; only kvpress runs now.
+        outcomes, timing, kept = [], [], []
+    else:
+        outcomes, timing, kept = run_servers(args, samples, tok, logs, common, phases)
 
     kvpress, t0 = None, time.perf_counter()
     if not args.no_kvpress:
@@ -694,7 +713,9 @@ def main(argv: list[str] | None = None) -> dict:
     note = ("kvpress: not run (--no-kvpress, or no venv at --kvpress-python)." if kvpress is None else
             f"kvpress: failed ({kvpress['error']})." if "error" in kvpress else
             f"kvpress {kvpress.get('version')} rows: its presses on the same token ids, scored against "
-            "its own full-cache run under transformers.")  # fmt: skip
+            "its own full-cache run under transformers"
+            + (" (query-agnostic: the context compressed without its question, which is read after)."
+               if kvpress.get("query_agnostic") else "."))  # fmt: skip
     if prev:
         meta["merged_from"] = prev.get("meta", NOT_RECORDED)  # the run whose outcomes were kept
     data = {
