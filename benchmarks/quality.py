@@ -592,6 +592,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvpress-presses", nargs="+", default=["snapkv", "streamingllm", "tova"])
     p.add_argument("--kvpress-timeout", type=float, default=1800)
     p.add_argument("--no-kvpress", action="store_true")
+    p.add_argument("--reuse-full", action="store_true",
+                   help="keep the full cache's answers from --merge instead of running its server again "
+                        "(greedy: the same prompts give the same answers)")
     p.add_argument("--only-kvpress", action="store_true",
                    help="run kvpress alone, keeping every other row (the full cache's too) from --merge")
     p.add_argument("--kvpress-query-agnostic", action="store_true",
@@ -617,12 +620,14 @@ def run_servers(
     """The full cache's server, then the compressing one: every outcome, the pass timings and what
     the compactions kept."""
     t0 = time.perf_counter()
-    ref_server = ManagedServer("full", ["--policy", "none", *common], logs, args.server_timeout)
-    try:
-        outcomes = run_reference(ref_server, samples, args)
-    finally:
-        ref_server.close()
-    phases["full cache"] = time.perf_counter() - t0
+    outcomes: list[Outcome] = []
+    if not args.reuse_full:  # else the merged run's full-cache answers
+        ref_server = ManagedServer("full", ["--policy", "none", *common], logs, args.server_timeout)
+        try:
+            outcomes = run_reference(ref_server, samples, args)
+        finally:
+            ref_server.close()
+        phases["full cache"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     # Every pass in the step it is due (no staging over later steps): a short answer must be
@@ -649,6 +654,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     if args.only_kvpress and (args.merge is None or args.no_kvpress):
         raise SystemExit("--only-kvpress needs --merge (the run whose other rows it keeps) and kvpress")
+    if args.reuse_full and args.merge is None:
+        raise SystemExit("--reuse-full needs --merge (the run whose full-cache answers it keeps)")
     meta = run_metadata("benchmarks.quality", argv)  # before the run writes anything
     print(metadata_markdown(meta), flush=True)
     if args.quick:
