@@ -224,12 +224,15 @@ def run_compressed(server: ManagedServer, samples: list[Sample], args: argparse.
     with ThreadPoolExecutor(max(args.concurrency, len(todo))) as pool:
         for i, s in enumerate(samples):
             t0 = time.perf_counter()
-            # Alone first: the prompt's prefill, once; the combinations below hit the radix cache.
-            warm = server.complete(s, "uncompressed", {"budget": UNCOMPRESSED}, args.request_timeout)
-            # A budget that holds prompt and output never compresses: it is the uncompressed run.
-            live = [c for c in todo if c[1]["budget"] < s.prompt_len + s.max_tokens]
-            same = [Outcome(s.id, c[0], warm.text, warm.error, warm.seconds)
-                    for c in todo if c not in live]  # fmt: skip
+            if args.no_uncompressed:  # the merged run's uncompressed row; every combination runs
+                warm, live, same = None, list(todo), []
+            else:
+                # Alone first: the prompt's prefill, once; the combinations below hit the radix cache.
+                warm = server.complete(s, "uncompressed", {"budget": UNCOMPRESSED}, args.request_timeout)
+                # A budget that holds prompt and output never compresses: it is the uncompressed run.
+                live = [c for c in todo if c[1]["budget"] < s.prompt_len + s.max_tokens]
+                same = [Outcome(s.id, c[0], warm.text, warm.error, warm.seconds)
+                        for c in todo if c not in live]  # fmt: skip
             width = args.concurrency
             chunks = [live[j : j + width] for j in range(0, len(live), max(width, 1))]
             rest = []
@@ -238,8 +241,9 @@ def run_compressed(server: ManagedServer, samples: list[Sample], args: argparse.
                     lambda c, s=s: server.complete(s, c[0], c[1], args.request_timeout), chunk
                 ))  # fmt: skip
             rest += same
-            out += [warm, *rest]
-            bad = sum(o.text is None for o in [warm, *rest])
+            done = [o for o in (warm, *rest) if o is not None]
+            out += done
+            bad = sum(o.text is None for o in done)
             print(f"[quality] {i + 1}/{len(samples)} {s.id} ({s.prompt_len} tokens): "
                   f"{time.perf_counter() - t0:.0f} s, {bad} failed", flush=True)  # fmt: skip
     return out
@@ -595,6 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse-full", action="store_true",
                    help="keep the full cache's answers from --merge instead of running its server again "
                         "(greedy: the same prompts give the same answers)")
+    p.add_argument("--no-uncompressed", action="store_true",
+                   help="skip the uncompressed request per prompt (with --merge: its row is the merged run's)")
     p.add_argument("--only-kvpress", action="store_true",
                    help="run kvpress alone, keeping every other row (the full cache's too) from --merge")
     p.add_argument("--kvpress-query-agnostic", action="store_true",
