@@ -622,9 +622,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_servers(
     args: argparse.Namespace, samples: list[Sample], tok: Any, logs: Path, common: list[str], phases: dict[str, float],
+    servers: dict[str, Any],
 ) -> tuple[list[Outcome], list[TimingResult], list[KeptSummary]]:
     """The full cache's server, then the compressing one: every outcome, the pass timings and what
-    the compactions kept."""
+    the compactions kept; `servers` gets each server's flags and start count."""
     t0 = time.perf_counter()
     outcomes: list[Outcome] = []
     if not args.reuse_full:  # else the merged run's full-cache answers
@@ -634,6 +635,7 @@ def run_servers(
         finally:
             ref_server.close()
         phases["full cache"] = time.perf_counter() - t0
+        servers["full"] = (ref_server.flags, ref_server.starts)
 
     t0 = time.perf_counter()
     # Every pass in the step it is due (no staging over later steps): a short answer must be
@@ -653,6 +655,7 @@ def run_servers(
         phases["timing"] = time.perf_counter() - t0
     finally:
         comp_server.close()
+    servers["compressing"] = (comp_flags, comp_server.starts)
     return outcomes, timing, kept_summaries(samples, outcomes, trace, tok)
 
 
@@ -687,11 +690,12 @@ def main(argv: list[str] | None = None) -> dict:
     common = ["--max-total-tokens", str(args.max_total_tokens), "--dtype", args.dtype]
     phases: dict[str, float] = {}
 
+    servers: dict[str, Any] = {}  # name -> (flags, starts) of the servers run now
     if args.only_kvpress:
         # The sgl-kvc rows (and the full cache) are the merged run's; only kvpress runs now.
         outcomes, timing, kept = [], [], []
     else:
-        outcomes, timing, kept = run_servers(args, samples, tok, logs, common, phases)
+        outcomes, timing, kept = run_servers(args, samples, tok, logs, common, phases, servers)
 
     kvpress, t0 = None, time.perf_counter()
     if not args.no_kvpress:
@@ -741,8 +745,11 @@ def main(argv: list[str] | None = None) -> dict:
             "multikey": args.multikey, "multikey_len": args.multikey_len,
             "multikey_facts": args.multikey_facts,
             "timing_budget": args.timing_budget, "seed": args.seed,
-            "servers": {"full": ref_server.flags, "compressing": comp_flags},
-            "server_starts": {"full": ref_server.starts, "compressing": comp_server.starts},
+            # the servers run now; the others' as the merged run recorded them
+            "servers": {**(prev["setup"].get("servers", {}) if prev else {}),
+                        **{k: flags for k, (flags, _) in servers.items()}},
+            "server_starts": {**(prev["setup"].get("server_starts", {}) if prev else {}),
+                              **{k: starts for k, (_, starts) in servers.items()}},
             "samples": [{"id": s.id, "task": s.task, "prompt_tokens": s.prompt_len,
                          "answer": s.answer, **s.meta} for s in samples],
             "phase_seconds": phases,
