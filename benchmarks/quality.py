@@ -224,12 +224,15 @@ def run_compressed(server: ManagedServer, samples: list[Sample], args: argparse.
     with ThreadPoolExecutor(max(args.concurrency, len(todo))) as pool:
         for i, s in enumerate(samples):
             t0 = time.perf_counter()
-            # Alone first: the prompt's prefill, once; the combinations below hit the radix cache.
-            warm = server.complete(s, "uncompressed", {"budget": UNCOMPRESSED}, args.request_timeout)
-            # A budget that holds prompt and output never compresses: it is the uncompressed run.
-            live = [c for c in todo if c[1]["budget"] < s.prompt_len + s.max_tokens]
-            same = [Outcome(s.id, c[0], warm.text, warm.error, warm.seconds)
-                    for c in todo if c not in live]  # fmt: skip
+            if args.no_uncompressed:  # the merged run's uncompressed row; every combination runs
+                warm, live, same = None, list(todo), []
+            else:
+                # Alone first: the prompt's prefill, once; the combinations below hit the radix cache.
+                warm = server.complete(s, "uncompressed", {"budget": UNCOMPRESSED}, args.request_timeout)
+                # A budget that holds prompt and output never compresses: it is the uncompressed run.
+                live = [c for c in todo if c[1]["budget"] < s.prompt_len + s.max_tokens]
+                same = [Outcome(s.id, c[0], warm.text, warm.error, warm.seconds)
+                        for c in todo if c not in live]  # fmt: skip
             width = args.concurrency
             chunks = [live[j : j + width] for j in range(0, len(live), max(width, 1))]
             rest = []
@@ -238,8 +241,9 @@ def run_compressed(server: ManagedServer, samples: list[Sample], args: argparse.
                     lambda c, s=s: server.complete(s, c[0], c[1], args.request_timeout), chunk
                 ))  # fmt: skip
             rest += same
-            out += [warm, *rest]
-            bad = sum(o.text is None for o in [warm, *rest])
+            done = [o for o in (warm, *rest) if o is not None]
+            out += done
+            bad = sum(o.text is None for o in done)
             print(f"[quality] {i + 1}/{len(samples)} {s.id} ({s.prompt_len} tokens): "
                   f"{time.perf_counter() - t0:.0f} s, {bad} failed", flush=True)  # fmt: skip
     return out
@@ -287,7 +291,7 @@ def run_kvpress(samples: list[Sample], args: argparse.Namespace, workdir: Path) 
         return None
     inp.write_text(json.dumps({
         "model": str(args.model_dir), "dtype": args.dtype, "budgets": args.budgets, "presses": args.kvpress_presses,
-        "samples": [s.to_json() for s in retrieval],
+        "samples": [s.to_json() for s in retrieval], "query_agnostic": args.kvpress_query_agnostic,
     }))  # fmt: skip
     cmd = [str(py), str(REPO / "research" / "kvpress_runner.py"), str(inp), str(outp)]
     print(f"[quality] kvpress: {' '.join(cmd)}", flush=True)
@@ -592,6 +596,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvpress-presses", nargs="+", default=["snapkv", "streamingllm", "tova"])
     p.add_argument("--kvpress-timeout", type=float, default=1800)
     p.add_argument("--no-kvpress", action="store_true")
+    p.add_argument("--reuse-full", action="store_true",
+                   help="keep the full cache's answers from --merge instead of running its server again "
+                        "(greedy: the same prompts give the same answers)")
+    p.add_argument("--no-uncompressed", action="store_true",
+                   help="skip the uncompressed request per prompt (with --merge: its row is the merged run's)")
+    p.add_argument("--only-kvpress", action="store_true",
+                   help="run kvpress alone, keeping every other row (the full cache's too) from --merge")
+    p.add_argument("--kvpress-query-agnostic", action="store_true",
+                   help="kvpress compresses each prompt's context without its question, then reads the question "
+                        "(kvpress's own benchmark setting; research/kvpress_runner.py)")
     p.add_argument("--tasks", nargs="+", default=list(RETRIEVAL),
                    help="tasks to run (the others' samples are still built, for --merge)")
     p.add_argument("--merge", type=Path, default=None,
@@ -606,8 +620,51 @@ def build_parser() -> argparse.ArgumentParser:
     return p  # fmt: skip
 
 
+def run_servers(
+    args: argparse.Namespace, samples: list[Sample], tok: Any, logs: Path, common: list[str], phases: dict[str, float],
+    servers: dict[str, Any],
+) -> tuple[list[Outcome], list[TimingResult], list[KeptSummary]]:
+    """The full cache's server, then the compressing one: every outcome, the pass timings and what
+    the compactions kept; `servers` gets each server's flags and start count."""
+    t0 = time.perf_counter()
+    outcomes: list[Outcome] = []
+    if not args.reuse_full:  # else the merged run's full-cache answers
+        ref_server = ManagedServer("full", ["--policy", "none", *common], logs, args.server_timeout)
+        try:
+            outcomes = run_reference(ref_server, samples, args)
+        finally:
+            ref_server.close()
+        phases["full cache"] = time.perf_counter() - t0
+        servers["full"] = (ref_server.flags, ref_server.starts)
+
+    t0 = time.perf_counter()
+    # Every pass in the step it is due (no staging over later steps): a short answer must be
+    # generated from the compressed cache, not from the full one while a pass is under way.
+    comp_flags = ["--policy", "rkv", "--kv-buffer", str(args.kv_buffer), "--kv-pass-work", "0",
+                  "--kv-head-budget", args.kv_head_budget, *common, *shlex.split(args.server_args)]
+    if args.kv_head_budget != "uniform":
+        args.policies = [p if p.endswith("/shared") else f"{p}/{args.kv_head_budget}" for p in args.policies]
+    trace = logs / "trace.jsonl"
+    comp_server = ManagedServer("compressing", comp_flags, logs, args.server_timeout,
+                                env={"SGLKVC_TRACE": str(trace)})
+    try:
+        outcomes += run_compressed(comp_server, samples, args)
+        phases["compressing"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        timing = run_timing(comp_server, tok, args) if args.timing_lengths else []
+        phases["timing"] = time.perf_counter() - t0
+    finally:
+        comp_server.close()
+    servers["compressing"] = (comp_flags, comp_server.starts)
+    return outcomes, timing, kept_summaries(samples, outcomes, trace, tok)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.only_kvpress and (args.merge is None or args.no_kvpress):
+        raise SystemExit("--only-kvpress needs --merge (the run whose other rows it keeps) and kvpress")
+    if args.reuse_full and args.merge is None:
+        raise SystemExit("--reuse-full needs --merge (the run whose full-cache answers it keeps)")
     meta = run_metadata("benchmarks.quality", argv)  # before the run writes anything
     print(metadata_markdown(meta), flush=True)
     if args.quick:
@@ -633,33 +690,12 @@ def main(argv: list[str] | None = None) -> dict:
     common = ["--max-total-tokens", str(args.max_total_tokens), "--dtype", args.dtype]
     phases: dict[str, float] = {}
 
-    t0 = time.perf_counter()
-    ref_server = ManagedServer("full", ["--policy", "none", *common], logs, args.server_timeout)
-    try:
-        outcomes = run_reference(ref_server, samples, args)
-    finally:
-        ref_server.close()
-    phases["full cache"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    # Every pass in the step it is due (no staging over later steps): a short answer must be
-    # generated from the compressed cache, not from the full one while a pass is under way.
-    comp_flags = ["--policy", "rkv", "--kv-buffer", str(args.kv_buffer), "--kv-pass-work", "0",
-                  "--kv-head-budget", args.kv_head_budget, *common, *shlex.split(args.server_args)]
-    if args.kv_head_budget != "uniform":
-        args.policies = [p if p.endswith("/shared") else f"{p}/{args.kv_head_budget}" for p in args.policies]
-    trace = logs / "trace.jsonl"
-    comp_server = ManagedServer("compressing", comp_flags, logs, args.server_timeout,
-                                env={"SGLKVC_TRACE": str(trace)})
-    try:
-        outcomes += run_compressed(comp_server, samples, args)
-        phases["compressing"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        timing = run_timing(comp_server, tok, args) if args.timing_lengths else []
-        phases["timing"] = time.perf_counter() - t0
-    finally:
-        comp_server.close()
-    kept = kept_summaries(samples, outcomes, trace, tok)
+    servers: dict[str, Any] = {}  # name -> (flags, starts) of the servers run now
+    if args.only_kvpress:
+        # The sgl-kvc rows (and the full cache) are the merged run's; only kvpress runs now.
+        outcomes, timing, kept = [], [], []
+    else:
+        outcomes, timing, kept = run_servers(args, samples, tok, logs, common, phases, servers)
 
     kvpress, t0 = None, time.perf_counter()
     if not args.no_kvpress:
@@ -694,7 +730,9 @@ def main(argv: list[str] | None = None) -> dict:
     note = ("kvpress: not run (--no-kvpress, or no venv at --kvpress-python)." if kvpress is None else
             f"kvpress: failed ({kvpress['error']})." if "error" in kvpress else
             f"kvpress {kvpress.get('version')} rows: its presses on the same token ids, scored against "
-            "its own full-cache run under transformers.")  # fmt: skip
+            "its own full-cache run under transformers"
+            + (" (query-agnostic: the context compressed without its question, which is read after)."
+               if kvpress.get("query_agnostic") else "."))  # fmt: skip
     if prev:
         meta["merged_from"] = prev.get("meta", NOT_RECORDED)  # the run whose outcomes were kept
     data = {
@@ -707,8 +745,11 @@ def main(argv: list[str] | None = None) -> dict:
             "multikey": args.multikey, "multikey_len": args.multikey_len,
             "multikey_facts": args.multikey_facts,
             "timing_budget": args.timing_budget, "seed": args.seed,
-            "servers": {"full": ref_server.flags, "compressing": comp_flags},
-            "server_starts": {"full": ref_server.starts, "compressing": comp_server.starts},
+            # the servers run now; the others' as the merged run recorded them
+            "servers": {**(prev["setup"].get("servers", {}) if prev else {}),
+                        **{k: flags for k, (flags, _) in servers.items()}},
+            "server_starts": {**(prev["setup"].get("server_starts", {}) if prev else {}),
+                              **{k: starts for k, (_, starts) in servers.items()}},
             "samples": [{"id": s.id, "task": s.task, "prompt_tokens": s.prompt_len,
                          "answer": s.answer, **s.meta} for s in samples],
             "phase_seconds": phases,

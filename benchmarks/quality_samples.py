@@ -102,6 +102,18 @@ def _build(
     return _render(tok, head + sep.join(filler) + tail)
 
 
+def question_at(tok: Tokenizer, ids: list[int], question: str) -> int | None:
+    """Where `question` (the prompt's tail, its leading blank lines left to the context) starts in
+    the rendered prompt `ids`, for a run that compresses the context without its question
+    (kvpress's query-agnostic setting, `research/kvpress_runner.py`); None if its tokens are not
+    found as such."""
+    sub = tok.encode(question.lstrip("\n"), add_special_tokens=False)
+    for at in range(len(ids) - len(sub), -1, -1):
+        if ids[at : at + len(sub)] == sub:
+            return at
+    return None
+
+
 def _depth_index(sizes: list[int], depth: float) -> int:
     """The first boundary between pieces of `sizes` tokens at or past `depth` of the tokens."""
     total, run = sum(sizes), 0
@@ -132,16 +144,17 @@ def passkey_samples(
                 rng = random.Random(f"{_seed('passkey', style)}-{seed}-{length}-{depth}-{i}")
                 key = str(rng.randrange(10000, 100000))
                 needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+                tail = "\n\nWhat is the pass key? Answer with the number only."
                 ids = _build(
                     tok, rng, length,
                     "There is a pass key hidden in the text below. Find it and remember it.\n\n",
-                    "\n\nWhat is the pass key? Answer with the number only.",
-                    [(depth, needle)], style,
+                    tail, [(depth, needle)], style,
                 )
                 out.append(Sample(
                     id=f"{_id('passkey', style)}-{length}-d{int(depth * 100)}-{i}", task="passkey",
                     prompt_ids=ids, answer=key, max_tokens=16,
-                    meta={"length": length, "depth": depth, "style": style},
+                    meta={"length": length, "depth": depth, "style": style,
+                          "question_at": question_at(tok, ids, tail)},
                 ))  # fmt: skip
     return out
 
@@ -157,16 +170,17 @@ def multikey_samples(
         depths = sorted(rng.uniform(0.05, 0.95) for _ in range(facts))
         inserts = [(d, f"The code of the {nm} is {cd}.") for d, nm, cd in zip(depths, names, codes)]
         ask = rng.randrange(facts)
+        tail = f"\n\nWhat is the code of the {names[ask]}? Answer with the number only."
         ids = _build(
             tok, rng, length,
             "The text below mentions the codes of several objects. Read it carefully.\n\n",
-            f"\n\nWhat is the code of the {names[ask]}? Answer with the number only.",
-            inserts, style,
+            tail, inserts, style,
         )
         out.append(Sample(
             id=f"{_id('multikey', style)}-{length}-{i}", task="multikey", prompt_ids=ids,
             answer=str(codes[ask]), max_tokens=16,
-            meta={"length": length, "facts": facts, "asked_depth": depths[ask], "style": style},
+            meta={"length": length, "facts": facts, "asked_depth": depths[ask], "style": style,
+                  "question_at": question_at(tok, ids, tail)},
         ))  # fmt: skip
     return out
 

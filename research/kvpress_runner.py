@@ -13,6 +13,14 @@ pre-filled with the press active (a press compresses each layer's cache right af
 layer's attention, so the prompt's hidden states never see the pruning); then the last prompt
 token and the greedy answer are decoded on the compressed cache with logical positions. The
 budget is kvpress's `compression_ratio = 1 - budget / prefilled_len` (kept = that budget).
+
+Query-agnostic (`"query_agnostic": true` in IN.json; `benchmarks.quality --kvpress-query-agnostic`),
+as kvpress's own benchmarks and leaderboard run: only the context, the prompt up to its question
+(a sample's `meta.question_at`), is pre-filled with the press; the question (and the chat
+template's tail) is then pre-filled on the compressed cache at its logical positions, uncompressed,
+and the answer decoded (kvpress's `KVPressTextGenerationPipeline`: the context under the press,
+then `generate_answer` from the question ids). The budget counts the context's kept entries; the
+question's (about 20) come on top. The full cache's answer is taken the same way.
 One pre-fill serves every press and budget: a recording press calls each press's own
 `compress` (kvpress's scoring and top-k per layer and KV head) on the layer's full keys and
 values and keeps the results, which is exactly what each press would have left in the cache,
@@ -104,6 +112,24 @@ def greedy(
     return ids
 
 
+def extend(model: Any, cache: Any, ids: list[int], position: int) -> None:
+    """Pre-fill `ids` on `cache` (no press) at logical positions from `position` on."""
+    if ids:
+        model.model(input_ids=torch.tensor([ids]), past_key_values=cache,
+                    position_ids=torch.arange(position, position + len(ids))[None])
+
+
+def split(sample: dict[str, Any], query_agnostic: bool) -> tuple[list[int], list[int], int]:
+    """(context pre-filled under the press, question pre-filled after it, last prompt token)."""
+    ids = sample["prompt_ids"]
+    if not query_agnostic:
+        return ids[:-1], [], ids[-1]
+    at = (sample.get("meta") or {}).get("question_at")
+    if at is None or not 0 < at < len(ids):
+        raise ValueError(f"sample {sample['id']} has no question boundary (meta.question_at)")
+    return ids[:at], ids[at:-1], ids[-1]
+
+
 def cache_from(layers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
     from transformers import DynamicCache
 
@@ -151,12 +177,13 @@ def run(spec: dict[str, Any], outp: str) -> None:
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     presses = make_presses(spec["presses"])
+    query_agnostic = bool(spec.get("query_agnostic", False))
     Recording = recording_press_class()
     results: list[dict[str, Any]] = []
     t_all = time.perf_counter()
     for n, s in enumerate(spec["samples"]):
         t0 = time.perf_counter()
-        context, last = s["prompt_ids"][:-1], s["prompt_ids"][-1]
+        context, question, last = split(s, query_agnostic)
         # kvpress keeps int(n * (1 - ratio)): half a token less pruned keeps exactly b
         ratios = {b: (len(context) - b - 0.5) / len(context) for b in spec["budgets"] if b < len(context)}
         rec = Recording(presses=presses, ratios=ratios)
@@ -168,18 +195,22 @@ def run(spec: dict[str, Any], outp: str) -> None:
                 with rec(model):
                     model.model(input_ids=torch.tensor([context]), past_key_values=full)
                 full_layers = {i: (full.layers[i].keys, full.layers[i].values) for i in range(len(full.layers))}
-                ref = tok.decode(greedy(model, cache_from(full_layers), last, len(context), s["max_tokens"], eos,
-                                        tok, s["answer"]),
-                                 skip_special_tokens=True)  # fmt: skip
+
+                def answer(layers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> str:
+                    cache = cache_from(layers)
+                    extend(model, cache, question, len(context))  # query-agnostic: the question now
+                    ids = greedy(model, cache, last, len(context) + len(question), s["max_tokens"], eos,
+                                 tok, s["answer"])  # fmt: skip
+                    return tok.decode(ids, skip_special_tokens=True)
+
+                ref = answer(full_layers)
                 results.append({"sample": s["id"], "config": "kvpress:full", "text": ref})
                 for name in presses:
                     for b in spec["budgets"]:
                         if b >= len(context):  # nothing to compress: the full cache's answer
                             text = ref
                         else:
-                            ids = greedy(model, cache_from(rec.kept[(name, b)]), last, len(context),
-                                         s["max_tokens"], eos, tok, s["answer"])  # fmt: skip
-                            text = tok.decode(ids, skip_special_tokens=True)
+                            text = answer(rec.kept[(name, b)])
                         results.append({"sample": s["id"], "config": f"kvpress:{name}@{b}", "text": text})
         except Exception as e:  # noqa: BLE001 - record and go on with the next sample
             err = f"{type(e).__name__}: {e!s:.300}"
@@ -193,7 +224,7 @@ def run(spec: dict[str, Any], outp: str) -> None:
                     for n, p in presses.items()}  # fmt: skip
     Path(outp).write_text(json.dumps({
         "version": kvpress.__version__ if hasattr(kvpress, "__version__") else _version(),
-        "presses": list(presses), "press_params": press_params, "dtype": dtype,
+        "presses": list(presses), "press_params": press_params, "dtype": dtype, "query_agnostic": query_agnostic,
         "seconds": time.perf_counter() - t_all, "results": results,
     }))  # fmt: skip
 

@@ -201,16 +201,23 @@ def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: ForwardBat
             continue
         try:  # one request at a time: what fails for it empties its observations alone
             failpoints.check_observation(store, layer.layer_id - store.first_layer, [row])
-            _observe_extend_row(store, layer, row, qi, p, e, pool_rows)
+            _observe_extend_row(store, layer, row, qi, p, e, pool_rows, fb.positions[start - e : start])
         except Exception:  # noqa: BLE001
             logger.exception("sgl-kvc: observing row %s failed in layer %s", row, layer.layer_id)
             lost.append(row)
     store.lose_observations(lost)
 
 
-def _observe_extend_row(store: KvcStore, layer: Any, row: int, qi: torch.Tensor, p: int, e: int, pool_rows: int) -> None:
+def _observe_extend_row(
+    store: KvcStore, layer: Any, row: int, qi: torch.Tensor, p: int, e: int, pool_rows: int, positions: torch.Tensor,
+) -> None:
     store.record_extend(layer.layer_id, row, qi, pool_rows)
     state = store.states.get(row)
+    if state is not None and state.query_moments is not None:
+        # Every query of the prompt, for a prompt policy that reads their moments (Expected
+        # Attention); `positions` are logical (the RoPE the model applied), as is the chunk's
+        # first, p + offset, on the host.
+        store.add_query_moments(row, layer.layer_id, qi, positions, p + state.offset)
     if row in store.extend_tables:
         return  # its attention, through its tables, fed its statistic (`attend_extend`)
     if state is not None and state.policy.uses_stats and state.policy.accumulate_prefill:

@@ -49,9 +49,10 @@ from sgl_kvc.adapter.tp import RankVote, ScoreReducer, tp_rank
 from sgl_kvc.adapter.trace import CompactionTrace
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.passes import DueCompaction, StepWork, advance_uniform, advance_variable, start_pass
+from sgl_kvc.core.query_moments import QueryMoments
 from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.core.store import KvcStore
-from sgl_kvc.core.views import layer_views, with_gaps
+from sgl_kvc.core.views import layer_views, prompt_moments, with_gaps
 from sgl_kvc.policies import HeadSelection, Policy, get_policy, prompt_policy_error
 from sgl_kvc.request_settings import resolved
 
@@ -143,6 +144,12 @@ class Compressor:
 
     def _begin(self, req: Req) -> None:
         state = self.new_state(req)
+        prompt = self.policy(state.policy_name("prefill"), state.budget)
+        if prompt.uses_query_moments and self.config.compressing:
+            # Only such a request pays for them: the observation folds in each chunk's queries.
+            state.query_moments = QueryMoments(
+                self.num_layers, prompt.params.sink_tokens, prompt.params.ea_covariance, prompt.prerope_queries,
+            )
         self.store.begin(req.kv.req_pool_idx, state)
         setattr(req, STATE_ATTR, state)
 
@@ -178,7 +185,7 @@ class Compressor:
         """After an extend: the chunk moment for requests between two chunks of their prompt,
         the prefill moment for those whose prompt is done."""
         self._step_seconds = 0.0
-        starts, chunks = [], []
+        starts, chunks, read = [], [], []
         for i, req in enumerate(batch.reqs):
             state = self.state(req)
             if req.finished() or state is None or state.policy.name == "none":
@@ -193,6 +200,7 @@ class Compressor:
                 ):
                     chunks.append((i, state, keep))
                 continue
+            read.append(state)
             if "prefill" not in self.config.compress_on:
                 continue
             target = self.policy(state.policy_name("prefill"), budget).prefill_target_length(n)
@@ -202,6 +210,10 @@ class Compressor:
                 starts.append((i, state, target))
         self._run_passes(batch, [], chunks, "chunk", whole=True)
         self._run_passes(batch, [], starts, "prefill")
+        for state in read:
+            # Its prompt is read: the prompt's query moments served this moment's pass (a staged
+            # one took them when it began) and serve no later one.
+            state.query_moments = None
         self._flush(batch)
         self._settle(batch)
 
@@ -343,7 +355,8 @@ class Compressor:
             policy = self.policy(state.policy_name(moment), state.effective_budget(n))
             positions = state.positions(n)
             views = layer_views(self.store, req.kv.req_pool_idx, state, n, positions, self._layers(),
-                                values=policy.uses_values)
+                                values=policy.uses_values,
+                                moments=prompt_moments(self.store, state, policy, moment))
             combined, error = policy.combined_score(views), None
         except Exception as e:  # noqa: BLE001 - raised below, after the other ranks heard of it
             combined, error = None, e

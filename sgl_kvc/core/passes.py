@@ -23,7 +23,7 @@ from torch import Tensor
 
 from sgl_kvc.core.request_state import ReqKvState, RequestTables
 from sgl_kvc.core.store import KvcStore
-from sgl_kvc.core.views import request_view, with_gaps
+from sgl_kvc.core.views import prompt_moments, request_view, with_gaps
 from sgl_kvc.policies import HeadSelection, Policy, carry_stats_per_head, select_from_scores, select_per_head
 
 
@@ -62,6 +62,9 @@ class PendingPass:
     target: int
     positions: Tensor  # [n0], or [L, H_kv, n0] after an earlier per-head compaction
     queries: list[Tensor | None]  # the window queries of each layer of this rank, at the start
+    # the prompt's query moments (mean, covariance) of each layer of this rank, at the start, for
+    # a prompt moment of a policy that reads them (`views.prompt_moments`); None otherwise
+    moments: list[tuple[Tensor | None, Tensor | None]] | None = None
     indices: list[Tensor] = field(default_factory=list)  # per layer done: [H_kv, target]
     heads: list[Tensor] = field(default_factory=list)  # of the next layer, done: [target]
     steps: int = 0  # scheduler steps it has run in
@@ -80,6 +83,8 @@ class PendingPass:
         """What it holds (for the store's byte count)."""
         held = [self.positions, *self.indices, *self.heads, *self.scores, *self.protected]
         held += [q for q in self.queries if q is not None]
+        if self.moments is not None:
+            held += [t for pair in self.moments for t in pair if t is not None]
         if self.tables is not None:
             held += [self.tables.units, self.tables.lens, self.tables.positions]
         return held
@@ -111,6 +116,7 @@ def start_pass(
         moment=moment, policy=policy, n0=n, target=min(target, n),
         positions=state.positions(n) if tables is None else tables.positions,
         queries=store.window_queries(row, n), tables=tables,
+        moments=prompt_moments(store, state, policy, moment),
     )
 
 
@@ -132,7 +138,8 @@ def advance_uniform(
             break
         layer = len(p.indices)
         view = request_view(store, row, layers[layer], state, n=p.n0, positions=p.positions,
-                            queries=p.queries[layer], values=p.policy.uses_values)
+                            queries=p.queries[layer], values=p.policy.uses_values,
+                            moments=(None, None) if p.moments is None else p.moments[layer])
         if whole_layer:
             p.indices.append(select_per_head(p.policy, [view], p.target).indices[0])
             work.spend(layer_cost)
@@ -180,7 +187,8 @@ def advance_variable(
         if not work.allows(cost):
             break
         view = request_view(store, row, store.first_layer + layer, state, tables=tables, head=head,
-                            queries=p.queries[layer], values=p.policy.uses_values)
+                            queries=p.queries[layer], values=p.policy.uses_values,
+                            moments=(None, None) if p.moments is None else p.moments[layer])
         p.scores.append(p.policy.score(view)[0])
         p.protected.append(p.policy.protected(view))
         work.spend(cost)

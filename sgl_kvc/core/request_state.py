@@ -155,6 +155,9 @@ class ReqKvState:
     # than its row (the engine's fill ids are shifted by the adapter).
     fill_shift: bool = False
     prompt_policy: str | None = None  # compresses the prompt (prefill, chunk); None: `policy`
+    # The moments of the prompt's pre-RoPE queries (`core/query_moments.py`), accumulated while
+    # the prompt is prefilled when its prompt policy reads them (Expected Attention); None after.
+    query_moments: Any = None
 
     PROMPT_MOMENTS = ("prefill", "chunk")
 

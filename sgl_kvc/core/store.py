@@ -122,6 +122,8 @@ class KvcStore:
         total = 0
         for state in self.states.values():
             tensors = [t for t in state.stats if t is not None]
+            if state.query_moments is not None:
+                tensors += state.query_moments.tensors()
             tensors += [t for t in (state.kept_positions, state.units, state.unit_lens) if t is not None]
             if state.pending is not None:
                 tensors += state.pending.tensors()
@@ -206,6 +208,14 @@ class KvcStore:
     def trim_queries(self, row: int, n: int) -> None:
         """After compaction to n tokens, fewer queries than tokens may remain valid."""
         self._count[row] = self._count[row].clamp(max=n)
+
+    # --- whole-prompt query moments ------------------------------------------------------------
+    def add_query_moments(self, row: int, layer: int, q: Tensor, positions: Tensor, first: int) -> None:
+        """Fold a chunk's queries q [e, H_q, d] (after RoPE, at logical `positions` [e], the first
+        `first` on the host) into the row's query moments, if its prompt policy reads them."""
+        state = self.states.get(row)
+        if state is not None and state.query_moments is not None:
+            state.query_moments.add(layer, q, positions, first)
 
     # --- attention statistics ------------------------------------------------------------------
     def accumulate(

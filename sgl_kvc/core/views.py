@@ -15,12 +15,13 @@ from torch import Tensor
 
 from sgl_kvc.core.request_state import ReqKvState, RequestTables
 from sgl_kvc.core.store import KvcStore
-from sgl_kvc.policies import LayerView
+from sgl_kvc.policies import LayerView, Policy
 
 def request_view(
     store: KvcStore, row: int, layer: int, state: ReqKvState, *, n: int | None = None,
     positions: Tensor | None = None, tables: RequestTables | None = None, head: int | None = None,
     queries: Tensor | None, values: bool = False,
+    moments: tuple[Tensor | None, Tensor | None] = (None, None),
 ) -> LayerView:
     """Layer id `layer` of request `row`.
 
@@ -28,7 +29,9 @@ def request_view(
     over this rank's layers after a per-head compaction). Through `tables` (the unit pool): KV
     head `head` alone, its own entries at their positions. `queries`: the layer's window queries
     (`KvcStore.window_queries`, taken when a staged pass began); with `head`, its query group.
-    `values`: read the values too (for a policy that reads them, `Policy.uses_values`)."""
+    `values`: read the values too (for a policy that reads them, `Policy.uses_values`).
+    `moments`: the layer's (mean, covariance) of the prompt's pre-RoPE queries
+    (`QueryMoments.statistics`), for a prompt policy that reads them; with `head`, its query group."""
     v = None
     if tables is None:
         slots = store.req_to_token[row, :n].long()
@@ -55,21 +58,40 @@ def request_view(
             queries = queries[-n:, head * group : (head + 1) * group]
         if stats is not None:
             stats = stats[head : head + 1]
-    return LayerView(keys=keys, queries=queries, positions=positions, stats=stats, values=v)
+    mean, cov = moments
+    if head is not None and mean is not None:
+        group = mean.shape[0] // store.kv_heads
+        mean = mean[head * group : (head + 1) * group]
+        cov = None if cov is None else cov[head * group : (head + 1) * group]
+    return LayerView(keys=keys, queries=queries, positions=positions, stats=stats, values=v,
+                     query_mean=mean, query_cov=cov)
 
 
 def layer_views(
     store: KvcStore, row: int, state: ReqKvState, n: int, positions: Tensor, layers: range,
-    values: bool = False,
+    values: bool = False, moments: list[tuple[Tensor | None, Tensor | None]] | None = None,
 ) -> list[LayerView]:
     """Every layer of this rank through the row (one layer's keys, and `values` its values, held per
-    view)."""
+    view); `moments`: each layer's query moments (`prompt_moments`), or None."""
     queries = store.window_queries(row, n)
     return [
         request_view(store, row, layer, state, n=n, positions=positions,
-                     queries=queries[layer - store.first_layer], values=values)
+                     queries=queries[layer - store.first_layer], values=values,
+                     moments=(None, None) if moments is None else moments[layer - store.first_layer])
         for layer in layers
     ]
+
+
+def prompt_moments(
+    store: KvcStore, state: ReqKvState, policy: Policy, moment: str,
+) -> list[tuple[Tensor | None, Tensor | None]] | None:
+    """The request's whole-prompt query moments, per layer of this rank, for a pass at `moment`
+    by `policy`: only a prompt moment (prefill, chunk) of a policy that reads them; None
+    otherwise (a decode-time pass scores with the window's queries)."""
+    moments = state.query_moments
+    if moments is None or moment not in ReqKvState.PROMPT_MOMENTS or not policy.uses_query_moments:
+        return None
+    return moments.snapshot(range(store.first_layer, store.num_layers))
 
 
 def with_gaps(first_layer: int, items: list[Any]) -> list[Any]:

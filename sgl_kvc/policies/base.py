@@ -161,6 +161,11 @@ class LayerView:
     scale:     softmax scale; None means 1/sqrt(d).
     values:    [n, H_kv, d_v] or None: the cached values, same order as keys; given only to the
                policies that read them (``Policy.uses_values``).
+    query_mean: [H_q, d] or None: the mean of the request's pre-RoPE queries over its whole prompt
+               read so far (``Policy.uses_query_moments``; `sgl_kvc.core.query_moments`), per query
+               head; None: the policy uses the observation window's queries.
+    query_cov: [H_q, d, d] or None: their covariance (divided by the query count), given with
+               ``query_mean`` when the policy asks for it.
     """
 
     keys: Tensor
@@ -169,6 +174,8 @@ class LayerView:
     stats: Tensor | None = None
     scale: float | None = None
     values: Tensor | None = None
+    query_mean: Tensor | None = None
+    query_cov: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.keys.dim() != 3:
@@ -199,6 +206,15 @@ class LayerView:
         if self.values is not None:
             if self.values.dim() != 3 or tuple(self.values.shape[:2]) != (n, h_kv):
                 raise ValueError(f"values must be [{n}, {h_kv}, d_v], got shape {tuple(self.values.shape)}")
+        if self.query_mean is not None:
+            if self.query_mean.dim() != 2 or self.query_mean.shape[1] != d or self.query_mean.shape[0] % h_kv:
+                raise ValueError(f"query_mean must be [H_q, {d}], H_q a multiple of {h_kv}, "
+                                 f"got shape {tuple(self.query_mean.shape)}")
+            if self.query_cov is not None and tuple(self.query_cov.shape) != (self.query_mean.shape[0], d, d):
+                raise ValueError(f"query_cov must be [{self.query_mean.shape[0]}, {d}, {d}], "
+                                 f"got shape {tuple(self.query_cov.shape)}")
+        elif self.query_cov is not None:
+            raise ValueError("query_cov needs query_mean")
         if self.scale is None:
             self.scale = 1.0 / math.sqrt(d)
 
@@ -216,6 +232,11 @@ class LayerView:
         at a time (staged passes) and choose what the whole layer's selection chooses."""
         group = None if self.queries is None else self.queries.shape[1] // self.n_kv_heads
         positions = self.positions
+        mean, cov = self.query_mean, self.query_cov
+        if mean is not None:
+            g = mean.shape[0] // self.n_kv_heads
+            mean = mean[h * g : (h + 1) * g]
+            cov = None if cov is None else cov[h * g : (h + 1) * g]
         return LayerView(
             keys=self.keys[:, h : h + 1],
             queries=None if group is None else self.queries[:, h * group : (h + 1) * group],
@@ -223,6 +244,8 @@ class LayerView:
             stats=None if self.stats is None else self.stats[h : h + 1],
             scale=self.scale,
             values=None if self.values is None else self.values[:, h : h + 1],
+            query_mean=mean,
+            query_cov=cov,
         )
 
 
@@ -252,6 +275,11 @@ class Policy(ABC):
     uses_values: ClassVar[bool] = False
     """Whether the policy reads the cached values (``LayerView.values``); the caller reads them
     from the pool only for such a policy."""
+    uses_query_moments: ClassVar[bool] = False
+    """Whether the policy, compressing a prompt, reads the moments of every query of the prompt
+    read so far (``LayerView.query_mean``, ``query_cov``); the caller accumulates them while the
+    prompt is prefilled (`sgl_kvc.core.query_moments`) only for a request whose prompt policy
+    asks, with :meth:`prerope_queries` to undo RoPE."""
     prompt_policy: ClassVar[str | None] = None
     """The policy that compresses the prompt (the prefill and chunk moments) when the user leaves
     it to this one (``--prompt-policy auto``); None: this policy itself. A decode-time method
@@ -262,6 +290,11 @@ class Policy(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.params!r})"
+
+    def prerope_queries(self, queries: Tensor, positions: Tensor) -> Tensor:
+        """The queries [e, H_q, d] (after RoPE, at logical ``positions`` [e]) before RoPE, for
+        :attr:`uses_query_moments` policies."""
+        raise NotImplementedError(f"policy {self.name!r} reads no query moments")
 
     # ---- scoring -------------------------------------------------------------------------------
     @abstractmethod

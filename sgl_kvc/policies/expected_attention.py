@@ -8,25 +8,33 @@ before its question is read.
 
 Steps (the paper's method, in kvpress 0.5.5's order; the formulas are written next to each step):
 
-1. Query statistics. kvpress takes the pre-RoPE queries of the whole prompt but its first ``n_sink``;
-   here they are the last ``window`` observation queries (``LayerView.queries``, after RoPE, at the
-   last q logical positions p_j). Each is moved to the future: q_j was rotated by R(p_j), a future
-   query at position t is R(t) q~_j = R(t - p_j) q_j, and averaging over the next F =
-   ``ea_future_positions`` positions t = T..T+F-1 (T = the position after the last token) gives
-   a_j = Rbar_j q_j with Rbar_j = (1/F) sum_t R(t - p_j): on each rotated pair of dimensions a
-   multiplication by the mean phasor (1/F) sum_t e^{i (t - p_j) theta}. Since every Rbar_j equals
-   Rbar R(-p_j) with kvpress's Rbar = (1/F) sum_t R(t), mean(a_j) = Rbar mu~ and
-   cov(a_j) = Rbar Sigma~ Rbar^T: exactly kvpress's rotated statistics of the pre-RoPE queries.
-   Only the offsets t - p_j (F plus the window's span at most) enter the angles, so no large
-   position loses precision. RoPE parameters (base, rotary dimensions, layout) are the served model's
-   (``PolicyParams.rope_*``, filled in by the adapter); scaled RoPE variants (Llama 3, YaRN) are
-   advanced with the unscaled frequencies base^(-2i/r).
-2. Covariance with few queries. Sigma = (1/q) sum_j c_j c_j^T (c_j = a_j - mu; kvpress also divides
-   by the sample count), so k^T Sigma k = (1/q) sum_j (c_j.k)^2: q dot products per key, the cost of
-   the mean term times q, never a d x d matrix. It is a rank <= q - 1 estimate from q (8) samples:
-   noisy, but a non-negative term that cannot overflow the softmax (logits are shifted by their
-   max). It stays on by default (kvpress ``use_covariance=True``); ``ea_covariance=False`` keeps
-   the mean term alone.
+1. Query statistics. kvpress (``get_query_statistics``, its docstring's steps 1-3) takes the mean mu~
+   and covariance Sigma~ of the pre-RoPE queries of the whole prompt but its first ``n_sink``, and
+   moves them to the coming positions with Rbar = (1/F) sum_{t=T}^{T+F-1} R(t) (T = the prompt's
+   length, F = ``ea_future_positions``; ``apply_avg_rope``): mu = Rbar mu~, Sigma = Rbar Sigma~
+   Rbar^T. Here they come, when the caller gives them (``LayerView.query_mean``, ``query_cov``),
+   from every query of the prompt read so far, accumulated chunk by chunk
+   (`sgl_kvc.core.query_moments`, which undoes RoPE with :func:`prerope_queries`; a prefix reused
+   from the radix tree was never computed, and only the rest of the prompt counts); the
+   covariance term is then k^T Rbar Sigma~ Rbar^T k = (Rbar^T k)^T Sigma~ (Rbar^T k), with
+   Rbar^T k one complex multiplication per rotated pair of k. Otherwise (a decode-time pass, a
+   prompt no longer than its sinks) they come from the last ``window`` observation queries
+   (``LayerView.queries``, after RoPE, at the last q logical positions p_j): each is moved to the
+   future, q_j was rotated by R(p_j), a future query at position t is R(t) q~_j = R(t - p_j) q_j,
+   and averaging over t = T..T+F-1 gives a_j = Rbar_j q_j with Rbar_j = (1/F) sum_t R(t - p_j):
+   on each rotated pair of dimensions a multiplication by the mean phasor
+   (1/F) sum_t e^{i (t - p_j) theta}. Since every Rbar_j equals Rbar R(-p_j), mean(a_j) = Rbar mu~
+   and cov(a_j) = Rbar Sigma~ Rbar^T over the window's queries. Only the offsets t - p_j (F plus
+   the window's span at most) enter those angles, so no large position loses precision. RoPE
+   parameters (base, rotary dimensions, layout) are the served model's (``PolicyParams.rope_*``,
+   filled in by the adapter); scaled RoPE variants (Llama 3, YaRN) are advanced with the unscaled
+   frequencies base^(-2i/r).
+2. Covariance. From the window's q queries, Sigma = (1/q) sum_j c_j c_j^T (c_j = a_j - mu; kvpress
+   also divides by the sample count), so k^T Sigma k = (1/q) sum_j (c_j.k)^2: q dot products per
+   key, never a d x d matrix; a rank <= q - 1 estimate from q (8) samples. From the whole prompt,
+   a d x d matrix per query head (d^2 per key and head, kvpress's cost). Either is a non-negative
+   term that cannot overflow the softmax (logits are shifted by their max). It stays on by
+   default (kvpress ``use_covariance=True``); ``ea_covariance=False`` keeps the mean term alone.
 3. Expected logits, then softmax over keys: l_i = s mu.k_i + (s^2 / 2) k_i^T Sigma k_i (s the
    softmax scale, 1/sqrt(d): kvpress's mu.k/sqrt(d) + k^T Sigma k / (2d)), normalised over every
    key but the sinks (kvpress's softmax domain; the observation window takes part).
@@ -76,6 +84,28 @@ def mean_future_phasor(
     return (c * w_re - s * w_im).float(), (s * w_re + c * w_im).float()
 
 
+def rope_angles(positions: Tensor, params: PolicyParams, head_dim: int) -> Tensor:
+    """The angles [..., r/2] (float32) by which the model's RoPE rotated the queries at
+    ``positions`` [...], computed as SGLang's ``RotaryEmbedding`` computes its cos/sin cache
+    (float32: inv_freq = 1 / base^(2i/r), angle = t x inv_freq, one rounded product), so that
+    undoing them cancels the model's own rotation up to the rounding of cos, sin and the products,
+    where float64 angles would differ from the model's by up to t x 2^-24 radians."""
+    r = params.rope_dim or head_dim
+    inv_freq = 1.0 / (
+        params.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32, device=positions.device) / r)
+    )
+    return positions.to(torch.float32)[..., None] * inv_freq
+
+
+def prerope_queries(queries: Tensor, positions: Tensor, params: PolicyParams) -> Tensor:
+    """The float32 queries [e, H, d] before RoPE, from ``queries`` after it at logical ``positions``
+    [e]: RoPE is a rotation per pair of dimensions, q = R(p) q~, so q~ = R(p)^T q = R(-p) q, each
+    pair multiplied by e^{-i p theta} (the same angles as the model's, `rope_angles`). Exact for
+    the plain RoPE the model runs with; dimensions past the rotary ones pass unchanged."""
+    angles = rope_angles(positions, params, queries.shape[-1])[:, None, :]  # [e, 1, r/2]
+    return rotate_pairs(queries.float(), angles.cos(), -angles.sin(), params.rope_dim, params.rope_neox)
+
+
 def rotate_pairs(x: Tensor, re: Tensor, im: Tensor, rope_dim: int, neox: bool) -> Tensor:
     """Multiply each rotated pair of dimensions of x [..., d] by the complex number re + i im
     ([..., r/2], broadcast): the pair (x1, x2) becomes (x1 re - x2 im, x1 im + x2 re), a RoPE
@@ -95,7 +125,11 @@ class ExpectedAttentionPolicy(Policy):
     name: ClassVar[str] = "expected_attention"
     uses_stats: ClassVar[bool] = False
     uses_values: ClassVar[bool] = True
+    uses_query_moments: ClassVar[bool] = True
     compress_after_prefill: ClassVar[bool] = True
+
+    def prerope_queries(self, queries: Tensor, positions: Tensor) -> Tensor:
+        return prerope_queries(queries, positions, self.params)
 
     def protected(self, view: LayerView) -> Tensor:
         mask = super().protected(view)  # the observation window
@@ -111,6 +145,46 @@ class ExpectedAttentionPolicy(Policy):
             return out
         if p.ea_value_norm and view.values is None:
             raise ValueError(f"policy {self.name!r} needs the cached values (LayerView.values)")
+        keys = view.keys.float()[sinks:]  # the sinks are kept and take no part (kvpress)
+        scale = float(view.scale)
+        if view.query_mean is not None:
+            logits = self._prompt_logits(view, keys, scale)
+        else:
+            logits = self._window_logits(view, keys, scale)
+        expected = torch.softmax(logits, dim=-1)  # normalised over the keys (kvpress's softmax)
+        expected = expected.mean(dim=1)  # Step 4, GQA: mean over the query group
+        if p.ea_value_norm:  # Step 5: (E[a_i] + epsilon) ||v_i||
+            norms = view.values[sinks:].float().norm(dim=-1).transpose(0, 1)  # [H_kv, n - sinks]
+            expected = (expected + p.ea_epsilon) * norms
+        out[:, sinks:] = expected
+        return out
+
+    def _prompt_logits(self, view: LayerView, keys: Tensor, scale: float) -> Tensor:
+        """Expected logits [H_kv, G, n - sinks] from the moments of the prompt's pre-RoPE queries
+        (step 1, kvpress's statistics over the whole prompt read so far)."""
+        p = self.params
+        h_kv, d = view.n_kv_heads, keys.shape[-1]
+        mu = view.query_mean.float().reshape(h_kv, -1, d)  # [H_kv, G, d], pre-RoPE
+        pos = view.positions
+        # T, the position after the last token (kvpress: q_len), per KV head: [H_kv]
+        nxt = (pos[..., -1] + 1).reshape(-1).expand(h_kv)
+        re, im = mean_future_phasor(nxt, p, d)  # Rbar(T) = (1/F) sum_{s<F} R(T + s): [H_kv, r/2]
+        mu = rotate_pairs(mu, re[:, None], im[:, None], p.rope_dim, p.rope_neox)  # mu = Rbar mu~
+        logits = torch.einsum("kgd,nkd->kgn", mu, keys) * scale
+        if p.ea_covariance and view.query_cov is not None:
+            # k^T (Rbar Sigma~ Rbar^T) k = (Rbar^T k)^T Sigma~ (Rbar^T k); Rbar^T: the conjugate phasor
+            moved = rotate_pairs(keys, re, -im, p.rope_dim, p.rope_neox)  # [n, H_kv, d]
+            cov = view.query_cov.float().reshape(h_kv, -1, d, d)  # [H_kv, G, d, d]
+            sk = torch.einsum("kgde,nke->kgnd", cov, moved)
+            quad = (sk * moved.transpose(0, 1)[:, None]).sum(dim=-1)  # [H_kv, G, n]
+            logits = logits + quad * (scale * scale / 2)
+        return logits
+
+    def _window_logits(self, view: LayerView, keys: Tensor, scale: float) -> Tensor:
+        """Expected logits [H_kv, G, n - sinks] from the observation window's queries (step 1's
+        fallback)."""
+        p = self.params
+        h_kv, d = view.n_kv_heads, keys.shape[-1]
         queries = require_queries(view, self.name, p.window)  # [q, H_q, d], after RoPE
         q = queries.shape[0]
         # Every query lies past the sinks here (n > sinks + window), as kvpress's statistics do.
@@ -126,18 +200,10 @@ class ExpectedAttentionPolicy(Policy):
         # Step 1: a_j = Rbar_j q_j, the query moved to the average of the next F positions
         moved = rotate_pairs(queries, re, im, p.rope_dim, p.rope_neox)  # [q, H_kv, G, d]
         mu = moved.mean(dim=0)  # mean of the future query distribution
-        keys = view.keys.float()[sinks:]  # the sinks are kept and take no part (kvpress)
-        scale = float(view.scale)
         # Step 3: the Gaussian moment-generating function, E[exp(s q.k)] = exp(s mu.k + s^2 k^T Sigma k / 2)
         logits = torch.einsum("kgd,nkd->kgn", mu, keys) * scale
         if p.ea_covariance and q > 1:
             centred = moved - mu  # c_j; Sigma = (1/q) sum_j c_j c_j^T (step 2)
             proj = torch.einsum("qkgd,nkd->kgqn", centred, keys)
             logits = logits + proj.square().mean(dim=2) * (scale * scale / 2)  # k^T Sigma k
-        expected = torch.softmax(logits, dim=-1)  # normalised over the keys (kvpress's softmax)
-        expected = expected.mean(dim=1)  # Step 4, GQA: mean over the query group
-        if p.ea_value_norm:  # Step 5: (E[a_i] + epsilon) ||v_i||
-            norms = view.values[sinks:].float().norm(dim=-1).transpose(0, 1)  # [H_kv, n - sinks]
-            expected = (expected + p.ea_epsilon) * norms
-        out[:, sinks:] = expected
-        return out
+        return logits

@@ -19,21 +19,25 @@ from fakes import LayeredKvPool
 from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
 from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore
-from sgl_kvc.core.views import layer_views
+from sgl_kvc.core.query_moments import QueryMoments
+from sgl_kvc.core.views import layer_views, prompt_moments
 from sgl_kvc.policies import Policy, PolicyParams, get_policy
 from sync_guard import SyncCounter
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 D, SLOTS, WINDOW, GROUP, N, BUDGET = 8, 200, 4, 3, 120, 30
-POLICIES = ["rkv", "snapkv", "h2o", "kvcompress", "streamingllm", "batchmax", "keydiff", "expected_attention"]
+POLICIES = ["rkv", "snapkv", "h2o", "kvcompress", "streamingllm", "batchmax", "keydiff", "expected_attention",
+            "expected_attention+moments"]
 MODES = ["shared", "uniform", "variable", "layer"]
 BOUND = 8  # what the engines read today is 1 to 7; the bound only has to be independent of L x H
 
 
 def _request(policy: str, layers: int, heads: int, units: bool) -> tuple[KvcStore, ReqKvState]:
     """Row 0 holds N entries, its window queries and (for the statistics policies) statistics.
-    R-KV estimates its redundancy from 16 reference keys (a long prompt's path)."""
+    R-KV estimates its redundancy from 16 reference keys (a long prompt's path).
+    "expected_attention+moments": with the moments of its prompt's queries, read in 2 chunks."""
+    policy, _, moments = policy.partition("+")
     g = torch.Generator().manual_seed(0)
     pool = LayeredKvPool(SLOTS, layers, heads, D, g, units=units)
     r2t = torch.zeros(2, 256, dtype=torch.int32)
@@ -43,9 +47,13 @@ def _request(policy: str, layers: int, heads: int, units: bool) -> tuple[KvcStor
     params = PolicyParams(budget=BUDGET, rkv_reference_keys=16)
     state = ReqKvState(policy=get_policy(policy, params), budget=Budget(BUDGET), device="cpu")
     store.begin(0, state)
+    if moments:
+        state.query_moments = QueryMoments(layers, params.sink_tokens, True, state.policy.prerope_queries)
     for layer in range(layers):
         q = torch.randn(N, heads * GROUP, D, generator=g)
         store.record_extend(layer, 0, q, pool_rows=2)
+        for a, b in ((0, N // 2), (N // 2, N)):
+            store.add_query_moments(0, layer, q[a:b], torch.arange(a, b), a)
         if state.policy.uses_stats:
             idx = torch.arange(N)
             store.accumulate(0, layer, q, pool.get_key_buffer(layer)[slots], idx, idx, 0.3)
@@ -56,7 +64,8 @@ def _pass_syncs(policy: str, mode: str, layers: int, heads: int) -> collections.
     store, state = _request(policy, layers, heads, units=mode in ("variable", "layer"))
     with SyncCounter() as counter:
         if mode == "shared":
-            views = layer_views(store, 0, state, N, state.positions(N), range(layers), values=state.policy.uses_values)
+            views = layer_views(store, 0, state, N, state.positions(N), range(layers), values=state.policy.uses_values,
+                                moments=prompt_moments(store, state, state.policy, "prefill"))
             state.policy.select(views, BUDGET)
         else:
             tables = state.tables(store.req_to_token[0, :N], layers, heads) if mode != "uniform" else None
@@ -114,3 +123,17 @@ def test_a_packed_extend_never_waits_for_the_device() -> None:
         for layer in range(layers):
             store.attend_extend(layer, 0, q, positions, 0.3)
     assert counter.reasons == []
+
+
+def test_folding_a_chunks_queries_into_the_moments_never_waits_for_the_device() -> None:
+    """Every layer of a prefill chunk adds its queries to the prompt's moments (Expected
+    Attention) with no read to the host: the sizes it needs (chunk length, first position,
+    count so far) are host integers."""
+    layers, heads = 3, 2
+    store, state = _request("expected_attention+moments", layers, heads, units=False)
+    q = torch.randn(7, heads * GROUP, D)
+    with SyncCounter() as counter:
+        for layer in range(layers):
+            store.add_query_moments(0, layer, q, torch.arange(N, N + 7), N)
+    assert counter.reasons == []
+    assert state.query_moments.counts == [N - 4 + 7] * layers

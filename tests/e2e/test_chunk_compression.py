@@ -76,6 +76,26 @@ def test_prompts_four_times_the_pool_are_served_within_budget_plus_one_chunk(chu
     assert_pool_whole(stats)
 
 
+def test_expected_attention_reads_every_chunk_and_lets_go_of_it(chunk_server) -> None:
+    """Expected Attention as the prompt policy keeps the moments of every query of the prompt
+    (`core/query_moments.py`) while it is read in chunks: the prompts are served within budget +
+    one chunk, and nothing the requests held is left once they are done."""
+    before = chunk_server.stats()["compression"]
+    n = 2 * POOL
+    kvc = [{"policy": "expected_attention"}, {"policy": "rkv", "prompt_policy": "expected_attention"}]
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda k: _complete(chunk_server, _prompt(n, seed=20 + k), 8, kvc[k]), range(2)))
+    for r in replies:
+        assert r.status_code == 200, r.text[:300]
+    stats = chunk_server.wait_idle()
+    c = stats["compression"]
+    assert c["chunk_passes"] - before["chunk_passes"] >= 2 * (n // CHUNK - 2), c
+    assert c["max_row_slots"] <= BUDGET + CHUNK + WINDOW, c
+    assert c["failed_requests"] == before["failed_requests"]
+    assert stats["pool"]["request_state_bytes"] == 0, stats["pool"]
+    assert_pool_whole(stats)
+
+
 def test_a_request_not_compressed_gets_the_pool_bound_as_a_400(chunk_server) -> None:
     r = _complete(chunk_server, _prompt(4 * POOL, seed=9), 4, {"policy": "none"})
     assert r.status_code == 400, r.text[:300]
