@@ -144,7 +144,7 @@ class Compressor:
 
     def _begin(self, req: Req) -> None:
         state = self.new_state(req)
-        prompt = self.policy(state.policy_name("prefill"), state.budget)
+        prompt = self.policy(state.policy_name("prefill"), state.budget.tokens)
         if prompt.uses_query_moments and self.config.compressing:
             # Only such a request pays for them: the observation folds in each chunk's queries.
             state.query_moments = QueryMoments(
