@@ -25,6 +25,12 @@ One pre-fill serves every press and budget: a recording press calls each press's
 `compress` (kvpress's scoring and top-k per layer and KV head) on the layer's full keys and
 values and keeps the results, which is exactly what each press would have left in the cache,
 at a third of the pre-fill cost on a slow CPU.
+
+KVzip (`kvzip`) cannot be recorded that way: its score is the attention that a second pass,
+asked to repeat the context, pays to each entry, and kvpress 0.5.5 applies its choice by masking
+(each layer gets its own share of the total budget, heads their own counts). It runs as kvpress
+runs it: its own pre-fill of the context per budget under `KVzipPress`, then the question and
+the answer on that cache with kvpress's attention patch hiding the evicted entries.
 """
 
 from __future__ import annotations
@@ -42,10 +48,14 @@ from typing import Any
 import torch
 
 
+SELF_RUN = {"kvzip"}  # presses that need their own pre-fill (see the module docstring)
+
+
 def make_presses(names: list[str]) -> dict[str, Any]:
     from kvpress import (
         ExpectedAttentionPress,
         KeyDiffPress,
+        KVzipPress,
         SnapKVPress,
         StreamingLLMPress,
         TOVAPress,
@@ -59,6 +69,7 @@ def make_presses(names: list[str]) -> dict[str, Any]:
         "tova": lambda: TOVAPress(),
         "expected_attention": lambda: ExpectedAttentionPress(),
         "keydiff": lambda: KeyDiffPress(),
+        "kvzip": lambda: KVzipPress(),
     }
     return {n: factories[n]() for n in names}
 
@@ -130,6 +141,28 @@ def split(sample: dict[str, Any], query_agnostic: bool) -> tuple[list[int], list
     return ids[:at], ids[at:-1], ids[-1]
 
 
+def masked_answer(
+    model: Any, press: Any, ratio: float, context: list[int], question: list[int], last: int,
+    sample: dict[str, Any], eos: set[int], tok: Any,
+) -> str:
+    """A press that masks rather than prunes (KVzip): pre-fill the context under it, then read the
+    question and decode on the masked cache; the masks are cleared afterwards."""
+    from transformers import DynamicCache
+
+    press.compression_ratio = ratio
+    cache = DynamicCache()
+    try:
+        with press(model):
+            model.model(input_ids=torch.tensor([context]), past_key_values=cache)
+        extend(model, cache, question, len(context))
+        ids = greedy(model, cache, last, len(context) + len(question), sample["max_tokens"], eos,
+                     tok, sample["answer"])  # fmt: skip
+    finally:
+        for layer in model.model.layers:
+            layer.self_attn.masked_key_indices = None
+    return tok.decode(ids, skip_special_tokens=True)
+
+
 def cache_from(layers: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
     from transformers import DynamicCache
 
@@ -176,7 +209,9 @@ def run(spec: dict[str, Any], outp: str) -> None:
     tok = AutoTokenizer.from_pretrained(spec["model"])
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
-    presses = make_presses(spec["presses"])
+    all_presses = make_presses(spec["presses"])
+    presses = {n: p for n, p in all_presses.items() if n not in SELF_RUN}
+    self_run = {n: p for n, p in all_presses.items() if n in SELF_RUN}
     query_agnostic = bool(spec.get("query_agnostic", False))
     Recording = recording_press_class()
     results: list[dict[str, Any]] = []
@@ -212,19 +247,24 @@ def run(spec: dict[str, Any], outp: str) -> None:
                         else:
                             text = answer(rec.kept[(name, b)])
                         results.append({"sample": s["id"], "config": f"kvpress:{name}@{b}", "text": text})
+                for name, press in self_run.items():
+                    for b in spec["budgets"]:
+                        text = ref if b >= len(context) else masked_answer(
+                            model, press, ratios[b], context, question, last, s, eos, tok)
+                        results.append({"sample": s["id"], "config": f"kvpress:{name}@{b}", "text": text})
         except Exception as e:  # noqa: BLE001 - record and go on with the next sample
             err = f"{type(e).__name__}: {e!s:.300}"
             done = {r["config"] for r in results if r["sample"] == s["id"]}
-            for cfg in ["kvpress:full", *(f"kvpress:{p}@{b}" for p in presses for b in spec["budgets"])]:
+            for cfg in ["kvpress:full", *(f"kvpress:{p}@{b}" for p in all_presses for b in spec["budgets"])]:
                 if cfg not in done:
                     results.append({"sample": s["id"], "config": cfg, "text": None, "error": err})
         print(f"[kvpress] {n + 1}/{len(spec['samples'])} {s['id']}: {time.perf_counter() - t0:.0f} s",
               flush=True)  # fmt: skip
     press_params = {n: {k: v for k, v in vars(p).items() if isinstance(v, (int, float, str))}
-                    for n, p in presses.items()}  # fmt: skip
+                    for n, p in all_presses.items()}  # fmt: skip
     Path(outp).write_text(json.dumps({
         "version": kvpress.__version__ if hasattr(kvpress, "__version__") else _version(),
-        "presses": list(presses), "press_params": press_params, "dtype": dtype, "query_agnostic": query_agnostic,
+        "presses": list(all_presses), "press_params": press_params, "dtype": dtype, "query_agnostic": query_agnostic,
         "seconds": time.perf_counter() - t_all, "results": results,
     }))  # fmt: skip
 
