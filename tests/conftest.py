@@ -54,6 +54,25 @@ def _a_share_of_the_cores_per_worker() -> None:
 _a_share_of_the_cores_per_worker()
 
 
+def _an_inductor_cache_per_cpu_capability() -> None:
+    """PyTorch 2.13's on-disk inductor cache does not tell kernels compiled under one ATen CPU
+    capability from another's: after a default run, a run under `ATEN_CPU_CAPABILITY=avx2` on the
+    same machine loads the cached kernel of SGLang's compiled vocabulary mask
+    (`get_masked_input_and_mask`, used with `--tp-size 2`) and gets garbage token ids, and its
+    scheduler dies in the embedding. A fresh cache compiles it right, so each capability gets its
+    own cache folder (the servers the tests start inherit it). A folder the user chose is kept."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}-{capability}"
+
+
+_an_inductor_cache_per_cpu_capability()
+
+
 # What a machine with only PyTorch and Triton lacks (a GPU image with no SGLang, `.ci/gpu`): SGLang
 # and the HTTP server stack sgl-kvc's server runs on.
 SERVING_PACKAGES = ("sglang", "sgl_kernel", "fastapi", "starlette", "uvicorn", "openai")
