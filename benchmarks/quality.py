@@ -709,6 +709,10 @@ def main(argv: list[str] | None = None) -> dict:
         outcomes += [Outcome(**o) for o in prev["outcomes"]
                      if (o["sample"], o["config"]) not in run_now]  # fmt: skip
         timing = timing or [TimingResult(**t) for t in prev["timing"]]
+        if kvpress and "results" in kvpress and prev.get("kvpress"):
+            # As with the policies, the report lists the presses of either run.
+            kvpress["presses"] = list(dict.fromkeys([*prev["kvpress"].get("presses", []), *kvpress["presses"]]))
+            kvpress["press_params"] = {**prev["kvpress"].get("press_params", {}), **kvpress.get("press_params", {})}
         kvpress = kvpress or ({**prev["kvpress"], "results": []} if prev.get("kvpress") else None)
         kept += [KeptSummary(**k) for k in prev.get("kept", []) if k["config"] not in {x.config for x in kept}]
         phases = {**{f"{k} (merged run)": v for k, v in prev["setup"]["phase_seconds"].items()}, **phases}

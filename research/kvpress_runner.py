@@ -28,7 +28,8 @@ at a third of the pre-fill cost on a slow CPU.
 
 KVzip (`kvzip`) cannot be recorded that way: its score is the attention that a second pass,
 asked to repeat the context, pays to each entry, and kvpress 0.5.5 applies its choice by masking
-(each layer gets its own share of the total budget, heads their own counts). It runs as kvpress
+(each layer gets its own share of the total budget, heads their own counts; `kvzip_layerwise`:
+every layer the same share). It runs as kvpress
 runs it: its own pre-fill of the context per budget under `KVzipPress`, then the question and
 the answer on that cache with kvpress's attention patch hiding the evicted entries.
 """
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 
 
-SELF_RUN = {"kvzip"}  # presses that need their own pre-fill (see the module docstring)
+SELF_RUN = {"kvzip", "kvzip_layerwise"}  # presses that need their own pre-fill (module docstring)
 
 
 def make_presses(names: list[str]) -> dict[str, Any]:
@@ -70,6 +71,8 @@ def make_presses(names: list[str]) -> dict[str, Any]:
         "expected_attention": lambda: ExpectedAttentionPress(),
         "keydiff": lambda: KeyDiffPress(),
         "kvzip": lambda: KVzipPress(),
+        # the same score with the budget split evenly across layers (as sgl-kvc's uniform budgets)
+        "kvzip_layerwise": lambda: KVzipPress(layerwise=True),
     }
     return {n: factories[n]() for n in names}
 
