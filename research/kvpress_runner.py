@@ -29,9 +29,9 @@ at a third of the pre-fill cost on a slow CPU.
 KVzip (`kvzip`) cannot be recorded that way: its score is the attention that a second pass,
 asked to repeat the context, pays to each entry, and kvpress 0.5.5 applies its choice by masking
 (each layer gets its own share of the total budget, heads their own counts; `kvzip_layerwise`:
-every layer the same share). It runs as kvpress
-runs it: its own pre-fill of the context per budget under `KVzipPress`, then the question and
-the answer on that cache with kvpress's attention patch hiding the evicted entries.
+every layer the same share). It runs as kvpress runs it: its own pre-fill of the context per
+budget under `KVzipPress`, then the question and the answer on that cache with kvpress's
+attention patch hiding the evicted entries.
 """
 
 from __future__ import annotations
