@@ -50,19 +50,27 @@ class _Pool:
 
 def serving_step(
     batch: int, shape: StepShape, policies: tuple[str, ...], device: torch.device | str,
-    fused: bool | None = None, seed: int = 0,
+    fused: bool | None = None, seed: int = 0, lengths: dict[int, int] | None = None,
 ) -> tuple[KvcStore, Callable[[], None], torch.Tensor]:
     """A store holding `batch` decoding requests (policies in turn, lengths uniform over the
     budget + buffer cycle, each with the statistic its policy keeps), `step()`, one decode
     step as the server runs it, and the tensor its attention writes (the last layer's output).
-    `fused`: force the plan's kind (None: the device's own)."""
+    `fused`: force the plan's kind (None: the device's own); `lengths`: requests (by index) of
+    another length (a long one among short ones)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     lens = [rng.randint(shape.budget, shape.budget + shape.buffer) for _ in range(batch)]
-    width = shape.budget + shape.buffer
-    slots = batch * width + 1
-    r2t = (torch.arange(batch * width, dtype=torch.int32).reshape(batch, width) + 1)
-    r2t = r2t.view(-1)[torch.randperm(batch * width, generator=gen)].reshape(batch, width).to(device)
+    for i, n in (lengths or {}).items():
+        lens[i] = n
+    width = max(lens)
+    slots = sum(lens) + 1
+    perm = (torch.randperm(slots - 1, generator=gen) + 1).to(torch.int32)  # slot 0: SGLang's padding slot
+    r2t = torch.zeros(batch, width, dtype=torch.int32)
+    start = 0
+    for row, n in enumerate(lens):
+        r2t[row, :n] = perm[start : start + n]
+        start += n
+    r2t = r2t.to(device)
     k, v = (torch.randn(slots, shape.kv_heads, shape.head_dim, generator=gen).to(device, shape.dtype)
             for _ in range(2))
     store = KvcStore(shape.layers, shape.window, r2t, _Pool(k, v))

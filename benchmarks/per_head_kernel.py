@@ -35,7 +35,7 @@ from benchmarks.decode_step import StepShape, serving_step
 from sgl_kvc.kernels.decode_attention import decode_attention
 from sgl_kvc.kernels.fp8 import Fp8Rows, quantize_rows
 from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode
-from sgl_kvc.kernels.triton_per_head import BLOCK_N, FP8_BLOCK_N, FP8_STAGES, SPLIT_N, triton_per_head_decode
+from sgl_kvc.kernels.triton_per_head import BLOCK_N, FP8_BLOCK_N, FP8_DOT, FP8_STAGES, SPLIT_N, triton_per_head_decode
 
 RESULTS = Path(__file__).parent / "results"
 H_Q, H_KV, D = 32, 8, 128
@@ -118,18 +118,22 @@ def case(b: int, n: int, reps: int, seed: int = 0) -> dict:
     ref = per_head_decode(q, k_units, v_units, tables).float()
     got = triton_per_head_decode(q, k_units, v_units, tables).float()
     out["max_abs_diff"] = float((got - ref).abs().max())
-    # the same step from an FP8 pool (e4m3 codes and a bf16 scale per unit, sgl-kvc's FP8 pool)
+    # the same step from an FP8 pool (e4m3 codes and a bf16 scale per unit, sgl-kvc's FP8 pool),
+    # its codes widened to float16 (the default, `FP8_DOT`) or to bfloat16 before the products
     k_fp8, v_fp8 = _fp8_pool(k_units), _fp8_pool(v_units)
     fp8_bytes = int(lens.sum()) * 2 * (D + 2)  # codes and scale of K and V
-    ms = _time_graph(lambda: triton_per_head_decode(q, k_fp8, v_fp8, tables), reps)
-    out["fp8_graph_ms"] = round(ms, 4)
-    out["fp8_graph_gbps"] = round(fp8_bytes / ms / 1e6, 1)
-    fp8_out = triton_per_head_decode(q, k_fp8, v_fp8, tables).float()
-    out["fp8_rel_err"] = float((fp8_out - got).norm() / got.norm())  # against the bf16 pool's output
+    for dot, name in (("float16", "fp8"), ("bfloat16", "fp8_bf16dot")):
+        ms = _time_graph(lambda: triton_per_head_decode(q, k_fp8, v_fp8, tables, fp8_dot=dot), reps)
+        out[f"{name}_graph_ms"] = round(ms, 4)
+        out[f"{name}_graph_gbps"] = round(fp8_bytes / ms / 1e6, 1)
+        out[f"{name}_vs_bf16"] = round(ms / out["triton_graph_ms"], 3)
+        fp8_out = triton_per_head_decode(q, k_fp8, v_fp8, tables, fp8_dot=dot).float()
+        out[f"{name}_rel_err"] = float((fp8_out - got).norm() / got.norm())  # against the bf16 pool's output
     return out
 
 
 SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
+FP8_DOTS = ("float16", "bfloat16")  # what the FP8 pool's codes widen to (`triton_per_head.FP8_DOT`)
 
 
 def sweep(b: int, n: int, reps: int, seed: int = 0) -> list[dict]:
@@ -137,18 +141,20 @@ def sweep(b: int, n: int, reps: int, seed: int = 0) -> list[dict]:
     medians of every combination of `SWEEP`, and which one the kernel uses by default."""
     x = _inputs(b, n, seed)
     q, tables = x["q"], x["tables"]
-    pools = {"bf16": (x["k_units"], x["v_units"])}
-    pools["fp8_e4m3"] = (_fp8_pool(x["k_units"]), _fp8_pool(x["v_units"]))
+    fp8 = (_fp8_pool(x["k_units"]), _fp8_pool(x["v_units"]))
+    pools = {"bf16": (x["k_units"], x["v_units"], None)}
+    pools.update({f"fp8_e4m3/{dot}": (*fp8, dot) for dot in FP8_DOTS})
     rows = []
-    for pool, (k, v) in pools.items():
-        default = (BLOCK_N, 4, 3) if pool == "bf16" else (FP8_BLOCK_N, 4, FP8_STAGES)  # Triton's 4 warps, 3 stages
+    for pool, (k, v, dot) in pools.items():
+        default = (BLOCK_N, 4, 3) if dot is None else (FP8_BLOCK_N, 4, FP8_STAGES)  # Triton's 4 warps, 3 stages
         for bn in SWEEP["block_n"]:
             for nw in SWEEP["num_warps"]:
                 for ns in SWEEP["num_stages"]:
                     ms = _time_graph(lambda: triton_per_head_decode(q, k, v, tables, block_n=bn, num_warps=nw,
-                                                                    num_stages=ns), reps)
+                                                                    num_stages=ns, fp8_dot=dot), reps)
                     rows.append({"batch": b, "mean_kept": n, "pool": pool, "block_n": bn, "num_warps": nw,
-                                 "num_stages": ns, "graph_ms": round(ms, 4), "default": (bn, nw, ns) == default})
+                                 "num_stages": ns, "graph_ms": round(ms, 4),
+                                 "default": (bn, nw, ns) == default and dot in (None, FP8_DOT)})
     return rows
 
 
@@ -180,6 +186,30 @@ def serving(batch: int, reps: int) -> list[dict]:
             ms = _time(step, reps)
             rows.append({"batch": batch, "policies": "+".join(policies), "plan": "fused" if fused else "padded",
                          "step_ms": round(ms, 3), "kernels_per_step": kernels_per_call(step)})
+    return rows
+
+
+def long_request(batch: int, long_len: int, reps: int) -> list[dict]:
+    """The serving-shaped step (fused) of `batch` requests, with and without one of them
+    `long_len` entries long: its time and the GPU memory one step allocates above what it holds
+    (`torch.cuda.max_memory_allocated`), for R-KV alone and R-KV beside H2O."""
+    rows = []
+    for policies in (("rkv",), ("rkv", "h2o")):
+        for n in (0, long_len):
+            torch.cuda.empty_cache()
+            _, step, _ = serving_step(batch, StepShape(), policies, "cuda", fused=True,
+                                      lengths={batch // 2: n} if n else None)
+            step()
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            transient = torch.cuda.max_memory_allocated() - base
+            rows.append({"batch": batch, "policies": "+".join(policies), "long_request": n or "-",
+                         "transient_mib": round(transient / 2**20, 1), "step_ms": round(_time(step, reps), 3),
+                         "kernels_per_step": kernels_per_call(step)})
+            del step
     return rows
 
 
@@ -219,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kept", default="256,1024,4096")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--serving-batches", default="8,64,256")
+    ap.add_argument("--long-request", type=int, default=32768,
+                    help="entries of the long request among 256 short ones (0: skip those rows)")
     ap.add_argument("--sweep", action="store_true",
                     help="time the kernel's launch settings instead (per-head-kernel-sweep-<tag>.*)")
     args = ap.parse_args(argv)
@@ -234,14 +266,15 @@ def main(argv: list[str] | None = None) -> None:
     host = {f"8x{n}": host_us(8, n) for n in (SPLIT_N // 2, SPLIT_N * 2)}
     rows = [case(int(b), int(n), args.reps) for b in args.batches.split(",") for n in args.kept.split(",")]
     served = [r for b in args.serving_batches.split(",") for r in serving(int(b), args.reps)]
+    longs = long_request(256, args.long_request, args.reps) if args.long_request else []
     result = {"meta": meta, "shape": {"h_q": H_Q, "h_kv": H_KV, "d": D, "dtype": "bfloat16"},
               "copy_ceiling_gbps": ceiling, "host_us_per_launched_step": host, "rows": rows,
-              "serving_rows": served}
+              "serving_rows": served, "long_request_rows": longs}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"per-head-kernel-{args.tag}.json").write_text(json.dumps(result, indent=1) + "\n")
     cols = ["batch", "mean_kept", "kv_mb", "triton_ms", "triton_gbps", "triton_graph_ms", "triton_graph_gbps",
-            "fp8_graph_ms", "fp8_graph_gbps", "fp8_rel_err", "triton_probs_ms", "torch_ms",
-            "uniform_torch_ms", "max_abs_diff"]
+            "fp8_graph_ms", "fp8_graph_gbps", "fp8_vs_bf16", "fp8_rel_err", "fp8_bf16dot_graph_ms",
+            "fp8_bf16dot_vs_bf16", "triton_probs_ms", "torch_ms", "uniform_torch_ms", "max_abs_diff"]
     lines = [metadata_markdown(meta), f"Device-to-device copy (read + write): {ceiling} GB/s.", "",
              "Host time per launched step (requests x units per head, median of 7 x 1000 calls): "
              + ", ".join(f"{k}: {v} us" for k, v in host.items()) + ".", "",
@@ -252,6 +285,12 @@ def main(argv: list[str] | None = None) -> None:
               "observation of every layer; launched from Python):", "",
               "| " + " | ".join(serving_cols) + " |", "|" + "---|" * len(serving_cols)]
     lines += ["| " + " | ".join(str(r[c]) for c in serving_cols) + " |" for r in served]
+    if longs:
+        long_cols = ["batch", "policies", "long_request", "transient_mib", "step_ms", "kernels_per_step"]
+        lines += ["", "The same step (fused) with one request of 256-384 entries replaced by a long one: GPU memory "
+                  "one step allocates above what it holds, and its time:", "",
+                  "| " + " | ".join(long_cols) + " |", "|" + "---|" * len(long_cols)]
+        lines += ["| " + " | ".join(str(r[c]) for c in long_cols) + " |" for r in longs]
     (RESULTS / f"per-head-kernel-{args.tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -266,8 +305,8 @@ def _write_sweep(args: argparse.Namespace, meta: dict) -> None:
     for key in dict.fromkeys((r["batch"], r["mean_kept"], r["pool"]) for r in rows):
         group = [r for r in rows if (r["batch"], r["mean_kept"], r["pool"]) == key]
         best = min(group, key=lambda r: r["graph_ms"])
-        default = next(r for r in group if r["default"])
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {default['graph_ms']} | {best['graph_ms']} | "
+        default = next((r["graph_ms"] for r in group if r["default"]), "-")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {default} | {best['graph_ms']} | "
                      f"{best['block_n']}, {best['num_warps']}, {best['num_stages']} |")
     lines += ["", "| batch | mean_kept | pool | block_n | num_warps | num_stages | graph_ms |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['mean_kept']} | {r['pool']} | {r['block_n']} | {r['num_warps']} | "

@@ -53,22 +53,30 @@ class HeadTables:
     lengths:   int64 [B, H_kv]: tokens held by each (request, head); may be 0.
     positions: int64 [B, H_kv, N] or None: logical (RoPE) position of each entry. Needed by
                :func:`per_head_extend` only (decode queries see every cached token).
+    heads_per_slot: 0, or the KV heads of a slot cache read through `flat_heads`: then `units`
+               is [B, 1, N], each request's SLOTS, shared by its heads (head h of slot s is unit
+               s x heads_per_slot + h), and `lengths` is [B, heads_per_slot]. One table per
+               request instead of one per head: H_kv times less memory (`row_tables`).
     """
 
     units: Tensor
     lengths: Tensor
     positions: Tensor | None = None
+    heads_per_slot: int = 0
 
     def __post_init__(self) -> None:
         if self.units.dim() != 3:
             raise ValueError(f"units must be [B, H_kv, N], got {tuple(self.units.shape)}")
-        if tuple(self.lengths.shape) != tuple(self.units.shape[:2]):
+        heads = self.heads_per_slot or int(self.units.shape[1])
+        if self.heads_per_slot and self.units.shape[1] != 1:
+            raise ValueError(f"slot tables must be [B, 1, N], got {tuple(self.units.shape)}")
+        if tuple(self.lengths.shape) != (int(self.units.shape[0]), heads):
             raise ValueError(
-                f"lengths must be {tuple(self.units.shape[:2])}, got {tuple(self.lengths.shape)}"
+                f"lengths must be {(int(self.units.shape[0]), heads)}, got {tuple(self.lengths.shape)}"
             )
-        if self.positions is not None and self.positions.shape != self.units.shape:
+        if self.positions is not None and (self.heads_per_slot or self.positions.shape != self.units.shape):
             raise ValueError(
-                f"positions must be {tuple(self.units.shape)}, got {tuple(self.positions.shape)}"
+                f"positions must be {tuple(self.units.shape)} per-head tables, got {tuple(self.positions.shape)}"
             )
 
     @property
@@ -77,7 +85,19 @@ class HeadTables:
 
     @property
     def num_kv_heads(self) -> int:
-        return int(self.units.shape[1])
+        return int(self.lengths.shape[1])
+
+    @property
+    def width(self) -> int:
+        """Columns of every table (the longest one's, padding included)."""
+        return int(self.units.shape[2])
+
+    def head_units(self) -> Tensor:
+        """int64 [B, H_kv, N]: the unit of every (request, head, column), slot tables expanded."""
+        if not self.heads_per_slot:
+            return self.units
+        heads = torch.arange(self.heads_per_slot, dtype=torch.int64, device=self.units.device)
+        return self.units * self.heads_per_slot + heads[None, :, None]
 
     def valid(self) -> Tensor:
         """Bool [B, H_kv, N]: which table entries are real."""
@@ -96,18 +116,47 @@ def _gather(pool: Any, units: Tensor, valid: Tensor) -> Tensor:
     return rows.reshape(*units.shape, -1).to(device=units.device, dtype=torch.float32)
 
 
-def _masked_attention(logits: Tensor, visible: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+def _masked_attention(logits: Tensor, visible: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Softmax over the last axis of ``logits`` where ``visible``, then weights @ values.
 
-    Rows with no visible key get zero weights (no NaN). Returns (output, probabilities).
-    """
+    Rows with no visible key get zero weights (no NaN). Returns (output, probabilities, the
+    masked logits), the logits -inf where not visible."""
     logits = logits.masked_fill(~visible, -math.inf)
     row_max = logits.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
     weights = torch.exp(logits - row_max)  # exp(-inf) = 0 at masked keys
     denom = weights.sum(dim=-1, keepdim=True)
     probs = weights / denom.clamp_min(torch.finfo(torch.float32).tiny)
-    return torch.matmul(probs, values), probs
+    return torch.matmul(probs, values), probs, logits
+
+
+def _log_sum_exp(logits: Tensor) -> Tensor:
+    """log sum exp over the last axis of masked logits; a row with no finite logit reads 0 (its
+    probabilities exp(-inf - 0) are 0, as the kernels' empty heads)."""
+    lse = torch.logsumexp(logits, dim=-1)
+    return torch.where(torch.isfinite(lse), lse, 0.0)
+
+
+@dataclass(frozen=True)
+class LogitRows:
+    """Which requests of a decode call keep their attention logits (those whose policy keeps
+    statistics): `slots[b]` is request b's row of the returned logits, -1 for none; `rows` the
+    requests that have one, in increasing order (`slots[rows] = 0, 1, ...`), and `count` their
+    number (planned on the host once per decode step, `core/decode.py`)."""
+
+    slots: Tensor  # int64 [B]
+    rows: Tensor  # int64 [count]
+    count: int
+
+
+@dataclass(frozen=True)
+class DecodeLogits:
+    """What a decode call returns for the statistics: the scaled logits [count, H_kv, G, N]
+    (float32; entries past a head's length are unspecified) and the log-sum-exp [B, H_kv, G] of
+    every request, so that p = exp(logit - lse)."""
+
+    logits: Tensor
+    lse: Tensor
 
 
 def per_head_decode(
@@ -119,7 +168,8 @@ def per_head_decode(
     *,
     return_probs: bool = False,
     probs_rows: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+    logit_rows: LogitRows | None = None,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, DecodeLogits]:
     """One decode query per request over its per-head tables.
 
     q: [B, H_q, d] (H_q a multiple of H_kv); k_pool [S, d]; v_pool [S, d_v]; ``scale`` defaults to
@@ -127,6 +177,9 @@ def per_head_decode(
     and with ``return_probs`` also the float32 attention [B, H_kv, G, N] over table entries (for
     policies that accumulate attention statistics; zero at padding). ``probs_rows`` (int64 [k],
     implies ``return_probs``): the attention of those requests only, [k, H_kv, G, N].
+    ``logit_rows``: instead, the logits of the requests it names and every request's log-sum-exp
+    (:class:`DecodeLogits`, what a decode step's statistics read, `core/decode.py`); the
+    requests it names must be in increasing order of their rows.
     """
     b, h_q, d = q.shape
     h_kv = tables.num_kv_heads
@@ -135,12 +188,15 @@ def per_head_decode(
     group = h_q // h_kv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     valid = tables.valid()
-    keys = _gather(k_pool, tables.units, valid)  # [B, H_kv, N, d]
-    values = _gather(v_pool, tables.units, valid)  # [B, H_kv, N, d_v]
+    units = tables.head_units()
+    keys = _gather(k_pool, units, valid)  # [B, H_kv, N, d]
+    values = _gather(v_pool, units, valid)  # [B, H_kv, N, d_v]
     qg = q.float().reshape(b, h_kv, group, d)  # query head h -> KV head h // G (eq. 11)
     logits = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [B, H_kv, G, N]
-    out, probs = _masked_attention(logits, valid.unsqueeze(2), values)
+    out, probs, logits = _masked_attention(logits, valid.unsqueeze(2), values)
     out = out.reshape(b, h_q, -1).to(q.dtype)
+    if logit_rows is not None:
+        return out, DecodeLogits(logits=logits[logit_rows.rows], lse=_log_sum_exp(logits))
     if probs_rows is not None:
         return out, probs[probs_rows]
     return (out, probs) if return_probs else out
@@ -148,12 +204,13 @@ def per_head_decode(
 
 def fast_per_head_decode(
     q: Tensor, k_pool: Any, v_pool: Any, tables: HeadTables, scale: float | None = None,
-    *, return_probs: bool = False, probs_rows: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+    *, return_probs: bool = False, probs_rows: Tensor | None = None, logit_rows: LogitRows | None = None,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, DecodeLogits]:
     """`per_head_decode` on the fastest implementation for q's device: the Triton kernel on
-    CUDA where it supports the operands, else this module's torch version."""
-    kwargs = {"return_probs": return_probs, "probs_rows": probs_rows}
-    if q.is_cuda and fused_decode(q.device, q.shape[-1], k_pool, v_pool):
+    CUDA where it supports the operands, else this module's torch version (the same results, and
+    the same allocations but the torch version's own gathers)."""
+    kwargs = {"return_probs": return_probs, "probs_rows": probs_rows, "logit_rows": logit_rows}
+    if fused_decode(q.device, q.shape[-1], k_pool, v_pool):
         from sgl_kvc.kernels import triton_per_head
 
         return triton_per_head.triton_per_head_decode(q, k_pool, v_pool, tables, scale, **kwargs)
@@ -185,11 +242,11 @@ def flat_heads(cache: Any) -> Any:
 
 
 def row_tables(slots: Tensor, lens: Tensor, num_heads: int) -> HeadTables:
-    """Per-head tables over `flat_heads` of a slot cache: every head of request b reads the
-    slots `slots[b, :lens[b]]` (slots [b, N] int64, lens [b] int64, on the cache's device)."""
-    heads = torch.arange(num_heads, dtype=torch.int64, device=slots.device)
-    units = slots[:, None, :] * num_heads + heads[None, :, None]
-    return HeadTables(units=units, lengths=lens[:, None].expand(-1, num_heads).contiguous())
+    """Tables over `flat_heads` of a slot cache: every head of request b reads the slots
+    `slots[b, :lens[b]]` (slots [b, N] int64, lens [b] int64, on the cache's device). One slot
+    table per request, shared by its heads (`HeadTables.heads_per_slot`)."""
+    return HeadTables(units=slots[:, None, :], lengths=lens[:, None].expand(-1, num_heads).contiguous(),
+                      heads_per_slot=num_heads)
 
 
 def per_head_extend(
@@ -240,8 +297,9 @@ def per_head_extend(
     qg = qp.reshape(b, q_max, h_kv, group, d).permute(0, 2, 3, 1, 4)  # [B, H_kv, G, Q, d]
 
     valid = tables.valid()
-    keys = _gather(k_pool, tables.units, valid)  # [B, H_kv, N, d]
-    values = _gather(v_pool, tables.units, valid)
+    units = tables.head_units()
+    keys = _gather(k_pool, units, valid)  # [B, H_kv, N, d]
+    values = _gather(v_pool, units, valid)
     kv_pos = tables.positions.to(device=device, dtype=torch.int64)
     out = torch.zeros(b, h_kv, group, q_max, values.shape[-1], device=device)
     for start in range(0, q_max, q_block):  # blocks of query rows, never a loop over requests
@@ -249,7 +307,7 @@ def per_head_extend(
         logits = torch.matmul(qg[:, :, :, start:stop], keys.unsqueeze(2).transpose(-1, -2))
         causal = kv_pos[:, :, None, :] <= pos[:, None, start:stop, None]  # [B, H_kv, q, N]
         visible = (valid[:, :, None, :] & causal).unsqueeze(2)  # [B, H_kv, 1, q, N]
-        out[:, :, :, start:stop], probs = _masked_attention(
+        out[:, :, :, start:stop], probs, _ = _masked_attention(
             logits * scale, visible, values.unsqueeze(2)
         )
         if on_probs is not None:

@@ -33,26 +33,32 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sgl_kvc.kernels.per_head_attention import HeadTables
+from sgl_kvc.kernels.per_head_attention import DecodeLogits, HeadTables, LogitRows
 
 BLOCK_N = 64  # units per block of the table walk
 # FP8 rows are half as wide: twice the units per block (and 2 pipeline stages, so a block's tiles
 # stay within sm89's shared memory) keep as many bytes in flight, which measured faster on an H100
 # (docs/benchmarks.md, "Per-head decode kernel (GPU)", launch settings).
 FP8_BLOCK_N, FP8_STAGES = 128, 2
+# What an FP8 pool's codes widen to before the products: float16 holds every e4m3 / e5m2 value
+# exactly and widens from FP8 in one instruction on Hopper (bfloat16 takes several); the bf16
+# query is rounded to float16 (10 mantissa bits to bf16's 7, clamped to its range).
+# docs/benchmarks.md, "Per-head decode kernel (GPU)", measures the two.
+FP8_DOT = "float16"
 MIN_DOT = 16  # tl.dot's smallest size on every side: query groups are padded to it
 SPLIT_N = 512  # table columns per split (one program each)
 _FP8_TYPES = {"fp8_e4m3": tl.float8e4nv, "fp8_e5m2": tl.float8e5}
 
 
 @triton.jit
-def _store_normalized(out_ptr, lse_ptr, rows, ok, acc, total, top, dv, dim_v: tl.constexpr):
-    """A (request, KV head)'s final output acc / total and its log-sum-exp top + log(total), for
-    its query rows `rows` (the real ones: `ok`). An empty head (total 0, top -inf) reads zeros."""
+def _store_normalized(out_ptr, lse_ptr, out_rows, lse_rows, ok, acc, total, top, dv, dim_v: tl.constexpr):
+    """A (request, KV head)'s final output acc / total at its query rows `out_rows`, and its
+    log-sum-exp top + log(total) at `lse_rows` (the real rows: `ok`). An empty head (total 0,
+    top -inf) reads zeros."""
     total = tl.maximum(total, 1.1754943508222875e-38)  # float32's smallest normal: 0 / tiny = 0
-    tl.store(out_ptr + rows[:, None] * dim_v + dv[None, :], acc / total[:, None], mask=ok[:, None])
+    tl.store(out_ptr + out_rows[:, None] * dim_v + dv[None, :], acc / total[:, None], mask=ok[:, None])
     top = tl.where(top == float("-inf"), 0.0, top)
-    tl.store(lse_ptr + rows, top + tl.log(total), mask=ok)
+    tl.store(lse_ptr + lse_rows, top + tl.log(total), mask=ok)
 
 
 @triton.jit
@@ -63,7 +69,7 @@ def _per_head_decode_kernel(
     num_kv_heads: tl.constexpr, group: tl.constexpr, group_pad: tl.constexpr,
     dim: tl.constexpr, dim_v: tl.constexpr, split_n: tl.constexpr, block_n: tl.constexpr,
     fp8_type: tl.constexpr, is_fp8: tl.constexpr, store_logits: tl.constexpr, dot_fp32: tl.constexpr,
-    direct: tl.constexpr,
+    direct: tl.constexpr, shared: tl.constexpr, dot_f16: tl.constexpr,
 ):
     bh = tl.program_id(0)  # request b, KV head h
     split = tl.program_id(1)
@@ -83,9 +89,14 @@ def _per_head_decode_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * dim + d[None, :], mask=g_ok[:, None], other=0.0)
     if dot_fp32:
         q = q.to(tl.float32)
+    elif dot_f16:  # FP8 codes widen to float16 exactly in one instruction; the query follows
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     # Both products run on the matrix units in the query's dtype with float32 accumulation (a
     # float32 query: exact float32, "ieee").
     dot_type = q.dtype
+    # A slot table (shared by the heads of a slot cache viewed flat): head h of slot s is unit
+    # s x H_kv + h; a per-head table lists the head's own units.
+    table = units_ptr + (b if shared else bh) * n_cols
 
     run_max = tl.full([group_pad], float("-inf"), tl.float32)
     run_sum = tl.zeros([group_pad], tl.float32)
@@ -93,7 +104,9 @@ def _per_head_decode_kernel(
     for col0 in range(start, stop, block_n):
         cols = col0 + tl.arange(0, block_n)
         ok = cols < stop
-        unit = tl.load(units_ptr + bh * n_cols + cols, mask=ok, other=0).to(tl.int64)
+        unit = tl.load(table + cols, mask=ok, other=0).to(tl.int64)
+        if shared:
+            unit = unit * num_kv_heads + h
         k = tl.load(k_ptr + unit[:, None] * dim + d[None, :], mask=ok[:, None], other=0)
         v = tl.load(v_ptr + unit[:, None] * dim_v + dv[None, :], mask=ok[:, None], other=0)
         if is_fp8:  # codes -> FP8 -> the dot's dtype (exact); the unit's scale multiplies a column
@@ -116,16 +129,18 @@ def _per_head_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(dot_type), v.to(dot_type), input_precision="ieee")
         run_max = new_max
 
-    # the workspace: partial outputs [n_parts, dim_v], maxima and sums [n_parts], log-sum-exp
+    # the workspace: partial outputs [n_parts, dim_v], maxima and sums [n_parts] (n_parts: one
+    # row per real query head of each split), then the log-sum-exp [B x H_kv x G]
     max_ptr = work_ptr + n_parts * dim_v
     sum_ptr = max_ptr + n_parts
     if direct:  # one split: nothing to merge, the output and log-sum-exp are final here
-        _store_normalized(out_ptr, sum_ptr + n_parts, bh * group + g, g_ok, acc, run_sum, run_max, dv, dim_v)
+        rows = bh * group + g
+        _store_normalized(out_ptr, sum_ptr + n_parts, rows, rows, g_ok, acc, run_sum, run_max, dv, dim_v)
     else:
-        part = (bh * n_splits + split) * group_pad + g
-        tl.store(max_ptr + part, run_max)
-        tl.store(sum_ptr + part, run_sum)
-        tl.store(work_ptr + part[:, None] * dim_v + dv[None, :], acc)
+        part = (bh * n_splits + split) * group + g
+        tl.store(max_ptr + part, run_max, mask=g_ok)
+        tl.store(sum_ptr + part, run_sum, mask=g_ok)
+        tl.store(work_ptr + part[:, None] * dim_v + dv[None, :], acc, mask=g_ok[:, None])
 
 
 @triton.jit
@@ -138,21 +153,24 @@ def _merge_splits_kernel(
     m + log(sum) the probabilities need. One launch instead of a dozen torch operations."""
     bh = tl.program_id(0)
     g = tl.arange(0, group_pad)
+    g_ok = g < group
     dv = tl.arange(0, dim_v)
     max_ptr = work_ptr + n_parts * dim_v  # the decode kernel's workspace
     sum_ptr = max_ptr + n_parts
     top = tl.full([group_pad], float("-inf"), tl.float32)
     for s in range(n_splits):
-        top = tl.maximum(top, tl.load(max_ptr + (bh * n_splits + s) * group_pad + g))
+        part = (bh * n_splits + s) * group + g
+        top = tl.maximum(top, tl.load(max_ptr + part, mask=g_ok, other=float("-inf")))
     top = tl.where(top == float("-inf"), 0.0, top)  # an empty head: every weight below is 0
     total = tl.zeros([group_pad], tl.float32)
     merged = tl.zeros([group_pad, dim_v], tl.float32)
     for s in range(n_splits):
-        part = (bh * n_splits + s) * group_pad + g
-        weight = tl.exp(tl.load(max_ptr + part) - top)  # 0 for an empty split
-        total += tl.load(sum_ptr + part) * weight
-        merged += tl.load(work_ptr + part[:, None] * dim_v + dv[None, :]) * weight[:, None]
-    _store_normalized(out_ptr, sum_ptr + n_parts, bh * group + g, g < group, merged, total, top, dv, dim_v)
+        part = (bh * n_splits + s) * group + g
+        weight = tl.exp(tl.load(max_ptr + part, mask=g_ok, other=float("-inf")) - top)  # 0 for an empty split
+        total += tl.load(sum_ptr + part, mask=g_ok, other=0.0) * weight
+        merged += tl.load(work_ptr + part[:, None] * dim_v + dv[None, :], mask=g_ok[:, None], other=0.0) * weight[:, None]
+    rows = bh * group + g
+    _store_normalized(out_ptr, sum_ptr + n_parts, rows, rows, g_ok, merged, total, top, dv, dim_v)
 
 
 def supports(q: Tensor, k_pool: Any, v_pool: Any) -> bool:
@@ -187,13 +205,14 @@ def _pool_parts(pool: Any) -> tuple[Tensor, Tensor | None, str | None]:
 
 def triton_per_head_decode(
     q: Tensor, k_pool: Any, v_pool: Any, tables: HeadTables, scale: float | None = None,
-    *, return_probs: bool = False, probs_rows: Tensor | None = None, split_n: int = SPLIT_N,
-    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+    *, return_probs: bool = False, probs_rows: Tensor | None = None, logit_rows: LogitRows | None = None,
+    split_n: int = SPLIT_N, block_n: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None, fp8_dot: str | None = None,
+) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, DecodeLogits]:
     """`per_head_attention.per_head_decode` in Triton (same arguments and results). `block_n`,
-    `num_warps` and `num_stages` override the decode kernel's defaults for its pool (tuning).
-    With `probs_rows`, logits are written for those requests only (a map from request to its
-    row of the logits, two small device ops, tells the kernel which)."""
+    `num_warps` and `num_stages` override the decode kernel's defaults for its pool, and
+    `fp8_dot` ("bfloat16" / "float16") the dtype an FP8 pool's codes widen to (tuning).
+    With `probs_rows` or `logit_rows`, logits are written for those requests only."""
     b, h_q, d = q.shape
     h_kv = tables.num_kv_heads
     if tables.batch_size != b or h_q % h_kv:
@@ -205,7 +224,7 @@ def triton_per_head_decode(
     k, k_scales, fp8 = _pool_parts(k_pool)
     v, v_scales, _ = _pool_parts(v_pool)
     d_v = int(v.shape[-1])
-    n = int(tables.units.shape[-1])
+    n = tables.width
     if block_n is None:
         block_n = BLOCK_N if fp8 is None else FP8_BLOCK_N
     if num_stages is None and fp8 is not None:
@@ -220,35 +239,45 @@ def triton_per_head_decode(
     lens = tables.lengths.to(torch.int64).contiguous()
     # One float32 workspace (an allocation costs the host about as much as a small kernel launch,
     # and a compressing server launches each layer's decode, with no CUDA graph): the splits'
-    # partial outputs, maxima and sums, then the log-sum-exp. One split needs no partials.
+    # partial outputs, maxima and sums (one row per query head), then the log-sum-exp. One split
+    # needs no partials.
     direct = splits == 1
-    parts = 0 if direct else b * h_kv * splits * group_pad
+    parts = 0 if direct else b * h_kv * splits * group
     work = torch.empty(parts * (d_v + 2) + b * h_kv * group, dtype=torch.float32, device=device)
     out = torch.empty(b, h_q, d_v, dtype=q.dtype, device=device)
-    return_probs = return_probs or probs_rows is not None
-    k_probs = b if probs_rows is None else int(probs_rows.shape[0])
-    logits = (torch.full((k_probs, h_kv, group, n), -math.inf, dtype=torch.float32, device=device)
-              if return_probs else work)  # any tensor when unused
-    if not return_probs:
-        probs_slot = lens  # read, never used
-    elif probs_rows is None:
-        probs_slot = torch.arange(b, dtype=torch.int64, device=device)
+    if logit_rows is not None:
+        k_logits, probs_slot = logit_rows.count, logit_rows.slots
+    elif return_probs or probs_rows is not None:
+        k_logits = b if probs_rows is None else int(probs_rows.shape[0])
+        if probs_rows is None:
+            probs_slot = torch.arange(b, dtype=torch.int64, device=device)
+        else:
+            probs_slot = torch.full((b,), -1, dtype=torch.int64, device=device)
+            probs_slot[probs_rows] = torch.arange(k_logits, dtype=torch.int64, device=device)
     else:
-        probs_slot = torch.full((b,), -1, dtype=torch.int64, device=device)
-        probs_slot[probs_rows] = torch.arange(k_probs, dtype=torch.int64, device=device)
+        k_logits, probs_slot = 0, lens  # read, never used
+    store_logits = k_logits > 0
+    # Entries past a head's length are never written: the probabilities below mask them, and a
+    # step's statistics read each request's own columns only (`kernels/triton_stats.py`).
+    logits = torch.empty((k_logits, h_kv, group, n), dtype=torch.float32, device=device) if store_logits else work
+    f16 = fp8 is not None and (fp8_dot or FP8_DOT) == "float16" and q.dtype == torch.bfloat16
     _per_head_decode_kernel[(b * h_kv, splits)](
         q.contiguous(), k, v, k_scales if k_scales is not None else k, v_scales if v_scales is not None else v,
         units, lens, work, logits, probs_slot, out, scale, n, splits, parts,
         num_kv_heads=h_kv, group=group, group_pad=group_pad, dim=d, dim_v=d_v, split_n=split_n,
         block_n=block_n, fp8_type=_FP8_TYPES.get(fp8 or "fp8_e4m3"), is_fp8=fp8 is not None,
-        store_logits=return_probs, dot_fp32=q.dtype == torch.float32 or _interpreted(), direct=direct, **launch,
+        store_logits=store_logits, dot_fp32=q.dtype == torch.float32 or _interpreted(), direct=direct,
+        shared=bool(tables.heads_per_slot), dot_f16=f16, **launch,
     )
     if not direct:
         _merge_splits_kernel[(b * h_kv,)](work, out, splits, parts, group=group, group_pad=group_pad, dim_v=d_v)
-    if not return_probs:
+    lse = work[parts * (d_v + 2):].view(b, h_kv, group)
+    if logit_rows is not None:
+        return out, DecodeLogits(logits=logits if store_logits else logits[:0], lse=lse)
+    if not store_logits:
         return out
-    norm = work[parts * (d_v + 2):].view(b, h_kv, group, 1)  # log-sum-exp
-    if probs_rows is not None:
-        norm = norm[probs_rows]
-    probs = torch.exp(logits - norm)  # exp(-inf) = 0 at padding
+    valid = tables.valid() if probs_rows is None else tables.valid()[probs_rows]
+    norm = lse if probs_rows is None else lse[probs_rows]
+    logits = logits.masked_fill(~valid[:, :, None, :], -math.inf)
+    probs = torch.exp(logits - norm[..., None])  # exp(-inf) = 0 at padding
     return out, probs

@@ -37,23 +37,75 @@ class FakeAllocator:
 
 
 class LayeredKvPool:
-    """SGLang's KV pool surface: per-layer [slots, H_kv, d] K and V, as views of one
-    [slots, L, H_kv, d] allocation (the unit pool's layout, so `unit_buffers` is its flat form,
-    present when `units`). Random values from the CPU generator `g`, on `device`."""
+    """SGLang's KV pool surface (`get_key_buffer` / `get_value_buffer` / `get_kv_buffer`,
+    `start_layer`, `layer_num`, `head_num`, `head_dim`), in the layouts the serving pools have:
+
+    * `units=False`: SGLang's `MHATokenToKVPool`, one contiguous [slots, H_kv, d] K and V buffer
+      per layer;
+    * `units=True`: sgl-kvc's unit pool (`adapter/unit_pool.py`), one [slots, L, H_kv, d]
+      allocation per K and V, each layer a strided view of it, and `unit_buffers()` its flat form;
+    * `fp8` ("fp8_e4m3" / "fp8_e5m2"): the FP8 pools (`adapter/fp8_pool.py`), whose buffers are
+      `Fp8Rows` (uint8 codes and a bfloat16 scale per (slot, head)) of either layout.
+
+    Random values from the CPU generator `g`, on `device`. `k` / `v` are the dense float values
+    [slots, L, H_kv, d] the test references read (dequantized for FP8)."""
 
     def __init__(self, slots: int, layers: int, heads: int, dim: int, g: torch.Generator,
-                 device: torch.device | str = "cpu", units: bool = False) -> None:
-        self.k = torch.randn(slots, layers, heads, dim, generator=g).to(device)
-        self.v = torch.randn(slots, layers, heads, dim, generator=g).to(device)
-        self.start_layer, self.layer_num = 0, layers
+                 device: torch.device | str = "cpu", units: bool = False, fp8: str | None = None) -> None:
+        self.start_layer, self.layer_num, self.head_num, self.head_dim = 0, layers, heads, dim
+        self.units, self.fp8 = units, fp8
+        k = torch.randn(slots, layers, heads, dim, generator=g).to(device)
+        v = torch.randn(slots, layers, heads, dim, generator=g).to(device)
+        if fp8 is not None:
+            from sgl_kvc.kernels.fp8 import Fp8Rows, quantize_rows
+
+            def rows(x: torch.Tensor) -> Fp8Rows:
+                codes, scales = quantize_rows(x.reshape(-1, dim), fp8, "bfloat16")
+                return Fp8Rows(codes.view(torch.uint8).reshape(x.shape), scales.reshape(x.shape[:-1]), fp8,
+                               "bfloat16", torch.float32)
+
+            self._k, self._v = rows(k), rows(v)
+            everything = torch.arange(slots, device=device)
+            self.k, self.v = self._k[everything], self._v[everything]  # [slots, L, H, d], dequantized
+        else:
+            self._k, self._v, self.k, self.v = k, v, k, v
         if units:
-            self.unit_buffers = lambda: (self.k.view(-1, dim), self.v.view(-1, dim))
+            self.unit_buffers = lambda: (_flat(self._k, dim), _flat(self._v, dim))
+            self._layers_k = [_layer(self._k, layer) for layer in range(layers)]
+            self._layers_v = [_layer(self._v, layer) for layer in range(layers)]
+        else:  # one allocation per layer, as SGLang's pool makes them
+            self._layers_k = [_own(_layer(self._k, layer)) for layer in range(layers)]
+            self._layers_v = [_own(_layer(self._v, layer)) for layer in range(layers)]
 
-    def get_key_buffer(self, layer: int) -> torch.Tensor:
-        return self.k[:, layer]
+    def get_key_buffer(self, layer: int) -> Any:
+        return self._layers_k[layer - self.start_layer]
 
-    def get_value_buffer(self, layer: int) -> torch.Tensor:
-        return self.v[:, layer]
+    def get_value_buffer(self, layer: int) -> Any:
+        return self._layers_v[layer - self.start_layer]
 
-    def get_kv_buffer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[:, layer], self.v[:, layer]
+    def get_kv_buffer(self, layer: int) -> tuple[Any, Any]:
+        return self.get_key_buffer(layer), self.get_value_buffer(layer)
+
+
+def _layer(buf: Any, layer: int) -> Any:
+    """Layer `layer` of a [slots, L, ...] tensor or `Fp8Rows` (a strided view)."""
+    codes = getattr(buf, "codes", None)
+    if codes is None:
+        return buf[:, layer]
+    return type(buf)(codes[:, layer], buf.scales[:, layer], buf.fp8, buf.scale_format, buf.dtype)
+
+
+def _own(buf: Any) -> Any:
+    """A contiguous copy: a buffer of its own."""
+    codes = getattr(buf, "codes", None)
+    if codes is None:
+        return buf.contiguous()
+    return type(buf)(codes.contiguous(), buf.scales.contiguous(), buf.fp8, buf.scale_format, buf.dtype)
+
+
+def _flat(buf: Any, dim: int) -> Any:
+    """The flat unit pool [slots x L x H_kv, d] of a [slots, L, H_kv, d] buffer."""
+    codes = getattr(buf, "codes", None)
+    if codes is None:
+        return buf.view(-1, dim)
+    return type(buf)(codes.view(-1, dim), buf.scales.view(-1), buf.fp8, buf.scale_format, buf.dtype)

@@ -136,3 +136,45 @@ class LaunchCounter(TorchDispatchMode):
         if not func.is_view and any(t.device.type != "cpu" for t in _tensors((args, kwargs, out))):
             self.ops.append(str(func.overloadpacket))
         return out
+
+
+# Operations that allocate and launch nothing.
+_ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.new_empty.default}
+
+
+class KernelCounter(LaunchCounter):
+    """`LaunchCounter` without the operations that only allocate (`torch.empty` and its kin):
+    the kernels a GPU would run."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _ALLOCATIONS:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class AllocationCounter(TorchDispatchMode):
+    """The peak of the bytes held by tensors made inside it on a device (not the CPU), above
+    what was held when it began: every operation's new (non-view) output counts from its
+    creation until it is freed. On `meta` (no data) this measures what a GPU would allocate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+
+    def _freed(self, n: int) -> None:
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func._schema.is_mutable:
+            return out
+        for t in _tensors(out):
+            if t.device.type != "cpu" and t._base is None:
+                n = t.untyped_storage().nbytes()
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._freed, n)
+        return out

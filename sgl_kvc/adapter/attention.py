@@ -181,7 +181,8 @@ def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: ForwardBat
     if step is not None and step.has_stats and not attended:  # else the kernel fed them
         # A failure here leaves this step's attention out of the layer's statistics (each still
         # the request's own): logged by `_observe`.
-        step.accumulate(layer.layer_id, q, store.kv_pool.get_key_buffer(layer.layer_id), layer.scaling)
+        step.accumulate(layer.layer_id, q, store.kv_pool.get_key_buffer(layer.layer_id), layer.scaling,
+                        store.unit_pools)
 
 
 def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: ForwardBatch) -> None:

@@ -7,20 +7,25 @@ into blocks (longest first, so a block pads to similar lengths; padded keys boun
 for every layer. Attention is one padded computation per block (`kernels/decode_attention.py`,
 or `kernels/per_head_attention.py` through per-head tables).
 
-Where it pads nothing (`fused`: the Triton kernel on CUDA), the step is ONE block of every
-request in batch order, read through per-head tables (a slot cache is viewed as a unit pool,
-`flat_heads`): a layer's attention is one kernel launch and a fixed few torch operations,
-whatever the batch size.
+Where it pads nothing (`fused`: the Triton kernel on CUDA; the torch version stands in for it on
+a CPU, where the tests run this plan), the step is read through tables (a slot cache is viewed
+as a unit pool, `flat_heads`, each request's slots one table for all its heads, `row_tables`):
+ONE block of every request in batch order, a layer's attention one kernel launch and a fixed few
+operations, whatever the batch size, as long as what a layer's call allocates (tables, the
+kernel's workspace, the statistics' logits: `fused_block_bytes`) stays within
+`FUSED_BLOCK_BYTES`. A batch beyond it (one very long request among short ones) is cut into
+blocks of requests of similar lengths (none shorter than half its block's longest), each within
+the bound, so that memory and time follow the entries the batch holds, not its longest request
+times its size.
 
 The softmax attention a kernel computed feeds the statistics of the requests that keep them
-(H2O, Batch-Max, KV-Compress): they pay no second q·K, and the kernel writes probabilities only
-for them. A step's statistics are updated per policy class in a fixed number of operations
-(`_add_stats`); the requests' statistics are then views of one new tensor.
+(H2O, Batch-Max, KV-Compress): they pay no second q·K, and the kernel writes logits only for
+them. A step's statistics live in one tensor (`core/stat_slab.py`): each layer adds to them per
+policy class with one launch (`kernels/triton_stats.py`), and no operation runs per request.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,40 +34,68 @@ from torch import Tensor
 
 from sgl_kvc.core.host import host_tensor, to_device
 from sgl_kvc.core.request_state import block_tables
+from sgl_kvc.core.stat_slab import StatGroup, StepSlab, add_attention, plan_group, plan_slab
 from sgl_kvc.kernels.decode_attention import decode_attention, decode_probs
-from sgl_kvc.kernels.per_head_attention import HeadTables, fast_per_head_decode, flat_heads, row_tables
-from sgl_kvc.policies import Policy
+from sgl_kvc.kernels.per_head_attention import (
+    DecodeLogits, HeadTables, LogitRows, fast_per_head_decode, flat_heads, row_tables,
+)
 
 if TYPE_CHECKING:
     from sgl_kvc.core.request_state import ReqKvState
 
 DECODE_BLOCK_ELEMS = 1 << 22  # bound on the padded float32 keys of one block of a decode step
+FUSED_BLOCK_BYTES = 64 << 20  # bound on what one block of a fused step allocates per layer call
+SPLIT_COLUMNS = 512  # table columns per split of the fused kernel (`triton_per_head.SPLIT_N`)
 
 
 @dataclass(frozen=True)
-class StatGroup:
-    """Requests of one decode block whose policies share a statistic (one policy class): what
-    one step adds to their statistics is computed for all of them at once.
+class DecodeShape:
+    """What sizes a fused block's allocations: KV heads, query heads per KV head, the value head
+    dim, and the layers a block's tables cover (1: slot tables, read by every layer; L: the unit
+    pool's per-head tables, one per layer)."""
 
-    Their new statistics are one tensor [H_kv, sum(lens)] (request k's columns start at
-    `starts[k]`), gathered from the step's contribution at (`rows`, `cols`); each request's
-    previous statistic, `widths[k]` columns wide (0: none), is added at `old_cols` (host-side
-    plans, sent to the device once for every layer)."""
+    kv_heads: int
+    group: int = 8
+    head_dim_v: int = 128
+    table_layers: int = 1
 
-    policy: Policy
-    local: Tensor | None  # their rows in the block's probabilities (None: all of them)
-    states: tuple["ReqKvState", ...]
-    lens: tuple[int, ...]  # statistic columns of each (cache entries; table width when packed)
-    starts: tuple[int, ...]
-    rows: Tensor  # [sum(lens)] int64: each new column's request (index into the group)
-    cols: Tensor  # [sum(lens)] int64: and its column in that request's statistic
-    widths: tuple[int, ...]  # columns of each one's previous statistic, as planned
-    old_cols: Tensor | None  # [sum(widths)] int64: where the previous statistics add
+    @property
+    def table_bytes_per_column(self) -> int:
+        """Table bytes per request and column: a slot table is one int64 per column (shared by
+        the heads; the int32 row it is read from on the way), per-head tables one per layer
+        and head (twice: `block_tables` builds them in a scratch one column wider)."""
+        if self.table_layers == 1:
+            return 8 + 4
+        return 2 * 8 * self.table_layers * self.kv_heads
+
+
+def fused_block_bytes(requests: int, keeping: int, width: int, shape: DecodeShape) -> int:
+    """Bytes a fused block allocates for a layer call: its tables, the kernel's float32 workspace
+    (partial outputs, maxima and sums of every split, the log-sum-exp) and output, and the logits
+    of its `keeping` requests (those whose policy keeps statistics), `width` columns wide."""
+    h, g, dv = shape.kv_heads, shape.group, shape.head_dim_v
+    splits = max(1, -(-width // SPLIT_COLUMNS))
+    workspace = requests * h * g * ((splits * (dv + 2) if splits > 1 else 0) + 1) * 4
+    output = requests * h * g * dv * 4
+    logits = keeping * h * g * width * 4
+    return requests * width * shape.table_bytes_per_column + workspace + output + logits
+
+
+def decode_step_bound(entries: int, keeping: int, shape: DecodeShape, layers: int) -> int:
+    """The most a fused decode step allocates, for a batch holding `entries` cache entries
+    (`keeping` of them in requests that keep statistics) in `layers` layers: one layer call's
+    block (`FUSED_BLOCK_BYTES`), every block's tables (each at most twice its entries, or one
+    block within the bound) and the step's statistics slab (`core/stat_slab.py`: float32 per
+    layer, KV head and entry). What `adapter/kv_memory.py` reserves, per pool token and in all."""
+    tables = max(FUSED_BLOCK_BYTES, 2 * entries * shape.table_bytes_per_column)
+    slab = keeping * layers * shape.kv_heads * 4
+    return FUSED_BLOCK_BYTES + tables + slab
 
 
 @dataclass(frozen=True)
 class DecodeBlock:
-    """Requests of a decode step padded to the longest of them."""
+    """Requests of a decode step read together (one kernel call per layer), tables padded to the
+    longest of them."""
 
     index: Tensor | None  # [b] their indices in the batch (None: the whole batch, in order)
     slots: Tensor | None  # [b, n_max] int64: slot of entry j of each (its first slot past its length)
@@ -75,11 +108,13 @@ class DecodeBlock:
     # Per layer, its widest head in the block (CPU only: read without a device sync). Budgets
     # differ between layers, so the padded torch kernel reads each layer only that wide.
     widths: tuple[int, ...] | None = None
-    # A fused step over a slot cache: every layer's per-head tables over `flat_heads(cache)`.
+    # A fused step over a slot cache: the requests' slot tables over `flat_heads(cache)`.
     row_tables: HeadTables | None = None
-    # The block's requests that keep statistics ([k] int64, block-local), whose probabilities
-    # the kernel returns; None: all of them (or none, when `groups` is empty).
+    # The block's requests that keep statistics ([k] int64, block-local), whose attention feeds
+    # them; None: all of them (or none, when `groups` is empty).
     probs_rows: Tensor | None = None
+    # The same, as the per-head kernels' map from request to its row of the logits.
+    logit_rows: LogitRows | None = None
 
 
 @dataclass(frozen=True)
@@ -87,13 +122,15 @@ class DecodeStep:
     """One decode step's plan, used by every layer: its requests in blocks, their slots
     gathered once. `attends`: the blocks hold every request of the batch and sgl-kvc's kernel
     computes the step's attention; otherwise they hold only the requests that keep statistics.
-    `fused`: one block, read through per-head tables by a kernel that pads nothing."""
+    `fused`: read through tables by a kernel that pads nothing (one block unless that would
+    exceed `FUSED_BLOCK_BYTES`). `slab`: the step's statistics (`core/stat_slab.py`)."""
 
     blocks: tuple[DecodeBlock, ...]
     attends: bool
     size: int  # requests in the batch
     first_layer: int = 0  # layer ids of this rank start here (tables are indexed from it)
     fused: bool = False
+    slab: StepSlab | None = None
 
     @property
     def has_stats(self) -> bool:
@@ -103,13 +140,14 @@ class DecodeStep:
     def build(
         cls, rows: list[int], lens: list[int], states: dict[int, "ReqKvState"], req_to_token: Tensor,
         token_elems: int, attends: bool, units: tuple[int, int] | None = None, first_layer: int = 0,
-        fused: bool = False, kv_heads: int = 1,
+        fused: bool = False, kv_heads: int = 1, num_layers: int = 1, group: int = 8,
     ) -> "DecodeStep":
         """`rows`/`lens`: the batch's `req_to_token` rows and their lengths (slots), in batch
         order (host-side lists: no device sync); `token_elems`: key elements per slot and layer
-        (H_kv x d), which sizes the blocks; `units`: (layers, KV heads) of the unit pool, whose
-        blocks get per-head tables (as wide as their widest table); `fused`: see the class (its
-        per-head tables over a slot cache need its `kv_heads`)."""
+        (H_kv x d), which sizes the padded blocks; `units`: (layers, KV heads) of the unit pool,
+        whose blocks get per-head tables (as wide as their widest table); `fused`: see the class
+        (its tables over a slot cache need its `kv_heads`); `num_layers`: the layers of this
+        rank (the statistics' slab); `group`: query heads per KV head (sizes fused blocks)."""
         stats = {i for i, row in enumerate(rows) if (s := states.get(row)) is not None and s.policy.uses_stats}
         picked = list(range(len(rows))) if attends else sorted(stats)
         if not picked:
@@ -120,18 +158,34 @@ class DecodeStep:
             lens = [n if (s := states.get(row)) is None else s.table_width(n) for row, n in zip(rows, lens)]
         device = req_to_token.device
         if fused:
-            runs = [picked]  # batch order: the whole batch needs no index
+            head_dim = max(1, token_elems // max(1, kv_heads))
+            shape = DecodeShape(kv_heads=kv_heads, group=group, head_dim_v=head_dim,
+                                table_layers=1 if units is None else units[0])
+            runs = _fused_blocks(picked, lens, stats, shape)
         else:
             picked.sort(key=lambda i: -lens[i])
             runs = _blocks(picked, lens, max(1, DECODE_BLOCK_ELEMS // max(1, token_elems)))
+        keeping_order = [i for run in runs for i in run if i in stats]
+        slab = None
+        if keeping_order:
+            slab = plan_slab([states[rows[i]] for i in keeping_order], [max(1, lens[i]) for i in keeping_order],
+                             first_layer, first_layer + num_layers, kv_heads, device)
+        start_of = dict(zip(keeping_order, slab.starts)) if slab is not None else {}
         blocks = []
         for members in runs:
             n_max = max(1, max(lens[i] for i in members))
             b_rows = host_tensor([rows[i] for i in members], device)
             index = None if members == list(range(len(rows))) else host_tensor(members, device)
             keeping = [j for j, i in enumerate(members) if i in stats]
-            groups = _stat_groups(members, keeping, rows, lens, states, device)
+            groups = _stat_groups(members, keeping, rows, lens, states, start_of, device)
             probs_rows = None if len(keeping) == len(members) or not keeping else host_tensor(keeping, device)
+            logit_rows = None
+            if keeping and (units is not None or fused):  # per-head kernels write logits for these rows
+                slot_of = [-1] * len(members)
+                for r, j in enumerate(keeping):
+                    slot_of[j] = r
+                slots_d, rows_d = host_tensor(slot_of + keeping, device).split([len(members), len(keeping)])
+                logit_rows = LogitRows(slots=slots_d, rows=rows_d, count=len(keeping))
             if units is not None:  # read through per-head tables: no slot rows to gather
                 m_rows = [row_lens[i] for i in members]
                 block_units, block_lens = block_tables(
@@ -142,21 +196,23 @@ class DecodeStep:
                 if not fused and block_lens.device.type == "cpu":  # else the kernel walks each head's length
                     widths = tuple(max(1, w) for w in block_lens.amax(dim=(1, 2)).tolist())
                 blocks.append(DecodeBlock(index=index, slots=None, pad=None, groups=groups, units=block_units,
-                                          lens=block_lens, widths=widths, probs_rows=probs_rows))
+                                          lens=block_lens, widths=widths, probs_rows=probs_rows,
+                                          logit_rows=logit_rows))
                 continue
             b_lens = torch.tensor([lens[i] for i in members], dtype=torch.int64, device="cpu")
             slots = req_to_token[b_rows, :n_max].long()
             if fused:  # the tables' lengths mask past each request's length
                 tables = row_tables(slots, to_device(b_lens, device), kv_heads)
                 blocks.append(DecodeBlock(index=index, slots=None, pad=None, groups=groups, row_tables=tables,
-                                          probs_rows=probs_rows))
+                                          probs_rows=probs_rows, logit_rows=logit_rows))
                 continue
             pad = to_device(torch.arange(n_max, device="cpu")[None, :] >= b_lens[:, None], device)
             # Padding reads the request's own first entry: finite, so its weight 0 stays 0 (the
             # kernel does not mask the values; a stale slot may hold anything).
             slots = torch.where(pad, slots[:, :1], slots)
             blocks.append(DecodeBlock(index=index, slots=slots, pad=pad, groups=groups, probs_rows=probs_rows))
-        return cls(blocks=tuple(blocks), attends=attends, size=len(rows), first_layer=first_layer, fused=fused)
+        return cls(blocks=tuple(blocks), attends=attends, size=len(rows), first_layer=first_layer, fused=fused,
+                   slab=slab)
 
     # --- attention through the plan -----------------------------------------------------------
     def attend(
@@ -169,55 +225,64 @@ class DecodeStep:
         and V unit pools, read by blocks planned through per-head tables."""
         for block in self.blocks:
             qb = q if block.index is None else q[block.index]
-            if block.slots is None:  # per-head tables, over the unit pool or a flattened slot cache
-                o, probs = self._per_head(block, layer, qb, k_cache, v_cache, scale, unit_pools)
+            probs = logits = None
+            if block.slots is None:  # tables, over the unit pool or a flattened slot cache
+                tables, k_units, v_units = self._tables(block, layer, k_cache, v_cache, unit_pools)
+                if block.groups:
+                    o, logits = fast_per_head_decode(qb, k_units, v_units, tables, scale, logit_rows=block.logit_rows)
+                else:  # no statistics to feed: the kernel writes no logits
+                    o = fast_per_head_decode(qb, k_units, v_units, tables, scale)
             else:
                 o, probs = decode_attention(qb, k_cache, v_cache, block.slots, block.pad, scale)
-                if block.probs_rows is not None and block.groups:
+                if block.probs_rows is not None:
                     probs = probs[block.probs_rows]
             if block.index is None:
                 out.copy_(o)
             else:
                 out[block.index] = o
-            if block.groups:
-                _add_stats(layer, block, probs)
+            self._add_stats(layer, block, probs, logits)
 
-    def _per_head(
-        self, block: DecodeBlock, layer: int, q: Tensor, k_cache: Any, v_cache: Any, scale: float,
-        unit_pools: tuple[Any, Any] | None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Attention of a block read through per-head tables, and the probabilities of its
-        requests that keep statistics (None if none does)."""
-        if block.row_tables is not None:
-            tables, k_units, v_units = block.row_tables, flat_heads(k_cache), flat_heads(v_cache)
-        else:
-            local = layer - self.first_layer
-            units = block.units[local]
-            if block.widths is not None:
-                units = units[..., : block.widths[local]]
-            tables = HeadTables(units=units, lengths=block.lens[local])
-            k_units, v_units = unit_pools
-        if not block.groups:  # no statistics to feed: the kernel writes no probabilities
-            return fast_per_head_decode(q, k_units, v_units, tables, scale), None
-        o, probs = fast_per_head_decode(q, k_units, v_units, tables, scale, return_probs=True,
-                                        probs_rows=block.probs_rows)
-        width = (block.units if block.units is not None else block.row_tables.units).shape[-1]
-        if probs.shape[-1] < width:  # statistics columns span the block
-            probs = torch.nn.functional.pad(probs, (0, width - probs.shape[-1]))
-        return o, probs
-
-    def accumulate(self, layer: int, q: Tensor, key_buffer: Any, scale: float) -> None:
+    def accumulate(self, layer: int, q: Tensor, key_buffer: Any, scale: float,
+                   unit_pools: tuple[Any, Any] | None = None) -> None:
         """Statistics only (another kernel computed the attention): the softmax attention of the
-        step's statistics requests over their own keys, one computation per block (a fused step
-        runs the per-head kernel, its keys standing in for the values it does not need)."""
+        step's statistics requests over their own keys, one computation per block (a per-head
+        block runs the per-head kernel, its keys standing in for the values it does not need)."""
         for block in self.blocks:
+            if not block.groups:
+                continue
             qb = q if block.index is None else q[block.index]
-            if block.row_tables is not None:
-                keys = flat_heads(key_buffer)
-                _, probs = fast_per_head_decode(qb, keys, keys, block.row_tables, scale, return_probs=True)
+            probs = logits = None
+            if block.slots is None:
+                tables, keys, _ = self._tables(block, layer, key_buffer, key_buffer, unit_pools, keys_only=True)
+                _, logits = fast_per_head_decode(qb, keys, keys, tables, scale, logit_rows=block.logit_rows)
             else:
                 probs = decode_probs(qb, key_buffer, block.slots, block.pad, scale)
-            _add_stats(layer, block, probs)
+                if block.probs_rows is not None:  # the statistics read the rows of their requests only
+                    probs = probs[block.probs_rows]
+            self._add_stats(layer, block, probs, logits)
+
+    def _tables(
+        self, block: DecodeBlock, layer: int, k_cache: Any, v_cache: Any, unit_pools: tuple[Any, Any] | None,
+        keys_only: bool = False,
+    ) -> tuple[HeadTables, Any, Any]:
+        """A per-head block's tables for layer id `layer` and the flat pools they index
+        (`keys_only`: the keys stand in for the values, for statistics alone)."""
+        if block.row_tables is not None:
+            return block.row_tables, flat_heads(k_cache), flat_heads(v_cache)
+        local = layer - self.first_layer
+        units = block.units[local]
+        if block.widths is not None:
+            units = units[..., : block.widths[local]]
+        k_units, v_units = unit_pools
+        if keys_only:
+            v_units = k_units
+        return HeadTables(units=units, lengths=block.lens[local]), k_units, v_units
+
+    def _add_stats(self, layer: int, block: DecodeBlock, probs: Tensor | None, logits: DecodeLogits | None) -> None:
+        """What this layer's attention adds to the statistics of the block's requests that keep
+        them: one update per policy class, in place in the step's slab."""
+        for g in block.groups:
+            add_attention(self.slab.slab, layer - self.first_layer, g, probs=probs, logits=logits)
 
 
 def _blocks(picked: list[int], lens: list[int], per_block: int) -> list[list[int]]:
@@ -231,69 +296,44 @@ def _blocks(picked: list[int], lens: list[int], per_block: int) -> list[list[int
     return runs
 
 
+def _fused_blocks(picked: list[int], lens: list[int], stats: set[int], shape: DecodeShape) -> list[list[int]]:
+    """The fused plan's blocks: every request in batch order if that is within
+    `FUSED_BLOCK_BYTES`; else, longest first, blocks of requests at least half their block's
+    longest, each within the bound (a request beyond it alone, in a block of its own)."""
+    width = max(1, max(lens[i] for i in picked))
+    keeping = sum(1 for i in picked if i in stats)
+    if fused_block_bytes(len(picked), keeping, width, shape) <= FUSED_BLOCK_BYTES:
+        return [picked]
+    runs: list[list[int]] = []
+    run: list[int] = []
+    run_keeping = 0
+    for i in sorted(picked, key=lambda i: -lens[i]):
+        if run:
+            n_max = max(1, lens[run[0]])
+            k = run_keeping + (i in stats)
+            if 2 * lens[i] < n_max or fused_block_bytes(len(run) + 1, k, n_max, shape) > FUSED_BLOCK_BYTES:
+                runs.append(run)
+                run, run_keeping = [], 0
+        run.append(i)
+        run_keeping += i in stats
+    runs.append(run)
+    return runs
+
+
 def _stat_groups(
     members: list[int], keeping: list[int], rows: list[int], lens: list[int],
-    states: dict[int, "ReqKvState"], device: torch.device,
+    states: dict[int, "ReqKvState"], start_of: dict[int, int], device: torch.device,
 ) -> tuple[StatGroup, ...]:
     """The block's statistics requests (`keeping`: block-local) by policy class, each group's
-    gather and scatter planned on the host (`StatGroup`)."""
+    rows, slab columns and gather planned on the host (`StatGroup`)."""
     by_class: dict[type, list[int]] = {}
-    for k, j in enumerate(keeping):  # k: row of the block's probabilities
+    for k, j in enumerate(keeping):  # k: row of the block's statistics attention
         by_class.setdefault(type(states[rows[members[j]]].policy), []).append(k)
     groups = []
     for ks in by_class.values():
-        group_states = tuple(states[rows[members[keeping[k]]]] for k in ks)
-        group_lens = tuple(lens[members[keeping[k]]] for k in ks)
-        starts = tuple(itertools.accumulate((0,) + group_lens[:-1]))
-        # A previous statistic wider than the request's entries cannot be planned (-1: the update
-        # takes the per-request path, which refuses it).
-        widths = tuple(w if (w := _width(state)) <= n else -1 for state, n in zip(group_states, group_lens))
-        total, old_total = sum(group_lens), sum(max(w, 0) for w in widths)
-        n_lens = torch.tensor(group_lens, dtype=torch.int64, device="cpu")
-        req = torch.repeat_interleave(torch.arange(len(ks), device="cpu"), n_lens, output_size=total)
-        first = torch.tensor(starts, dtype=torch.int64, device="cpu")
-        col = torch.arange(total, device="cpu") - first[req]
-        old_cols = None
-        if old_total:
-            w = torch.tensor(widths, dtype=torch.int64, device="cpu").clamp_(min=0)
-            owner = torch.repeat_interleave(torch.arange(len(ks), device="cpu"), w, output_size=old_total)
-            old_first = w.cumsum(0) - w
-            old_cols = to_device(torch.arange(old_total, device="cpu") - old_first[owner] + first[owner], device)
-        groups.append(StatGroup(
-            policy=group_states[0].policy,
-            local=None if len(ks) == len(members) or len(ks) == len(keeping) else host_tensor(ks, device),
-            states=group_states, lens=group_lens, starts=starts,
-            rows=to_device(req, device), cols=to_device(col, device), widths=widths, old_cols=old_cols,
+        batch = [members[keeping[k]] for k in ks]
+        groups.append(plan_group(
+            states[rows[batch[0]]].policy, rows=ks, lse_rows=[keeping[k] for k in ks],
+            starts=[start_of[i] for i in batch], lens=[max(1, lens[i]) for i in batch], device=device,
         ))
     return tuple(groups)
-
-
-def _width(state: "ReqKvState") -> int:
-    """Columns of a request's current statistic (its layers agree but after a failed update)."""
-    for stat in state.stats:
-        if stat is not None:
-            return int(stat.shape[1])
-    return 0
-
-
-def _add_stats(layer: int, block: DecodeBlock, probs: Tensor) -> None:
-    """probs: [k, H_kv, G, n_max], of the block's requests that keep statistics."""
-    for g in block.groups:
-        # What this step adds, for all of the group's requests in one computation.
-        grouped = (probs if g.local is None else probs[g.local]).unsqueeze(3)
-        added = g.policy.contribution(grouped)  # [k, H_kv, n_max], a new tensor
-        olds = [state.stats[layer] for state in g.states]
-        if all((0 if o is None else o.shape[1]) == w for o, w in zip(olds, g.widths)):
-            # As planned: one gather, one concatenation, one scatter-add, whatever the requests.
-            new = added.permute(1, 0, 2)[:, g.rows, g.cols]  # [H_kv, sum(lens)]
-            if g.old_cols is not None:
-                new.index_add_(1, g.old_cols, torch.cat([o for o in olds if o is not None], dim=1))
-            for state, start, n in zip(g.states, g.starts, g.lens):
-                state.stats[layer] = new[:, start : start + n]  # a view: each request's columns
-            continue
-        for k, (state, n) in enumerate(zip(g.states, g.lens)):  # a layer left behind by a failure
-            new = added[k, :, :n]
-            old = state.stats[layer]
-            if old is not None:
-                new[:, : old.shape[1]] += old
-            state.stats[layer] = new

@@ -15,6 +15,7 @@ that, its own; a policy that needs queries and has none fails the request alone.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -27,6 +28,8 @@ from sgl_kvc.core.request_state import ReqKvState, RequestTables
 from sgl_kvc.kernels.per_head_attention import HeadTables, flat_heads, fused_decode, per_head_extend
 from sgl_kvc.policies import gqa_logits
 
+logger = logging.getLogger(__name__)
+
 STATS_BLOCK = 256  # query rows per block when accumulating prefill attention statistics
 
 
@@ -34,8 +37,12 @@ class KvcStore:
     """Observation-window queries and attention statistics, per `req_to_token` row."""
 
     def __init__(
-        self, num_layers: int, window: int, req_to_token: Tensor, kv_pool: Any, first_layer: int = 0
+        self, num_layers: int, window: int, req_to_token: Tensor, kv_pool: Any, first_layer: int = 0,
+        plan: str | None = None,
     ) -> None:
+        """`plan`: "fused" or "padded" forces the decode plan (`core/decode.py`; the torch kernel
+        stands in for Triton where it cannot run, as on a CPU); None picks the device's: fused
+        where the Triton kernel serves this pool (CUDA), padded elsewhere."""
         self.num_layers = num_layers
         self.first_layer = first_layer  # the layer whose call advances the per-row counters
         self.req_to_token = req_to_token  # SGLang's [rows, max_len] slot table
@@ -59,7 +66,8 @@ class KvcStore:
         self.device = device
         # Whether decode runs a kernel that pads nothing (Triton on CUDA): then a step is one
         # block of the whole batch (`DecodeStep`), and a layer's attention one launch.
-        self.fused = kv_pool is not None and self._fused_decode(kv_pool)
+        self.fused = kv_pool is not None and self._fused_decode(kv_pool, plan)
+        self.q_heads = 0  # query heads of this rank, once a query was seen (sizes fused blocks)
         # Ring buffer [capacity, layers, window, H_q, d] indexed by `_top - row`: SGLang hands out
         # request rows from the top of its free list and reuses freed ones first, so the
         # capacity needed follows the peak number of requests, not the row count SGLang reserves
@@ -80,14 +88,22 @@ class KvcStore:
         # unit pool): their tables, new tokens included; they attend through them.
         self.extend_tables: dict[int, RequestTables] = {}
 
-    def _fused_decode(self, kv_pool: Any) -> bool:
-        if self.device.type != "cuda":
+    def _fused_decode(self, kv_pool: Any, plan: str | None) -> bool:
+        """Whether this store plans decode steps fused: asked for (`plan`), or where the Triton
+        kernel serves the pool; never where the pool cannot be read as flat units (then the
+        padded plan serves, with the reason logged once)."""
+        if plan == "padded" or (plan is None and self.device.type != "cuda"):
             return False
-        if self.unit_pools is not None:
-            k, v = self.unit_pools
-        else:
-            k, v = (flat_heads(b(self.first_layer)) for b in (kv_pool.get_key_buffer, kv_pool.get_value_buffer))
-        return fused_decode(self.device, self.token_elems // max(1, self.kv_heads), k, v)
+        try:
+            if self.unit_pools is not None:
+                k, v = self.unit_pools
+            else:
+                k, v = (flat_heads(b(self.first_layer)) for b in (kv_pool.get_key_buffer, kv_pool.get_value_buffer))
+        except Exception as e:  # noqa: BLE001 - any pool layout sgl-kvc cannot view serves padded
+            logger.warning("sgl-kvc: decode steps use the padded plan: %s cannot be read as flat units (%s: %s)",
+                           type(kv_pool).__name__, type(e).__name__, e)
+            return False
+        return plan == "fused" or fused_decode(self.device, self.token_elems // max(1, self.kv_heads), k, v)
 
     @property
     def unit_layout(self) -> tuple[int, int] | None:
@@ -139,6 +155,7 @@ class KvcStore:
 
     # --- observation-window queries -----------------------------------------------------------
     def _buffer(self, rows: int, q: Tensor) -> Tensor:
+        self.q_heads = int(q.shape[1])
         have = 0 if self._queries is None else self._queries.shape[0]
         if have < self._need:  # grow by doubling, up to SGLang's row count
             capacity = min(max(self._need, 2 * have), rows)
@@ -278,7 +295,8 @@ class KvcStore:
         self.decode_step = (
             DecodeStep.build(rows, lens, self.states, self.req_to_token, self.token_elems, self.attends,
                              units=self.unit_layout, first_layer=self.first_layer, fused=self.fused,
-                             kv_heads=self.kv_heads)
+                             kv_heads=self.kv_heads, num_layers=self.num_layers - self.first_layer,
+                             group=max(1, self.q_heads // max(1, self.kv_heads)) if self.q_heads else 8)
             if self.attends or self.stats_rows else None
         )  # fmt: skip
 

@@ -268,6 +268,10 @@ class Policy(ABC):
     """Earlier names of the policy, still accepted wherever a policy is named (flags, requests)."""
     uses_stats: ClassVar[bool] = False
     """Whether the caller must maintain ``stats`` through :meth:`accumulate`."""
+    contribution_power: ClassVar[int] = 0
+    """When :meth:`contribution` is the sum over queries and the query group of the attention to
+    this power (1 or 2), that power: a decode step's kernel then computes it without the
+    probabilities (`kernels/triton_stats.py`); 0: only :meth:`contribution` knows."""
     accumulate_prefill: ClassVar[bool] = False
     """Whether prefill queries are fed to :meth:`accumulate` too (else decode queries only)."""
     compress_after_prefill: ClassVar[bool] = False

@@ -32,6 +32,7 @@ class BatchMaxPolicy(Policy):
     name: ClassVar[str] = "batchmax"
     aliases: ClassVar[tuple[str, ...]] = ("avgattn",)  # its name before; accepted for a release
     uses_stats: ClassVar[bool] = True
+    contribution_power: ClassVar[int] = 1  # `contribution` below
     accumulate_prefill: ClassVar[bool] = True
     compress_after_prefill: ClassVar[bool] = True
 

@@ -25,6 +25,7 @@ from .registry import register_policy
 class H2OPolicy(Policy):
     name: ClassVar[str] = "h2o"
     uses_stats: ClassVar[bool] = True
+    contribution_power: ClassVar[int] = 1  # `contribution` below
     accumulate_prefill: ClassVar[bool] = True
     compress_after_prefill: ClassVar[bool] = True
 

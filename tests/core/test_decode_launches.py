@@ -23,7 +23,7 @@ import sgl_kvc.core.decode as decode_module
 from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import PolicyParams, get_policy
-from sync_guard import HostSync, LaunchCounter, SyncGuard
+from sync_guard import AllocationCounter, HostSync, KernelCounter, LaunchCounter, SyncGuard
 
 LAYERS, H_KV, GROUP, D, WINDOW = 3, 2, 3, 16, 8
 DEVICE = torch.device("meta")
@@ -142,8 +142,9 @@ def test_probabilities_only_for_the_requests_that_keep_statistics() -> None:
     store.begin_decode(rows, lens)
     (block,) = store.decode_step.blocks
     assert block.index is None and block.probs_rows.tolist() == [1, 4]
+    assert block.logit_rows.slots.tolist() == [-1, 0, -1, -1, 1, -1] and block.logit_rows.count == 2
     (group,) = block.groups
-    assert group.local is None and [s.policy.name for s in group.states] == ["h2o", "h2o"]
+    assert group.rows.tolist() == [0, 1] and group.lse_rows.tolist() == [1, 4] and group.policy.name == "h2o"
     store, rows, lens = _store(6, ("rkv", "snapkv"), unit_pool=True, fused=True, attends=True, device=cpu)
     store.begin_decode(rows, lens)
     assert not store.decode_step.blocks[0].groups  # no statistics: no probabilities at all
@@ -179,3 +180,81 @@ def test_a_reserved_ring_is_never_reallocated_by_a_step() -> None:
     assert ring.shape[0] == store.req_to_token.shape[0]
     _step(store, rows, lens)
     assert store._queries is ring
+
+
+class _Launch:
+    """A Triton kernel launched as on a GPU, without its data: one operation on its first device
+    tensor argument (what `KernelCounter` counts as the launch)."""
+
+    def __getitem__(self, grid: tuple) -> "_Launch":
+        return self
+
+    def __call__(self, *args, **kwargs) -> None:
+        out = next(a for a in args if isinstance(a, torch.Tensor) and a.device.type != "cpu")
+        out.view(-1)[:0].zero_()
+
+
+@pytest.fixture
+def triton_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused plan's kernels as CUDA runs them: the Triton decode and statistics kernels
+    (their wrappers' own allocations and operations as they are), not the torch stand-in."""
+    from sgl_kvc.core import stat_slab
+    from sgl_kvc.kernels import per_head_attention, triton_per_head, triton_stats
+
+    monkeypatch.setattr(per_head_attention, "fused_decode", lambda *args: True)
+    monkeypatch.setattr(stat_slab, "_kernel_device", lambda t: True)
+    for module, name in ((triton_per_head, "_per_head_decode_kernel"), (triton_per_head, "_merge_splits_kernel"),
+                         (triton_stats, "_add_contribution_kernel")):
+        monkeypatch.setattr(module, name, _Launch())
+
+
+def _serving_kernels(batch: int, policies: tuple[str, ...]) -> int:
+    from benchmarks.decode_step import StepShape, serving_step
+
+    _, step, _ = serving_step(batch, StepShape(), policies, DEVICE, fused=True)
+    step()  # the statistics' first step moves them into a step's slab
+    with KernelCounter() as counter:
+        step()
+    return len(counter.ops)
+
+
+@pytest.mark.usefixtures("triton_launches")
+def test_statistics_cost_one_kernel_per_layer_whatever_the_batch() -> None:
+    """A serving-shaped step (32 layers, `benchmarks/decode_step.py`): with H2O beside R-KV, at
+    most 1.3x the kernels of R-KV alone, the same for 8 and 256 requests."""
+    for batch in (8, 256):
+        alone, mixed = _serving_kernels(batch, ("rkv",)), _serving_kernels(batch, ("rkv", "h2o"))
+        assert mixed <= 1.3 * alone, (batch, alone, mixed)
+        assert mixed - alone <= 32 + 8, (batch, alone, mixed)  # one per layer, a few per step
+    assert _serving_kernels(8, ("rkv", "h2o")) == _serving_kernels(256, ("rkv", "h2o"))
+
+
+def _transient(long_len: int, policies: tuple[str, ...]) -> int:
+    """Peak bytes a fused serving-shaped step (256 requests of 256-384 entries; one of them
+    `long_len` long if given) allocates above what it holds before (`AllocationCounter`)."""
+    from benchmarks.decode_step import StepShape, serving_step
+
+    shape = StepShape(layers=4)
+    lens = None if not long_len else {128: long_len}
+    _, step, _ = serving_step(256, shape, policies, DEVICE, fused=True, lengths=lens)
+    step()
+    with AllocationCounter() as counter:
+        step()
+    return counter.peak
+
+
+@pytest.mark.usefixtures("triton_launches")
+@pytest.mark.parametrize("policies", [("rkv",), ("rkv", "h2o")], ids=["rkv", "rkv+h2o"])
+def test_one_long_request_does_not_inflate_a_steps_transient_memory(policies: tuple[str, ...],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """One 32768-entry request among 256 short ones (a tenant with `policy: none`, or a huge
+    budget): the step's blocks follow the entries, so it allocates at most twice what it does
+    without that request, and within `decode_step_bound`. The negative control, one block
+    padded to the longest request, takes many times more."""
+    short, long = _transient(0, policies), _transient(32768, policies)
+    bound = decode_module.decode_step_bound(entries=255 * 384 + 32768, keeping=256 * 384 // len(policies),
+                                            shape=decode_module.DecodeShape(kv_heads=8, group=4, head_dim_v=128),
+                                            layers=4)
+    assert long <= 2 * short and long <= bound, (short, long, bound)
+    monkeypatch.setattr(decode_module, "FUSED_BLOCK_BYTES", 1 << 40)  # one block, padded to the longest
+    assert _transient(32768, policies) > 8 * short

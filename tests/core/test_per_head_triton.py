@@ -122,3 +122,65 @@ def test_fast_decode_runs_the_kernel_on_cuda(monkeypatch, fp8: str | None) -> No
     q, k_pool, v_pool, tables = _case(2, 2, 2, 64, 300, seed=3, fp8=fp8)
     got = per_head_attention.fast_per_head_decode(q, k_pool, v_pool, tables)
     assert calls and torch.allclose(got.float(), per_head_decode(q, k_pool, v_pool, tables).float(), atol=2e-2)
+
+
+@pytest.mark.parametrize("fp8", [None, "fp8_e4m3"])
+def test_slot_tables_and_logit_rows_match_the_torch_version(device: torch.device, fp8: str | None) -> None:
+    """A slot cache read through one slot table per request (`row_tables`), the logits of some
+    requests and every request's log-sum-exp (what a decode step's statistics read)."""
+    _runs_triton(device)
+    from sgl_kvc.kernels.per_head_attention import LogitRows, row_tables
+
+    b, h_kv, group, d, n = 3, 2, 3, 16, 37
+    q, k_pool, v_pool, _ = _case(b, h_kv, group, d, n, seed=11, fp8=fp8, device=device)
+    slots_total = int((k_pool.codes if fp8 else k_pool).shape[0]) // h_kv
+    g = torch.Generator().manual_seed(12)
+    slots = torch.stack([torch.randperm(slots_total, generator=g)[:n] for _ in range(b)]).to(device)
+    tables = row_tables(slots, torch.tensor([n, 5, 20], device=device), h_kv)
+    rows = LogitRows(slots=torch.tensor([0, -1, 1], device=device), rows=torch.tensor([0, 2], device=device), count=2)
+    # the reference reads code x scale unrounded (float32, exact), as the kernel does
+    exact = [p if fp8 is None else Fp8Rows(p.codes, p.scales, fp8, p.scale_format, torch.float32)
+             for p in (k_pool, v_pool)]
+    want, want_logits = per_head_decode(q, *exact, tables, 0.3, logit_rows=rows)
+    got, logits = triton_per_head_decode(q, k_pool, v_pool, tables, 0.3, logit_rows=rows, split_n=16, block_n=16)
+    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)  # bf16 outputs
+    assert torch.allclose(logits.lse, want_logits.lse, atol=1e-4, rtol=1e-4)
+    valid = tables.valid()[rows.rows][:, :, None, :].expand_as(logits.logits)
+    assert torch.allclose(logits.logits[valid], want_logits.logits[valid], atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_codes_widened_to_float16_read_as_bfloat16(device: torch.device) -> None:
+    """The two widths an FP8 pool's codes can be multiplied in (`FP8_DOT`) agree within the
+    rounding of a bf16 output."""
+    _runs_triton(device)
+    q, k_pool, v_pool, tables = _case(2, 2, 4, 32, 50, seed=13, fp8="fp8_e4m3", device=device)
+    want = per_head_decode(q, k_pool, v_pool, tables, 0.3)
+    for dot in ("bfloat16", "float16"):
+        got = triton_per_head_decode(q, k_pool, v_pool, tables, 0.3, split_n=32, block_n=16, fp8_dot=dot)
+        assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "kvcompress"])
+def test_the_statistics_kernel_adds_what_the_torch_version_adds(device: torch.device, policy: str) -> None:
+    """`kernels/triton_stats.py` against `stat_slab.add_attention`'s torch version: the same
+    contribution in the same columns of the slab, nothing elsewhere."""
+    _runs_triton(device)
+    from sgl_kvc.core.stat_slab import add_attention, plan_group
+    from sgl_kvc.kernels import triton_stats
+    from sgl_kvc.kernels.per_head_attention import DecodeLogits
+    from sgl_kvc.policies import get_policy
+
+    g = torch.Generator().manual_seed(14)
+    k, b, h_kv, group, n, layers = 3, 5, 2, 3, 150, 2
+    logits = DecodeLogits(logits=torch.randn(k, h_kv, group, n, generator=g).to(device),
+                          lse=(torch.randn(b, h_kv, group, generator=g) + 6).to(device))
+    lens = [150, 17, 140]
+    plan = plan_group(get_policy(policy), rows=[0, 1, 2], lse_rows=[4, 0, 2], starts=[0, 150, 167], lens=lens,
+                      device=device)
+    base = torch.rand(h_kv, layers, 320, generator=g).to(device)
+    want, got = base.clone(), base.clone()
+    add_attention(want, 1, plan, logits=logits)
+    triton_stats.add_contribution(got, 1, plan, logits)
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+    assert torch.equal(got[:, 0], base[:, 0]) and torch.equal(got[:, 1, 307:], base[:, 1, 307:])
+    assert not torch.equal(got[:, 1, :307], base[:, 1, :307])
