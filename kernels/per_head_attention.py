@@ -41,7 +41,10 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from sgl_kvc.core.host import to_device
+
 Q_BLOCK = 256  # query rows per block in `per_head_extend` (bounds the [.., q, N] logits)
+SPLIT_COLUMNS = 512  # table columns per split of the Triton decode kernel (one program each)
 
 
 @dataclass(frozen=True)
@@ -56,13 +59,18 @@ class HeadTables:
     heads_per_slot: 0, or the KV heads of a slot cache read through `flat_heads`: then `units`
                is [B, 1, N], each request's SLOTS, shared by its heads (head h of slot s is unit
                s x heads_per_slot + h), and `lengths` is [B, heads_per_slot]. One table per
-               request instead of one per head: H_kv times less memory (`row_tables`).
+               request instead of one per head (`row_tables`).
+    row_index: None, or int64 [B]: request b's table is row `row_index[b]` of `units` (then
+               [R, 1, >= N] slot tables: SGLang's `req_to_token`, read in place, no table made),
+               its first `columns` columns.
     """
 
     units: Tensor
     lengths: Tensor
     positions: Tensor | None = None
     heads_per_slot: int = 0
+    row_index: Tensor | None = None
+    columns: int = 0
 
     def __post_init__(self) -> None:
         if self.units.dim() != 3:
@@ -70,10 +78,11 @@ class HeadTables:
         heads = self.heads_per_slot or int(self.units.shape[1])
         if self.heads_per_slot and self.units.shape[1] != 1:
             raise ValueError(f"slot tables must be [B, 1, N], got {tuple(self.units.shape)}")
-        if tuple(self.lengths.shape) != (int(self.units.shape[0]), heads):
-            raise ValueError(
-                f"lengths must be {(int(self.units.shape[0]), heads)}, got {tuple(self.lengths.shape)}"
-            )
+        requests = int(self.units.shape[0]) if self.row_index is None else int(self.row_index.shape[0])
+        if self.row_index is not None and (not self.heads_per_slot or self.columns > self.units.shape[2]):
+            raise ValueError("a table read by row index is a slot table of at most its rows' width")
+        if tuple(self.lengths.shape) != (requests, heads):
+            raise ValueError(f"lengths must be {(requests, heads)}, got {tuple(self.lengths.shape)}")
         if self.positions is not None and (self.heads_per_slot or self.positions.shape != self.units.shape):
             raise ValueError(
                 f"positions must be {tuple(self.units.shape)} per-head tables, got {tuple(self.positions.shape)}"
@@ -81,7 +90,7 @@ class HeadTables:
 
     @property
     def batch_size(self) -> int:
-        return int(self.units.shape[0])
+        return int(self.lengths.shape[0])
 
     @property
     def num_kv_heads(self) -> int:
@@ -90,18 +99,19 @@ class HeadTables:
     @property
     def width(self) -> int:
         """Columns of every table (the longest one's, padding included)."""
-        return int(self.units.shape[2])
+        return self.columns if self.row_index is not None else int(self.units.shape[2])
 
     def head_units(self) -> Tensor:
         """int64 [B, H_kv, N]: the unit of every (request, head, column), slot tables expanded."""
         if not self.heads_per_slot:
             return self.units
+        units = self.units if self.row_index is None else self.units[self.row_index, :, : self.columns]
         heads = torch.arange(self.heads_per_slot, dtype=torch.int64, device=self.units.device)
-        return self.units * self.heads_per_slot + heads[None, :, None]
+        return units.to(torch.int64) * self.heads_per_slot + heads[None, :, None]
 
     def valid(self) -> Tensor:
         """Bool [B, H_kv, N]: which table entries are real."""
-        cols = torch.arange(self.units.shape[2], device=self.units.device)
+        cols = torch.arange(self.width, device=self.units.device)
         return cols < self.lengths.unsqueeze(-1)
 
 
@@ -141,12 +151,38 @@ def _log_sum_exp(logits: Tensor) -> Tensor:
 class LogitRows:
     """Which requests of a decode call keep their attention logits (those whose policy keeps
     statistics): `slots[b]` is request b's row of the returned logits, -1 for none; `rows` the
-    requests that have one, in increasing order (`slots[rows] = 0, 1, ...`), and `count` their
-    number (planned on the host once per decode step, `core/decode.py`)."""
+    requests that have one, in increasing order (`slots[rows] = 0, 1, ...`), `count` their number
+    and `width` their widest table, how wide the logits are (a longer request without statistics
+    widens none of them). Planned on the host once per decode step (`core/decode.py`)."""
 
     slots: Tensor  # int64 [B]
     rows: Tensor  # int64 [count]
     count: int
+    width: int  # columns of the logits: the widest of those requests' tables
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How the Triton decode kernel splits a call's requests: `plan` int64 [2B], each request's
+    number of splits of `SPLIT_COLUMNS` columns, then the first of its parts in the kernel's
+    workspace (only requests of several splits have parts); `total` those parts and `most` the
+    largest number of splits (host-side). Planned once per decode step (`core/decode.py`), so
+    that the workspace follows the entries, not the longest request times the batch."""
+
+    plan: Tensor
+    total: int
+    most: int
+
+    @classmethod
+    def of(cls, widths: list[int], device: torch.device, split_n: int = SPLIT_COLUMNS) -> "SplitPlan":
+        """From each request's table width (its widest head's columns), on the host."""
+        counts = [max(1, -(-w // split_n)) for w in widths]
+        firsts, total = [], 0
+        for c in counts:
+            firsts.append(total)
+            total += c if c > 1 else 0
+        return cls(to_device(torch.tensor(counts + firsts, dtype=torch.int64, device="cpu"), device),
+                   total=total, most=max(counts, default=1))
 
 
 @dataclass(frozen=True)
@@ -196,7 +232,7 @@ def per_head_decode(
     out, probs, logits = _masked_attention(logits, valid.unsqueeze(2), values)
     out = out.reshape(b, h_q, -1).to(q.dtype)
     if logit_rows is not None:
-        return out, DecodeLogits(logits=logits[logit_rows.rows], lse=_log_sum_exp(logits))
+        return out, DecodeLogits(logits=logits[logit_rows.rows, ..., : logit_rows.width], lse=_log_sum_exp(logits))
     if probs_rows is not None:
         return out, probs[probs_rows]
     return (out, probs) if return_probs else out
@@ -205,15 +241,17 @@ def per_head_decode(
 def fast_per_head_decode(
     q: Tensor, k_pool: Any, v_pool: Any, tables: HeadTables, scale: float | None = None,
     *, return_probs: bool = False, probs_rows: Tensor | None = None, logit_rows: LogitRows | None = None,
+    splits: Any = None,
 ) -> Tensor | tuple[Tensor, Tensor] | tuple[Tensor, DecodeLogits]:
     """`per_head_decode` on the fastest implementation for q's device: the Triton kernel on
     CUDA where it supports the operands, else this module's torch version (the same results, and
-    the same allocations but the torch version's own gathers)."""
+    the same allocations but the torch version's own gathers). `splits`: the Triton kernel's
+    `SplitPlan`, where the caller planned one."""
     kwargs = {"return_probs": return_probs, "probs_rows": probs_rows, "logit_rows": logit_rows}
     if fused_decode(q.device, q.shape[-1], k_pool, v_pool):
         from sgl_kvc.kernels import triton_per_head
 
-        return triton_per_head.triton_per_head_decode(q, k_pool, v_pool, tables, scale, **kwargs)
+        return triton_per_head.triton_per_head_decode(q, k_pool, v_pool, tables, scale, splits=splits, **kwargs)
     return per_head_decode(q, k_pool, v_pool, tables, scale, **kwargs)
 
 
@@ -241,12 +279,15 @@ def flat_heads(cache: Any) -> Any:
                        cache.scale_format, cache.dtype)
 
 
-def row_tables(slots: Tensor, lens: Tensor, num_heads: int) -> HeadTables:
+def row_tables(slots: Tensor, lens: Tensor, num_heads: int, rows: Tensor | None = None,
+               columns: int = 0) -> HeadTables:
     """Tables over `flat_heads` of a slot cache: every head of request b reads the slots
-    `slots[b, :lens[b]]` (slots [b, N] int64, lens [b] int64, on the cache's device). One slot
-    table per request, shared by its heads (`HeadTables.heads_per_slot`)."""
+    `slots[b, :lens[b]]` (slots [b, N] integers, lens [b] int64, on the cache's device); with
+    `rows`, the slots `slots[rows[b], :lens[b]]` of a table with a row per request slot (SGLang's
+    `req_to_token`, read in place), `columns` wide. One slot table per request, shared by its
+    heads (`HeadTables.heads_per_slot`)."""
     return HeadTables(units=slots[:, None, :], lengths=lens[:, None].expand(-1, num_heads).contiguous(),
-                      heads_per_slot=num_heads)
+                      heads_per_slot=num_heads, row_index=rows, columns=columns)
 
 
 def per_head_extend(

@@ -37,7 +37,7 @@ from sgl_kvc.core.request_state import block_tables
 from sgl_kvc.core.stat_slab import StatGroup, StepSlab, add_attention, plan_group, plan_slab
 from sgl_kvc.kernels.decode_attention import decode_attention, decode_probs
 from sgl_kvc.kernels.per_head_attention import (
-    DecodeLogits, HeadTables, LogitRows, fast_per_head_decode, flat_heads, row_tables,
+    SPLIT_COLUMNS, DecodeLogits, HeadTables, LogitRows, SplitPlan, fast_per_head_decode, flat_heads, row_tables,
 )
 
 if TYPE_CHECKING:
@@ -45,40 +45,38 @@ if TYPE_CHECKING:
 
 DECODE_BLOCK_ELEMS = 1 << 22  # bound on the padded float32 keys of one block of a decode step
 FUSED_BLOCK_BYTES = 64 << 20  # bound on what one block of a fused step allocates per layer call
-SPLIT_COLUMNS = 512  # table columns per split of the fused kernel (`triton_per_head.SPLIT_N`)
 
 
 @dataclass(frozen=True)
 class DecodeShape:
     """What sizes a fused block's allocations: KV heads, query heads per KV head, the value head
-    dim, and the layers a block's tables cover (1: slot tables, read by every layer; L: the unit
-    pool's per-head tables, one per layer)."""
+    dim, and the layers of the unit pool's per-head tables (0: a slot cache, whose requests'
+    rows of SGLang's `req_to_token` are read in place, no table made)."""
 
     kv_heads: int
     group: int = 8
     head_dim_v: int = 128
-    table_layers: int = 1
+    table_layers: int = 0
 
     @property
     def table_bytes_per_column(self) -> int:
-        """Table bytes per request and column: a slot table is one int64 per column (shared by
-        the heads; the int32 row it is read from on the way), per-head tables one per layer
-        and head (twice: `block_tables` builds them in a scratch one column wider)."""
-        if self.table_layers == 1:
-            return 8 + 4
+        """Table bytes per request and column: none for a slot cache; on the unit pool one
+        int64 per layer and head (twice: `block_tables` builds them in a scratch copy)."""
         return 2 * 8 * self.table_layers * self.kv_heads
 
 
-def fused_block_bytes(requests: int, keeping: int, width: int, shape: DecodeShape) -> int:
-    """Bytes a fused block allocates for a layer call: its tables, the kernel's float32 workspace
-    (partial outputs, maxima and sums of every split, the log-sum-exp) and output, and the logits
-    of its `keeping` requests (those whose policy keeps statistics), `width` columns wide."""
+def fused_block_bytes(lens: list[int], keeping: list[int], shape: DecodeShape) -> int:
+    """Bytes a fused block of requests of `lens` entries allocates for a layer call: its tables
+    (padded to the longest), the Triton kernel's float32 workspace (the partial outputs, maxima and
+    sums of the splits of each request of several, `SplitPlan`; the log-sum-exp) and output, and
+    the logits of the requests that keep statistics (`keeping`: their entries), padded to the
+    longest of them."""
     h, g, dv = shape.kv_heads, shape.group, shape.head_dim_v
-    splits = max(1, -(-width // SPLIT_COLUMNS))
-    workspace = requests * h * g * ((splits * (dv + 2) if splits > 1 else 0) + 1) * 4
-    output = requests * h * g * dv * 4
-    logits = keeping * h * g * width * 4
-    return requests * width * shape.table_bytes_per_column + workspace + output + logits
+    parts = sum(c for n in lens if (c := -(-n // SPLIT_COLUMNS)) > 1)
+    workspace = (parts * (dv + 2) + len(lens)) * h * g * 4
+    output = len(lens) * h * g * dv * 4
+    logits = len(keeping) * max(keeping, default=0) * h * g * 4
+    return len(lens) * max(lens, default=0) * shape.table_bytes_per_column + workspace + output + logits
 
 
 def decode_step_bound(entries: int, keeping: int, shape: DecodeShape, layers: int) -> int:
@@ -87,7 +85,7 @@ def decode_step_bound(entries: int, keeping: int, shape: DecodeShape, layers: in
     block (`FUSED_BLOCK_BYTES`), every block's tables (each at most twice its entries, or one
     block within the bound) and the step's statistics slab (`core/stat_slab.py`: float32 per
     layer, KV head and entry). What `adapter/kv_memory.py` reserves, per pool token and in all."""
-    tables = max(FUSED_BLOCK_BYTES, 2 * entries * shape.table_bytes_per_column)
+    tables = max(FUSED_BLOCK_BYTES, 2 * entries * shape.table_bytes_per_column) if shape.table_layers else 0
     slab = keeping * layers * shape.kv_heads * 4
     return FUSED_BLOCK_BYTES + tables + slab
 
@@ -108,13 +106,16 @@ class DecodeBlock:
     # Per layer, its widest head in the block (CPU only: read without a device sync). Budgets
     # differ between layers, so the padded torch kernel reads each layer only that wide.
     widths: tuple[int, ...] | None = None
-    # A fused step over a slot cache: the requests' slot tables over `flat_heads(cache)`.
+    # A fused step over a slot cache: the requests' rows of `req_to_token`, read in place as
+    # slot tables over `flat_heads(cache)`.
     row_tables: HeadTables | None = None
     # The block's requests that keep statistics ([k] int64, block-local), whose attention feeds
     # them; None: all of them (or none, when `groups` is empty).
     probs_rows: Tensor | None = None
     # The same, as the per-head kernels' map from request to its row of the logits.
     logit_rows: LogitRows | None = None
+    # A fused block: how the Triton kernel splits each request (its workspace follows them).
+    splits: SplitPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ class DecodeStep:
         if fused:
             head_dim = max(1, token_elems // max(1, kv_heads))
             shape = DecodeShape(kv_heads=kv_heads, group=group, head_dim_v=head_dim,
-                                table_layers=1 if units is None else units[0])
+                                table_layers=0 if units is None else units[0])
             runs = _fused_blocks(picked, lens, stats, shape)
         else:
             picked.sort(key=lambda i: -lens[i])
@@ -175,6 +176,7 @@ class DecodeStep:
         for members in runs:
             n_max = max(1, max(lens[i] for i in members))
             b_rows = host_tensor([rows[i] for i in members], device)
+            splits = SplitPlan.of([lens[i] for i in members], device) if fused else None
             index = None if members == list(range(len(rows))) else host_tensor(members, device)
             keeping = [j for j, i in enumerate(members) if i in stats]
             groups = _stat_groups(members, keeping, rows, lens, states, start_of, device)
@@ -185,7 +187,8 @@ class DecodeStep:
                 for r, j in enumerate(keeping):
                     slot_of[j] = r
                 slots_d, rows_d = host_tensor(slot_of + keeping, device).split([len(members), len(keeping)])
-                logit_rows = LogitRows(slots=slots_d, rows=rows_d, count=len(keeping))
+                logit_rows = LogitRows(slots=slots_d, rows=rows_d, count=len(keeping),
+                                       width=max(lens[members[j]] for j in keeping))
             if units is not None:  # read through per-head tables: no slot rows to gather
                 m_rows = [row_lens[i] for i in members]
                 block_units, block_lens = block_tables(
@@ -197,15 +200,15 @@ class DecodeStep:
                     widths = tuple(max(1, w) for w in block_lens.amax(dim=(1, 2)).tolist())
                 blocks.append(DecodeBlock(index=index, slots=None, pad=None, groups=groups, units=block_units,
                                           lens=block_lens, widths=widths, probs_rows=probs_rows,
-                                          logit_rows=logit_rows))
+                                          logit_rows=logit_rows, splits=splits))
                 continue
             b_lens = torch.tensor([lens[i] for i in members], dtype=torch.int64, device="cpu")
-            slots = req_to_token[b_rows, :n_max].long()
-            if fused:  # the tables' lengths mask past each request's length
-                tables = row_tables(slots, to_device(b_lens, device), kv_heads)
+            if fused:  # the requests' rows, read in place; the lengths mask past each one's
+                tables = row_tables(req_to_token, to_device(b_lens, device), kv_heads, rows=b_rows, columns=n_max)
                 blocks.append(DecodeBlock(index=index, slots=None, pad=None, groups=groups, row_tables=tables,
-                                          probs_rows=probs_rows, logit_rows=logit_rows))
+                                          probs_rows=probs_rows, logit_rows=logit_rows, splits=splits))
                 continue
+            slots = req_to_token[b_rows, :n_max].long()
             pad = to_device(torch.arange(n_max, device="cpu")[None, :] >= b_lens[:, None], device)
             # Padding reads the request's own first entry: finite, so its weight 0 stays 0 (the
             # kernel does not mask the values; a stale slot may hold anything).
@@ -229,9 +232,10 @@ class DecodeStep:
             if block.slots is None:  # tables, over the unit pool or a flattened slot cache
                 tables, k_units, v_units = self._tables(block, layer, k_cache, v_cache, unit_pools)
                 if block.groups:
-                    o, logits = fast_per_head_decode(qb, k_units, v_units, tables, scale, logit_rows=block.logit_rows)
+                    o, logits = fast_per_head_decode(qb, k_units, v_units, tables, scale, logit_rows=block.logit_rows,
+                                                     splits=block.splits)
                 else:  # no statistics to feed: the kernel writes no logits
-                    o = fast_per_head_decode(qb, k_units, v_units, tables, scale)
+                    o = fast_per_head_decode(qb, k_units, v_units, tables, scale, splits=block.splits)
             else:
                 o, probs = decode_attention(qb, k_cache, v_cache, block.slots, block.pad, scale)
                 if block.probs_rows is not None:
@@ -254,7 +258,8 @@ class DecodeStep:
             probs = logits = None
             if block.slots is None:
                 tables, keys, _ = self._tables(block, layer, key_buffer, key_buffer, unit_pools, keys_only=True)
-                _, logits = fast_per_head_decode(qb, keys, keys, tables, scale, logit_rows=block.logit_rows)
+                _, logits = fast_per_head_decode(qb, keys, keys, tables, scale, logit_rows=block.logit_rows,
+                                                 splits=block.splits)
             else:
                 probs = decode_probs(qb, key_buffer, block.slots, block.pad, scale)
                 if block.probs_rows is not None:  # the statistics read the rows of their requests only
@@ -300,22 +305,18 @@ def _fused_blocks(picked: list[int], lens: list[int], stats: set[int], shape: De
     """The fused plan's blocks: every request in batch order if that is within
     `FUSED_BLOCK_BYTES`; else, longest first, blocks of requests at least half their block's
     longest, each within the bound (a request beyond it alone, in a block of its own)."""
-    width = max(1, max(lens[i] for i in picked))
-    keeping = sum(1 for i in picked if i in stats)
-    if fused_block_bytes(len(picked), keeping, width, shape) <= FUSED_BLOCK_BYTES:
+    def block_bytes(members: list[int]) -> int:
+        return fused_block_bytes([lens[i] for i in members], [lens[i] for i in members if i in stats], shape)
+
+    if block_bytes(picked) <= FUSED_BLOCK_BYTES:
         return [picked]
     runs: list[list[int]] = []
     run: list[int] = []
-    run_keeping = 0
     for i in sorted(picked, key=lambda i: -lens[i]):
-        if run:
-            n_max = max(1, lens[run[0]])
-            k = run_keeping + (i in stats)
-            if 2 * lens[i] < n_max or fused_block_bytes(len(run) + 1, k, n_max, shape) > FUSED_BLOCK_BYTES:
-                runs.append(run)
-                run, run_keeping = [], 0
+        if run and (2 * lens[i] < lens[run[0]] or block_bytes(run + [i]) > FUSED_BLOCK_BYTES):
+            runs.append(run)
+            run = []
         run.append(i)
-        run_keeping += i in stats
     runs.append(run)
     return runs
 

@@ -9,9 +9,9 @@ request k owns the columns [start_k, start_k + n_k) of every layer, and its stat
 is the view slab[:, l, start_k : start_k + n_k] (`SlabStats`, made only when read).
 
 A step plans its slab on the host (`plan_slab`), then copies every request's previous statistic
-into it with a fixed number of operations: those that were in the previous step's slab with one
-gather from it, the others (first decode step after prefill, a compaction's carried statistics,
-a layer written on its own) with one concatenation. Each layer's attention then adds to its own
+into it: those that were in the previous step's slab with one gather from it (a fixed number of
+operations), the others (first decode step after prefill, a compaction's carried statistics, a
+layer written on its own) layer by layer. Each layer's attention then adds to its own
 columns in place (`add_attention`: the Triton kernel of `kernels/triton_stats.py` on CUDA, the
 torch version here elsewhere), so a layer whose update does not run keeps its previous values.
 What the slab costs is counted where the KV memory is sized (`adapter/kv_memory.py`): the
@@ -92,45 +92,55 @@ def plan_slab(
     device: torch.device,
 ) -> StepSlab:
     """A new slab for `states` (their columns in this order, `lens[k]` each: the entries they
-    hold in this step), their previous statistics copied in, and their `stats` pointed at it."""
+    hold in this step), their previous statistics copied in, and their `stats` pointed at it.
+    Host work per request, not per column or layer: the columns to copy are expanded on the
+    device."""
     layers = num_layers - first_layer
     starts = tuple(itertools.accumulate((0,) + tuple(lens[:-1])))
     total = sum(lens)
     slab = torch.zeros(kv_heads, layers, total, dtype=torch.float32, device=device)
-    flat = slab.view(kv_heads, layers * total)
-    by_slab: dict[int, tuple[Tensor, list[int], list[int]]] = {}  # previous slab: its columns -> ours
-    own_tensors: list[Tensor] = []
-    own_dst: list[Tensor] = []
-    layer_cols = torch.arange(layers, dtype=torch.int64, device="cpu")[:, None]
+    by_slab: dict[int, tuple[Tensor, list[int], list[int], list[int]]] = {}  # previous slab: its runs
+    own: list[Tensor] = []  # per-layer tensors of their own (or none), their runs in the flat slab
+    own_dst: list[int] = []
+    own_widths: list[int] = []
     for state, start, n in zip(states, starts, lens):
         old = state.stats
         if isinstance(old, SlabStats) and old.in_slab:
             w = min(old.width, n)
             if w:
-                base, src, dst = by_slab.setdefault(id(old.slab), (old.slab, [], []))
-                src.extend(range(old.start, old.start + w))
-                dst.extend(range(start, start + w))
+                _, src, dst, widths = by_slab.setdefault(id(old.slab), (old.slab, [], [], []))
+                src.append(old.start)
+                dst.append(start)
+                widths.append(w)
             continue
-        for local in range(layers):  # per-layer tensors (or none)
+        for local in range(layers):
             layer = first_layer + local
             t = old[layer] if layer < len(old) else None
-            if t is None:
-                continue
-            w = min(int(t.shape[1]), n)
-            if w:
-                own_tensors.append(t[:, :w])
-                own_dst.append(torch.arange(start, start + w, dtype=torch.int64, device="cpu") + local * total)
-    for base, src, dst in by_slab.values():
-        width = int(base.shape[2])
-        src_t = (torch.tensor(src, dtype=torch.int64, device="cpu")[None, :] + layer_cols * width).reshape(-1)
-        dst_t = (torch.tensor(dst, dtype=torch.int64, device="cpu")[None, :] + layer_cols * total).reshape(-1)
-        src_d, dst_d = to_device(torch.cat([src_t, dst_t]), device).split([src_t.numel(), dst_t.numel()])
-        flat.index_copy_(1, dst_d, base.view(kv_heads, -1).index_select(1, src_d))
-    if own_tensors:
-        flat.index_copy_(1, to_device(torch.cat(own_dst), device), torch.cat(own_tensors, dim=1).float())
+            if t is not None and (w := min(int(t.shape[1]), n)):
+                own.append(t[:, :w])
+                own_dst.append(local * total + start)
+                own_widths.append(w)
+    for base, src, dst, widths in by_slab.values():  # one gather from the previous slab
+        src_cols, dst_cols = _runs(src, dst, widths, device)
+        slab.index_copy_(2, dst_cols, base.index_select(2, src_cols))
+    if own:  # one concatenation of the others
+        _, dst_cols = _runs(own_dst, own_dst, own_widths, device)
+        slab.view(kv_heads, layers * total).index_copy_(1, dst_cols, torch.cat(own, dim=1).float())
     for state, start, n in zip(states, starts, lens):
         state.stats = SlabStats(slab, start, n, first_layer)
     return StepSlab(slab=slab, states=tuple(states), starts=starts, lens=tuple(lens))
+
+
+def _runs(src: list[int], dst: list[int], widths: list[int], device: torch.device) -> tuple[Tensor, Tensor]:
+    """The columns of runs of `widths` starting at `src` and at `dst`: expanded on the host by
+    vectorized operations (no loop over columns), sent to the device in one copy."""
+    total = sum(widths)
+    n = torch.tensor(widths, dtype=torch.int64, device="cpu")
+    owner = torch.repeat_interleave(torch.arange(len(widths), device="cpu"), n, output_size=total)
+    offset = torch.arange(total, device="cpu") - (torch.cumsum(n, 0) - n)[owner]
+    starts = torch.tensor([src, dst], dtype=torch.int64, device="cpu")[:, owner] + offset
+    src_cols, dst_cols = to_device(starts, device).unbind(0)
+    return src_cols, dst_cols
 
 
 @dataclass(frozen=True)
@@ -140,43 +150,37 @@ class StatGroup:
 
     Member m reads row `rows[m]` of the block's attention (the rows of the block's requests
     that keep statistics) and, from logits, its log-sum-exp at block row `lse_rows[m]`; its
-    `lens[m]` columns start at `starts[m]` in the step's slab. `member`, `column` and `slab_cols`
-    ([sum(lens)] each) map every column to its member, its column there and its slab column
-    (the torch version's gather and scatter). Index tensors are planned on the host and sent to
-    the device once for every layer."""
+    `lens[m]` columns start at `starts[m]` in the step's slab (device tensors from one copy of
+    host-side lists; `total`, `max_len`: their sum and maximum, on the host)."""
 
     policy: "Policy"
     rows: Tensor
     lse_rows: Tensor
     starts: Tensor
     lens: Tensor
+    total: int
     max_len: int
-    member: Tensor
-    column: Tensor
-    slab_cols: Tensor
+
+    def columns(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Each of the group's `total` columns: its member, its column there and its slab
+        column (the torch version's gather and scatter), made on the device."""
+        m = int(self.lens.shape[0])
+        device = self.lens.device
+        member = torch.repeat_interleave(torch.arange(m, device=device), self.lens, output_size=self.total)
+        column = torch.arange(self.total, device=device) - (torch.cumsum(self.lens, 0) - self.lens)[member]
+        return member, column, self.starts[member] + column
 
 
 def plan_group(
     policy: "Policy", rows: Sequence[int], lse_rows: Sequence[int], starts: Sequence[int], lens: Sequence[int],
     device: torch.device,
 ) -> StatGroup:
-    """The group's index tensors (see `StatGroup`), from host-side lists."""
-    n_lens = torch.tensor(lens, dtype=torch.int64, device="cpu")
-    total = int(n_lens.sum())
-    member = torch.repeat_interleave(torch.arange(len(lens), device="cpu"), n_lens, output_size=total)
-    first = torch.tensor(list(itertools.accumulate((0,) + tuple(lens[:-1]))), dtype=torch.int64, device="cpu")
-    column = torch.arange(total, device="cpu") - first[member]
-    slab_cols = torch.tensor(starts, dtype=torch.int64, device="cpu")[member] + column
-
+    """The group's per-member tensors (see `StatGroup`), from host-side lists, in one copy."""
     m = len(lens)
-    # one copy to the device for all of them (each a copy of its own would be a transfer each)
-    packed = to_device(torch.cat([torch.tensor([*rows, *lse_rows, *starts], dtype=torch.int64, device="cpu"),
-                                  n_lens, member, column, slab_cols]), device)
-    parts = packed.split([m, m, m, m, total, total, total])
-    return StatGroup(
-        policy=policy, rows=parts[0], lse_rows=parts[1], starts=parts[2], lens=parts[3],
-        max_len=max(lens, default=0), member=parts[4], column=parts[5], slab_cols=parts[6],
-    )
+    packed = to_device(torch.tensor([*rows, *lse_rows, *starts, *lens], dtype=torch.int64, device="cpu"), device)
+    rows_d, lse_d, starts_d, lens_d = packed.split([m, m, m, m])
+    return StatGroup(policy=policy, rows=rows_d, lse_rows=lse_d, starts=starts_d, lens=lens_d, total=sum(lens),
+                     max_len=max(lens, default=0))
 
 
 def add_attention(
@@ -198,8 +202,9 @@ def add_attention(
     if probs.shape[-1] < group.max_len:  # a layer's tables narrower than the widest request's columns
         probs = torch.nn.functional.pad(probs, (0, group.max_len - probs.shape[-1]))
     added = group.policy.contribution(probs.unsqueeze(3))  # [m, H_kv, N]
-    cols = added.permute(1, 0, 2)[:, group.member, group.column]  # [H_kv, sum(lens)]
-    slab.select(1, local_layer).index_add_(1, group.slab_cols, cols)
+    member, column, slab_cols = group.columns()
+    cols = added.permute(1, 0, 2)[:, member, column]  # [H_kv, sum(lens)]
+    slab.select(1, local_layer).index_add_(1, slab_cols, cols)
 
 
 def _kernel_device(t: Tensor) -> bool:

@@ -137,7 +137,8 @@ def test_slot_tables_and_logit_rows_match_the_torch_version(device: torch.device
     g = torch.Generator().manual_seed(12)
     slots = torch.stack([torch.randperm(slots_total, generator=g)[:n] for _ in range(b)]).to(device)
     tables = row_tables(slots, torch.tensor([n, 5, 20], device=device), h_kv)
-    rows = LogitRows(slots=torch.tensor([0, -1, 1], device=device), rows=torch.tensor([0, 2], device=device), count=2)
+    rows = LogitRows(slots=torch.tensor([0, -1, 1], device=device), rows=torch.tensor([0, 2], device=device), count=2,
+                     width=n)
     # the reference reads code x scale unrounded (float32, exact), as the kernel does
     exact = [p if fp8 is None else Fp8Rows(p.codes, p.scales, fp8, p.scale_format, torch.float32)
              for p in (k_pool, v_pool)]
@@ -184,3 +185,27 @@ def test_the_statistics_kernel_adds_what_the_torch_version_adds(device: torch.de
     assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
     assert torch.equal(got[:, 0], base[:, 0]) and torch.equal(got[:, 1, 307:], base[:, 1, 307:])
     assert not torch.equal(got[:, 1, :307], base[:, 1, :307])
+
+
+def test_rows_read_in_place_with_splits_per_request(device: torch.device) -> None:
+    """Slot tables read as rows of a `req_to_token`-like table (no table made), and a split plan
+    per request (`SplitPlan.of`): a long request's splits merged, short ones written directly,
+    the workspace holding only the long one's parts."""
+    _runs_triton(device)
+    from sgl_kvc.kernels.per_head_attention import row_tables
+    from sgl_kvc.kernels.triton_per_head import SplitPlan
+
+    b, h_kv, group, d = 4, 2, 3, 16
+    q, k_pool, v_pool, _ = _case(b, h_kv, group, d, 8, seed=15, fp8=None, device=device)
+    slots_total = int(k_pool.shape[0]) // h_kv
+    g = torch.Generator().manual_seed(16)
+    r2t = torch.randint(1, slots_total, (7, 80), generator=g, dtype=torch.int32).to(device)
+    rows, lens = [5, 0, 3, 6], [70, 9, 1, 33]
+    tables = row_tables(r2t, torch.tensor(lens, device=device), h_kv,
+                        rows=torch.tensor(rows, device=device), columns=max(lens))
+    plan = SplitPlan.of(lens, device, split_n=16)
+    assert plan.most == 5 and plan.total == 5 + 3
+    want = per_head_decode(q, k_pool, v_pool, tables, 0.3)
+    got = triton_per_head_decode(q, k_pool, v_pool, tables, 0.3, split_n=16, block_n=16, splits=plan)
+    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(got, triton_per_head_decode(q, k_pool, v_pool, tables, 0.3, split_n=16, block_n=16))
