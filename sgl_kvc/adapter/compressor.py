@@ -42,6 +42,7 @@ from sgl_kvc.adapter.compaction import (
 )
 from sgl_kvc.adapter.chunk_pressure import needs_compression
 from sgl_kvc.adapter.failures import FailedOnAnotherRank, FailureLedger, failure
+from sgl_kvc.adapter.kv_memory import MOMENT_SLOTS_ATTR
 from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.adapter.requests import chunk_compressible, is_middle_chunk, on_release, publish_exact_prefix
 from sgl_kvc.adapter.rope import rope_params
@@ -97,6 +98,10 @@ class Compressor:
         self._due: list[DueCompaction] = []  # per-head compactions of the current moment
         self._step_seconds = 0.0  # compression work in this step so far
         self.metrics = maybe_metrics(model_runner, config.policy)
+        # Requests that may hold prompt moments at once (None: no KV-memory reservation ran, as
+        # on a pool layout without one cost per token: not bounded here).
+        self.moment_slots: int | None = getattr(getattr(model_runner, "memory_pool_config", None),
+                                                MOMENT_SLOTS_ATTR, None)
         backend = model_runner.attn_backend
         if config.compressing and hasattr(backend, "kvc_store"):
             # Only a compressing server observes attention: with --policy none the backend does
@@ -146,10 +151,15 @@ class Compressor:
         state = self.new_state(req)
         prompt = self.policy(state.policy_name("prefill"), state.budget.tokens)
         if prompt.uses_query_moments and self.config.compressing:
-            # Only such a request pays for them: the observation folds in each chunk's queries.
-            state.query_moments = QueryMoments(
-                self.num_layers, prompt.params.sink_tokens, prompt.params.ea_covariance, prompt.prerope_queries,
-            )
+            # Only such a request pays for them (the observation folds in each chunk's queries),
+            # within the slots reserved for them in the KV memory (`adapter/kv_memory.py`);
+            # beyond, the policy scores its prompt from the observation window.
+            if self.moment_slots is not None and self.store.moment_holders >= self.moment_slots:
+                self.stats.moments_declined += 1
+            else:
+                state.query_moments = QueryMoments(
+                    self.num_layers, prompt.params.sink_tokens, prompt.params.ea_covariance, prompt.prerope_queries,
+                )
         self.store.begin(req.kv.req_pool_idx, state)
         setattr(req, STATE_ATTR, state)
 
@@ -384,11 +394,12 @@ class Compressor:
         """Compact the requests whose selection finished in this step, together: each kind (per
         head or shared; packed in the unit pool) by its routine, one batched move per kind. Then
         the ranks agree on what moved everywhere (`_vote`), that is applied, and each request is
-        committed. With tensor parallelism every rank flushes every step, due or not."""
+        committed. With tensor parallelism every rank flushes every step on which any rank worked
+        for a request (`FailureLedger.active`), due or not; a step with no work has no collective."""
         due = [d for d in self._due if failure(batch.reqs[d.i]) is None]
         self._due = []
-        if not due and self.failures.vote is None:
-            return
+        if not due and (self.failures.vote is None or not self.failures.active):
+            return  # nothing due here, and (no work on any rank) nowhere: no collective
         t0 = time.perf_counter()
         self.stats.max_compacted_together = max(self.stats.max_compacted_together, len(due))
         packed = [d for d in due if d.units is not None]  # variable budgets: the unit pool

@@ -49,6 +49,10 @@ class FailureLedger:
     drop: Callable[[Req], None]  # forget what sgl-kvc holds for a request (the compressor's)
     vote: RankVote | None = None  # None: a single rank
     _unsettled: list[Req] = field(default_factory=list)
+    # Whether sgl-kvc worked for any request since the last settle. The same on every rank: the
+    # ranks run the same batches with the same settings and, after each settle, know the same
+    # failures, so they work for the same requests; only then can one have failed something.
+    active: bool = False
 
     def fail(self, req: Req, what: str, error: BaseException) -> None:
         """Record that sgl-kvc failed to `what` `req`; a request fails once."""
@@ -60,12 +64,14 @@ class FailureLedger:
             logger.error("sgl-kvc failed to %s request %s; aborting it", what, req.rid, exc_info=error)
         setattr(req, FAILED_ATTR, f"sgl-kvc could not {what} this request ({type(error).__name__}); "
                                   "the server log has details")
+        self.active = True
         self.drop(req)
         self._unsettled.append(req)
 
     def guarded(self, req: Req, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Run sgl-kvc work for ONE request; an exception fails that request (None is returned)
         instead of reaching SGLang's event loop, where it would stop every request."""
+        self.active = True
         try:
             return fn(*args)
         except InvariantViolation:
@@ -90,8 +96,12 @@ class FailureLedger:
 
     def settle(self, reqs: Iterable[Req], scheduler: Scheduler) -> int:
         """At the end of a scheduler hook: agree on the failures among `reqs` with the other
-        ranks, then abort every request failed since the last settle. Returns how many."""
-        self.agree(reqs)
+        ranks, then abort every request failed since the last settle. Returns how many. Where
+        no rank worked for any request since the last settle (`active`), nothing can have
+        failed, and the ranks skip the collective (a decode step with no pass due costs none)."""
+        if self.active:
+            self.agree(reqs)
+        self.active = False
         unsettled, self._unsettled = self._unsettled, []
         for req in unsettled:
             abort(req, failure(req) or "sgl-kvc could not serve this request", scheduler)

@@ -153,18 +153,24 @@ def _after_batch_result(config: KvcConfig):
 
 def _around_update_running(config: KvcConfig):
     def hook(original: Callable[..., Any], scheduler: Scheduler, batch: ScheduleBatch, *args: Any, **kwargs: Any):
-        compressor = compressor_of(scheduler.tp_worker.model_runner, config)
-        compressor.scheduler = scheduler
-        if config.compressing and "decode" in config.compress_on:
-            compressor.before_decode(batch)
-        if config.compressing and "preempt" in config.compress_on and not batch.check_decode_mem():
-            compressor.before_preempt(batch)
+        model_runner = scheduler.tp_worker.model_runner
+        compressor = compressor_of(model_runner, config)  # None with --policy none
+        if compressor is not None:
+            compressor.scheduler = scheduler
+            if "decode" in config.compress_on:
+                compressor.before_decode(batch)
+            if "preempt" in config.compress_on and not batch.check_decode_mem():
+                compressor.before_preempt(batch)
         before = list(batch.reqs)
         out = original(scheduler, batch, *args, **kwargs)
         # A retracted request released its row (its state went with it, `Compressor._released`)
         # and restarts from its tokens.
         remaining = {id(r) for r in batch.reqs}
-        compressor.retracted(sum(1 for r in before if id(r) not in remaining and r.is_retracted))
+        retracted = sum(1 for r in before if id(r) not in remaining and r.is_retracted)
+        if compressor is not None:
+            compressor.retracted(retracted)
+        else:
+            KvcRuntime.of(scheduler, config).retracted(retracted, model_runner)
         return out
 
     return hook

@@ -1,24 +1,33 @@
 """sgl-kvc's own buffers, sized inside the KV memory SGLang profiles.
 
-A compressing server keeps, besides SGLang's KV pool, two buffers that live as long as requests
-do (`sgl_kvc/core/store.py`):
+A compressing server keeps, besides SGLang's KV pool:
 * the observation-window queries: `window` queries of every layer and query head per request
   (a ring buffer that grows to the peak number of requests in flight, at most SGLang's
   request slots);
 * attention statistics (H2O, Batch-Max, KV-Compress): one float32 per layer and KV head per
-  cached token, at most one per pool token.
+  cached token, at most one per pool token, twice while a decode step moves them from the
+  previous step's slab to its own (`core/stat_slab.py`);
+* on the unit pool (variable and layer budgets), a decode step's per-head tables: an int64 per
+  layer, KV head and entry, twice (`core/decode.py`, `DecodeShape`);
+* what one layer's decode call allocates (`core/decode.py`: `FUSED_BLOCK_BYTES`, the fused
+  plan's bound; the padded plan's blocks stay below it), whatever the lengths in the batch;
+* the moments of a prompt's queries that Expected Attention reads (`core/query_moments.py`: a
+  float32 mean [H_q, d] and scatter [H_q, d, d] per layer, one layer's merge beside them), for at
+  most `moment_slots` requests at a time: a tenant's `prompt_policy` switches them on, and any
+  request beyond those slots is scored from its observation window instead (the policy's own
+  fallback, counted as `moments_declined` in the stats).
 
 SGLang sizes its pool from a number of bytes, its KV memory (`KVCacheConfigurator._profile_available_bytes`:
 free memory after weights, minus the activation slack of `--mem-fraction-static`; or
 `--kv-cache-memory-gb`). Left outside, these buffers would be taken from the activation slack
 (an 8B model's queries for 2,048 request slots are 4 GiB). So after SGLang resolves its pool
 (`_resolve_memory_pool_config`), this hook charges them to the same memory: the pool gets
-`(memory - slots x per_request) / (cell + per_token)` tokens when that is fewer than SGLang
-chose, and the request slots are capped so the queries take at most `MAX_QUERY_SHARE` of the
-memory (SGLang's default of 2,048+ slots would otherwise eat a small pool whole).
+`(memory - fixed - slots x per_request - moment_slots x per_moment) / (cell + per_token)` tokens
+when that is fewer than SGLang chose; the request slots are capped so the queries take at most
+`MAX_QUERY_SHARE` of the memory (SGLang's default of 2,048+ slots would otherwise eat a small pool
+whole), and the moment slots so the moments take at most `MAX_MOMENT_SHARE`.
 
-Transient work (one layer's keys while a pass scores it; the bounded block of padded float32
-keys and values of the batched decode kernel, `DECODE_BLOCK_ELEMS`) is activation memory, like
+Transient work of a pass (one layer's keys while it scores it) is activation memory, like
 SGLang's own, and stays in its slack.
 """
 
@@ -30,28 +39,39 @@ from typing import Any, Callable
 
 from sgl_kvc.adapter.sglang_api import Hook
 from sgl_kvc.config import KvcConfig
+from sgl_kvc.core.decode import FUSED_BLOCK_BYTES
 
 logger = logging.getLogger(__name__)
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 MAX_QUERY_SHARE = 0.1  # of the KV memory, for the observation queries of all request slots
+MAX_MOMENT_SHARE = 0.05  # of the KV memory, for Expected Attention's prompt moments
 STATS_BYTES = 4  # float32 statistic per (token, layer, KV head)
+MOMENT_SLOTS_ATTR = "kvc_moment_slots"  # on SGLang's MemoryPoolConfig: read by the compressor
 
 
 @dataclass(frozen=True)
 class Reservation:
-    """Bytes sgl-kvc keeps per request slot and per pool token."""
+    """Bytes sgl-kvc keeps per request slot, per pool token, per moment slot and in all."""
 
     per_request: int
     per_token: int
+    per_moment: int = 0
+    fixed: int = 0
 
     @classmethod
     def for_model(
-        cls, window: int, num_layers: int, q_heads: int, kv_heads: int, head_dim: int, q_bytes: int
+        cls, window: int, num_layers: int, q_heads: int, kv_heads: int, head_dim: int, q_bytes: int,
+        unit_tables: bool = False,
     ) -> "Reservation":
+        # a statistic twice (two steps' slabs); on the unit pool a step's tables, twice
+        per_token = num_layers * kv_heads * (2 * STATS_BYTES + (2 * 8 if unit_tables else 0))
+        layer_moments = q_heads * head_dim * (head_dim + 1) * 4  # float32 mean and scatter
         return cls(
             per_request=window * num_layers * q_heads * head_dim * q_bytes,
-            per_token=num_layers * kv_heads * STATS_BYTES,
+            per_token=per_token,
+            per_moment=num_layers * layer_moments + 2 * layer_moments,  # + one layer's merge
+            fixed=FUSED_BLOCK_BYTES,
         )
 
 
@@ -60,18 +80,22 @@ class PoolFit:
     tokens: int
     requests: int
     reserved_bytes: int
+    moment_slots: int = 0
 
 
 def fit_pool(memory: int, cell: int, tokens: int, requests: int, r: Reservation) -> PoolFit:
-    """Tokens and request slots such that pool + sgl-kvc's buffers fit in `memory` bytes.
+    """Tokens, request slots and moment slots such that pool + sgl-kvc's buffers fit in `memory`
+    bytes.
 
     `cell`: SGLang's bytes per pool token; `tokens`, `requests`: what SGLang chose alone (its
     token count may already be below what the memory allows, e.g. `--max-total-tokens`)."""
     if r.per_request:
         requests = min(requests, max(1, int(MAX_QUERY_SHARE * memory) // r.per_request))
-    fit = (memory - requests * r.per_request) // (cell + r.per_token)
+    moments = min(requests, int(MAX_MOMENT_SHARE * memory) // r.per_moment) if r.per_moment else 0
+    held = r.fixed + requests * r.per_request + moments * r.per_moment
+    fit = (memory - held) // (cell + r.per_token)
     tokens = max(1, min(tokens, fit))
-    return PoolFit(tokens, requests, requests * r.per_request + tokens * r.per_token)
+    return PoolFit(tokens, requests, held + tokens * r.per_token, moments)
 
 
 def hook_table(config: KvcConfig) -> list[Hook]:
@@ -121,6 +145,7 @@ def _around_resolve(config: KvcConfig, probe: _MemoryProbe) -> Callable[..., Any
             kv_heads=int(mc.get_num_kv_heads(tp, get_parallel().attn_dcp_size)),
             head_dim=int(mc.head_dim),
             q_bytes=int(mc.dtype.itemsize),
+            unit_tables=config.variable_budget,
         )
         cell = getattr(configurator, "_cell_size", None)  # SGLang's bytes per token (FP8 included)
         if not cell:  # a pool layout without one cost per token (hybrid, MLA...)
@@ -138,11 +163,14 @@ def _around_resolve(config: KvcConfig, probe: _MemoryProbe) -> Callable[..., Any
         else:
             pool.max_running_requests = fit.requests
         setattr(pool, RESERVED_ATTR, fit.reserved_bytes)  # read by /v1/kvc/stats
+        setattr(pool, MOMENT_SLOTS_ATTR, fit.moment_slots)
         logger.info(
             "sgl-kvc: %.1f MB of the %.1f MB KV memory reserved for observation queries (%d request "
-            "slots x %d B) and attention statistics (%d B per token): pool %d tokens, %d requests",
+            "slots x %d B), attention statistics and decode tables (%d B per token), a decode call "
+            "(%d B) and prompt moments (%d slots x %d B): pool %d tokens, %d requests",
             fit.reserved_bytes / 1e6, memory / 1e6, pool.max_running_requests, r.per_request,
-            r.per_token, pool.max_total_num_tokens, pool.max_running_requests,
+            r.per_token, r.fixed, fit.moment_slots, r.per_moment, pool.max_total_num_tokens,
+            pool.max_running_requests,
         )
         return pool
 

@@ -32,6 +32,7 @@ class CompressionStats:
     staged_passes: int = 0  # passes spread over several scheduler steps (--kv-pass-work)
     max_compacted_together: int = 0  # most requests compacted by one batched move (same step)
     max_row_slots: int = 0  # the longest row a compaction found: what one compressing request held at most
+    moments_declined: int = 0  # prompts scored from the observation window: every moment slot was taken
 
 
 class CompressionMetrics:

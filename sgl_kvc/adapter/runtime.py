@@ -14,6 +14,7 @@ from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 from sgl_kvc.adapter.compressor import Compressor
 from sgl_kvc.adapter.fp8_pool import pool_bytes
 from sgl_kvc.adapter.kv_memory import RESERVED_ATTR
+from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.adapter.requests import on_release
 from sgl_kvc.config import KvcConfig
 
@@ -26,7 +27,12 @@ _RUNTIME_ATTR = "_sgl_kvc_runtime"
 _COMPRESSOR_ATTR = "_sgl_kvc_compressor"
 
 
-def compressor_of(model_runner: ModelRunner, config: KvcConfig) -> Compressor:
+def compressor_of(model_runner: ModelRunner, config: KvcConfig) -> Compressor | None:
+    """The process's compressor, made at first use; None with `--policy none`, which is plain
+    SGLang: it builds none and reads nothing of the KV pool (a pool layout sgl-kvc does not know,
+    a hybrid model's, serves as SGLang serves it)."""
+    if not config.compressing:
+        return None
     compressor = getattr(model_runner, _COMPRESSOR_ATTR, None)
     if compressor is None:
         compressor = Compressor(config, model_runner)
@@ -68,6 +74,8 @@ class KvcRuntime:
     config: KvcConfig
     max_running: int = 0
     prefix: PrefixStats = field(default_factory=PrefixStats)
+    retractions: int = 0  # SGLang's, on a server without a compressor (`--policy none`)
+    metrics: Any = None  # and their counter, with --enable-metrics
 
     @classmethod
     def of(cls, scheduler: Scheduler, config: KvcConfig) -> "KvcRuntime":
@@ -77,6 +85,16 @@ class KvcRuntime:
             setattr(scheduler, _RUNTIME_ATTR, runtime)
             on_release(scheduler.req_to_token_pool, runtime.prefix.count)
         return runtime
+
+    def retracted(self, n: int, model_runner: ModelRunner) -> None:
+        """SGLang retracted `n` requests (counted here where no compressor counts them)."""
+        if not n:
+            return
+        self.retractions += n
+        if self.metrics is None:
+            self.metrics = maybe_metrics(model_runner, self.config.policy) or False
+        if self.metrics:
+            self.metrics.retracted(n)
 
     def observe_plan(self, plan: Any) -> None:
         """Track the peak number of requests in flight from a `NextBatchPlan`."""
@@ -96,9 +114,10 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
     prefix = runtime.prefix
     model_runner = scheduler.tp_worker.model_runner
     compressor = compressor_of(model_runner, runtime.config)
-    compression = asdict(compressor.stats)
+    store = compressor.store if compressor is not None else None
+    compression = asdict(compressor.stats if compressor is not None else CompressionStats(retractions=runtime.retractions))
     # rows whose attention observations were lost to a failed write (emptied, never stale)
-    compression["lost_observations"] = compressor.store.lost_observations
+    compression["lost_observations"] = store.lost_observations if store is not None else 0
     kv_pool = model_runner.token_to_kv_pool
     return {
         "policy": runtime.config.policy,
@@ -114,9 +133,9 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
             "cached_tokens": int(tree.evictable_size()),
             # sgl-kvc's own buffer (observation queries) in use, and what the KV budget
             # reserves for its queries and statistics (adapter/kv_memory.py)
-            "observation_bytes": compressor.store.query_buffer_bytes,
+            "observation_bytes": store.query_buffer_bytes if store is not None else 0,
             # what the live requests' states hold (statistics, staged passes, tables): 0 when idle
-            "request_state_bytes": compressor.store.state_bytes,
+            "request_state_bytes": store.state_bytes if store is not None else 0,
             "reserved_bytes": int(getattr(model_runner.memory_pool_config, RESERVED_ATTR, 0)),
         },
         "prefix_cache": {
@@ -127,12 +146,12 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
         },
         "compression": compression,
         # per-head budgets: uniform, or variable / layer (packed in the unit pool)
-        "head_budget": runtime.config.kv_head_budget if compressor.store.unit_pools is not None else "uniform",
+        "head_budget": runtime.config.kv_head_budget if store is not None and store.unit_pools is not None else "uniform",
         # who computes decode attention: sgl-kvc's batched kernel (CPU, compressing servers) or
         # SGLang's backend; `layers` counts the layer calls the kernel served
         "decode_attention": {
-            "kernel": "sgl-kvc batched" if compressor.store.attends else "sglang",
-            "layers": compressor.store.attended_layers,
+            "kernel": "sgl-kvc batched" if store is not None and store.attends else "sglang",
+            "layers": store.attended_layers if store is not None else 0,
         },
         "requests": {
             "running": client_requests(scheduler.running_batch.reqs),  # health checks left out

@@ -133,6 +133,11 @@ class KvcStore:
         self.set_offset(row, 0)
 
     @property
+    def moment_holders(self) -> int:
+        """Live requests holding prompt moments (Expected Attention's, `core/query_moments.py`)."""
+        return sum(1 for state in self.states.values() if state.query_moments is not None)
+
+    @property
     def state_bytes(self) -> int:
         """Bytes held by the live requests' states (statistics, pending passes, tables)."""
         total = 0

@@ -23,7 +23,7 @@ LAYERS = 2
 CHUNK = 24
 
 
-def _setup(monkeypatch, policy: str, prompt_policy: str = "auto", prompts=(40, 30)):
+def _setup(monkeypatch, policy: str, prompt_policy: str = "auto", prompts=(40, 30), moment_slots: int | None = None):
     monkeypatch.setattr(compressor_module.ScoreReducer, "for_sglang_tp_group", classmethod(lambda cls: None))
     monkeypatch.setattr(compressor_module, "tp_rank", lambda: 0)
     device = torch.device("cpu")
@@ -32,6 +32,8 @@ def _setup(monkeypatch, policy: str, prompt_policy: str = "auto", prompts=(40, 3
     allocator = FakeAllocator(SLOTS, pool, seed=1, device=device)
     runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=r2t),
                              attn_backend=SimpleNamespace(kvc_store=None, kvc_attends=True), server_args=None)
+    if moment_slots is not None:  # what the KV-memory hook reserved (`adapter/kv_memory.py`)
+        runner.memory_pool_config = SimpleNamespace(kvc_moment_slots=moment_slots)
     config = KvcConfig(policy=policy, prompt_policy=prompt_policy, kv_budget=12, kv_buffer=4, kv_window=4,
                        compress_on=("prefill", "decode", "preempt"))
     comp = compressor_module.Compressor(config, runner)
@@ -149,3 +151,18 @@ def test_release_drops_the_moments(monkeypatch) -> None:
     assert comp.store.state_bytes > 0
     comp._released(reqs[0])  # finished, aborted or retracted mid-prompt
     assert comp.store.state_bytes == 0 and comp.state(reqs[0]) is None
+
+
+def test_moments_beyond_the_reserved_slots_are_declined(monkeypatch) -> None:
+    """With one moment slot reserved, the second Expected Attention prompt in flight scores from
+    its observation window (no moments: it takes no unreserved memory); once the first prompt
+    is read, its slot serves the next one."""
+    comp, reqs, *_ = _setup(monkeypatch, "expected_attention", prompts=(40, 30), moment_slots=1)
+    batch = _extend(comp, reqs, [0, 0], [CHUNK, CHUNK], reqs[0], torch.randn(LAYERS, 2 * CHUNK, H_Q * D))
+    assert [comp.state(r).query_moments is not None for r in reqs] == [True, False]
+    assert comp.stats.moments_declined == 1 and comp.store.moment_holders == 1
+    comp.state(reqs[0]).query_moments = None  # its prompt read (`after_prefill`)
+    late = _req(5)
+    comp.begin_extend(SimpleNamespace(reqs=[late], seq_lens_cpu=torch.tensor([8])))
+    assert comp.state(late).query_moments is not None and comp.stats.moments_declined == 1
+    del batch

@@ -41,6 +41,7 @@ def test_a_request_fails_once_and_is_aborted_when_the_hook_settles() -> None:
 def test_a_request_failed_on_another_rank_fails_here_too() -> None:
     ledger, dropped = _ledger(other_rank=[0, 1, 0])
     reqs = [_req("a"), _req("b"), _req("c")]
+    ledger.guarded(reqs[1], "compress", lambda: None)  # worked for it here too, and succeeded
     assert ledger.settle(reqs, scheduler=None) == 1
     assert dropped == [reqs[1]] and FailedOnAnotherRank.__name__ in failure(reqs[1])
     assert [r.to_finish is not None for r in reqs] == [False, True, False]
@@ -63,3 +64,16 @@ def test_a_request_between_two_chunks_is_released_before_its_next_chunk() -> Non
     ledger.settle([req], scheduler)
     assert scheduler._pending_chunked_abort_req is req and req.to_finish is None
     assert req.discard_output_reason.status_code == HTTPStatus.INTERNAL_SERVER_ERROR
+
+
+def test_no_collective_where_no_rank_worked_for_a_request() -> None:
+    """A decode step with no pass due on any rank: the ranks skip the vote; one with work votes."""
+    calls: list[int] = []
+    ledger = FailureLedger(drop=lambda r: None, vote=RankVote(2, lambda t: calls.append(1)))
+    reqs = [_req("a"), _req("b")]
+    assert ledger.settle(reqs, scheduler=None) == 0 and calls == []
+    ledger.guarded(reqs[0], "compress", lambda: None)
+    ledger.settle(reqs, scheduler=None)
+    assert calls == [1]
+    ledger.settle(reqs, scheduler=None)  # a quiet step again
+    assert calls == [1]

@@ -29,7 +29,8 @@ def test_the_reservation_is_what_the_store_allocates() -> None:
         probs = torch.softmax(torch.randn(q_heads, n, n, generator=g), dim=-1)
         state.stats[layer] = state.policy.accumulate(state.stats[layer], probs, kv_heads)
     assert store.query_buffer_bytes == SMOLLM2.per_request  # one request slot's queries
-    assert store.state_bytes == SMOLLM2.per_token * n  # n cached tokens' statistics
+    # n cached tokens' statistics, twice while a decode step moves them to its own slab
+    assert 2 * store.state_bytes == SMOLLM2.per_token * n
 
 
 def test_a_token_cap_below_the_budget_is_kept_and_the_buffers_use_the_rest() -> None:
@@ -52,7 +53,9 @@ def test_request_slots_are_capped_so_queries_never_eat_a_small_pool() -> None:
     budget = 400 << 20
     fit = fit_pool(budget, SMOLLM2_CELL, tokens=budget // SMOLLM2_CELL, requests=2048, r=SMOLLM2)
     assert fit.requests * SMOLLM2.per_request <= MAX_QUERY_SHARE * budget
-    assert fit.tokens >= 0.85 * budget // SMOLLM2_CELL
+    # what the decode call and the moments take aside, the queries' share leaves most to the pool
+    held = SMOLLM2.fixed + fit.moment_slots * SMOLLM2.per_moment + MAX_QUERY_SHARE * budget
+    assert fit.tokens >= (budget - held) // (SMOLLM2_CELL + SMOLLM2.per_token) >= 0.75 * budget // SMOLLM2_CELL
 
 
 @given(
@@ -66,3 +69,28 @@ def test_pool_and_buffers_always_fit(budget, cell, requests, frac, per_request, 
     assert 1 <= fit.requests <= requests and fit.tokens <= tokens
     if fit.tokens > 1:  # (one token is the floor when nothing fits)
         assert fit.tokens * cell + fit.reserved_bytes <= budget
+
+
+def test_the_moment_reservation_is_what_a_prompts_moments_hold() -> None:
+    """One moment slot holds what Expected Attention's prompt moments allocate for a SmolLM2-shaped
+    model (every layer's mean and scatter, and one layer's merge beside them)."""
+    from sgl_kvc.core.query_moments import QueryMoments
+
+    layers, q_heads, d = 30, 9, 64
+    moments = QueryMoments(layers, 4, True, lambda q, pos: q)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):  # two chunks: the second merges into the first
+        for layer in range(layers):
+            moments.add(layer, torch.randn(20, q_heads, d, generator=g), torch.arange(20), 100)
+    held = sum(t.numel() * t.element_size() for t in moments.tensors())
+    assert held <= SMOLLM2.per_moment <= held + 2 * q_heads * d * (d + 1) * 4
+
+
+def test_moment_slots_take_at_most_their_share_and_the_pool_still_fits() -> None:
+    from sgl_kvc.adapter.kv_memory import MAX_MOMENT_SHARE
+
+    budget = 400 << 20
+    fit = fit_pool(budget, SMOLLM2_CELL, tokens=budget // SMOLLM2_CELL, requests=2048, r=SMOLLM2)
+    assert 1 <= fit.moment_slots <= fit.requests
+    assert fit.moment_slots * SMOLLM2.per_moment <= MAX_MOMENT_SHARE * budget
+    assert fit.tokens * SMOLLM2_CELL + fit.reserved_bytes <= budget
