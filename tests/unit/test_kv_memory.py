@@ -55,7 +55,7 @@ def test_request_slots_are_capped_so_queries_never_eat_a_small_pool() -> None:
     assert fit.requests * SMOLLM2.per_request <= MAX_QUERY_SHARE * budget
     # what the decode call and the moments take aside, the queries' share leaves most to the pool
     held = SMOLLM2.fixed + fit.moment_slots * SMOLLM2.per_moment + MAX_QUERY_SHARE * budget
-    assert fit.tokens >= (budget - held) // (SMOLLM2_CELL + SMOLLM2.per_token) >= 0.75 * budget // SMOLLM2_CELL
+    assert fit.tokens >= (budget - held) // (SMOLLM2_CELL + SMOLLM2.per_token)
 
 
 @given(
