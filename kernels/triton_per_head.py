@@ -36,15 +36,15 @@ from torch import Tensor
 from sgl_kvc.kernels.per_head_attention import SPLIT_COLUMNS, DecodeLogits, HeadTables, LogitRows, SplitPlan
 
 BLOCK_N = 64  # units per block of the table walk
-# FP8 rows are half as wide: twice the units per block (and 2 pipeline stages, so a block's tiles
-# stay within sm89's shared memory) keep as many bytes in flight, which measured faster on an H100
-# (docs/benchmarks.md, "Per-head decode kernel (GPU)", launch settings).
-FP8_BLOCK_N, FP8_STAGES = 128, 2
-# What an FP8 pool's codes widen to before the products: float16 holds every e4m3 / e5m2 value
-# exactly and widens from FP8 in one instruction on Hopper (bfloat16 takes several); the bf16
-# query is rounded to float16 (10 mantissa bits to bf16's 7, clamped to its range).
-# docs/benchmarks.md, "Per-head decode kernel (GPU)", measures the two.
-FP8_DOT = "float16"
+# FP8 rows are half as wide: twice the units per block keep as many bytes in flight; 3 pipeline
+# stages where the shared memory holds them (Hopper), 2 elsewhere (a block's tiles within sm89's).
+# Measured on an H100 and an H200: docs/benchmarks.md, "Per-head decode kernel (GPU)".
+FP8_BLOCK_N, FP8_STAGES, FP8_STAGES_HOPPER = 128, 2, 3
+# What an FP8 pool's codes widen to before the products: "bfloat16" (the query's dtype), or
+# "float16", which holds every e4m3 / e5m2 value exactly (the bf16 query then rounded to it,
+# clamped to its range); the two measured within a few percent of each other on an H200, bfloat16
+# ahead at its best launch settings (the same page).
+FP8_DOT = "bfloat16"
 MIN_DOT = 16  # tl.dot's smallest size on every side: query groups are padded to it
 SPLIT_N = SPLIT_COLUMNS  # table columns per split (one program each)
 _FP8_TYPES = {"fp8_e4m3": tl.float8e4nv, "fp8_e5m2": tl.float8e5}
@@ -247,7 +247,8 @@ def triton_per_head_decode(
     if block_n is None:
         block_n = BLOCK_N if fp8 is None else FP8_BLOCK_N
     if num_stages is None and fp8 is not None:
-        num_stages = FP8_STAGES
+        hopper = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+        num_stages = FP8_STAGES_HOPPER if hopper else FP8_STAGES
     launch = {key: x for key, x in (("num_warps", num_warps), ("num_stages", num_stages)) if x is not None}
     if block_n < MIN_DOT or split_n % block_n:
         raise ValueError(f"block_n must be >= {MIN_DOT} and divide split_n, got {block_n} and {split_n}")
