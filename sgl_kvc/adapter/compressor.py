@@ -42,7 +42,7 @@ from sgl_kvc.adapter.compaction import (
 )
 from sgl_kvc.adapter.chunk_pressure import needs_compression
 from sgl_kvc.adapter.failures import FailedOnAnotherRank, FailureLedger, failure
-from sgl_kvc.adapter.kv_memory import MOMENT_SLOTS_ATTR
+from sgl_kvc.adapter.kv_memory import DECODE_BYTES_ATTR, MOMENT_SLOTS_ATTR
 from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.adapter.requests import chunk_compressible, is_middle_chunk, on_release, publish_exact_prefix
 from sgl_kvc.adapter.rope import rope_params
@@ -100,8 +100,12 @@ class Compressor:
         self.metrics = maybe_metrics(model_runner, config.policy)
         # Requests that may hold prompt moments at once (None: no KV-memory reservation ran, as
         # on a pool layout without one cost per token: not bounded here).
-        self.moment_slots: int | None = getattr(getattr(model_runner, "memory_pool_config", None),
-                                                MOMENT_SLOTS_ATTR, None)
+        pool_config = getattr(model_runner, "memory_pool_config", None)
+        self.moment_slots: int | None = getattr(pool_config, MOMENT_SLOTS_ATTR, None)
+        # The fused decode plan's blocks stay within what the KV memory reserved for them.
+        decode_bytes = getattr(pool_config, DECODE_BYTES_ATTR, None)
+        if decode_bytes:
+            self.store.block_bytes = decode_bytes
         backend = model_runner.attn_backend
         if config.compressing and hasattr(backend, "kvc_store"):
             # Only a compressing server observes attention: with --policy none the backend does

@@ -9,8 +9,10 @@ A compressing server keeps, besides SGLang's KV pool:
   previous step's slab to its own (`core/stat_slab.py`);
 * on the unit pool (variable and layer budgets), a decode step's per-head tables: an int64 per
   layer, KV head and entry, twice (`core/decode.py`, `DecodeShape`);
-* what one layer's decode call allocates (`core/decode.py`: `FUSED_BLOCK_BYTES`, the fused
-  plan's bound; the padded plan's blocks stay below it), whatever the lengths in the batch;
+* on CUDA, what one layer's decode call allocates, whatever the lengths in the batch: the fused
+  plan's bound, `FUSED_BLOCK_BYTES` or `MAX_DECODE_SHARE` of the memory if less (`core/decode.py`;
+  the store plans its blocks within what was reserved, `DECODE_BYTES_ATTR`; on a CPU the padded
+  plan's blocks are bounded by `DECODE_BLOCK_ELEMS` and come out of the host's memory);
 * the moments of a prompt's queries that Expected Attention reads (`core/query_moments.py`: a
   float32 mean [H_q, d] and scatter [H_q, d, d] per layer, one layer's merge beside them), for at
   most `moment_slots` requests at a time: a tenant's `prompt_policy` switches them on, and any
@@ -47,7 +49,9 @@ _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 MAX_QUERY_SHARE = 0.1  # of the KV memory, for the observation queries of all request slots
 MAX_MOMENT_SHARE = 0.05  # of the KV memory, for Expected Attention's prompt moments
 STATS_BYTES = 4  # float32 statistic per (token, layer, KV head)
+MAX_DECODE_SHARE = 0.02  # of the KV memory, at most, for one decode call's allocations (CUDA)
 MOMENT_SLOTS_ATTR = "kvc_moment_slots"  # on SGLang's MemoryPoolConfig: read by the compressor
+DECODE_BYTES_ATTR = "kvc_decode_block_bytes"  # the same: the fused plan's block bound
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ class Reservation:
     @classmethod
     def for_model(
         cls, window: int, num_layers: int, q_heads: int, kv_heads: int, head_dim: int, q_bytes: int,
-        unit_tables: bool = False,
+        unit_tables: bool = False, decode_bytes: int = 0,
     ) -> "Reservation":
         # a statistic twice (two steps' slabs); on the unit pool a step's tables, twice
         per_token = num_layers * kv_heads * (2 * STATS_BYTES + (2 * 8 if unit_tables else 0))
@@ -71,7 +75,7 @@ class Reservation:
             per_request=window * num_layers * q_heads * head_dim * q_bytes,
             per_token=per_token,
             per_moment=num_layers * layer_moments + 2 * layer_moments,  # + one layer's merge
-            fixed=FUSED_BLOCK_BYTES,
+            fixed=decode_bytes,
         )
 
 
@@ -138,6 +142,8 @@ def _around_resolve(config: KvcConfig, probe: _MemoryProbe) -> Callable[..., Any
         configurator = create_memory_pool_configurator(kvc)
         mc = kvc.model_config
         tp = get_parallel().attn_tp_size
+        # the fused plan's decode call (CUDA), within a share of the memory
+        decode_bytes = min(FUSED_BLOCK_BYTES, int(MAX_DECODE_SHARE * memory)) if _on_cuda(kvc) else 0
         r = Reservation.for_model(
             window=config.kv_window,
             num_layers=int(mc.num_hidden_layers),
@@ -146,6 +152,7 @@ def _around_resolve(config: KvcConfig, probe: _MemoryProbe) -> Callable[..., Any
             head_dim=int(mc.head_dim),
             q_bytes=int(mc.dtype.itemsize),
             unit_tables=config.variable_budget,
+            decode_bytes=decode_bytes,
         )
         cell = getattr(configurator, "_cell_size", None)  # SGLang's bytes per token (FP8 included)
         if not cell:  # a pool layout without one cost per token (hybrid, MLA...)
@@ -164,6 +171,7 @@ def _around_resolve(config: KvcConfig, probe: _MemoryProbe) -> Callable[..., Any
             pool.max_running_requests = fit.requests
         setattr(pool, RESERVED_ATTR, fit.reserved_bytes)  # read by /v1/kvc/stats
         setattr(pool, MOMENT_SLOTS_ATTR, fit.moment_slots)
+        setattr(pool, DECODE_BYTES_ATTR, decode_bytes)
         logger.info(
             "sgl-kvc: %.1f MB of the %.1f MB KV memory reserved for observation queries (%d request "
             "slots x %d B), attention statistics and decode tables (%d B per token), a decode call "
@@ -175,3 +183,7 @@ def _around_resolve(config: KvcConfig, probe: _MemoryProbe) -> Callable[..., Any
         return pool
 
     return hook
+
+
+def _on_cuda(kvc: Any) -> bool:
+    return str(getattr(kvc, "device", "cpu")).startswith("cuda")

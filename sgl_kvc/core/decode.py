@@ -142,13 +142,15 @@ class DecodeStep:
         cls, rows: list[int], lens: list[int], states: dict[int, "ReqKvState"], req_to_token: Tensor,
         token_elems: int, attends: bool, units: tuple[int, int] | None = None, first_layer: int = 0,
         fused: bool = False, kv_heads: int = 1, num_layers: int = 1, group: int = 8,
+        block_bytes: int | None = None,
     ) -> "DecodeStep":
         """`rows`/`lens`: the batch's `req_to_token` rows and their lengths (slots), in batch
         order (host-side lists: no device sync); `token_elems`: key elements per slot and layer
         (H_kv x d), which sizes the padded blocks; `units`: (layers, KV heads) of the unit pool,
         whose blocks get per-head tables (as wide as their widest table); `fused`: see the class
         (its tables over a slot cache need its `kv_heads`); `num_layers`: the layers of this
-        rank (the statistics' slab); `group`: query heads per KV head (sizes fused blocks)."""
+        rank (the statistics' slab); `group`: query heads per KV head and `block_bytes` what a fused
+        block may allocate per layer call (default `FUSED_BLOCK_BYTES`)."""
         stats = {i for i, row in enumerate(rows) if (s := states.get(row)) is not None and s.policy.uses_stats}
         picked = list(range(len(rows))) if attends else sorted(stats)
         if not picked:
@@ -162,7 +164,7 @@ class DecodeStep:
             head_dim = max(1, token_elems // max(1, kv_heads))
             shape = DecodeShape(kv_heads=kv_heads, group=group, head_dim_v=head_dim,
                                 table_layers=0 if units is None else units[0])
-            runs = _fused_blocks(picked, lens, stats, shape)
+            runs = _fused_blocks(picked, lens, stats, shape, FUSED_BLOCK_BYTES if block_bytes is None else block_bytes)
         else:
             picked.sort(key=lambda i: -lens[i])
             runs = _blocks(picked, lens, max(1, DECODE_BLOCK_ELEMS // max(1, token_elems)))
@@ -301,19 +303,20 @@ def _blocks(picked: list[int], lens: list[int], per_block: int) -> list[list[int
     return runs
 
 
-def _fused_blocks(picked: list[int], lens: list[int], stats: set[int], shape: DecodeShape) -> list[list[int]]:
+def _fused_blocks(picked: list[int], lens: list[int], stats: set[int], shape: DecodeShape,
+                  bound: int) -> list[list[int]]:
     """The fused plan's blocks: every request in batch order if that is within
-    `FUSED_BLOCK_BYTES`; else, longest first, blocks of requests at least half their block's
-    longest, each within the bound (a request beyond it alone, in a block of its own)."""
+    `bound`; else, longest first, blocks of requests at least half their block's longest, each
+    within the bound (a request beyond it alone, in a block of its own)."""
     def block_bytes(members: list[int]) -> int:
         return fused_block_bytes([lens[i] for i in members], [lens[i] for i in members if i in stats], shape)
 
-    if block_bytes(picked) <= FUSED_BLOCK_BYTES:
+    if block_bytes(picked) <= bound:
         return [picked]
     runs: list[list[int]] = []
     run: list[int] = []
     for i in sorted(picked, key=lambda i: -lens[i]):
-        if run and (2 * lens[i] < lens[run[0]] or block_bytes(run + [i]) > FUSED_BLOCK_BYTES):
+        if run and (2 * lens[i] < lens[run[0]] or block_bytes(run + [i]) > bound):
             runs.append(run)
             run = []
         run.append(i)

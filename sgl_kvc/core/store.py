@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sgl_kvc.core.decode import DecodeStep
+from sgl_kvc.core.decode import FUSED_BLOCK_BYTES, DecodeStep
 from sgl_kvc.core.host import host_tensor
 from sgl_kvc.core.request_state import ReqKvState, RequestTables
 from sgl_kvc.kernels.per_head_attention import HeadTables, flat_heads, fused_decode, per_head_extend
@@ -68,6 +68,7 @@ class KvcStore:
         # block of the whole batch (`DecodeStep`), and a layer's attention one launch.
         self.fused = kv_pool is not None and self._fused_decode(kv_pool, plan)
         self.q_heads = 0  # query heads of this rank, once a query was seen (sizes fused blocks)
+        self.block_bytes = FUSED_BLOCK_BYTES  # what a fused block may allocate per layer call
         # Ring buffer [capacity, layers, window, H_q, d] indexed by `_top - row`: SGLang hands out
         # request rows from the top of its free list and reuses freed ones first, so the
         # capacity needed follows the peak number of requests, not the row count SGLang reserves
@@ -301,7 +302,8 @@ class KvcStore:
             DecodeStep.build(rows, lens, self.states, self.req_to_token, self.token_elems, self.attends,
                              units=self.unit_layout, first_layer=self.first_layer, fused=self.fused,
                              kv_heads=self.kv_heads, num_layers=self.num_layers - self.first_layer,
-                             group=max(1, self.q_heads // max(1, self.kv_heads)) if self.q_heads else 8)
+                             group=max(1, self.q_heads // max(1, self.kv_heads)) if self.q_heads else 8,
+                             block_bytes=self.block_bytes)
             if self.attends or self.stats_rows else None
         )  # fmt: skip
 
