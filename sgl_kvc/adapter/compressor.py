@@ -58,7 +58,6 @@ from sgl_kvc.request_settings import resolved
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
 
@@ -196,7 +195,7 @@ class Compressor:
                 # Never staged: the next chunk extends what this pass leaves.
                 keep = self.config.chunk_target(budget)
                 if n > keep and chunk_compressible(req, self.config) and self.failures.guarded(
-                    req, "compress", self._chunk_due, req, state, n, keep, batch.tree_cache
+                    req, "compress", self._chunk_due, batch, req, state, n, keep
                 ):
                     chunks.append((i, state, keep))
                 continue
@@ -217,15 +216,18 @@ class Compressor:
         self._flush(batch)
         self._settle(batch)
 
-    def _chunk_due(self, req: Req, state: ReqKvState, n: int, keep: int, tree_cache: BasePrefixCache) -> bool:
+    def _chunk_due(self, batch: ScheduleBatch, req: Req, state: ReqKvState, n: int, keep: int) -> bool:
         """Whether a prompt over its budget is compressed before its next chunk: after every
-        chunk (`chunk-always`), or when the next chunk would not fit (`chunk`). Before its first
-        such compaction, what it computed so far is published to the tree (still exact)."""
-        if self.config.chunk_moment != "always" and (
-            self.scheduler is None or not needs_compression(self.scheduler, req, state.logical_len(n), keep)
-        ):
-            return False
-        publish_exact_prefix(req, tree_cache)
+        chunk (`chunk-always`), or when what its next chunk takes would not fit (`chunk`). Before
+        its first such compaction, what it computed so far is published to the tree (still exact)."""
+        if self.config.chunk_moment != "always":
+            from sgl_kvc.adapter.admission import chunk_need
+
+            need = None if self.scheduler is None else chunk_need(
+                req, self.config, n, state.logical_len(n), state.compressed)
+            if need is None or not needs_compression(self.scheduler, req, need, batch):
+                return False
+        publish_exact_prefix(req, batch.tree_cache)
         return True
 
     def before_decode(self, batch: ScheduleBatch) -> None:
