@@ -41,6 +41,7 @@ from sgl_kvc.adapter.compaction import (
     prepare_units,
 )
 from sgl_kvc.adapter.chunk_pressure import needs_compression
+from sgl_kvc.footprint import compaction_copies
 from sgl_kvc.adapter.failures import FailedOnAnotherRank, FailureLedger, failure
 from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.adapter.requests import chunk_compressible, is_middle_chunk, on_release, publish_exact_prefix
@@ -64,6 +65,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STATE_ATTR = "_sgl_kvc_state"
+# What the client of a prompt read in chunks is told when the pass between two of its chunks finds
+# no free slots for the entries it keeps.
+CHUNK_SKIPPED = ("sgl-kvc could not compress this request between two chunks of its prompt: the KV "
+                 "pool had no free slots for the entries it keeps, and its next chunk cannot fit "
+                 "uncompressed; retry when the server is less loaded")
 # Policies are cached per (name, budget); under --kv-budget-ratio every length gives a new
 # budget, so the cache is an LRU of this many entries rather than unbounded.
 POLICY_CACHE_SIZE = 64
@@ -202,11 +208,12 @@ class Compressor:
             read.append(state)
             if "prefill" not in self.config.compress_on:
                 continue
-            target = self.policy(state.policy_name("prefill"), budget).prefill_target_length(n)
-            if target is None and n > budget:
-                target = budget  # any policy, with a prompt over budget
+            target = self._prefill_target(state, n, budget)
             if target is not None and target < n:
-                starts.append((i, state, target))
+                if self._room_for(batch, i, target):
+                    starts.append((i, state, target))
+                else:
+                    self._put_off(state, n)
         self._run_passes(batch, [], chunks, "chunk", whole=True)
         self._run_passes(batch, [], starts, "prefill")
         for state in read:
@@ -216,10 +223,19 @@ class Compressor:
         self._flush(batch)
         self._settle(batch)
 
+    def _prefill_target(self, state: ReqKvState, n: int, budget: int) -> int | None:
+        """What the pass after prefill keeps of a prompt of n entries, or None."""
+        target = self.policy(state.policy_name("prefill"), budget).prefill_target_length(n)
+        if target is None and n > budget:
+            target = budget  # any policy, with a prompt over budget
+        return target
+
     def _chunk_due(self, batch: ScheduleBatch, req: Req, state: ReqKvState, n: int, keep: int) -> bool:
         """Whether a prompt over its budget is compressed before its next chunk: after every
         chunk (`chunk-always`), or when what its next chunk takes would not fit (`chunk`). Before
-        its first such compaction, what it computed so far is published to the tree (still exact)."""
+        its first such compaction, what it computed so far is published to the tree (still exact).
+        One that is due but finds no free slots for the entries it keeps fails alone now: its
+        next chunk would not fit uncompressed (SGLang's prefill would run out of memory)."""
         if self.config.chunk_moment != "always":
             from sgl_kvc.adapter.admission import chunk_need
 
@@ -228,7 +244,30 @@ class Compressor:
             if need is None or not needs_compression(self.scheduler, req, need, batch):
                 return False
         publish_exact_prefix(req, batch.tree_cache)
+        if not self._room_for(batch, batch.reqs.index(req), keep):
+            self.stats.skipped += 1
+            self.failures.fail(req, "compress", CompactionSkipped("no free slots"), message=CHUNK_SKIPPED)
+            return False
         return True
+
+    def _room_for(self, batch: ScheduleBatch, i: int, target: int) -> bool:
+        """Whether request i's compaction to `target` entries can have the fresh slots it copies
+        the tree's kept entries into (free slots, or the tree's unlocked ones), before its pass is
+        scored: a pass that could not be compacted would only spend the step's allowance."""
+        req = batch.reqs[i]
+        copies = compaction_copies(int(batch.seq_lens_cpu[i]), int(req.kv.cache_protected_len), target)
+        if not copies:
+            return True
+        room = batch.token_to_kv_pool_allocator.available_size() + batch.tree_cache.evictable_size()
+        return room >= copies
+
+    def _put_off(self, state: ReqKvState, n: int) -> None:
+        """A pass of this request was not run, or its compaction not applied, for lack of free
+        slots: no new pass starts until it has grown by 2, 4, ... tokens (at most `--kv-buffer`),
+        so it does not take the step's allowance from the others every step meanwhile."""
+        self.stats.skipped += 1
+        state.skips += 1
+        state.retry_at = state.logical_len(n) + min(1 << state.skips, max(1, self.config.kv_buffer))
 
     def before_decode(self, batch: ScheduleBatch) -> None:
         self._step_seconds = 0.0
@@ -241,9 +280,14 @@ class Compressor:
                 pending.append((i, state))
                 continue
             n = int(batch.seq_lens_cpu[i])
+            if state.retry_at > state.logical_len(n):
+                continue  # put off for lack of slots (`_put_off`)
             target = self.policy(state.policy.name, state.effective_budget(n)).target_length(n)
             if target is not None and target < n:
-                starts.append((i, state, target))
+                if self._room_for(batch, i, target):
+                    starts.append((i, state, target))
+                else:
+                    self._put_off(state, n)
         self._run_passes(batch, pending, starts, "decode")
         self._flush(batch)
         self._settle(batch)
@@ -259,7 +303,9 @@ class Compressor:
                 continue
             n = int(batch.seq_lens_cpu[i])
             budget = state.effective_budget(n)
-            if n > budget:
+            if n > budget and not self._room_for(batch, i, budget):
+                self.stats.skipped += 1  # another may free slots: the next is tried
+            elif n > budget:
                 passes = state.passes
                 work = StepWork.unlimited()  # retraction is the alternative: the pass runs whole
                 self.failures.guarded(req, "compress", self._start_pass, batch, i, state, budget, "preempt", work)
@@ -393,9 +439,11 @@ class Compressor:
             return
         t0 = time.perf_counter()
         self.stats.max_compacted_together = max(self.stats.max_compacted_together, len(due))
-        packed = [d for d in due if d.units is not None]  # variable budgets: the unit pool
-        rows = [d for d in due if d.units is None]  # per-head uniform and shared selections
-        outcomes: dict[int, Prepared | Exception] = {}
+        outcomes: dict[int, Prepared | Exception] = {
+            d.i: CompactionSkipped("planted: no free slots") for d in due if failpoints.skips(batch.reqs[d.i], d.moment)
+        }
+        packed = [d for d in due if d.units is not None and d.i not in outcomes]  # variable budgets: the unit pool
+        rows = [d for d in due if d.units is None and d.i not in outcomes]  # per-head uniform and shared selections
         if packed:
             items = [(d.i, d.selection, d.units) for d in packed]
             outcomes.update(zip((d.i for d in packed), prepare_units(batch, items, self.store.unit_pools)))
@@ -405,9 +453,13 @@ class Compressor:
         applied = dict(zip((p.i for p in ready), apply(batch, ready, self._other_batches(batch))))
         for d in due:
             outcome = applied.get(d.i, outcomes[d.i])
-            if isinstance(outcome, CompactionSkipped):
-                logger.debug("compression of %s skipped: %s", batch.reqs[d.i].rid, outcome)
+            if isinstance(outcome, CompactionSkipped) and d.moment == "chunk":
+                # Its next chunk cannot fit uncompressed: it fails alone, before that chunk runs.
                 self.stats.skipped += 1
+                self.failures.fail(batch.reqs[d.i], "compress", outcome, message=CHUNK_SKIPPED)
+            elif isinstance(outcome, CompactionSkipped):
+                logger.debug("compression of %s put off: %s", batch.reqs[d.i].rid, outcome)
+                self._put_off(d.state, int(batch.seq_lens_cpu[d.i]))
             elif isinstance(outcome, Exception):
                 self.failures.fail(batch.reqs[d.i], "compress", outcome)
             else:
@@ -467,6 +519,7 @@ class Compressor:
         state.offset = logical_len - outcome.kept
         self.store.set_offset(row, state.offset)
         state.passes += 1
+        state.skips = state.retry_at = 0
         self.store.trim_queries(row, outcome.kept)
         if outcome.freed:
             self._reopen_admission(batch)
