@@ -224,10 +224,17 @@ class Compressor:
         self._settle(batch)
 
     def _prefill_target(self, state: ReqKvState, n: int, budget: int) -> int | None:
-        """What the pass after prefill keeps of a prompt of n entries, or None."""
+        """What the pass after prefill keeps of a prompt of n entries, or None. When the decode
+        policy's trigger would fire at that length in the very next step (Batch-Max, whose
+        Algorithm 1 evicts once the cache reaches the budget), the pass cuts to what that decode
+        pass would keep, so the prompt is compressed once, whichever policy chose."""
         target = self.policy(state.policy_name("prefill"), budget).prefill_target_length(n)
         if target is None and n > budget:
             target = budget  # any policy, with a prompt over budget
+        if target is not None and "decode" in self.config.compress_on:
+            again = self.policy(state.policy.name, budget).target_length(target)
+            if again is not None and again < target:
+                target = again
         return target
 
     def _chunk_due(self, batch: ScheduleBatch, req: Req, state: ReqKvState, n: int, keep: int) -> bool:

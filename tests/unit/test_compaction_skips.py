@@ -1,4 +1,5 @@
-"""A compaction that finds no free slots, at each moment, in process on the stand-ins of `test_compressor_moments.py` (SGLang's batch, pools and tree).
+"""A compaction that finds no free slots, at each moment, and Batch-Max with another prompt policy,
+in process on the stand-ins of `test_compressor_moments.py` (SGLang's batch, pools and tree).
 
 `SGLKVC_FAILPOINTS=skip_compaction` makes the compaction of a request whose id starts with
 `failpoint-skip-<moment>` find no free slots (`adapter/failpoints.py`): between two chunks the
@@ -162,3 +163,16 @@ def test_no_pass_is_scored_when_its_copies_cannot_be_had(monkeypatch) -> None:
     run.prefill()
     assert run.lens() == [30, BUDGET, BUDGET] and run.comp.stats.skipped == 1
     assert run.state(0).pending is None and run.comp.stats.prefill_passes == 2
+
+
+@pytest.mark.parametrize("prompt_policy", ["snapkv", "keydiff", "batchmax"])
+def test_batchmax_runs_once_per_trigger_whichever_prompt_policy(monkeypatch, prompt_policy: str) -> None:
+    """After prefill the prompt is cut to where Batch-Max's decode trigger would cut it
+    (budget - p), not to the budget, which its first decode step would cut again."""
+    config = _config(policy="batchmax", prompt_policy=prompt_policy)
+    run = Run(monkeypatch, config, [30, 22, 17], ["a", "b", "c"])
+    run.prefill()
+    chunk = min(config.policy_params().evict_chunk, BUDGET // 2)
+    assert run.lens() == [BUDGET - chunk] * 3 and run.comp.stats.prefill_passes == 3
+    run.decode_step()
+    assert run.comp.stats.decode_passes == 0, run.comp.stats
