@@ -44,13 +44,15 @@ class Moments:
 @dataclass(frozen=True)
 class Sizes:
     """A request's sizes, in tokens: `budget` at its longest (a ratio budget grows with the
-    length), the decode `buffer`, what a pass between chunks `keep`s, and the `chunk` its prompt
-    is read in when it is compressed between chunks (None: it is not)."""
+    length), the decode `buffer`, what a pass between chunks `keep`s, the `chunk` its prompt is
+    read in when it is compressed between chunks (None: it is not), and whether what it reads is
+    `published` to the radix tree (not with `--disable-radix-cache`)."""
 
     budget: int
     buffer: int
     keep: int
     chunk: int | None = None
+    published: bool = True
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ def most_held(moments: Moments, sizes: Sizes, now: Now) -> int:
     """Most slots the request's row holds at once from `now` to its end, the fresh slots of its
     compactions included (at least `now.held`)."""
     n, tree = now.held, now.tree
-    publishing = tree >= n  # not compacted yet: everything it reads goes to the tree
+    publishing = sizes.published and tree >= n  # not compacted yet: everything it reads goes to the tree
     peak = n
     left = now.prompt_left
     if left > 0:

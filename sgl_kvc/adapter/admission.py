@@ -43,19 +43,24 @@ CHUNKED_ATTR = "_sgl_kvc_admitting_chunked"
 
 
 def sizes_of(config: KvcConfig, settings: ResolvedCompression, prompt: int, max_new: int,
-             chunk: int | None) -> Sizes:
+             chunk: int | None, published: bool = True) -> Sizes:
     """The sizes of a request with these settings, prompt and most new tokens (`chunk`: the size
-    its prompt is read in when it is compressed between chunks, else None)."""
-    return Sizes(budget=settings.budget.at(prompt + max_new), buffer=config.kv_buffer,
-                 keep=config.chunk_target(settings.budget.at(prompt + max_new)), chunk=chunk)
+    its prompt is read in when it is compressed between chunks, else None; `published`: whether
+    SGLang puts what it reads into the radix tree)."""
+    budget = settings.budget.at(prompt + max_new)
+    return Sizes(budget=budget, buffer=config.kv_buffer, keep=config.chunk_target(budget), chunk=chunk,
+                 published=published)
+
+
+def _radix(scheduler: Scheduler) -> bool:
+    return not getattr(scheduler.tree_cache, "disable", True)
 
 
 def scheduler_chunk(scheduler: Scheduler, req: Any, config: KvcConfig) -> int | None:
     """The chunk size `req`'s prompt is read in when it is compressed between chunks, else None
     (without the radix cache SGLang admits some requests by their whole prompt)."""
     chunk = getattr(scheduler, "chunked_prefill_size", None)
-    radix = not getattr(scheduler.tree_cache, "disable", True)
-    if not chunk or chunk <= 0 or not radix or not chunk_compressible(req, config):
+    if not chunk or chunk <= 0 or not _radix(scheduler) or not chunk_compressible(req, config):
         return None
     return int(chunk)
 
@@ -68,7 +73,7 @@ def remember(req: Req, config: KvcConfig, scheduler: Scheduler) -> None:
         return
     setattr(req, _SIZES_ATTR, sizes_of(config, settings, len(req.origin_input_ids),
                                        int(req.sampling_params.max_new_tokens),
-                                       scheduler_chunk(scheduler, req, config)))
+                                       scheduler_chunk(scheduler, req, config), _radix(scheduler)))
 
 
 def sizes(req: Req, config: KvcConfig) -> Sizes | None:
@@ -241,9 +246,10 @@ def around_max_new_tokens(config: KvcConfig) -> Callable[..., Any]:
         chunk = int(scheduler.chunked_prefill_size) if getattr(scheduler, CHUNKED_ATTR, None) else None
         pool = int(scheduler.max_total_num_tokens)
         moments = Moments.of(config)
+        published = _radix(scheduler)
 
         def held(out: int) -> int:  # on an empty pool
-            s = sizes_of(config, settings, prompt, out, chunk)
+            s = sizes_of(config, settings, prompt, out, chunk, published)
             return most_held(moments, s, Now(prompt_left=prompt, out_left=out))
 
         if held(max_new) < pool:

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 class CompactionResult:
     kept: int  # slots the request's row holds after it (G for a packed request)
     freed: int  # slots returned to the allocator
-    copied: int  # slots newly allocated for kept tree-owned entries (a long prefix hit)
+    copied: int  # slots newly allocated for kept tree-owned entries (a first compaction)
     units: Tensor | None = None  # a packed request's new tables [L, H_kv, K] (unit pool)
 
 
@@ -98,7 +98,7 @@ def prepare_per_head(batch: ScheduleBatch, items: Sequence[tuple[int, HeadSelect
     (physical indices of its row; the same count in every head: a uniform per-head budget, or a
     shared selection). One gather + scatter per layer moves every request's kept entries. Per
     item: `Prepared`, or the exception that left it unchanged (`CompactionSkipped`: no free slot
-    to privatise a long prefix hit)."""
+    to copy the kept tree-owned entries into)."""
 
     def plan(item: tuple[int, HeadSelection]) -> _Plan:
         i, selection = item
@@ -290,7 +290,9 @@ def _give_back_copied(allocator: Any, dest: Tensor, copied: int) -> None:
 def _destinations(batch: ScheduleBatch, i: int, g: int) -> tuple[Tensor, Tensor, int]:
     """(the g slots a compaction of request i writes, the owned slots it gives back, how many
     of the g were newly allocated). The request's own slots come first (the tree's are never
-    written); only a request owning fewer than g (a long prefix hit) needs new ones."""
+    written); a request owning fewer than g needs new ones: at its first compaction everything
+    it holds is the tree's (SGLang publishes a prompt as it reads it), and admission counted them
+    (`sgl_kvc/footprint.py`)."""
     row = _row(batch, i)
     owned = row[int(batch.reqs[i].kv.cache_protected_len):]
     need = max(0, g - int(owned.numel()))

@@ -18,6 +18,9 @@ within `--kv-pass-work`, shared among the step's passes; the selections that fin
 moment are compacted together, each kind by its own routine (`adapter/compaction.py`), and
 committed. Whatever fails for one request fails that request alone, and on every
 tensor-parallel rank (`adapter/failures.py`): each moment's hook ends by settling its failures.
+A pass whose compaction could not have the fresh slots it copies into (admission reserved them,
+`adapter/admission.py`) is not scored: it is put off with a back-off, or, between two chunks, its
+request fails alone.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ from sgl_kvc.adapter.compaction import (
     prepare_units,
 )
 from sgl_kvc.adapter.chunk_pressure import needs_compression
-from sgl_kvc.footprint import compaction_copies
 from sgl_kvc.adapter.failures import FailedOnAnotherRank, FailureLedger, failure
 from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.adapter.requests import chunk_compressible, is_middle_chunk, on_release, publish_exact_prefix
@@ -54,6 +56,7 @@ from sgl_kvc.core.query_moments import QueryMoments
 from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.core.views import layer_views, prompt_moments, with_gaps
+from sgl_kvc.footprint import compaction_copies
 from sgl_kvc.policies import HeadSelection, Policy, get_policy, prompt_policy_error
 from sgl_kvc.request_settings import resolved
 
@@ -437,7 +440,7 @@ class Compressor:
     # --- compaction and commit ------------------------------------------------------------------
     def _flush(self, batch: ScheduleBatch) -> None:
         """Compact the requests whose selection finished in this step, together: each kind (per
-        head or shared; packed in the unit pool) by its routine, one batched move per kind. Then
+        head or shared; packed in the unit pool) by its routine, in batched moves of bounded size. Then
         the ranks agree on what moved everywhere (`_vote`), that is applied, and each request is
         committed. With tensor parallelism every rank flushes every step, due or not."""
         due = [d for d in self._due if failure(batch.reqs[d.i]) is None]

@@ -140,7 +140,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_MM}.common.checkpoint_kv_cache", ("req", "tree_cache"),
              why="a prompt's exact first chunks are published before it is compressed between chunks"),
     Internal(f"{_MM}.common.evict_from_tree_cache", ("tree_cache", "num_tokens"),
-             why="room for a long prefix hit's kept entries"),
+             why="room for the kept entries a first compaction copies out of the tree"),
     Internal(f"{_MM}.radix_cache.RadixCache", ("params",), why="the tree of compressing servers"),
     Internal(f"{_MM}.radix_cache.RadixCache.unlock", ("lock",), why="a compacted request drops its lock"),
     Internal(f"{_MM}.radix_cache.RadixCache.all_values_flatten", (), why="SGLKVC_CHECK invariants"),

@@ -58,6 +58,13 @@ def test_the_pass_after_prefill_copies_what_it_keeps_out_of_the_tree() -> None:
     assert compaction_copies(200, 150, B) == B - 50
 
 
+def test_without_the_radix_cache_a_compaction_copies_nothing() -> None:
+    """With --disable-radix-cache SGLang publishes nothing: a request owns what it reads."""
+    unpublished = Sizes(budget=B, buffer=BUF, keep=B, published=False)
+    assert held(ALL, 1000, 10, unpublished) == 1000
+    assert held(Moments(prefill=True, between_chunks=False, generation=False), 1000, 400, unpublished) == 1000
+
+
 def test_decode_only_counts_the_copies_of_its_first_pass() -> None:
     """No pass after prefill: the first decode pass, at the prompt's length or budget + buffer,
     copies what it keeps of the prompt the tree holds."""
@@ -160,7 +167,8 @@ def test_a_request_that_cannot_fit_even_compressed_is_refused_or_cut_as_sglang_d
     monkeypatch.setattr(admission, "_allow_auto_truncate", lambda: truncate)
     config = KvcConfig(policy="snapkv", kv_budget=B, kv_buffer=BUF, compress_on=tuple(compress_on.split(",")))
     scheduler = SimpleNamespace(max_new_tokens_limit=None, model_config=SimpleNamespace(context_len=16384),
-                                chunked_prefill_size=256, max_total_num_tokens=1024)
+                                chunked_prefill_size=256, max_total_num_tokens=1024,
+                                tree_cache=SimpleNamespace(disable=False))
     req = _Req(rid="r", origin_input_ids=[1] * 300, output_ids=[], abort=None,
                sampling_params=SimpleNamespace(max_new_tokens=max_tokens, min_new_tokens=0, custom_params=None))
     admission.around_max_new_tokens(config)(lambda *a: pytest.fail("SGLang's own cut"), scheduler, req)
