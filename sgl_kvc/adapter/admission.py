@@ -146,7 +146,7 @@ def _round_need(moments: Moments, s: Sizes, now: Now) -> tuple[int, int]:
     if s.chunk is None or now.prompt_left <= s.chunk:
         return most_held(moments, s, now) - now.held, 0
     after = now.held + s.chunk
-    publishing = now.tree >= now.held
+    publishing = s.published and now.tree >= now.held
     copies = compaction_copies(after, after if publishing else now.tree, s.keep) if after > s.keep else 0
     return s.chunk + copies, copies
 
