@@ -239,6 +239,14 @@ def unsupported(config: KvcConfig, argv: list[str], default_backend: str = "torc
     if has_flag(argv, "--enable-mixed-chunk"):
         return (f"--policy {config.policy} does not support --enable-mixed-chunk: mixed "
                 "prefill+decode batches would give compacted requests physical positions")
+    pp = _flag_value(argv, "--pp-size") or _flag_value(argv, "--pipeline-parallel-size") or "1"
+    if pp != "1":
+        return (f"--policy {config.policy} does not support --pp-size {pp}: each pipeline stage holds "
+                "other layers, and sgl-kvc's ranks agree on compactions and failures within the "
+                "tensor-parallel group only (use --tp-size or --dp-size)")
+    dtype = _flag_value(argv, "--kv-cache-dtype")
+    if dtype in _BLOCK_SCALED_KV:
+        return f"--policy {config.policy} does not support --kv-cache-dtype {dtype}: {_BLOCK_SCALED_KV[dtype]}"
     tp = _flag_value(argv, "--tp-size") or _flag_value(argv, "--tensor-parallel-size") or "1"
     if config.variable_budget and tp != "1":
         return (f"--kv-head-budget {config.kv_head_budget} does not support --tp-size {tp}: staged "
@@ -267,6 +275,15 @@ _COMPRESSION_BREAKERS: dict[str, str] = {
     "--enable-hicache": "the hierarchical cache offloads and reloads rows by prompt tokens; "
     "compacted KV is not theirs",
     "--enable-pdmux": "prefill/decode multiplexing splits batches in ways compaction does not see",
+}
+# SGLang's block-scaled KV dtypes: compaction moves entries with the pool's K and V buffers.
+_BLOCK_SCALED_KV: dict[str, str] = {
+    "nvfp4": "SGLang's FP4 pool hands out a dequantized copy of its buffers, so entries moved into "
+    "it would be lost (use fp8_e4m3 / fp8_e5m2, sgl-kvc's FP8 pool)",
+    "fp4_mx_block16": "SGLang's FP4 pool hands out a dequantized copy of its buffers, so entries moved "
+    "into it would be lost (use fp8_e4m3 / fp8_e5m2, sgl-kvc's FP8 pool)",
+    "mxfp8": "SGLang's MXFP8 pool keeps block scales beside its buffers, which a compaction would not "
+    "move with the entries (use fp8_e4m3 / fp8_e5m2, sgl-kvc's FP8 pool)",
 }
 # Flags with a value, and the values that leave the feature off.
 _VALUED_FLAGS: dict[str, tuple[str, ...]] = {

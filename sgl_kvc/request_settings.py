@@ -1,7 +1,7 @@
 """Per-request compression settings, in one place: the `kv_compression` object of a request body,
 parsed; checked against the server's configuration; resolved against it into what the request
-runs with (`resolve`: policy, prompt policy, budget, selection, peak); and read back from a
-scheduler request (`of_request`, `admit`).
+runs with (`resolve`: policy, prompt policy, budget, selection); and read back from a
+scheduler request (`of_request`, `admit`). What a request holds at most is `sgl_kvc/footprint.py`.
 
     client.chat.completions.create(..., extra_body={"kv_compression": {"policy": "rkv", "budget": 256}})
 
@@ -228,21 +228,6 @@ def resolved(req: Any, config: "KvcConfig") -> ResolvedCompression:
     settings = of_request(req).resolve(config)
     setattr(req, _RESOLVED_ATTR, (config, settings))
     return settings
-
-
-def peak_tokens(config: "KvcConfig", req: Any, between_chunks: bool = False) -> int | None:
-    """Most KV slots a compressing scheduler request holds at once, or None if it does not
-    compress (`between_chunks`: also what a pass between two chunks of its prompt leaves, besides
-    the next chunk: `--kv-chunk-keep` times its budget)."""
-    settings = resolved(req, config)
-    if not settings.compressing:
-        return None
-    # The largest its budget gets: a ratio grows with the length, up to prompt + most new tokens.
-    budget = settings.budget.at(len(req.origin_input_ids) + (req.sampling_params.max_new_tokens or 0))
-    held = budget + config.kv_buffer
-    if between_chunks:
-        held = max(held, config.chunk_target(budget))
-    return held + 1
 
 
 def admit(req: Any, config: "KvcConfig") -> bool:

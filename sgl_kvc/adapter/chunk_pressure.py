@@ -3,12 +3,12 @@
 SGLang gives the prompt it is reading in chunks (its `chunked_req`) the first place in the next
 prefill round, with as much of its next chunk as the round's memory allows
 (`PrefillAdder.add_chunked_req`): free slots plus what evicting the radix tree frees, minus what
-the running requests reserve for their outputs (`_get_running_request_total_token_offset`; on a
-compressing server, by their compressed footprint). `next_chunk_room` computes that room between
-the chunk that just ran and the next one. When it cannot hold the next chunk (and the slots the
-compaction copies the kept entries into), the request is compressed now, to its budget, and the
-chunk runs whole; otherwise the prompt is compressed once,
-after its last chunk, with its question read, exactly as a prompt that was never chunked.
+the running requests reserve (`_get_running_request_total_token_offset`; on a compressing server,
+by their footprint, `adapter/admission.py`). `next_chunk_room` computes that room between the
+chunk that just ran and the next one. When it cannot hold what the next round takes for the
+prompt (its next chunk and the slots a pass after it copies the kept entries into), the request
+is compressed now and the chunk runs whole; otherwise the prompt is compressed once, after its
+last chunk, with its question read, exactly as a prompt that was never chunked.
 
 What compressing the running requests would free is not counted: they are compressed at their own
 moments (decode, preempt), so under load a prompt is cut back a little earlier, never too late.
@@ -20,17 +20,23 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.scheduler import Scheduler
 
 
-def next_chunk_room(scheduler: Scheduler) -> int:
-    """Tokens the next prefill round can give a chunk, as SGLang's admission counts them."""
+def next_chunk_room(scheduler: Scheduler, batch: ScheduleBatch | None = None) -> int:
+    """Tokens the next prefill round can give a chunk, as SGLang's admission counts them: the
+    running requests' reservations, and those of the requests `batch` (the extend batch that just
+    ran, not yet merged into the running batch) admitted beside the chunk."""
     from sglang.srt.managers.schedule_policy import PrefillAdder
 
     free = scheduler.token_to_kv_pool_allocator.available_size() + scheduler.tree_cache.evictable_size()
     running = getattr(scheduler, "running_batch", None)
-    reqs = getattr(running, "reqs", None) or []
+    reqs = list(getattr(running, "reqs", None) or [])
+    if batch is not None:
+        seen = {id(r) for r in reqs}
+        chunked = getattr(batch, "chunked_req", None)
+        reqs += [r for r in batch.reqs if id(r) not in seen and r is not chunked and not r.finished()]
     # SGLang's own reservation of a running request (with sgl-kvc's hook on it): a method that
     # reads only the round's `new_token_ratio` of its adder.
     adder = SimpleNamespace(new_token_ratio=scheduler.new_token_ratio_tracker.current)
@@ -38,14 +44,12 @@ def next_chunk_room(scheduler: Scheduler) -> int:
     return int(free - reserved)
 
 
-def needs_compression(scheduler: Scheduler, req: Req, processed: int, keep: int) -> bool:
-    """Whether `req`, whose prompt has been read up to `processed` tokens, must be compressed
-    before its next chunk: that chunk (one `chunked_prefill_size`, or the rest of the prompt)
-    and the `keep` slots the compaction itself may need would not fit the room the next round
-    has. (SGLang puts every chunk of the prompt into the radix tree as it goes, so the first
-    compaction copies the kept entries out of the tree's slots into `keep` new ones.)"""
-    remaining = len(req.origin_input_ids) - processed
-    if remaining <= 0:
+def needs_compression(scheduler: Scheduler, req: Req, need: int, batch: ScheduleBatch | None = None) -> bool:
+    """Whether `req`, a prompt read in chunks, must be compressed before its next chunk: what the
+    next round takes for it uncompressed (`need`: its next chunk and the fresh slots the pass after
+    that chunk copies its kept entries into, `adapter/admission.chunk_need`) would not fit the room
+    the next round has. (SGLang puts every chunk of the prompt into the radix tree as it goes, so
+    until its first compaction every entry it holds is the tree's.)"""
+    if need <= 0:
         return False
-    chunk = getattr(scheduler, "chunked_prefill_size", None) or remaining
-    return min(chunk, remaining) + keep > next_chunk_room(scheduler)
+    return need > next_chunk_room(scheduler, batch)

@@ -27,7 +27,9 @@ moves the kept entries (into slots no other row references) and readies each new
 then rewrites the rows, drops their tree locks and frees the evicted slots, all at once. A request
 that fails while it is prepared keeps its old row (SGLang frees it when the request is aborted)
 and gives back only its newly allocated slots (`abandon`), as does one its caller decides not to
-apply; a failed batched move fails every request it moved (their entries may be half moved).
+apply. The kept entries move in groups of at most `MOVE_GROUP_ENTRIES` gathered entries (a request
+larger than that moves alone): a move that raises, out of memory for its gather for instance,
+fails the requests of its group (their entries may be half moved), not the step's others.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ from sgl_kvc.adapter import failpoints, invariants
 from sgl_kvc.core.moves import UnitMoves, move_unit_entries, move_units_many, packed_slots, unit_moves
 from sgl_kvc.policies import HeadSelection
 
+# The most entries one batched move gathers at once, per layer and buffer (per-head rows: KV heads
+# x kept slots; the unit pool: units): bounds a move's temporary memory, and so which requests one
+# failed move takes with it.
+MOVE_GROUP_ENTRIES = 1 << 18
+
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
@@ -50,7 +57,7 @@ if TYPE_CHECKING:
 class CompactionResult:
     kept: int  # slots the request's row holds after it (G for a packed request)
     freed: int  # slots returned to the allocator
-    copied: int  # slots newly allocated for kept tree-owned entries (a long prefix hit)
+    copied: int  # slots newly allocated for kept tree-owned entries (a first compaction)
     units: Tensor | None = None  # a packed request's new tables [L, H_kv, K] (unit pool)
 
 
@@ -91,7 +98,7 @@ def prepare_per_head(batch: ScheduleBatch, items: Sequence[tuple[int, HeadSelect
     (physical indices of its row; the same count in every head: a uniform per-head budget, or a
     shared selection). One gather + scatter per layer moves every request's kept entries. Per
     item: `Prepared`, or the exception that left it unchanged (`CompactionSkipped`: no free slot
-    to privatise a long prefix hit)."""
+    to copy the kept tree-owned entries into)."""
 
     def plan(item: tuple[int, HeadSelection]) -> _Plan:
         i, selection = item
@@ -104,6 +111,8 @@ def prepare_per_head(batch: ScheduleBatch, items: Sequence[tuple[int, HeadSelect
             )
         row = _row(batch, i)
         indices = selection.indices.to(row.device)
+        if indices.dim() != 3 or int(indices.shape[-1]) != k:
+            raise ValueError(f"per-head compaction needs [layers, heads, {k}] kept indices, got {tuple(indices.shape)}")
         dest, evicted, copied = _destinations(batch, i, k)  # last: it may allocate
         return _Plan(i, dest, evicted, copied, CompactionResult(k, int(evicted.numel()), copied),
                      row=row, indices=indices)
@@ -112,7 +121,10 @@ def prepare_per_head(batch: ScheduleBatch, items: Sequence[tuple[int, HeadSelect
         pool = batch.token_to_kv_pool_allocator.get_kvcache()
         move_units_many(pool, [(p.row, p.indices, p.dest) for p in plans])
 
-    return _prepare_many(batch, items, plan, move)
+    def entries(p: _Plan) -> int:  # gathered per layer and buffer: KV heads x kept slots
+        return int(p.indices.shape[1]) * int(p.dest.numel())
+
+    return _prepare_many(batch, items, plan, move, entries)
 
 
 def prepare_units(
@@ -144,7 +156,10 @@ def prepare_units(
     def move(plans: list[_Plan]) -> None:
         move_unit_entries(unit_pools, [p.units for p in plans])
 
-    return _prepare_many(batch, items, plan, move)
+    def entries(p: _Plan) -> int:  # gathered per buffer: units of every layer
+        return int(p.units.src.numel())
+
+    return _prepare_many(batch, items, plan, move, entries)
 
 
 def compact_requests_per_head(
@@ -170,10 +185,11 @@ def _apply_prepared(batch: ScheduleBatch, outcomes: list[Outcome], other_batches
 
 def _prepare_many(
     batch: ScheduleBatch, items: Sequence[Any], plan: Callable[[Any], _Plan], move: Callable[[list[_Plan]], None],
+    entries: Callable[[_Plan], int],
 ) -> list[Outcome]:
     """What the batched compactions share: `plan(item)` plans one request alone or raises for
-    it alone; `move(plans)` moves every planned request's kept entries at once; then each new
-    row is readied."""
+    it alone; `move(plans)` moves the kept entries of a group of planned requests at once
+    (`move_groups`, by the `entries` each gathers); then each new row is readied."""
     allocator = batch.token_to_kv_pool_allocator
     outcomes: list[Any] = []
     planned: list[tuple[int, _Plan]] = []  # (index in outcomes, plan)
@@ -185,20 +201,39 @@ def _prepare_many(
             outcomes.append(e)
     if not planned:
         return outcomes
-    try:
-        move([p for _, p in planned])
-    except Exception as e:  # noqa: BLE001 - every request of the move: its entries may be half moved
-        for k, p in planned:
-            _give_back_copied(allocator, p.dest, p.copied)  # no row references them yet
-            outcomes[k] = e
-        return outcomes
-    for k, p in planned:
+    moved = []
+    for group in move_groups(planned, lambda kp: entries(kp[1])):
+        try:
+            move([p for _, p in group])
+        except Exception as e:  # noqa: BLE001 - every request of the group: its entries may be half moved
+            for k, p in group:
+                _give_back_copied(allocator, p.dest, p.copied)  # no row references them yet
+                outcomes[k] = e
+            continue
+        moved += group
+    for k, p in moved:
         try:
             outcomes[k] = _ready(batch, p)
         except Exception as e:  # noqa: BLE001 - this request alone; its old row still owns the rest
             _give_back_copied(allocator, p.dest, p.copied)
             outcomes[k] = e
     return outcomes
+
+
+def move_groups(items: Sequence[Any], entries: Callable[[Any], int], limit: int | None = None) -> list[list[Any]]:
+    """`items` in order, cut into groups of at most `limit` (default `MOVE_GROUP_ENTRIES`)
+    `entries` each; an item larger than the limit is a group of its own."""
+    limit = MOVE_GROUP_ENTRIES if limit is None else limit
+    groups: list[list[Any]] = []
+    total = 0
+    for item in items:
+        size = entries(item)
+        if not groups or total + size > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(item)
+        total += size
+    return groups
 
 
 def _ready(batch: ScheduleBatch, p: _Plan) -> Prepared:
@@ -255,7 +290,9 @@ def _give_back_copied(allocator: Any, dest: Tensor, copied: int) -> None:
 def _destinations(batch: ScheduleBatch, i: int, g: int) -> tuple[Tensor, Tensor, int]:
     """(the g slots a compaction of request i writes, the owned slots it gives back, how many
     of the g were newly allocated). The request's own slots come first (the tree's are never
-    written); only a request owning fewer than g (a long prefix hit) needs new ones."""
+    written); a request owning fewer than g needs new ones: at its first compaction everything
+    it holds is the tree's (SGLang publishes a prompt as it reads it), and admission counted them
+    (`sgl_kvc/footprint.py`)."""
     row = _row(batch, i)
     owned = row[int(batch.reqs[i].kv.cache_protected_len):]
     need = max(0, g - int(owned.numel()))

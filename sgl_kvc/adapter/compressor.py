@@ -18,6 +18,9 @@ within `--kv-pass-work`, shared among the step's passes; the selections that fin
 moment are compacted together, each kind by its own routine (`adapter/compaction.py`), and
 committed. Whatever fails for one request fails that request alone, and on every
 tensor-parallel rank (`adapter/failures.py`): each moment's hook ends by settling its failures.
+A pass whose compaction could not have the fresh slots it copies into (admission reserved them,
+`adapter/admission.py`) is not scored: it is put off with a back-off, or, between two chunks, its
+request fails alone.
 """
 
 from __future__ import annotations
@@ -54,18 +57,23 @@ from sgl_kvc.core.query_moments import QueryMoments
 from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.core.views import layer_views, prompt_moments, with_gaps
+from sgl_kvc.footprint import compaction_copies
 from sgl_kvc.policies import HeadSelection, Policy, get_policy, prompt_policy_error
 from sgl_kvc.request_settings import resolved
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 STATE_ATTR = "_sgl_kvc_state"
+# What the client of a prompt read in chunks is told when the pass between two of its chunks finds
+# no free slots for the entries it keeps.
+CHUNK_SKIPPED = ("sgl-kvc could not compress this request between two chunks of its prompt: the KV "
+                 "pool had no free slots for the entries it keeps, and its next chunk cannot fit "
+                 "uncompressed; retry when the server is less loaded")
 # Policies are cached per (name, budget); under --kv-budget-ratio every length gives a new
 # budget, so the cache is an LRU of this many entries rather than unbounded.
 POLICY_CACHE_SIZE = 64
@@ -210,18 +218,19 @@ class Compressor:
                 # Never staged: the next chunk extends what this pass leaves.
                 keep = self.config.chunk_target(budget)
                 if n > keep and chunk_compressible(req, self.config) and self.failures.guarded(
-                    req, "compress", self._chunk_due, req, state, n, keep, batch.tree_cache
+                    req, "compress", self._chunk_due, batch, req, state, n, keep
                 ):
                     chunks.append((i, state, keep))
                 continue
             read.append(state)
             if "prefill" not in self.config.compress_on:
                 continue
-            target = self.policy(state.policy_name("prefill"), budget).prefill_target_length(n)
-            if target is None and n > budget:
-                target = budget  # any policy, with a prompt over budget
+            target = self._prefill_target(state, n, budget)
             if target is not None and target < n:
-                starts.append((i, state, target))
+                if self._room_for(batch, i, target):
+                    starts.append((i, state, target))
+                else:
+                    self._put_off(state, n)
         self._run_passes(batch, [], chunks, "chunk", whole=True)
         self._run_passes(batch, [], starts, "prefill")
         for state in read:
@@ -231,16 +240,58 @@ class Compressor:
         self._flush(batch)
         self._settle(batch)
 
-    def _chunk_due(self, req: Req, state: ReqKvState, n: int, keep: int, tree_cache: BasePrefixCache) -> bool:
+    def _prefill_target(self, state: ReqKvState, n: int, budget: int) -> int | None:
+        """What the pass after prefill keeps of a prompt of n entries, or None. When the decode
+        policy's trigger would fire at that length in the very next step (Batch-Max, whose
+        Algorithm 1 evicts once the cache reaches the budget), the pass cuts to what that decode
+        pass would keep, so the prompt is compressed once, whichever policy chose."""
+        target = self.policy(state.policy_name("prefill"), budget).prefill_target_length(n)
+        if target is None and n > budget:
+            target = budget  # any policy, with a prompt over budget
+        if target is not None and "decode" in self.config.compress_on:
+            again = self.policy(state.policy.name, budget).target_length(target)
+            if again is not None and again < target:
+                target = again
+        return target
+
+    def _chunk_due(self, batch: ScheduleBatch, req: Req, state: ReqKvState, n: int, keep: int) -> bool:
         """Whether a prompt over its budget is compressed before its next chunk: after every
-        chunk (`chunk-always`), or when the next chunk would not fit (`chunk`). Before its first
-        such compaction, what it computed so far is published to the tree (still exact)."""
-        if self.config.chunk_moment != "always" and (
-            self.scheduler is None or not needs_compression(self.scheduler, req, state.logical_len(n), keep)
-        ):
+        chunk (`chunk-always`), or when what its next chunk takes would not fit (`chunk`). Before
+        its first such compaction, what it computed so far is published to the tree (still exact).
+        One that is due but finds no free slots for the entries it keeps fails alone now: its
+        next chunk would not fit uncompressed (SGLang's prefill would run out of memory)."""
+        if self.config.chunk_moment != "always":
+            from sgl_kvc.adapter.admission import chunk_need
+
+            need = None if self.scheduler is None else chunk_need(
+                req, self.config, n, state.logical_len(n), state.compressed)
+            if need is None or not needs_compression(self.scheduler, req, need, batch):
+                return False
+        publish_exact_prefix(req, batch.tree_cache)
+        if not self._room_for(batch, batch.reqs.index(req), keep):
+            self.stats.skipped += 1
+            self.failures.fail(req, "compress", CompactionSkipped("no free slots"), message=CHUNK_SKIPPED)
             return False
-        publish_exact_prefix(req, tree_cache)
         return True
+
+    def _room_for(self, batch: ScheduleBatch, i: int, target: int) -> bool:
+        """Whether request i's compaction to `target` entries can have the fresh slots it copies
+        the tree's kept entries into (free slots, or the tree's unlocked ones), before its pass is
+        scored: a pass that could not be compacted would only spend the step's allowance."""
+        req = batch.reqs[i]
+        copies = compaction_copies(int(batch.seq_lens_cpu[i]), int(req.kv.cache_protected_len), target)
+        if not copies:
+            return True
+        room = batch.token_to_kv_pool_allocator.available_size() + batch.tree_cache.evictable_size()
+        return room >= copies
+
+    def _put_off(self, state: ReqKvState, n: int) -> None:
+        """A pass of this request was not run, or its compaction not applied, for lack of free
+        slots: no new pass starts until it has grown by 2, 4, ... tokens (at most `--kv-buffer`),
+        so it does not take the step's allowance from the others every step meanwhile."""
+        self.stats.skipped += 1
+        state.skips += 1
+        state.retry_at = state.logical_len(n) + min(1 << state.skips, max(1, self.config.kv_buffer))
 
     def before_decode(self, batch: ScheduleBatch) -> None:
         self._step_seconds = 0.0
@@ -253,9 +304,14 @@ class Compressor:
                 pending.append((i, state))
                 continue
             n = int(batch.seq_lens_cpu[i])
+            if state.retry_at > state.logical_len(n):
+                continue  # put off for lack of slots (`_put_off`)
             target = self.policy(state.policy.name, state.effective_budget(n)).target_length(n)
             if target is not None and target < n:
-                starts.append((i, state, target))
+                if self._room_for(batch, i, target):
+                    starts.append((i, state, target))
+                else:
+                    self._put_off(state, n)
         self._run_passes(batch, pending, starts, "decode")
         self._flush(batch)
         self._settle(batch)
@@ -271,7 +327,9 @@ class Compressor:
                 continue
             n = int(batch.seq_lens_cpu[i])
             budget = state.effective_budget(n)
-            if n > budget:
+            if n > budget and not self._room_for(batch, i, budget):
+                self.stats.skipped += 1  # another may free slots: the next is tried
+            elif n > budget:
                 passes = state.passes
                 work = StepWork.unlimited()  # retraction is the alternative: the pass runs whole
                 self.failures.guarded(req, "compress", self._start_pass, batch, i, state, budget, "preempt", work)
@@ -396,7 +454,7 @@ class Compressor:
     # --- compaction and commit ------------------------------------------------------------------
     def _flush(self, batch: ScheduleBatch) -> None:
         """Compact the requests whose selection finished in this step, together: each kind (per
-        head or shared; packed in the unit pool) by its routine, one batched move per kind. Then
+        head or shared; packed in the unit pool) by its routine, in batched moves of bounded size. Then
         the ranks agree on what moved everywhere (`_vote`), that is applied, and each request is
         committed. With tensor parallelism every rank flushes every step on which any rank worked
         for a request (`FailureLedger.active`), due or not; a step with no work has no collective."""
@@ -406,9 +464,11 @@ class Compressor:
             return  # nothing due here, and (no work on any rank) nowhere: no collective
         t0 = time.perf_counter()
         self.stats.max_compacted_together = max(self.stats.max_compacted_together, len(due))
-        packed = [d for d in due if d.units is not None]  # variable budgets: the unit pool
-        rows = [d for d in due if d.units is None]  # per-head uniform and shared selections
-        outcomes: dict[int, Prepared | Exception] = {}
+        outcomes: dict[int, Prepared | Exception] = {
+            d.i: CompactionSkipped("planted: no free slots") for d in due if failpoints.skips(batch.reqs[d.i], d.moment)
+        }
+        packed = [d for d in due if d.units is not None and d.i not in outcomes]  # variable budgets: the unit pool
+        rows = [d for d in due if d.units is None and d.i not in outcomes]  # per-head uniform and shared selections
         if packed:
             items = [(d.i, d.selection, d.units) for d in packed]
             outcomes.update(zip((d.i for d in packed), prepare_units(batch, items, self.store.unit_pools)))
@@ -418,9 +478,13 @@ class Compressor:
         applied = dict(zip((p.i for p in ready), apply(batch, ready, self._other_batches(batch))))
         for d in due:
             outcome = applied.get(d.i, outcomes[d.i])
-            if isinstance(outcome, CompactionSkipped):
-                logger.debug("compression of %s skipped: %s", batch.reqs[d.i].rid, outcome)
+            if isinstance(outcome, CompactionSkipped) and d.moment == "chunk":
+                # Its next chunk cannot fit uncompressed: it fails alone, before that chunk runs.
                 self.stats.skipped += 1
+                self.failures.fail(batch.reqs[d.i], "compress", outcome, message=CHUNK_SKIPPED)
+            elif isinstance(outcome, CompactionSkipped):
+                logger.debug("compression of %s put off: %s", batch.reqs[d.i].rid, outcome)
+                self._put_off(d.state, int(batch.seq_lens_cpu[d.i]))
             elif isinstance(outcome, Exception):
                 self.failures.fail(batch.reqs[d.i], "compress", outcome)
             else:
@@ -480,6 +544,7 @@ class Compressor:
         state.offset = logical_len - outcome.kept
         self.store.set_offset(row, state.offset)
         state.passes += 1
+        state.skips = state.retry_at = 0
         self.store.trim_queries(row, outcome.kept)
         if outcome.freed:
             self._reopen_admission(batch)

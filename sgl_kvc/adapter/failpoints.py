@@ -16,6 +16,9 @@ on. `name@R` plants the fault on tensor-parallel rank R only (a fault one rank s
   layer recorded its own.
 - `tp_local_scores`: with tensor parallelism, each rank chooses the shared selection of a
   request whose id starts with `failpoint-tp` from its own heads' scores.
+- `skip_compaction`: the compaction of a request whose id starts with `failpoint-skip-<moment>`
+  finds no free slots for its kept entries (as in a full pool) at that moment (`chunk`,
+  `prefill`, `decode` or `preempt`); its selection was made.
 
 Serving code reaches them only through this module, one call per site (docs/safety.md, "Checks
 for tests"); `sgl_kvc/core/` knows nothing of them.
@@ -56,6 +59,11 @@ def check(name: str, req: object) -> None:
     """A site where a planted fault raises (`compress_raise`, `rewrite_raise`)."""
     if hits(name, req):
         raise PlantedFault(f"planted fault {_DOING[name]} {getattr(req, 'rid', '')}")
+
+
+def skips(req: object, moment: str) -> bool:
+    """Whether `skip_compaction` makes the compaction of `req` at `moment` find no free slots."""
+    return hits("skip_compaction", req) and str(getattr(req, "rid", "")).startswith(f"failpoint-skip-{moment}")
 
 
 def leak_slot(slots: Any, reqs: Sequence[object]) -> Any:

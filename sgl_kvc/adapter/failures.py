@@ -54,16 +54,17 @@ class FailureLedger:
     # failures, so they work for the same requests; only then can one have failed something.
     active: bool = False
 
-    def fail(self, req: Req, what: str, error: BaseException) -> None:
-        """Record that sgl-kvc failed to `what` `req`; a request fails once."""
+    def fail(self, req: Req, what: str, error: BaseException, message: str | None = None) -> None:
+        """Record that sgl-kvc failed to `what` `req`; a request fails once. `message`: what its
+        client is told, where it says more than the generic one."""
         if failure(req) is not None:
             return
         if isinstance(error, FailedOnAnotherRank):
             logger.error("sgl-kvc: request %s failed on another tensor-parallel rank; aborting it here too", req.rid)
         else:
             logger.error("sgl-kvc failed to %s request %s; aborting it", what, req.rid, exc_info=error)
-        setattr(req, FAILED_ATTR, f"sgl-kvc could not {what} this request ({type(error).__name__}); "
-                                  "the server log has details")
+        setattr(req, FAILED_ATTR, message or f"sgl-kvc could not {what} this request ({type(error).__name__}); "
+                                             "the server log has details")
         self.active = True
         self.drop(req)
         self._unsettled.append(req)

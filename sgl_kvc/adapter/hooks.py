@@ -5,10 +5,10 @@
 | ForwardBatch.init_new                           | after  | request state at first prefill; logical RoPE positions for compacted requests |
 | Scheduler.process_batch_result                  | after  | moments `prefill` and `chunk`          |
 | Scheduler.update_running_batch                  | around | moments `decode` and `preempt`; counts SGLang's retractions |
-| PrefillAdder.add_one_req / running-token offset | around | admission by compressed footprint      |
-| PrefillAdder._check_prefill_budget              | around | a chunk-compressed prompt needs one chunk + budget |
+| PrefillAdder.add_one_req / running-token offset | around | admission by footprint (`adapter/admission.py`) |
+| PrefillAdder._check_prefill_budget / add_chunked_req | around | a chunk-compressed prompt: one chunk + what its passes copy and keep |
 | Scheduler.handle_generate_request               | around | prompts longer than the pool, compressed between chunks |
-| Scheduler.init_req_max_new_tokens               | around | a compressing request's output is bounded by the context, not the pool |
+| Scheduler.init_req_max_new_tokens               | around | a compressing request's output is bounded by the context; one that cannot fit even compressed is a 400 |
 | Req.refresh_fill_ids                            | around | the next chunk of a prompt compressed between chunks |
 | Req._compute_max_prefix_len                     | around | recompute the observation window on a prefix hit |
 | Scheduler.get_next_batch_to_run                 | after  | peak number of requests in flight      |
@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
+from sgl_kvc.adapter import admission
+from sgl_kvc.adapter.admission import CHUNKED_ATTR
 from sgl_kvc.adapter.requests import chunk_compressible, released, shifted_fill_ids
 from sgl_kvc.adapter.compressor import STATE_ATTR
 from sgl_kvc.adapter.runtime import KvcRuntime, collect_stats, compressor_of
@@ -29,7 +31,7 @@ from sgl_kvc.adapter.sglang_api import Hook
 from sgl_kvc.adapter.tp import dp_rank
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.policies import policy_class
-from sgl_kvc.request_settings import admit, peak_tokens, resolved
+from sgl_kvc.request_settings import admit, resolved
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -48,8 +50,6 @@ _INTERNAL_STATE = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 )
 STATS_KEY = "sgl_kvc"
-# On the Scheduler while it admits a new request that is compressed between chunks.
-_CHUNKED_ATTR = "_sgl_kvc_admitting_chunked"
 
 
 def hook_table(config: KvcConfig) -> list[Hook]:
@@ -74,17 +74,19 @@ def hook_table(config: KvcConfig) -> list[Hook]:
                  "the observation window is recomputed on a prefix hit"),
             Hook(f"{_SCHEDULER}._add_request_to_queue", _around_add_to_queue(config), "AROUND", ("req",),
                  "per-request settings checked once"),
-            Hook(f"{_ADDER}.add_one_req", _around_add_one_req(config), "AROUND", ("req",),
-                 "admission by compressed footprint"),
-            Hook(f"{_ADDER}._get_running_request_total_token_offset", _around_running_offset(config),
-                 "AROUND", ("req",), "admission by compressed footprint"),
-            Hook(f"{_SCHEDULER}.init_req_max_new_tokens", _around_max_new_tokens(config), "AROUND",
-                 ("req",), "a compressing request's output is not bounded by the pool"),
+            Hook(f"{_ADDER}.add_one_req", admission.around_add_one_req(config), "AROUND", ("req",),
+                 "admission by footprint"),
+            Hook(f"{_ADDER}._get_running_request_total_token_offset", admission.around_running_offset(config),
+                 "AROUND", ("req",), "admission by footprint"),
+            Hook(f"{_SCHEDULER}.init_req_max_new_tokens", admission.around_max_new_tokens(config), "AROUND",
+                 ("req",), "output bounded by the context; a request that cannot fit even compressed is a 400"),
         ]
     if config.chunk_moment is not None:
         hooks += [
-            Hook(f"{_ADDER}._check_prefill_budget", _around_check_prefill_budget(config), "AROUND",
-                 ("req", "extend_input_len", "total_tokens"), "one chunk + budget for a long prompt"),
+            Hook(f"{_ADDER}._check_prefill_budget", admission.around_check_prefill_budget(config), "AROUND",
+                 ("req", "extend_input_len", "total_tokens"), "one chunk + what its passes copy and keep"),
+            Hook(f"{_ADDER}.add_chunked_req", admission.around_add_chunked_req(config), "AROUND",
+                 ("req",), "the next chunk and the copies of the pass after it"),
             Hook(f"{_SCHEDULER}.handle_generate_request", _around_handle_generate(config), "AROUND",
                  ("recv_req",), "a prompt longer than the pool is accepted"),
             Hook(f"{_REQ}.refresh_fill_ids", _around_refresh_fill_ids, "AROUND", (),
@@ -182,26 +184,8 @@ def _around_add_to_queue(config: KvcConfig):
         # `custom_params` are checked here, against this server's configuration too, so a bad
         # or unservable one is a 400 for that request and is never read again by the hooks below.
         admit(req, config)
+        admission.remember(req, config, scheduler)
         return original(scheduler, req, *a, **kw)
-
-    return hook
-
-
-def _around_add_one_req(config: KvcConfig):
-    def hook(original: Callable[..., Any], adder: Any, req: Req, *args: Any, **kwargs: Any):
-        peak = peak_tokens(config, req)
-        sp = req.sampling_params
-        if peak is None or sp.max_new_tokens is None:
-            return original(adder, req, *args, **kwargs)
-        # Reserve what the request will really hold: SGLang sizes a request by prompt +
-        # max_new_tokens; a compressing one never holds more than about budget + buffer.
-        current = len(req.origin_input_ids) + len(req.output_ids)
-        saved = sp.max_new_tokens
-        sp.max_new_tokens = min(saved, len(req.output_ids) + max(peak - current, 1))
-        try:
-            return original(adder, req, *args, **kwargs)
-        finally:
-            sp.max_new_tokens = saved
 
     return hook
 
@@ -209,7 +193,7 @@ def _around_add_one_req(config: KvcConfig):
 def _around_max_prefix(config: KvcConfig):
     def hook(original: Callable[..., Any], req: Req, input_len: int, *args: Any, **kwargs: Any):
         limit = original(req, input_len, *args, **kwargs)
-        if "prefill" not in config.compress_on or peak_tokens(config, req) is None:
+        if "prefill" not in config.compress_on or not resolved(req, config).compressing:
             return limit
         policy = policy_class(resolved(req, config).policy)
         if policy.accumulate_prefill and not getattr(req.kv, "holds_kv", False):
@@ -221,18 +205,6 @@ def _around_max_prefix(config: KvcConfig):
         # the observation window that scores the prompt right after prefill, so a cached
         # prefix must not change what a compressing request keeps.
         return min(limit, max(input_len - config.kv_window, 0))
-
-    return hook
-
-
-def _around_check_prefill_budget(config: KvcConfig):
-    def hook(original: Callable[..., Any], adder: Any, req: Req, *args: Any, **kwargs: Any):
-        peak = peak_tokens(config, req, between_chunks=True)
-        chunk = kwargs.get("chunk_limit")
-        if peak is not None and chunk and "total_tokens" in kwargs and chunk_compressible(req, config):
-            # Compressed after every chunk: it never holds more than one chunk beyond its budget.
-            kwargs["total_tokens"] = min(kwargs["total_tokens"], chunk + peak)
-        return original(adder, req, *args, **kwargs)
 
     return hook
 
@@ -249,53 +221,16 @@ def _around_handle_generate(config: KvcConfig):
         # `ignore_eos` request by its whole prompt, `PrefillAdder.add_one_req_ignore_eos`: the
         # pool bounds it there.) `init_req_max_new_tokens` runs inside, before SGLang has set the
         # new Req's `logprob_start_len`, so it is told here that the request is compressed
-        # between chunks (`_CHUNKED_ATTR`).
+        # between chunks (`CHUNKED_ATTR`).
         saved = scheduler.max_req_len, scheduler.max_req_input_len
         scheduler.max_req_len = int(scheduler.model_config.context_len) - 1
         scheduler.max_req_input_len = scheduler.max_req_len - 5
-        setattr(scheduler, _CHUNKED_ATTR, True)
+        setattr(scheduler, CHUNKED_ATTR, True)
         try:
             return original(scheduler, recv_req, *args, **kwargs)
         finally:
             scheduler.max_req_len, scheduler.max_req_input_len = saved
-            setattr(scheduler, _CHUNKED_ATTR, None)
-
-    return hook
-
-
-def _around_max_new_tokens(config: KvcConfig):
-    def hook(original: Callable[..., Any], scheduler: Scheduler, req: Req, *args: Any, **kwargs: Any):
-        peak = peak_tokens(config, req)
-        if peak is None or req.finished() or "decode" not in config.compress_on:
-            return original(scheduler, req, *args, **kwargs)
-        # SGLang bounds prompt + output by the pool (and silently cuts the output to fit); a
-        # request compressed during decode holds at most its prompt (or, compressed between
-        # chunks, one chunk of it) + its peak, so only the context bounds its output.
-        chunk = getattr(scheduler, "chunked_prefill_size", None)
-        chunked = bool(getattr(scheduler, _CHUNKED_ATTR, None))  # (see `_around_handle_generate`)
-        sp = req.sampling_params
-        input_len = len(req.origin_input_ids)
-        wanted = sp.max_new_tokens if sp.max_new_tokens is not None else 1 << 30
-        limit = getattr(scheduler, "max_new_tokens_limit", None)
-        if limit:
-            wanted = min(wanted, limit)
-        max_new = max(0, min(wanted, int(scheduler.model_config.context_len) - 1 - input_len - 1))
-        # What it holds at most: all of it; or its whole prompt, then its peak once compressed; or,
-        # compressed between chunks, one chunk of its prompt + its peak.
-        if chunked:
-            peak = peak_tokens(config, req, between_chunks=True)
-        held = min(input_len + max_new, min(input_len, chunk) + peak if chunked else max(input_len, peak))
-        if held < int(scheduler.max_total_num_tokens):
-            sp.max_new_tokens = max_new
-            sp.min_new_tokens = min(sp.min_new_tokens, max_new)
-            return None
-        if not chunked:  # it may not fit even compressed (a budget near the pool): SGLang's own bound
-            return original(scheduler, req, *args, **kwargs)
-        req.set_finish_with_abort(
-            f"The KV pool ({scheduler.max_total_num_tokens} tokens) cannot hold this request even "
-            f"compressed: one prefill chunk ({min(input_len, chunk)}) + its budget and buffer ({peak})"
-        )
-        return None
+            setattr(scheduler, CHUNKED_ATTR, None)
 
     return hook
 
@@ -306,14 +241,3 @@ def _around_refresh_fill_ids(original: Callable[..., Any], req: Req, *args: Any,
     if state is not None and state.fill_shift and state.offset:
         shifted_fill_ids(req, state.offset)
     return out
-
-
-def _around_running_offset(config: KvcConfig):
-    def hook(original: Callable[..., Any], adder: Any, req: Req, *args: Any, **kwargs: Any):
-        offset = original(adder, req, *args, **kwargs)
-        peak = peak_tokens(config, req)
-        if peak is None:
-            return offset
-        return min(offset, max(peak - req.kv.kv_committed_len, 0))
-
-    return hook

@@ -158,6 +158,10 @@ class ReqKvState:
     # The moments of the prompt's pre-RoPE queries (`core/query_moments.py`), accumulated while
     # the prompt is prefilled when its prompt policy reads them (Expected Attention); None after.
     query_moments: Any = None
+    # Passes put off in a row for lack of free slots, and the logical length before which no new
+    # pass starts (the adapter backs off rather than score a pass it could not compact).
+    skips: int = 0
+    retry_at: int = 0
 
     PROMPT_MOMENTS = ("prefill", "chunk")
 

@@ -40,7 +40,8 @@ def _generate(server: ServerProcess, rid: str, n: int = 24, prompt: list[int] = 
 
 @pytest.fixture(scope="module")
 def faulty_server():
-    env = {"SGLKVC_FAILPOINTS": "compress_raise,rewrite_raise,leak_slot,observe_raise", "SGLKVC_CHECK": "1"}
+    env = {"SGLKVC_FAILPOINTS": "compress_raise,rewrite_raise,leak_slot,observe_raise,skip_compaction",
+           "SGLKVC_CHECK": "1"}
     with ServerProcess.launch(CMD, env=env) as server:
         yield server
 
@@ -76,9 +77,40 @@ def test_lost_observations_fail_only_their_request(faulty_server) -> None:
     assert stats["compression"]["decode_passes"] > 0
 
 
+def test_a_compaction_without_free_slots_between_chunks_fails_only_its_request(faulty_server) -> None:
+    """Its next chunk cannot fit uncompressed: it is released at once with a clear error, and the
+    server never reaches SGLang's "Prefill out of memory"."""
+    long_prompt = [(11 * i) % 1500 + 10 for i in range(3 * POOL)]
+    bad = _only_the_planted_request_fails(faulty_server, "failpoint-skip-chunk-1", planted_prompt=long_prompt)
+    assert "between two chunks of its prompt" in bad.text and "no free slots" in bad.text
+
+
+def test_a_compaction_without_free_slots_after_prefill_is_put_off(faulty_server) -> None:
+    """The prompt (50 tokens, one chunk) is not cut after prefill: the request goes on, and is
+    compressed by its first decode pass once it is due again."""
+    before = faulty_server.wait_idle()["compression"]
+    r = _generate(faulty_server, "failpoint-skip-prefill-1", 40, prompt=list(range(400, 450)))
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 40, r.text[:300]
+    c = faulty_server.wait_idle()["compression"]
+    assert c["skipped"] == before["skipped"] + 1 and c["failed_requests"] == before["failed_requests"], c
+    assert c["decode_passes"] > before["decode_passes"]
+
+
+def test_decode_compactions_without_free_slots_back_off(faulty_server) -> None:
+    """Every decode compaction of the request finds no free slots: its pass is put off by 2, 4, 8
+    and 16 tokens, not scored and thrown away at each of the 32 steps it is over its trigger."""
+    before = faulty_server.wait_idle()["compression"]
+    r = _generate(faulty_server, "failpoint-skip-decode-1", 60, prompt=SHORT)
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 60, r.text[:300]
+    stats = faulty_server.wait_idle()
+    c = stats["compression"]
+    assert 1 <= c["skipped"] - before["skipped"] <= 6 and c["failed_requests"] == before["failed_requests"], c
+    assert_pool_whole(stats)
+
+
 def _only_the_planted_request_fails(
     server: ServerProcess, planted: str, prompt: list[int] = PROMPT, n: int = 24, planted_prompt: list[int] | None = None,
-) -> None:
+) -> requests.Response:
     failed_before = server.wait_idle()["compression"]["failed_requests"]
     rids = [planted, "ok-1", "ok-2", "ok-3"]
 
@@ -98,6 +130,7 @@ def _only_the_planted_request_fails(
     assert_pool_whole(stats)
     assert stats["pool"]["request_state_bytes"] == 0
     assert _generate(server, "ok-after").status_code == 200
+    return bad
 
 
 @pytest.mark.parametrize(

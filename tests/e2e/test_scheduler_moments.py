@@ -1,10 +1,11 @@
-"""Compression just before a preemption, and admission by compressed footprint.
+"""Compression just before a preemption, and admission by what a request will really hold.
 
 A deliberately small pool: eight generations of ~170 tokens need ~1400 slots, the pool has 600.
 Plain SGLang admits three at a time (prompt + max_tokens each). With R-KV the scheduler admits
 by what a request will really hold (budget + buffer), so all eight run at once; with only the
 `preempt` moment on, they grow until the decode memory check fails, then get compressed
-instead of retracted.
+instead of retracted. With the prefill moment alone nothing brings the generated tokens back to
+the budget: a request is admitted for its budget + max_tokens, and none is retracted.
 """
 
 from __future__ import annotations
@@ -57,11 +58,32 @@ def test_compress_before_preempt_and_admit_by_footprint(preempt_server) -> None:
     assert_pool_whole(s)
 
 
+def test_a_request_that_cannot_fit_even_compressed_is_a_400_not_cut_short(preempt_server) -> None:
+    """Its budget + buffer alone exceed the pool: SGLang would cut its output to what fits,
+    silently; it is refused, saying so."""
+    r = preempt_server.post("/v1/completions", json={
+        "model": "m", "prompt": "The weather was mild.", "max_tokens": 1000, "ignore_eos": True,
+        "kv_compression": {"budget": POOL + 100},
+    })
+    assert r.status_code == 400, r.text[:300]
+    assert "cannot hold this request even compressed" in r.text
+    ok = preempt_server.post("/v1/completions", json={
+        "model": "m", "prompt": "The weather was mild.", "max_tokens": 40, "ignore_eos": True,
+        "kv_compression": {"budget": POOL + 100},  # never reaches its budget: it fits
+    })
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 40, ok.text[:300]
+
+
+PREFILL_POOL = 2048
+
+
 @pytest.fixture(scope="module")
 def whole_pass_server():
+    """The prefill moment alone (no decode or preempt moment), every pass whole."""
     cmd = [
         sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "snapkv",
-        "--kv-budget", "16", "--kv-window", "4", "--kv-pass-work", "0",
+        "--kv-budget", "16", "--kv-window", "4", "--kv-pass-work", "0", "--compress-on", "prefill",
+        "--max-total-tokens", str(PREFILL_POOL),
     ]
     with ServerProcess.launch(cmd, env={"SGLKVC_CHECK": "1"}) as server:
         yield server
@@ -82,6 +104,36 @@ def test_requests_due_in_the_same_step_are_compacted_together(whole_pass_server)
     assert c["prefill_passes"] == N_REQ and c["max_compacted_together"] >= 2, c
     assert c["staged_passes"] == 0 and c["failed_requests"] == 0, c
     assert_pool_whole(s)
+
+
+def test_without_a_decode_moment_requests_are_admitted_for_budget_plus_max_tokens(whole_pass_server) -> None:
+    """16 requests of 60-token prompts and 200-token outputs in a 2048-slot pool: each is cut to
+    its budget after prefill (copying 16 entries out of the tree), then holds up to budget + 200.
+    Admitted by that, none is retracted (admitted by budget + buffer, SGLang would retract many)."""
+    import random
+
+    before = whole_pass_server.wait_idle()["compression"]
+
+    def one(i: int) -> int:
+        rng = random.Random(100 + i)
+        r = whole_pass_server.post("/v1/completions", json={
+            "model": "m", "prompt": [rng.randrange(10, 2000) for _ in range(60)], "max_tokens": 200,
+            "ignore_eos": True,
+        })
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    with ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(one, range(16))) == [200] * 16
+    s = whole_pass_server.wait_idle()
+    c = s["compression"]
+    assert c["retractions"] == before["retractions"] == 0, c
+    assert c["skipped"] == before["skipped"] and c["decode_passes"] == 0, c
+    assert s["requests"]["max_running"] >= PREFILL_POOL // (16 + 200 + 1) - 1, s["requests"]
+    assert_pool_whole(s)
+    # One that cannot fit even compressed (budget + max_tokens over the pool) is a 400.
+    r = whole_pass_server.post("/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": PREFILL_POOL})
+    assert r.status_code == 400 and "cannot hold this request even compressed" in r.text, r.text[:300]
 
 
 def test_prometheus_metrics(preempt_server) -> None:

@@ -1,6 +1,8 @@
 """The chunk moment's trigger (`adapter/chunk_pressure.py`) on stand-ins for SGLang's scheduler:
 a prompt is compressed before its next chunk exactly when the room SGLang's next prefill round
-has (free + evictable - what the running requests reserve) cannot hold that chunk."""
+has (free + evictable - what the running requests, and those admitted beside the chunk, reserve)
+cannot hold what that chunk takes: the chunk and the fresh slots of the pass after it
+(`adapter/admission.chunk_need`, from `sgl_kvc/footprint.py`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from sgl_kvc.adapter.chunk_pressure import needs_compression, next_chunk_room
+from sgl_kvc.config import KvcConfig
 
 CHUNK = 256
 
@@ -39,57 +42,69 @@ def test_the_room_is_free_plus_evictable_minus_the_running_reservations() -> Non
 KEEP = 64  # slots the compaction may copy the kept entries into
 
 
-@pytest.mark.parametrize("free, processed, prompt, due", [
-    (1000, 512, 4096, False),  # a whole chunk fits
-    (CHUNK + KEEP - 1, 512, 4096, True),  # one slot short of the next chunk and the kept entries
-    (CHUNK + KEEP, 512, 4096, False),  # exactly enough
-    (96 + KEEP, 4000, 4096, False),  # the last 96 tokens fit
-    (90 + KEEP, 4000, 4096, True),  # ... but not in 90
-    (0, 4096, 4096, False),  # nothing left to read
+def _chunked(prompt: int, max_new: int = 16) -> SimpleNamespace:
+    """A prompt compressed between chunks of CHUNK, with what admission fixed for it."""
+    from sgl_kvc.adapter.admission import _SIZES_ATTR
+    from sgl_kvc.footprint import Sizes
+
+    req = _req(prompt, max_new=max_new)
+    req.sampling_params.custom_params = None
+    setattr(req, _SIZES_ATTR, Sizes(budget=KEEP, buffer=32, keep=KEEP, chunk=CHUNK))
+    return req
+
+
+@pytest.mark.parametrize("free, processed, prompt, compacted, due", [
+    (1000, 512, 4096, False, False),  # a whole chunk and the copies of the pass after it fit
+    (CHUNK + KEEP - 1, 512, 4096, False, True),  # one slot short of the next chunk and the copies
+    (CHUNK + KEEP, 512, 4096, False, False),  # exactly enough
+    (CHUNK, 512, 4096, True, False),  # compacted before: what it holds is its own, no copies
+    (CHUNK - 1, 512, 4096, True, True),
+    (96 + KEEP, 4000, 4096, False, False),  # the last 96 tokens, the copies of the pass after prefill
+    (90 + KEEP, 4000, 4096, False, True),  # ... but not in 90
+    (0, 4096, 4096, False, False),  # nothing left to read
 ])
-def test_compressed_only_when_the_next_chunk_does_not_fit(free: int, processed: int, prompt: int, due: bool) -> None:
-    assert needs_compression(_scheduler(free, 0, []), _req(prompt), processed, KEEP) is due
+def test_compressed_only_when_what_the_next_chunk_takes_does_not_fit(
+    free: int, processed: int, prompt: int, compacted: bool, due: bool
+) -> None:
+    from sgl_kvc.adapter.admission import chunk_need
+
+    config = KvcConfig(policy="snapkv", kv_budget=KEEP, kv_buffer=32)
+    req = _chunked(prompt, max_new=0)
+    held = KEEP if compacted else processed
+    need = chunk_need(req, config, held, processed, compacted)
+    assert needs_compression(_scheduler(free, 0, []), req, need) is due
 
 
 def test_running_requests_reservations_count() -> None:
     """A decoding request's reserved output takes room the chunk would have had."""
     busy = [_req(10, max_new=200, ignore_eos=True)]
-    assert not needs_compression(_scheduler(400, 0, []), _req(4096), 512, KEEP)
-    assert needs_compression(_scheduler(400, 0, busy), _req(4096), 512, KEEP)
+    need = CHUNK + KEEP
+    assert not needs_compression(_scheduler(400, 0, []), _req(4096), need)
+    assert needs_compression(_scheduler(400, 0, busy), _req(4096), need)
+
+
+def test_requests_admitted_beside_the_chunk_count() -> None:
+    """The extend batch that just ran: its other requests are not running yet, but their
+    reservations take the next round's room too; the chunked request's own does not."""
+    chunked = _req(4096)
+    new = _req(10, max_new=200, ignore_eos=True)
+    new.finished = lambda: False
+    chunked.finished = lambda: False
+    batch = SimpleNamespace(reqs=[chunked, new], chunked_req=chunked)
+    assert next_chunk_room(_scheduler(400, 0, []), batch) == 400 - 200
+    assert next_chunk_room(_scheduler(400, 0, [new]), batch) == 400 - 200  # counted once
 
 
 def test_a_pass_between_chunks_may_keep_a_multiple_of_the_budget() -> None:
     """`--kv-chunk-keep`: what a pass between chunks keeps (the pass after the last chunk cuts to
     the budget), and what admission counts a request compressed between chunks to hold."""
-    from sgl_kvc.config import KvcConfig
-    from sgl_kvc.request_settings import peak_tokens as request_peak_tokens
+    from sgl_kvc.adapter.admission import sizes_of
+    from sgl_kvc.request_settings import RequestCompression
 
     config = KvcConfig(policy="snapkv", kv_budget=256, kv_buffer=128, kv_chunk_keep=2.0)
     assert config.chunk_target(256) == 512 and KvcConfig(policy="snapkv").chunk_target(256) == 256
-    req = SimpleNamespace(origin_input_ids=[1] * 4000, custom_params=None,
-                          sampling_params=SimpleNamespace(max_new_tokens=16, custom_params=None))
-    assert request_peak_tokens(config, req) == 256 + 128 + 1
-    assert request_peak_tokens(config, req, between_chunks=True) == 512 + 1
+    sizes = sizes_of(config, RequestCompression().resolve(config), 4000, 16, 1024)
+    assert (sizes.budget, sizes.keep, sizes.chunk) == (256, 512, 1024)
     for bad in (0.5, True, "2"):
         with pytest.raises(ValueError, match="--kv-chunk-keep"):
             KvcConfig(policy="snapkv", kv_chunk_keep=bad)
-
-
-def test_admission_reserves_the_budget_a_request_decodes_with() -> None:
-    """One budget resolution: what admission reserves for a request is the budget its passes cut
-    to at its longest (`--kv-budget-ratio`: that fraction of prompt + most new tokens, never
-    below the window), and a request's own budget wins over the ratio."""
-    from sgl_kvc.config import KvcConfig
-    from sgl_kvc.request_settings import peak_tokens, resolved
-
-    def req(custom=None):
-        return SimpleNamespace(origin_input_ids=[1] * 990,
-                               sampling_params=SimpleNamespace(max_new_tokens=10, custom_params=custom))
-
-    config = KvcConfig(policy="rkv", kv_budget_ratio=0.25, kv_buffer=128, kv_window=8)
-    r = req()
-    assert peak_tokens(config, r) == resolved(r, config).budget.at(1000) + 128 + 1 == 250 + 129
-    tiny = KvcConfig(policy="rkv", kv_budget_ratio=0.001, kv_buffer=128, kv_window=8)
-    assert peak_tokens(tiny, req()) == 8 + 1 + 128 + 1  # the window's floor, as a pass keeps
-    own = req({"sgl_kvc": {"budget": 64}})
-    assert peak_tokens(config, own) == 64 + 128 + 1 and resolved(own, config).budget.ratio is None

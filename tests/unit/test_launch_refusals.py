@@ -33,6 +33,11 @@ from sgl_kvc.launch import build_sglang_argv, parse_args
         (["--policy", "rkv", "--enable-hierarchical-cache"], "does not support --enable-hierarchical-cache"),
         (["--policy", "rkv", "--enable-pdmux"], "does not support --enable-pdmux"),
         (["--kv-cache-dtype", "fp8_e5m2", "--disaggregation-mode=decode"], "FP8 pool"),
+        (["--policy", "rkv", "--pp-size", "2"], "does not support --pp-size 2"),
+        (["--policy", "snapkv", "--pipeline-parallel-size=4"], "does not support --pp-size 4"),
+        (["--policy", "rkv", "--kv-cache-dtype", "nvfp4"], "does not support --kv-cache-dtype nvfp4"),
+        (["--policy", "h2o", "--kv-cache-dtype=fp4_mx_block16"], "does not support --kv-cache-dtype fp4_mx_block16"),
+        (["--policy", "rkv", "--kv-cache-dtype", "mxfp8"], "does not support --kv-cache-dtype mxfp8"),
         # split backends: SGLang's hybrid backend, which leaves the observation store unattached
         (["--policy", "rkv", "--prefill-attention-backend", "flashinfer"], "one attention backend for prefill and decode"),
         (["--policy", "snapkv", "--attention-backend", "flashinfer", "--decode-attention-backend", "torch_native"],
@@ -58,6 +63,8 @@ def test_unsupported_setups_are_usage_errors(argv, message, capsys) -> None:
         ["--policy", "rkv", "--dp-size", "2"],  # every rank is a scheduler of its own
         ["--policy", "rkv", "--prefill-attention-backend", "torch_native"],  # the same one as decode
         ["--policy", "none", "--prefill-attention-backend", "flashinfer"],  # plain SGLang
+        ["--policy", "none", "--pp-size", "2", "--kv-cache-dtype", "nvfp4"],  # plain SGLang
+        ["--policy", "rkv", "--pp-size", "1", "--kv-cache-dtype", "bf16"],
     ],
 )
 def test_supported_setups_pass(argv) -> None:

@@ -1,0 +1,330 @@
+"""Admission by what a compressing request will really hold (`sgl_kvc/footprint.py`).
+
+SGLang's `PrefillAdder` admits a request for its prompt + `max_new_tokens` and, in each prefill
+round, counts for every running request the tokens it may still generate. A compressing request
+holds less once compressed, and, while a compaction copies its kept entries out of the radix
+tree's slots, more. These hooks give SGLang those numbers, all from one function, so that no
+admitted request is retracted (SGLang's preemption) for memory its admission did not count and no
+compaction finds its fresh slots taken:
+
+| hook (sglang 0.5.23)                                  | what it counts                                   |
+| ----------------------------------------------------- | ------------------------------------------------ |
+| Scheduler.init_req_max_new_tokens                     | a request that cannot fit even compressed is refused (a 400), not cut short |
+| PrefillAdder.add_one_req                              | a waiting request: its footprint beyond its cached prefix |
+| PrefillAdder._check_prefill_budget                    | a prompt compressed between chunks: one chunk and what its first pass copies |
+| PrefillAdder.add_chunked_req                          | such a prompt's next chunk and the slots of the pass after it; with its last chunk, the rest of its life |
+| PrefillAdder._get_running_request_total_token_offset  | a running request: what it may still take, a pending compaction's copies included |
+
+A request's sizes are fixed when it enters the queue (`remember`), after SGLang has set its
+`max_new_tokens`, so a ratio budget (`--kv-budget-ratio`) is read at the length it may reach.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable
+
+from sgl_kvc.adapter.compressor import STATE_ATTR
+from sgl_kvc.adapter.requests import chunk_compressible
+from sgl_kvc.config import KvcConfig
+from sgl_kvc.footprint import Moments, Now, Sizes, compaction_copies, most_held
+from sgl_kvc.request_settings import ResolvedCompression, resolved
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_SIZES_ATTR = "_sgl_kvc_sizes"  # on SGLang's Req: its `Sizes`, set when it enters the queue
+# On the Scheduler while it admits a new request that is compressed between chunks
+# (`hooks._around_handle_generate`).
+CHUNKED_ATTR = "_sgl_kvc_admitting_chunked"
+
+
+def sizes_of(config: KvcConfig, settings: ResolvedCompression, prompt: int, max_new: int,
+             chunk: int | None, published: bool = True) -> Sizes:
+    """The sizes of a request with these settings, prompt and most new tokens (`chunk`: the size
+    its prompt is read in when it is compressed between chunks, else None; `published`: whether
+    SGLang puts what it reads into the radix tree)."""
+    budget = settings.budget.at(prompt + max_new)
+    return Sizes(budget=budget, buffer=config.kv_buffer, keep=config.chunk_target(budget), chunk=chunk,
+                 published=published)
+
+
+def _radix(scheduler: Scheduler) -> bool:
+    return not getattr(scheduler.tree_cache, "disable", True)
+
+
+def scheduler_chunk(scheduler: Scheduler, req: Any, config: KvcConfig) -> int | None:
+    """The chunk size `req`'s prompt is read in when it is compressed between chunks, else None
+    (without the radix cache SGLang admits some requests by their whole prompt)."""
+    chunk = getattr(scheduler, "chunked_prefill_size", None)
+    if not chunk or chunk <= 0 or not _radix(scheduler) or not chunk_compressible(req, config):
+        return None
+    return int(chunk)
+
+
+def remember(req: Req, config: KvcConfig, scheduler: Scheduler) -> None:
+    """When `req` enters the scheduler's queue (new, or retracted): its sizes, read once."""
+    settings = resolved(req, config)
+    if not settings.compressing or req.sampling_params.max_new_tokens is None:
+        setattr(req, _SIZES_ATTR, None)
+        return
+    setattr(req, _SIZES_ATTR, sizes_of(config, settings, len(req.origin_input_ids),
+                                       int(req.sampling_params.max_new_tokens),
+                                       scheduler_chunk(scheduler, req, config), _radix(scheduler)))
+
+
+def sizes(req: Req, config: KvcConfig) -> Sizes | None:
+    """`req`'s sizes, or None if it does not compress."""
+    cached = getattr(req, _SIZES_ATTR, None)
+    if cached is not None:
+        return cached
+    settings = resolved(req, config)
+    max_new = req.sampling_params.max_new_tokens
+    if not settings.compressing or max_new is None:
+        return None
+    return sizes_of(config, settings, len(req.origin_input_ids), int(max_new), None)
+
+
+def _out_left(req: Req) -> int:
+    return max(0, int(req.sampling_params.max_new_tokens) - len(req.output_ids))
+
+
+def _compacted(req: Req) -> bool:
+    state = getattr(req, STATE_ATTR, None)
+    return state is not None and state.compressed
+
+
+def admission_demand(req: Req, config: KvcConfig) -> int | None:
+    """Slots a waiting request (new or retracted) holds at most beyond its cached prefix (SGLang
+    has matched it, `prefix_len`, and locks it while admitting), or None if it does not compress."""
+    s = sizes(req, config)
+    if s is None:
+        return None
+    cached = int(req.prefix_len)
+    fill = len(req.origin_input_ids) + len(req.output_ids)
+    now = Now(held=cached, tree=cached, prompt_left=max(0, fill - cached), out_left=_out_left(req))
+    return most_held(Moments.of(config), s, now) - cached
+
+
+def running_need(req: Req, config: KvcConfig) -> tuple[int, int] | None:
+    """(slots a running request may still take, of them the fresh slots of a compaction still due
+    on what it holds now), or None if it does not compress."""
+    s = sizes(req, config)
+    if s is None:
+        return None
+    held, tree = int(req.kv.kv_committed_len), int(req.kv.cache_protected_len)
+    # A pass after prefill not done yet: staged over steps, or put off for lack of slots.
+    due = not _compacted(req) and len(req.origin_input_ids) > s.budget
+    moments = Moments.of(config)
+    total = most_held(moments, s, Now(held, tree, 0, _out_left(req), due)) - held
+    copies = most_held(moments, s, Now(held, tree, 0, 0, due)) - held
+    return total, copies
+
+
+def chunk_need(req: Req, config: KvcConfig, held: int, read: int, compacted: bool) -> int | None:
+    """Slots a prompt read in chunks takes in the next prefill round if it is not compressed
+    first, as its next chunk is admitted (`_around_add_chunked_req`): the chunk and the fresh slots
+    of a pass after it; with its last chunk, the rest of its life. `held`: slots its row holds,
+    `read`: prompt tokens read, `compacted`: whether it has been compacted (else everything it
+    holds is the tree's, published chunk by chunk). None if it does not compress."""
+    s = sizes(req, config)
+    if s is None:
+        return None
+    left = len(req.origin_input_ids) - read
+    if left <= 0:
+        return 0
+    now = Now(held=held, tree=0 if compacted else held, prompt_left=left, out_left=_out_left(req))
+    return _round_need(Moments.of(config), s, now)[0]
+
+
+def _round_need(moments: Moments, s: Sizes, now: Now) -> tuple[int, int]:
+    """(slots the next round takes for a prompt read in chunks, of them the copies of the pass
+    after a middle chunk)."""
+    if s.chunk is None or now.prompt_left <= s.chunk:
+        return most_held(moments, s, now) - now.held, 0
+    after = now.held + s.chunk
+    publishing = s.published and now.tree >= now.held
+    copies = compaction_copies(after, after if publishing else now.tree, s.keep) if after > s.keep else 0
+    return s.chunk + copies, copies
+
+
+# --- hooks ------------------------------------------------------------------------------------
+def around_add_one_req(config: KvcConfig) -> Callable[..., Any]:
+    def hook(original: Callable[..., Any], adder: Any, req: Req, *args: Any, **kwargs: Any):
+        demand = admission_demand(req, config)
+        if demand is None:
+            return original(adder, req, *args, **kwargs)
+        # SGLang reserves the extend + max_new_tokens: make that the request's footprint.
+        sp = req.sampling_params
+        extend = len(req.origin_input_ids) + len(req.output_ids) - int(req.prefix_len)
+        saved = sp.max_new_tokens
+        sp.max_new_tokens = len(req.output_ids) + max(demand - extend, 0)
+        try:
+            result = original(adder, req, *args, **kwargs)
+        finally:
+            sp.max_new_tokens = saved
+        if getattr(adder, "new_chunked_req", None) is req:
+            # Admitted for its first chunk only: the pass after it copies what it keeps out of
+            # the tree into slots requests admitted after it in this round must not take.
+            _reserve(adder, _chunk_copies(req, config))
+        return result
+
+    return hook
+
+
+def around_check_prefill_budget(config: KvcConfig) -> Callable[..., Any]:
+    def hook(original: Callable[..., Any], adder: Any, req: Req, *args: Any, **kwargs: Any):
+        s = sizes(req, config)
+        if s is not None and s.chunk is not None and kwargs.get("chunk_limit") and "total_tokens" in kwargs:
+            demand = admission_demand(req, config)
+            # Compressed between chunks, it never holds more than that (a chunk beyond what its
+            # passes keep): SGLang's check of its whole prompt would refuse what fits.
+            kwargs["total_tokens"] = min(kwargs["total_tokens"], demand)
+        return original(adder, req, *args, **kwargs)
+
+    return hook
+
+
+def around_add_chunked_req(config: KvcConfig) -> Callable[..., Any]:
+    def hook(original: Callable[..., Any], adder: Any, req: Req, *args: Any, **kwargs: Any):
+        s = sizes(req, config)
+        if s is None or s.chunk is None:
+            return original(adder, req, *args, **kwargs)
+        now = _chunked_now(req)
+        need, copies = _round_need(Moments.of(config), s, now)
+        sp = req.sampling_params
+        saved = sp.max_new_tokens
+        # With its last chunk SGLang reserves the chunk + max_new_tokens: make that the rest of
+        # the request's life (its pass after prefill copies, its generation).
+        sp.max_new_tokens = len(req.output_ids) + max(need - now.prompt_left, 0)
+        try:
+            result = original(adder, req, *args, **kwargs)
+        finally:
+            sp.max_new_tokens = saved
+        added = bool(adder.can_run_list) and adder.can_run_list[-1] is req
+        if added and result is req:  # a middle chunk: SGLang reserves the chunk alone
+            _reserve(adder, copies)
+        return result
+
+    return hook
+
+
+def around_running_offset(config: KvcConfig) -> Callable[..., Any]:
+    def hook(original: Callable[..., Any], adder: Any, req: Req, *args: Any, **kwargs: Any):
+        offset = original(adder, req, *args, **kwargs)
+        need = running_need(req, config)
+        if need is None:
+            return offset
+        total, copies = need
+        # SGLang's own estimate of the tokens it will still generate (scaled down where early
+        # stops are expected) never covers a compaction's copies: those are added.
+        return min(total, offset + copies)
+
+    return hook
+
+
+def around_max_new_tokens(config: KvcConfig) -> Callable[..., Any]:
+    def hook(original: Callable[..., Any], scheduler: Scheduler, req: Req, *args: Any, **kwargs: Any):
+        settings = resolved(req, config)
+        if not settings.compressing or req.finished():
+            return original(scheduler, req, *args, **kwargs)
+        # SGLang bounds prompt + output by the pool and silently cuts the output to fit; a
+        # compressing request holds far less, so only the context bounds its output, unless it
+        # cannot fit the pool even compressed: then it is refused (a 400), as SGLang refuses a
+        # request longer than the context, or, with --allow-auto-truncate, its output is cut to
+        # what fits and it ends with finish_reason "length", as SGLang cuts one there.
+        sp = req.sampling_params
+        prompt = len(req.origin_input_ids)
+        wanted = sp.max_new_tokens if sp.max_new_tokens is not None else 1 << 30
+        limit = getattr(scheduler, "max_new_tokens_limit", None)
+        if limit:
+            wanted = min(wanted, limit)
+        max_new = max(0, min(wanted, int(scheduler.model_config.context_len) - 1 - prompt - 1))
+        chunk = int(scheduler.chunked_prefill_size) if getattr(scheduler, CHUNKED_ATTR, None) else None
+        pool = int(scheduler.max_total_num_tokens)
+        moments = Moments.of(config)
+        published = _radix(scheduler)
+
+        def held(out: int) -> int:  # on an empty pool
+            s = sizes_of(config, settings, prompt, out, chunk, published)
+            return most_held(moments, s, Now(prompt_left=prompt, out_left=out))
+
+        if held(max_new) < pool:
+            _set_max_new(sp, max_new)
+            return None
+        fits = _most_that_fits(held, max_new, pool)
+        if fits is not None and _allow_auto_truncate():
+            logger.warning("Request %s cannot hold %d new tokens even compressed in the KV pool of %d "
+                           "tokens; its max_new_tokens is cut to %d (--allow-auto-truncate)",
+                           req.rid, max_new, pool, fits)
+            _set_max_new(sp, fits)
+            return None
+        _set_max_new(sp, 0)
+        req.set_finish_with_abort(_too_large(config, settings, prompt, max_new, held(max_new), pool, chunk, fits))
+        return None
+
+    return hook
+
+
+# --- helpers ----------------------------------------------------------------------------------
+def _chunked_now(req: Req) -> Now:
+    """A prompt read in chunks, at the start of the round that reads its next chunk."""
+    held, tree = int(req.kv.kv_committed_len), int(req.kv.cache_protected_len)
+    left = len(req.full_untruncated_fill_ids) - int(req.prefix_len)
+    return Now(held=held, tree=tree, prompt_left=max(0, left), out_left=_out_left(req))
+
+
+def _chunk_copies(req: Req, config: KvcConfig) -> int:
+    """The fresh slots of the pass after the first chunk of a prompt compressed between chunks:
+    everything it holds then is the tree's (its cached prefix, and the chunk SGLang publishes)."""
+    s = sizes(req, config)
+    if s is None or s.chunk is None:
+        return 0
+    after = int(req.extend_end)  # the first chunk's end
+    if after >= len(req.origin_input_ids) + len(req.output_ids) or after <= s.keep:
+        return 0  # its last chunk (the pass after prefill is in its footprint), or no pass yet
+    return compaction_copies(after, after, s.keep)
+
+
+def _reserve(adder: Any, slots: int) -> None:
+    """Hold `slots` more of this prefill round's memory for a request it admitted (SGLang's
+    `PrefillBudget.reserve`, as if they were tokens it will generate)."""
+    if slots > 0:
+        adder.memory_budget.reserve(0, slots)
+
+
+def _set_max_new(sp: Any, max_new: int) -> None:
+    sp.max_new_tokens = max_new
+    sp.min_new_tokens = min(sp.min_new_tokens, max_new)
+
+
+def _most_that_fits(held: Callable[[int], int], max_new: int, pool: int) -> int | None:
+    """The most new tokens (at least 1) whose footprint fits the pool, or None."""
+    if held(1) >= pool:
+        return None
+    lo, hi = 1, max_new  # held(lo) fits, held(hi) does not; held never falls as the output grows
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if held(mid) < pool else (lo, mid)
+    return lo
+
+
+def _allow_auto_truncate() -> bool:
+    from sglang.srt.runtime_context import get_serving
+
+    return bool(getattr(get_serving(), "allow_auto_truncate", False))
+
+
+def _too_large(config: KvcConfig, settings: ResolvedCompression, prompt: int, max_new: int, held: int,
+               pool: int, chunk: int | None, fits: int | None) -> str:
+    """The 400's message: what the request would hold at once, and what would fit."""
+    s = sizes_of(config, settings, prompt, max_new, chunk)
+    read = f"one chunk ({chunk}) of its prompt" if chunk else f"its prompt ({prompt})"
+    growth = (f"its budget ({s.budget}) + buffer ({s.buffer})" if Moments.of(config).generation
+              else f"its budget ({s.budget}) + max_tokens ({max_new}), decode compression being off")
+    advice = (f"max_tokens of at most {fits} fits" if fits is not None else "a smaller budget or prompt is needed")
+    return (f"The KV pool ({pool} tokens) cannot hold this request even compressed: it would hold up to "
+            f"{held} tokens at once ({read}, the copies of what a compression keeps, {growth}); {advice}")
