@@ -41,8 +41,6 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from sgl_kvc.core.host import to_device
-
 Q_BLOCK = 256  # query rows per block in `per_head_extend` (bounds the [.., q, N] logits)
 SPLIT_COLUMNS = 512  # table columns per split of the Triton decode kernel (one program each)
 
@@ -166,23 +164,13 @@ class SplitPlan:
     """How the Triton decode kernel splits a call's requests: `plan` int64 [2B], each request's
     number of splits of `SPLIT_COLUMNS` columns, then the first of its parts in the kernel's
     workspace (only requests of several splits have parts); `total` those parts and `most` the
-    largest number of splits (host-side). Planned once per decode step (`core/decode.py`), so
-    that the workspace follows the entries, not the longest request times the batch."""
+    largest number of splits (host-side). Planned once per decode step (`core/decode.py`,
+    `split_plan`), so that the workspace follows the entries, not the longest request times the
+    batch."""
 
     plan: Tensor
     total: int
     most: int
-
-    @classmethod
-    def of(cls, widths: list[int], device: torch.device, split_n: int = SPLIT_COLUMNS) -> "SplitPlan":
-        """From each request's table width (its widest head's columns), on the host."""
-        counts = [max(1, -(-w // split_n)) for w in widths]
-        firsts, total = [], 0
-        for c in counts:
-            firsts.append(total)
-            total += c if c > 1 else 0
-        return cls(to_device(torch.tensor(counts + firsts, dtype=torch.int64, device="cpu"), device),
-                   total=total, most=max(counts, default=1))
 
 
 @dataclass(frozen=True)

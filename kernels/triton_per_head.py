@@ -230,7 +230,7 @@ def triton_per_head_decode(
     `num_warps` and `num_stages` override the decode kernel's defaults for its pool, and
     `fp8_dot` ("bfloat16" / "float16") the dtype an FP8 pool's codes widen to (tuning).
     With `probs_rows` or `logit_rows`, logits are written for those requests only. `splits`: how
-    many splits of `split_n` columns each request has (`SplitPlan.of`, planned on the host once
+    many splits of `split_n` columns each request has (`core/decode.py`'s `split_plan`, planned on the host once
     per step); by default every request gets as many as the widest table (workspace included)."""
     b, h_q, d = q.shape
     h_kv = tables.num_kv_heads

@@ -90,6 +90,16 @@ def decode_step_bound(entries: int, keeping: int, shape: DecodeShape, layers: in
     return FUSED_BLOCK_BYTES + tables + slab
 
 
+def split_plan(widths: list[int], device: torch.device, split_n: int = SPLIT_COLUMNS) -> SplitPlan:
+    """The Triton kernel's splits of requests whose tables are `widths` wide, from the host."""
+    counts = [max(1, -(-w // split_n)) for w in widths]
+    firsts, total = [], 0
+    for c in counts:
+        firsts.append(total)
+        total += c if c > 1 else 0
+    return SplitPlan(host_tensor(counts + firsts, device), total=total, most=max(counts, default=1))
+
+
 @dataclass(frozen=True)
 class DecodeBlock:
     """Requests of a decode step read together (one kernel call per layer), tables padded to the
@@ -178,7 +188,7 @@ class DecodeStep:
         for members in runs:
             n_max = max(1, max(lens[i] for i in members))
             b_rows = host_tensor([rows[i] for i in members], device)
-            splits = SplitPlan.of([lens[i] for i in members], device) if fused else None
+            splits = split_plan([lens[i] for i in members], device) if fused else None
             index = None if members == list(range(len(rows))) else host_tensor(members, device)
             keeping = [j for j, i in enumerate(members) if i in stats]
             groups = _stat_groups(members, keeping, rows, lens, states, start_of, device)

@@ -257,7 +257,7 @@ def test_one_long_request_does_not_inflate_a_steps_transient_memory(policies: tu
                                             shape=decode_module.DecodeShape(kv_heads=8, group=4, head_dim_v=128),
                                             layers=4)
     assert long <= 2 * short and long <= bound, (short, long, bound)
-    plan = decode_module.SplitPlan.of
-    monkeypatch.setattr(decode_module.SplitPlan, "of", classmethod(
-        lambda cls, widths, device: plan([max(widths)] * len(widths), device)))  # padded to the longest
+    plan = decode_module.split_plan
+    monkeypatch.setattr(decode_module, "split_plan",
+                        lambda widths, device: plan([max(widths)] * len(widths), device))  # padded to the longest
     assert _transient(32768, policies) > 8 * short

@@ -189,11 +189,11 @@ def test_the_statistics_kernel_adds_what_the_torch_version_adds(device: torch.de
 
 def test_rows_read_in_place_with_splits_per_request(device: torch.device) -> None:
     """Slot tables read as rows of a `req_to_token`-like table (no table made), and a split plan
-    per request (`SplitPlan.of`): a long request's splits merged, short ones written directly,
+    per request (`split_plan`): a long request's splits merged, short ones written directly,
     the workspace holding only the long one's parts."""
     _runs_triton(device)
     from sgl_kvc.kernels.per_head_attention import row_tables
-    from sgl_kvc.kernels.triton_per_head import SplitPlan
+    from sgl_kvc.core.decode import split_plan
 
     b, h_kv, group, d = 4, 2, 3, 16
     q, k_pool, v_pool, _ = _case(b, h_kv, group, d, 8, seed=15, fp8=None, device=device)
@@ -203,7 +203,7 @@ def test_rows_read_in_place_with_splits_per_request(device: torch.device) -> Non
     rows, lens = [5, 0, 3, 6], [70, 9, 1, 33]
     tables = row_tables(r2t, torch.tensor(lens, device=device), h_kv,
                         rows=torch.tensor(rows, device=device), columns=max(lens))
-    plan = SplitPlan.of(lens, device, split_n=16)
+    plan = split_plan(lens, device, split_n=16)
     assert plan.most == 5 and plan.total == 5 + 3
     want = per_head_decode(q, k_pool, v_pool, tables, 0.3)
     got = triton_per_head_decode(q, k_pool, v_pool, tables, 0.3, split_n=16, block_n=16, splits=plan)
