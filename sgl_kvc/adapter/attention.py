@@ -185,6 +185,11 @@ def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: ForwardBat
 
 
 def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: ForwardBatch) -> None:
+    if store.reconstruction is not None:  # a reconstruction forward (KVzip): its scores only
+        from sgl_kvc.adapter.reconstruction import observe_reconstruction
+
+        observe_reconstruction(store, q, layer, fb)
+        return
     h_q, d = layer.tp_q_head_num, layer.qk_head_dim
     q = q.reshape(-1, h_q, d)
     pool_rows = store.req_to_token.shape[0]

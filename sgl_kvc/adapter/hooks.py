@@ -7,6 +7,7 @@
 | Scheduler.update_running_batch                  | around | moments `decode` and `preempt`; counts SGLang's retractions |
 | PrefillAdder.add_one_req / running-token offset | around | admission by compressed footprint      |
 | PrefillAdder._check_prefill_budget              | around | a chunk-compressed prompt needs one chunk + budget |
+| PrefillAdder.add_chunked_req                    | around | a prompt's next chunk reserves its reconstruction forward (KVzip) |
 | Scheduler.handle_generate_request               | around | prompts longer than the pool, compressed between chunks |
 | Scheduler.init_req_max_new_tokens               | around | a compressing request's output is bounded by the context, not the pool |
 | Req.refresh_fill_ids                            | around | the next chunk of a prompt compressed between chunks |
@@ -22,6 +23,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
+from sgl_kvc.adapter.reconstruction import reserve_tokens
 from sgl_kvc.adapter.requests import chunk_compressible, released, shifted_fill_ids
 from sgl_kvc.adapter.compressor import STATE_ATTR
 from sgl_kvc.adapter.runtime import KvcRuntime, collect_stats, compressor_of
@@ -80,6 +82,8 @@ def hook_table(config: KvcConfig) -> list[Hook]:
                  "AROUND", ("req",), "admission by compressed footprint"),
             Hook(f"{_SCHEDULER}.init_req_max_new_tokens", _around_max_new_tokens(config), "AROUND",
                  ("req",), "a compressing request's output is not bounded by the pool"),
+            Hook(f"{_ADDER}.add_chunked_req", _around_add_chunked_req(config), "AROUND", ("req",),
+                 "a prompt's next chunk reserves its reconstruction forward"),
         ]
     if config.chunk_moment is not None:
         hooks += [
@@ -191,7 +195,8 @@ def _around_add_one_req(config: KvcConfig):
         # max_new_tokens; a compressing one never holds more than about budget + buffer.
         current = len(req.origin_input_ids) + len(req.output_ids)
         saved = sp.max_new_tokens
-        sp.max_new_tokens = min(saved, len(req.output_ids) + max(peak - current, 1))
+        # + the slots its reconstruction forward holds right after its prefill (KVzip), if any
+        sp.max_new_tokens = min(saved, len(req.output_ids) + max(peak - current, 1)) + reserve_tokens(config, req)
         try:
             return original(adder, req, *args, **kwargs)
         finally:
@@ -224,8 +229,22 @@ def _around_check_prefill_budget(config: KvcConfig):
         peak = peak_tokens(config, req, between_chunks=True)
         chunk = kwargs.get("chunk_limit")
         if peak is not None and chunk and "total_tokens" in kwargs and chunk_compressible(req, config):
-            # Compressed after every chunk: it never holds more than one chunk beyond its budget.
-            kwargs["total_tokens"] = min(kwargs["total_tokens"], chunk + peak)
+            # Compressed after every chunk: it never holds more than one chunk beyond its budget
+            # (and, while its reconstruction forward runs, that forward's slots: KVzip).
+            kwargs["total_tokens"] = min(kwargs["total_tokens"], chunk + peak + reserve_tokens(config, req))
+        return original(adder, req, *args, **kwargs)
+
+    return hook
+
+
+def _around_add_chunked_req(config: KvcConfig):
+    def hook(original: Callable[..., Any], adder: Any, req: Req, *args: Any, **kwargs: Any):
+        extra = reserve_tokens(config, req) if peak_tokens(config, req) is not None else 0
+        if extra:
+            # Its next chunk ends in a prompt pass whose reconstruction forward (KVzip) holds up to
+            # `extra` slots right after this round's prefill: reserved before the chunk is sized,
+            # so nothing else admitted in this round takes them.
+            adder.memory_budget.reserve(0, 0, extra_tokens=extra)
         return original(adder, req, *args, **kwargs)
 
     return hook

@@ -99,6 +99,8 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
     compression = asdict(compressor.stats)
     # rows whose attention observations were lost to a failed write (emptied, never stale)
     compression["lost_observations"] = compressor.store.lost_observations
+    # KVzip's reconstruction passes: forwards, tokens read, seconds, the most slots one held
+    compression["reconstruction"] = asdict(compressor.reconstructor.stats)
     kv_pool = model_runner.token_to_kv_pool
     return {
         "policy": runtime.config.policy,

@@ -158,6 +158,11 @@ class ReqKvState:
     # The moments of the prompt's pre-RoPE queries (`core/query_moments.py`), accumulated while
     # the prompt is prefilled when its prompt policy reads them (Expected Attention); None after.
     query_moments: Any = None
+    # When its prompt policy reads a reconstruction (KVzip, `core/reconstruction.py`): the scores
+    # of the one just run (`PassScores`: set at a prompt moment, taken by that moment's pass), and
+    # what a compaction between chunks kept of earlier ones (`CarriedScores`, until its last chunk).
+    reconstruction: Any = None
+    reconstructed: Any = None
 
     PROMPT_MOMENTS = ("prefill", "chunk")
 
