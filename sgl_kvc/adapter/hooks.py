@@ -298,6 +298,7 @@ def _around_max_new_tokens(config: KvcConfig):
         if chunked:
             peak = peak_tokens(config, req, between_chunks=True)
         held = min(input_len + max_new, min(input_len, chunk) + peak if chunked else max(input_len, peak))
+        held += reserve_tokens(config, req)  # while its reconstruction forward runs (KVzip)
         if held < int(scheduler.max_total_num_tokens):
             sp.max_new_tokens = max_new
             sp.min_new_tokens = min(sp.min_new_tokens, max_new)

@@ -40,7 +40,8 @@ def _generate(server: ServerProcess, rid: str, n: int = 24, prompt: list[int] = 
 
 @pytest.fixture(scope="module")
 def faulty_server():
-    env = {"SGLKVC_FAILPOINTS": "compress_raise,rewrite_raise,leak_slot,observe_raise", "SGLKVC_CHECK": "1"}
+    env = {"SGLKVC_FAILPOINTS": "compress_raise,rewrite_raise,leak_slot,observe_raise,reconstruct_raise",
+           "SGLKVC_CHECK": "1"}
     with ServerProcess.launch(CMD, env=env) as server:
         yield server
 
@@ -63,6 +64,18 @@ def test_a_prompt_longer_than_the_pool_whose_compression_fails_is_released_at_on
     _only_the_planted_request_fails(faulty_server, "failpoint-compress-long", planted_prompt=long_prompt)
 
 
+def test_a_failed_reconstruction_pass_fails_only_its_request(faulty_server) -> None:
+    """KVzip's reconstruction forward is shared by the requests compressed in the same moment; a
+    fault while one request's scores are folded fails that request alone, also between two chunks
+    of a prompt three times the pool (released before its next chunk), and leaves nothing held."""
+    kvzip = {"custom_params": {"sgl_kvc": {"prompt_policy": "kvzip"}}}
+    _only_the_planted_request_fails(faulty_server, "failpoint-reconstruct-1", sampling=kvzip)
+    long_prompt = [(11 * i) % 1500 + 10 for i in range(3 * POOL)]
+    _only_the_planted_request_fails(faulty_server, "failpoint-reconstruct-long", planted_prompt=long_prompt,
+                                    sampling=kvzip)
+    assert faulty_server.wait_idle()["compression"]["reconstruction"]["passes"] > 0
+
+
 def test_lost_observations_fail_only_their_request(faulty_server) -> None:
     """The planted request's queries fail to record in the second layer at every step: its
     observations are emptied each time (never left stale), and it fails alone when it is
@@ -78,12 +91,14 @@ def test_lost_observations_fail_only_their_request(faulty_server) -> None:
 
 def _only_the_planted_request_fails(
     server: ServerProcess, planted: str, prompt: list[int] = PROMPT, n: int = 24, planted_prompt: list[int] | None = None,
+    sampling: dict | None = None,
 ) -> None:
     failed_before = server.wait_idle()["compression"]["failed_requests"]
     rids = [planted, "ok-1", "ok-2", "ok-3"]
 
     def one(rid: str) -> requests.Response:
-        return _generate(server, rid, n, planted_prompt if rid == planted and planted_prompt else prompt)
+        return _generate(server, rid, n, planted_prompt if rid == planted and planted_prompt else prompt,
+                         **(sampling or {}))
 
     with ThreadPoolExecutor(len(rids)) as pool:
         responses = dict(zip(rids, pool.map(one, rids)))
