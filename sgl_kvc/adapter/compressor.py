@@ -53,7 +53,7 @@ from sgl_kvc.core.passes import DueCompaction, StepWork, advance_uniform, advanc
 from sgl_kvc.core.query_moments import QueryMoments
 from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.core.store import KvcStore
-from sgl_kvc.core.views import layer_views, prompt_moments, with_gaps
+from sgl_kvc.core.views import layer_views, prompt_moments, prompt_reconstruction, with_gaps
 from sgl_kvc.policies import HeadSelection, Policy, get_policy, prompt_policy_error
 from sgl_kvc.request_settings import resolved
 
@@ -383,7 +383,8 @@ class Compressor:
             positions = state.positions(n)
             views = layer_views(self.store, req.kv.req_pool_idx, state, n, positions, self._layers(),
                                 values=policy.uses_values,
-                                moments=prompt_moments(self.store, state, policy, moment))
+                                moments=prompt_moments(self.store, state, policy, moment),
+                                reconstruction=prompt_reconstruction(state, policy, moment))
             combined, error = policy.combined_score(views), None
         except Exception as e:  # noqa: BLE001 - raised below, after the other ranks heard of it
             combined, error = None, e

@@ -250,9 +250,9 @@ class Reconstructor:
         from sglang.srt.managers.schedule_batch import Req, ReqKvInfo, ScheduleBatch
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-        items = [item for item in items if item.error is None]
-        if not items:
-            return
+        # A request whose scoring failed in an earlier chunk still reads its chunk here (its
+        # scores are no longer folded): with tensor parallelism every rank runs the same forwards,
+        # whose collectives would otherwise wait for a rank that left it out.
         shadows, saved = [], []
         rows: dict[int, RowReconstruction] = {}
         for item in items:
