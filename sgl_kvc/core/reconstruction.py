@@ -38,7 +38,8 @@ from sgl_kvc.policies import HeadSelection
 CHUNK = 2048  # context tokens repeated per reconstruction forward (kvpress `prepare`'s chunk_size)
 OVERLAP = 8  # previous chunk's last tokens quoted in the next chunk's instruction (kvpress prev_postfix_size)
 # Elements of one block of the score's logits (query heads x queries x keys): a bounded transient
-BLOCK_ELEMENTS = 1 << 22
+# (32 MB of float32), large enough that a block is a few big matrix products
+BLOCK_ELEMENTS = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -154,24 +155,27 @@ def reconstruction_probs(
     if h_q % h_kv:
         raise ValueError(f"H_q={h_q} is not a multiple of H_kv={h_kv}")
     group = h_q // h_kv
-    q = queries.float().reshape(r, h_kv, group, d)
-    k, rk = keys.float(), repeat_keys.float()
+    # [H_kv, G x r, d]: each KV head's query group, one batched matrix product per block
+    q = (queries.float() * scale).reshape(r, h_kv, group, d).permute(1, 2, 0, 3)  # [H_kv, G, r, d]
+    kt, rkt = keys.float().transpose(1, 2), repeat_keys.float().transpose(1, 2)  # [H_kv, d, M], [H_kv, d, r]
     out = torch.zeros(h_kv, m, dtype=torch.float32, device=keys.device)
     block = max(1, block_elements // max(1, h_q * (m + r)))
-    invalid = ~valid[:, None, None, :]  # [H_kv, 1, 1, M]
+    invalid = None if bool(valid.all()) else ~valid[:, None, :]  # [H_kv, 1, M]
     cols = torch.arange(r, device=keys.device)
     for b0 in range(0, r, block):
-        qb = q[b0 : b0 + block]  # [b, H_kv, G, d]
-        prefix = torch.einsum("bkgd,kmd->kgbm", qb, k) * scale  # [H_kv, G, b, M]
-        own = torch.einsum("bkgd,krd->kgbr", qb, rk) * scale  # [H_kv, G, b, r]
-        prefix = prefix.masked_fill(invalid, -math.inf)
-        future = cols[None, :] > (b0 + torch.arange(qb.shape[0], device=keys.device))[:, None]  # [b, r]
-        own = own.masked_fill(future, -math.inf)
-        # softmax over [prefix, own] without concatenating: one log-sum-exp per query
-        top = torch.maximum(prefix.amax(dim=-1), own.amax(dim=-1))  # [H_kv, G, b]; own[..., 0] is finite
-        total = (prefix - top[..., None]).exp().sum(-1) + (own - top[..., None]).exp().sum(-1)
-        probs = (prefix - top[..., None]).exp() / total[..., None]
-        out = torch.maximum(out, probs.amax(dim=(1, 2)))  # max over the group and the queries
+        b = min(block, r - b0)
+        qb = q[:, :, b0 : b0 + b].reshape(h_kv, group * b, d)
+        prefix = torch.bmm(qb, kt)  # [H_kv, G x b, M]
+        if invalid is not None:
+            prefix.masked_fill_(invalid, -math.inf)
+        own = torch.bmm(qb, rkt)  # [H_kv, G x b, r]
+        future = cols[None, :] > (b0 + torch.arange(b, device=keys.device))[:, None]  # [b, r]
+        own.masked_fill_(future.repeat(group, 1), -math.inf)
+        # softmax over [prefix, own] without concatenating them (own's first column is finite)
+        top = torch.maximum(prefix.amax(dim=-1, keepdim=True), own.amax(dim=-1, keepdim=True))
+        probs = prefix.sub_(top).exp_()
+        probs.div_(probs.sum(-1, keepdim=True) + own.sub_(top).exp_().sum(-1, keepdim=True))
+        out = torch.maximum(out, probs.amax(dim=1))  # max over the group and the queries
     return out.masked_fill_(~valid, 0.0)
 
 
