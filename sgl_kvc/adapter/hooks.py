@@ -298,16 +298,21 @@ def _around_max_new_tokens(config: KvcConfig):
         if chunked:
             peak = peak_tokens(config, req, between_chunks=True)
         held = min(input_len + max_new, min(input_len, chunk) + peak if chunked else max(input_len, peak))
-        held += reserve_tokens(config, req)  # while its reconstruction forward runs (KVzip)
+        reserve = reserve_tokens(config, req)  # while its reconstruction forward runs (KVzip)
+        held += reserve
         if held < int(scheduler.max_total_num_tokens):
             sp.max_new_tokens = max_new
             sp.min_new_tokens = min(sp.min_new_tokens, max_new)
             return None
-        if not chunked:  # it may not fit even compressed (a budget near the pool): SGLang's own bound
+        if not chunked and not reserve:  # it may not fit even compressed (a budget near the pool): SGLang's own bound
             return original(scheduler, req, *args, **kwargs)
+        # Admission would wait for memory the pool never has: refused now instead.
+        needs = (f"one prefill chunk ({min(input_len, chunk)}) + its budget and buffer ({peak})" if chunked
+                 else f"its prompt ({input_len})")
+        if reserve:
+            needs += f" + one reconstruction forward ({reserve}: a smaller --kvzip-chunk takes less)"
         req.set_finish_with_abort(
-            f"The KV pool ({scheduler.max_total_num_tokens} tokens) cannot hold this request even "
-            f"compressed: one prefill chunk ({min(input_len, chunk)}) + its budget and buffer ({peak})"
+            f"The KV pool ({scheduler.max_total_num_tokens} tokens) cannot hold this request even compressed: {needs}"
         )
         return None
 

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from sgl_kvc.adapter import failpoints
-from sgl_kvc.adapter.requests import chunk_compressible
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.reconstruction import (
     OVERLAP,
@@ -74,27 +73,12 @@ def uses_reconstruction(config: KvcConfig, req: Any) -> bool:
 
 def reserve_tokens(config: KvcConfig, req: Any) -> int:
     """KV slots a request's reconstruction forward holds at most beside its own (0 for a request
-    whose prompt policy reads none): one chunk of its context and its instruction. Admission
-    reserves them with its footprint. A prompt compressed between the chunks of its prefill
-    repeats its context in pieces no longer than those chunks: a prompt longer than the pool is
-    served with a reservation of one prefill chunk, not one `--kvzip-chunk`."""
+    whose prompt policy reads none): one `--kvzip-chunk` of its context and its instruction.
+    Admission reserves them with its footprint; a request whose pool cannot ever hold them with
+    it is refused at once (`hooks._around_max_new_tokens`)."""
     if not uses_reconstruction(config, req):
         return 0
-    chunk = config.kvzip_chunk
-    prefill_chunk = _chunked_prefill_size()
-    if prefill_chunk > 0 and chunk_compressible(req, config):
-        chunk = min(chunk, prefill_chunk)
-    return min(len(req.origin_input_ids), chunk) + RESERVE_HEAD
-
-
-def _chunked_prefill_size() -> int:
-    """SGLang's `--chunked-prefill-size` in this scheduler process (0: none, or not known)."""
-    try:
-        from sglang.srt.runtime_context import get_schedule
-
-        return int(get_schedule().chunked_prefill_size or 0)
-    except Exception:  # noqa: BLE001 - outside a scheduler process (tests on stand-ins)
-        return 0
+    return min(len(req.origin_input_ids), config.kvzip_chunk) + RESERVE_HEAD
 
 
 def is_reconstruction(batch: Any) -> bool:

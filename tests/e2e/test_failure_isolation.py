@@ -26,6 +26,7 @@ CMD = [
     sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv",
     "--kv-budget", "32", "--kv-buffer", "16", "--max-total-tokens", str(POOL),
     "--chunked-prefill-size", "64", "--compress-on", "chunk-always,prefill,decode,preempt",
+    "--kvzip-chunk", "128",  # KVzip's reconstruction forwards fit this small pool beside a chunk
 ]
 PROMPT = list(range(100, 300))  # 200 token ids: over budget, compressed between chunks and after prefill
 SHORT = list(range(300, 320))  # 20 token ids: first compressed during decode (at budget + buffer)

@@ -20,19 +20,14 @@ def _req(prompt: int, **settings) -> SimpleNamespace:
     )
 
 
-def test_a_kvzip_request_reserves_one_reconstruction_forward(monkeypatch) -> None:
-    """One chunk of its context and its instruction; a prompt compressed between the chunks of its
-    prefill, one prefill chunk; other prompt policies nothing."""
-    config = KvcConfig(policy="snapkv", prompt_policy="kvzip", kvzip_chunk=2048,
-                       compress_on=("chunk-always", "prefill", "decode"))
+def test_a_kvzip_request_reserves_one_reconstruction_forward() -> None:
+    """One chunk of its context and its instruction; other prompt policies nothing."""
+    config = KvcConfig(policy="snapkv", prompt_policy="kvzip", kvzip_chunk=2048)
     head = reconstruction.RESERVE_HEAD
-    monkeypatch.setattr(reconstruction, "_chunked_prefill_size", lambda: 0)
     assert reconstruction.reserve_tokens(config, _req(5000)) == 2048 + head
     assert reconstruction.reserve_tokens(config, _req(300)) == 300 + head
     assert reconstruction.reserve_tokens(config, _req(5000, prompt_policy="snapkv")) == 0
-    monkeypatch.setattr(reconstruction, "_chunked_prefill_size", lambda: 512)
-    assert reconstruction.reserve_tokens(config, _req(5000)) == 512 + head
-    plain = KvcConfig(policy="snapkv")
+    plain = KvcConfig(policy="snapkv", kvzip_chunk=512)
     assert reconstruction.reserve_tokens(plain, _req(5000)) == 0
     assert reconstruction.reserve_tokens(plain, _req(5000, prompt_policy="kvzip")) == 512 + head
 
