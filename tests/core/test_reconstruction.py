@@ -54,36 +54,39 @@ def reference_scores(q, keys, positions, repeat, chunk, sink, scale, reduce="max
     return out
 
 
-def _case(seed: int, h_kv: int = 2, group: int = 3, d: int = 16, w: int = 48, r: int = 14):
+def _case(seed: int, device: torch.device, h_kv: int = 2, group: int = 3, d: int = 16, w: int = 48, r: int = 14):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(r, h_kv * group, d, generator=gen)
     keys = torch.randn(h_kv, w, d, generator=gen) * 1.5
     repeat = torch.randn(h_kv, r, d, generator=gen)
-    return q, keys, repeat
+    return q.to(device), keys.to(device), repeat.to(device)
 
 
 @pytest.mark.parametrize("per_head", [False, True])
-def test_score_is_kvpress_max_attention(per_head: bool) -> None:
+def test_score_is_kvpress_max_attention(device: torch.device, per_head: bool) -> None:
     """The largest attention a reconstruction query pays an entry, over its query group, with
     kvpress's softmax (sinks, the chunk, the repeat); per head after a per-head compaction."""
-    q, keys, repeat = _case(1)
+    q, keys, repeat = _case(1, device)
     h_kv, w, _ = keys.shape
     if per_head:  # each head holds its own tokens (a compacted cache): ascending, different
         gen = torch.Generator().manual_seed(7)
         positions = torch.stack([torch.sort(torch.randperm(120, generator=gen)[:w]).values for _ in range(h_kv)])
     else:
         positions = torch.arange(w).expand(h_kv, w)
-    valid = torch.ones(h_kv, w, dtype=torch.bool)
+    positions = positions.to(device)
+    valid = torch.ones(h_kv, w, dtype=torch.bool, device=device)
     scale = 1 / math.sqrt(keys.shape[-1])
     scores = initial_scores(positions, valid, 6, 200)
     chunks = [ReconstructionChunk(6, 30, tuple(range(14))), ReconstructionChunk(30, 200, tuple(range(14)))]
-    refs = {}
+    refs, wrong = {}, {}
+    cpu = [t.cpu() for t in (q, keys, positions, repeat)]
     for chunk in chunks:
         fold_chunk(scores, q, keys, positions, valid, repeat.clone(), chunk, 4, scale, block_elements=300)
-        refs.update(reference_scores(q, keys, positions, repeat, chunk, 4, scale))
-    wrong = {}
-    for chunk in chunks:
-        wrong.update(reference_scores(q, keys, positions, repeat, chunk, 4, scale, reduce="mean"))
+        refs.update(reference_scores(*cpu, chunk, 4, scale))
+        wrong.update(reference_scores(*cpu, chunk, 4, scale, reduce="mean"))
+    assert scores.device == device
+    scores = scores.cpu()
+    positions = positions.cpu()
     got = {k: float(scores[k]) for k in refs}
     err = max(abs(got[k] - refs[k]) for k in refs)
     err_wrong = max(abs(got[k] - wrong[k]) for k in refs)
@@ -93,16 +96,16 @@ def test_score_is_kvpress_max_attention(per_head: bool) -> None:
     assert torch.isinf(scores[outside]).all() and torch.isfinite(scores[~outside]).all()
 
 
-def test_blocks_and_padding_change_nothing() -> None:
+def test_blocks_and_padding_change_nothing(device: torch.device) -> None:
     """Queries in blocks of any size give the same score; padded columns get 0."""
-    q, keys, repeat = _case(2, r=20)
-    valid = torch.ones(keys.shape[:2], dtype=torch.bool)
+    q, keys, repeat = _case(2, device, r=20)
+    valid = torch.ones(keys.shape[:2], dtype=torch.bool, device=device)
     valid[1, -5:] = False
     scale = 0.25
     whole = reconstruction_probs(q, keys, valid, repeat, scale, block_elements=1 << 30)
     small = reconstruction_probs(q, keys, valid, repeat, scale, block_elements=1)
     assert torch.allclose(whole, small, atol=TOL, rtol=0)
-    assert (whole[1, -5:] == 0).all()
+    assert (whole[1, -5:] == 0).all() and whole.device == device
 
 
 def _prompt() -> ReconstructionPrompt:
@@ -137,14 +140,13 @@ def test_plan_repeats_the_context_in_chunks() -> None:
         plan_reconstruction(ids, 3, 25, p, chunk=10, overlap=2, max_tokens=7)
 
 
-def test_kvzip_keeps_the_best_reconstruction_scores_and_what_it_never_scored() -> None:
-    """Per head: the system prompt (+inf) and the window, then the highest scores; variable
-    budgets sort every layer and head together."""
+def test_kvzip_keeps_the_best_reconstruction_scores_and_what_it_never_scored(device: torch.device) -> None:
+    """Per head: the system prompt (+inf) and the window, then the highest scores."""
     n, h = 20, 2
     gen = torch.Generator().manual_seed(3)
     recon = torch.rand(h, n, generator=gen)
     recon[:, :3] = math.inf
-    view = LayerView(keys=torch.randn(n, h, 4, generator=gen), reconstruction=recon)
+    view = LayerView(keys=torch.randn(n, h, 4, generator=gen).to(device), reconstruction=recon.to(device))
     pol = get_policy("kvzip", PolicyParams(budget=8, window=2))
     sel = select_per_head(pol, [view], 8)
     for head in range(h):
@@ -152,13 +154,13 @@ def test_kvzip_keeps_the_best_reconstruction_scores_and_what_it_never_scored() -
         best = torch.argsort(recon[head, 3:18], descending=True)[:3] + 3
         assert kept == {0, 1, 2, 18, 19, *best.tolist()}
     with pytest.raises(ValueError, match="reconstruction"):
-        pol.score(LayerView(keys=torch.randn(n, h, 4)))
+        pol.score(LayerView(keys=torch.randn(n, h, 4, device=device)))
 
 
-def test_carried_scores_follow_the_kept_columns() -> None:
-    scores = PassScores([torch.arange(12.0).reshape(2, 6)], end=40)
-    sel = HeadSelection(indices=torch.tensor([[[1, 4, HeadSelection.PAD], [0, 2, 5]]]),
-                        lengths=torch.tensor([[2, 3]]), n=6)
+def test_carried_scores_follow_the_kept_columns(device: torch.device) -> None:
+    scores = PassScores([torch.arange(12.0, device=device).reshape(2, 6)], end=40)
+    sel = HeadSelection(indices=torch.tensor([[[1, 4, HeadSelection.PAD], [0, 2, 5]]], device=device),
+                        lengths=torch.tensor([[2, 3]], device=device), n=6)
     carried = carry_scores(scores, sel, per_head_lengths=True)
     assert isinstance(carried, CarriedScores) and carried.end == 40
     assert carried.layers[0][0, :2].tolist() == [1.0, 4.0] and carried.layers[0][1].tolist() == [6.0, 8.0, 11.0]
