@@ -116,6 +116,7 @@ class ReconstructionStats:
     tokens: int = 0  # tokens those forwards read
     context_tokens: int = 0  # context tokens repeated
     seconds: float = 0.0  # spent in them, folding the scores included
+    score_seconds: float = 0.0  # of which folding the queries into the scores
     max_held_slots: int = 0  # the most slots one forward held (the memory admission reserves)
 
 
@@ -263,7 +264,7 @@ class Reconstructor:
         )
         setattr(new, SHADOW_ATTR, True)
         allocated = None
-        self.store.reconstruction = ReconstructionRound(rows)
+        self.store.reconstruction = round_ = ReconstructionRound(rows)
         try:
             new.prepare_for_extend()
             allocated = new.out_cache_loc
@@ -278,6 +279,7 @@ class Reconstructor:
                 item.error = item.error or e
         finally:
             self.store.reconstruction = None
+            self.stats.score_seconds += round_.score_seconds
             for item, old in zip(items, saved):  # the rows as they were
                 self.store.req_to_token[item.row, item.prefix : item.prefix + old.numel()] = old
             if allocated is not None:
@@ -291,6 +293,7 @@ def observe_reconstruction(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any
     """A reconstruction forward's layer: fold each row's queries into its scores. What fails for a
     row fails that request (recorded on its item), not the forward."""
     round_ = store.reconstruction
+    t0 = time.perf_counter()
     h_q, d = layer.tp_q_head_num, layer.qk_head_dim
     q = q.reshape(-1, h_q, d)
     start = 0
@@ -305,3 +308,4 @@ def observe_reconstruction(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any
             round_.fold(store, layer.layer_id, row, qi, layer.scaling)
         except Exception as err:  # noqa: BLE001
             entry.owner.error = err
+    round_.score_seconds += time.perf_counter() - t0

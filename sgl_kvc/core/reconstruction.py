@@ -158,7 +158,9 @@ def reconstruction_probs(
     # [H_kv, G x r, d]: each KV head's query group, one batched matrix product per block
     q = (queries.float() * scale).reshape(r, h_kv, group, d).permute(1, 2, 0, 3)  # [H_kv, G, r, d]
     kt, rkt = keys.float().transpose(1, 2), repeat_keys.float().transpose(1, 2)  # [H_kv, d, M], [H_kv, d, r]
-    out = torch.zeros(h_kv, m, dtype=torch.float32, device=keys.device)
+    # log of the largest probability per key: max over the group and the queries of (logit - the
+    # query's log-sum-exp); one exp at the end, and no probability tensor is ever formed
+    best = torch.full((h_kv, m), -math.inf, dtype=torch.float32, device=keys.device)
     block = max(1, block_elements // max(1, h_q * (m + r)))
     invalid = None if bool(valid.all()) else ~valid[:, None, :]  # [H_kv, 1, M]
     cols = torch.arange(r, device=keys.device)
@@ -168,14 +170,14 @@ def reconstruction_probs(
         prefix = torch.bmm(qb, kt)  # [H_kv, G x b, M]
         if invalid is not None:
             prefix.masked_fill_(invalid, -math.inf)
-        own = torch.bmm(qb, rkt)  # [H_kv, G x b, r]
-        future = cols[None, :] > (b0 + torch.arange(b, device=keys.device))[:, None]  # [b, r]
+        seen = b0 + b  # the block's queries see the repeat's keys before this
+        own = torch.bmm(qb, rkt[:, :, :seen])  # [H_kv, G x b, seen]
+        future = cols[None, :seen] > (b0 + torch.arange(b, device=keys.device))[:, None]  # [b, seen]
         own.masked_fill_(future.repeat(group, 1), -math.inf)
-        # softmax over [prefix, own] without concatenating them (own's first column is finite)
-        top = torch.maximum(prefix.amax(dim=-1, keepdim=True), own.amax(dim=-1, keepdim=True))
-        probs = prefix.sub_(top).exp_()
-        probs.div_(probs.sum(-1, keepdim=True) + own.sub_(top).exp_().sum(-1, keepdim=True))
-        out = torch.maximum(out, probs.amax(dim=1))  # max over the group and the queries
+        # the softmax over [prefix, own] (own's first column is always finite)
+        lse = torch.logaddexp(torch.logsumexp(prefix, dim=-1), torch.logsumexp(own, dim=-1))  # [H_kv, G x b]
+        best = torch.maximum(best, prefix.sub_(lse[..., None]).amax(dim=1))
+    out = best.exp_()
     return out.masked_fill_(~valid, 0.0)
 
 
@@ -229,6 +231,7 @@ class ReconstructionRound:
     (no window queries, statistics or query moments: the pass is not the request's text)."""
 
     rows: dict[int, RowReconstruction]
+    score_seconds: float = 0.0  # the caller's count of the time its folds took
 
     def fold(self, store: Any, layer: int, row: int, queries: Tensor, scale: float) -> None:
         """Layer `layer`'s queries [r, H_q, d] of `row`'s chunk into its scores. The row's keys
