@@ -812,8 +812,9 @@ def main(argv: list[str] | None = None) -> dict:
         kvpress = kvpress or ({**prev["kvpress"], "results": []} if prev.get("kvpress") else None)
         kept += [KeptSummary(**k) for k in prev.get("kept", []) if k["config"] not in {x.config for x in kept}]
         phases = {**{f"{k} (merged run)": v for k, v in prev["setup"]["phase_seconds"].items()}, **phases}
-        # The report lists every policy of either run (a merge may rerun only some).
+        # The report lists every policy and budget of either run (a merge may rerun only some).
         args.policies = list(dict.fromkeys([*prev["setup"]["policies"], *args.policies]))
+        args.budgets = sorted(set(prev["setup"]["budgets"]) | set(args.budgets))
     samples = all_samples
 
     texts: dict[str, dict[str, str | None]] = {}
