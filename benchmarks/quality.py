@@ -182,14 +182,19 @@ class ManagedServer:
             return Outcome(sample.id, config, None, f"{type(e).__name__}: {e!s:.300}",
                            time.perf_counter() - t0)
 
-    def flush(self) -> bool:
-        """Empty the radix cache (SGLang's `/flush_cache`, done when nothing runs)."""
-        if not self.ensure():
-            return False
-        try:
-            return requests.post(self.server.url + "/flush_cache", timeout=60).status_code == 200
-        except Exception:  # noqa: BLE001
-            return False
+    def flush(self, attempts: int = 20) -> bool:
+        """Empty the radix cache (SGLang's `/flush_cache`, done only when nothing runs: a request
+        whose answer just came back may still be finishing, so it is asked again)."""
+        for _ in range(attempts):
+            if not self.ensure():
+                return False
+            try:
+                if requests.post(self.server.url + "/flush_cache", timeout=60).status_code == 200:
+                    return True
+            except Exception:  # noqa: BLE001
+                pass
+            time.sleep(0.5)
+        return False
 
     def stats(self) -> dict | None:
         try:
@@ -304,10 +309,16 @@ def run_query_agnostic(server: ManagedServer, samples: list[Sample], args: argpa
     out: list[Outcome] = []
     chunk = args.query_agnostic
     todo = combos(args.policies, args.budgets)
+    failed_before = set()
+    if args.retry_failed and args.merge:
+        failed_before = {(o["sample"], o["config"]) for o in json.loads(args.merge.read_text())["outcomes"]
+                         if o["text"] is None}
     for i, s in enumerate(samples):
         t0 = time.perf_counter()
         q = context_len(s)
         for name, kvc in todo:
+            if args.retry_failed and (s.id, name) not in failed_before:
+                continue  # the merged run's outcome stands
             if q <= chunk or not server.flush():
                 out.append(Outcome(s.id, name, None, f"context of {q} tokens not above the chunk {chunk}"
                                    if q <= chunk else "the radix cache could not be emptied"))
@@ -699,6 +710,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "query-agnostic setting): the context is read in chunks of C tokens, its last chunk "
                         "alone after a warm-up request cached the rest, and compressed once, between it and the "
                         "question (`run_query_agnostic`); 0: compressed as the server's moments do")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="with --merge and --query-agnostic: run only the sample x configuration pairs that "
+                        "failed in the merged run (the others keep its outcomes)")
     p.add_argument("--tasks", nargs="+", default=list(RETRIEVAL),
                    help="tasks to run (the others' samples are still built, for --merge)")
     p.add_argument("--merge", type=Path, default=None,

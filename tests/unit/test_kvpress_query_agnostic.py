@@ -81,3 +81,31 @@ def test_sgl_kvc_query_agnostic_runs_compress_the_context_alone() -> None:
     assert [o.config for o in out] == ["kvzip@0.5"]
     assert calls == [("flush",), ("warm", 2060 - 512, {"budget": 1 << 20}),
                      ("kvzip@0.5", 2100, {"prompt_policy": "kvzip", "budget": 1030})]
+
+
+def test_retry_failed_runs_only_what_failed_before(tmp_path) -> None:
+    """`--retry-failed` with `--merge`: the pairs that failed in the merged run, and nothing else."""
+    import json
+
+    from benchmarks.quality import Outcome, run_query_agnostic
+    from benchmarks.quality_samples import Sample
+
+    prev = tmp_path / "prev.json"
+    prev.write_text(json.dumps({"outcomes": [
+        {"sample": "x", "config": "kvzip@0.5", "text": None}, {"sample": "x", "config": "kvzip@0.3", "text": "ok"},
+    ]}))
+    ran: list[str] = []
+
+    class Server:
+        def flush(self) -> bool:
+            return True
+
+        def complete(self, sample, config, kvc, timeout):
+            ran.append(config)
+            return Outcome(sample.id, config, "ok")
+
+    args = build_parser().parse_args(["--policies", "kvzip", "--budgets", "0.3", "0.5", "--query-agnostic", "512",
+                                      "--merge", str(prev), "--retry-failed"])
+    s = Sample("x", "passkey", list(range(2100)), "1", meta={"question_at": 2060})
+    assert [o.config for o in run_query_agnostic(Server(), [s], args)] == ["kvzip@0.5"]
+    assert ran == ["warm", "kvzip@0.5"]
