@@ -165,8 +165,9 @@ def test_kvzip_reconstruction_runs_on_both_ranks_in_step(tp_server, trace: Path)
     kept = _kept_by_rank(trace)
     for rid in answers:
         a, b = kept[(rid, 0)], kept[(rid, 1)]
-        prompt_passes = [m for m, _ in a if m in ("chunk", "prefill")]
-        assert len(a) == len(b) and len(prompt_passes) >= 3, (rid, [m for m, _ in a])
+        # between chunks and after the last one (how many chunk passes depends on how the prefill
+        # rounds split the concurrent prompts)
+        assert len(a) == len(b) and {"chunk", "prefill"} <= {m for m, _ in a}, (rid, [m for m, _ in a])
         if rids[rid] == "shared":
             assert a == b, rid
         else:
