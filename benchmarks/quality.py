@@ -58,7 +58,7 @@ from benchmarks.quality_samples import (
     sentence,
 )
 from loadtest.server import ServerProcess
-from sgl_kvc.policies import BUDGET_MODES
+from sgl_kvc.policies import BUDGET_MODES, policy_class
 
 POLICIES = ["rkv", "h2o", "snapkv", "streamingllm", "batchmax", "kvcompress", "rkv/shared", "snapkv/shared"]
 BUDGETS = [128, 256, 512, 1024]
@@ -114,6 +114,10 @@ class TimingResult:
     seconds_per_pass: float | None
     passes: int
     error: str | None = None
+    # a prompt policy with a reconstruction pass (KVzip): its seconds, and the prompt's prefill's
+    # (the first request for the prompt, uncompressed, which reads it whole)
+    reconstruction_seconds: float | None = None
+    prefill_seconds: float | None = None
 
 
 # --- servers ------------------------------------------------------------------------------------
@@ -178,6 +182,20 @@ class ManagedServer:
             return Outcome(sample.id, config, None, f"{type(e).__name__}: {e!s:.300}",
                            time.perf_counter() - t0)
 
+    def flush(self, attempts: int = 20) -> bool:
+        """Empty the radix cache (SGLang's `/flush_cache`, done only when nothing runs: a request
+        whose answer just came back may still be finishing, so it is asked again)."""
+        for _ in range(attempts):
+            if not self.ensure():
+                return False
+            try:
+                if requests.post(self.server.url + "/flush_cache", timeout=60).status_code == 200:
+                    return True
+            except Exception:  # noqa: BLE001
+                pass
+            time.sleep(0.5)
+        return False
+
     def stats(self) -> dict | None:
         try:
             return self.server.stats() if self._alive() and self.server else None
@@ -202,15 +220,47 @@ def policy_settings(name: str) -> dict:
     "snapkv/shared" keeps one set per request (`selection: shared`), "snapkv/variable" per head
     with variable budgets (a run with `--kv-head-budget variable`: its server's setting; "/layer"
     likewise). "rkv>rkv": the prompt compressed by the policy before ">" (`prompt_policy`; a
-    name alone gets its policy's own prompt policy, SnapKV for R-KV)."""
+    name alone gets its policy's own prompt policy, SnapKV for R-KV). A prompt policy alone
+    ("kvzip") compresses the prompt, and the server's policy what is generated."""
     name, _, selection = name.partition("/")
     prompt, _, policy = name.rpartition(">")
-    return {"policy": policy, **({"prompt_policy": prompt} if prompt else {}),
-            **({"selection": selection} if selection not in ("", *BUDGET_MODES) else {})}
+    chosen = {"selection": selection} if selection not in ("", *BUDGET_MODES) else {}
+    if not prompt and policy_class(policy).prompt_only:  # "kvzip": the prompt's policy, the server's decodes
+        return {"prompt_policy": policy, **chosen}
+    return {"policy": policy, **({"prompt_policy": prompt} if prompt else {}), **chosen}
 
 
-def combos(policies: list[str], budgets: list[int]) -> list[tuple[str, dict]]:
+def combos(policies: list[str], budgets: list[int | float]) -> list[tuple[str, dict]]:
     return [(f"{p}@{b}", {**policy_settings(p), "budget": b}) for p in policies for b in budgets]
+
+
+def parse_budget(text: str) -> int | float:
+    """A budget: entries per (layer, KV head) ("256"), or a fraction of the prompt's context ("0.3":
+    the prompt up to its question, `request_budget`)."""
+    value = float(text)
+    if value >= 1:
+        if value != int(value):
+            raise argparse.ArgumentTypeError(f"a budget of 1 or more is a number of entries, got {text}")
+        return int(value)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a budget must be > 0, got {text}")
+    return value
+
+
+def context_len(sample: Sample) -> int:
+    """The prompt's context: up to its question (`meta.question_at`), or the whole prompt."""
+    at = (sample.meta or {}).get("question_at")
+    return at if at else sample.prompt_len
+
+
+def request_budget(budget: int | float, sample: Sample) -> int:
+    """The per-request budget of a configuration for one sample: a fraction of its context is that
+    many entries (kvpress keeps int(context x (1 - compression_ratio)) the same way)."""
+    return budget if isinstance(budget, int) else max(1, round(budget * context_len(sample)))
+
+
+def for_sample(kvc: dict, sample: Sample) -> dict:
+    return {**kvc, "budget": request_budget(kvc["budget"], sample)}
 
 
 def run_reference(server: ManagedServer, samples: list[Sample], args: argparse.Namespace) -> list[Outcome]:
@@ -230,7 +280,7 @@ def run_compressed(server: ManagedServer, samples: list[Sample], args: argparse.
                 # Alone first: the prompt's prefill, once; the combinations below hit the radix cache.
                 warm = server.complete(s, "uncompressed", {"budget": UNCOMPRESSED}, args.request_timeout)
                 # A budget that holds prompt and output never compresses: it is the uncompressed run.
-                live = [c for c in todo if c[1]["budget"] < s.prompt_len + s.max_tokens]
+                live = [c for c in todo if request_budget(c[1]["budget"], s) < s.prompt_len + s.max_tokens]
                 same = [Outcome(s.id, c[0], warm.text, warm.error, warm.seconds)
                         for c in todo if c not in live]  # fmt: skip
             width = args.concurrency
@@ -238,7 +288,7 @@ def run_compressed(server: ManagedServer, samples: list[Sample], args: argparse.
             rest = []
             for chunk in chunks:
                 rest += list(pool.map(
-                    lambda c, s=s: server.complete(s, c[0], c[1], args.request_timeout), chunk
+                    lambda c, s=s: server.complete(s, c[0], for_sample(c[1], s), args.request_timeout), chunk
                 ))  # fmt: skip
             rest += same
             done = [o for o in (warm, *rest) if o is not None]
@@ -246,6 +296,40 @@ def run_compressed(server: ManagedServer, samples: list[Sample], args: argparse.
             bad = sum(o.text is None for o in done)
             print(f"[quality] {i + 1}/{len(samples)} {s.id} ({s.prompt_len} tokens): "
                   f"{time.perf_counter() - t0:.0f} s, {bad} failed", flush=True)  # fmt: skip
+    return out
+
+
+def run_query_agnostic(server: ManagedServer, samples: list[Sample], args: argparse.Namespace) -> list[Outcome]:
+    """Each prompt's context compressed before its question is read, as kvpress's query-agnostic
+    runs do: the server reads prompts in chunks of C (`--query-agnostic C`) and compresses between
+    chunks only (no pass after the last one). Per sample and configuration, one at a time: the
+    radix cache is emptied, a first request caches the context but its last C tokens, and the
+    request itself then reads those C tokens as one chunk, is compressed once (its whole context,
+    with nothing of the question read), reads its question on the compressed cache and answers."""
+    out: list[Outcome] = []
+    chunk = args.query_agnostic
+    todo = combos(args.policies, args.budgets)
+    failed_before = set()
+    if args.retry_failed and args.merge:
+        failed_before = {(o["sample"], o["config"]) for o in json.loads(args.merge.read_text())["outcomes"]
+                         if o["text"] is None}
+    for i, s in enumerate(samples):
+        t0 = time.perf_counter()
+        q = context_len(s)
+        for name, kvc in todo:
+            if args.retry_failed and (s.id, name) not in failed_before:
+                continue  # the merged run's outcome stands
+            if q <= chunk or not server.flush():
+                out.append(Outcome(s.id, name, None, f"context of {q} tokens not above the chunk {chunk}"
+                                   if q <= chunk else "the radix cache could not be emptied"))
+                continue
+            head = Sample(f"{s.id}-head", s.task, s.prompt_ids[: q - chunk], max_tokens=1)
+            warm = server.complete(head, "warm", {"budget": UNCOMPRESSED}, args.request_timeout)
+            o = server.complete(s, name, for_sample(kvc, s), args.request_timeout)
+            out.append(o if warm.error is None else Outcome(s.id, name, None, f"warm-up: {warm.error}"))
+        bad = sum(o.text is None for o in out if o.sample == s.id)
+        print(f"[quality] {i + 1}/{len(samples)} {s.id} ({s.prompt_len} tokens, context {q}): "
+              f"{time.perf_counter() - t0:.0f} s, {bad} failed", flush=True)  # fmt: skip
     return out
 
 
@@ -272,8 +356,12 @@ def run_timing(server: ManagedServer, tok: Any, args: argparse.Namespace) -> lis
             err = warm.error or o.error or (None if before and after else "no stats")
             passes = (after["compression"]["passes"] - before["compression"]["passes"]) if not err else 0
             secs = (after["compression"]["seconds"] - before["compression"]["seconds"]) if not err else 0.0
+            recon = None
+            if not err and "reconstruction" in after["compression"]:
+                recon = after["compression"]["reconstruction"]["seconds"] - before["compression"]["reconstruction"]["seconds"]
             results.append(TimingResult(
                 policy, length, args.timing_budget, secs / passes if passes else None, passes, err,
+                reconstruction_seconds=recon or None, prefill_seconds=warm.seconds if recon else None,
             ))  # fmt: skip
             print(f"[quality] timing {policy} @ {length}: {results[-1]}", flush=True)
     return results
@@ -409,6 +497,15 @@ def markdown(data: dict) -> str:
                 cells.append(f"{t['seconds_per_pass']:.2f}" if t and t["seconds_per_pass"] is not None
                              else "failed" if t else "–")  # fmt: skip
             out.append(f"| {p} | " + " | ".join(cells) + " |")
+        recon = [t for t in data["timing"] if t.get("reconstruction_seconds")]
+        if recon:
+            out.append("\nReconstruction passes against the prefill they score (seconds of the pass; of the "
+                       "prompt's uncompressed prefill, the first request that read it; their ratio):\n")
+            out.append("| policy | prompt tokens | reconstruction s | prefill s | ratio |")
+            out.append("| --- | ---: | ---: | ---: | ---: |")
+            for t in recon:
+                out.append(f"| {t['policy']} | {t['prompt_tokens']} | {t['reconstruction_seconds']:.2f} | "
+                           f"{t['prefill_seconds']:.2f} | {t['reconstruction_seconds'] / t['prefill_seconds']:.2f}x |")
     fails = data.get("failures", 0)
     out.append(f"\nFailed requests: {fails}. {data.get('kvpress_note', '')}".rstrip())
     return "\n".join(out) + "\n"
@@ -569,7 +666,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", nargs="+", default=POLICIES,
                    help="policy rows; NAME selects per head (default), NAME/shared one set per request, "
                         "PROMPT>NAME compresses prompts with PROMPT (rkv>rkv: R-KV's own prompt selection)")
-    p.add_argument("--budgets", nargs="+", type=int, default=BUDGETS)
+    p.add_argument("--budgets", nargs="+", type=parse_budget, default=BUDGETS,
+                   help="entries per (layer, KV head), or below 1 a fraction of each prompt's context (the "
+                        "prompt up to its question), as kvpress's compression ratios")
     p.add_argument("--passkey", type=parse_lengths, default=parse_lengths("1024:2,2048:1,4096:1"),
                    help="prompt length:samples per depth, comma separated")
     p.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
@@ -606,6 +705,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvpress-query-agnostic", action="store_true",
                    help="kvpress compresses each prompt's context without its question, then reads the question "
                         "(kvpress's own benchmark setting; research/kvpress_runner.py)")
+    p.add_argument("--query-agnostic", type=int, default=0, metavar="C",
+                   help="sgl-kvc's rows compress each prompt's context before its question is read (kvpress's "
+                        "query-agnostic setting): the context is read in chunks of C tokens, its last chunk "
+                        "alone after a warm-up request cached the rest, and compressed once, between it and the "
+                        "question (`run_query_agnostic`); 0: compressed as the server's moments do")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="with --merge and --query-agnostic: run only the sample x configuration pairs that "
+                        "failed in the merged run (the others keep its outcomes)")
     p.add_argument("--tasks", nargs="+", default=list(RETRIEVAL),
                    help="tasks to run (the others' samples are still built, for --merge)")
     p.add_argument("--merge", type=Path, default=None,
@@ -642,13 +749,16 @@ def run_servers(
     # generated from the compressed cache, not from the full one while a pass is under way.
     comp_flags = ["--policy", "rkv", "--kv-buffer", str(args.kv_buffer), "--kv-pass-work", "0",
                   "--kv-head-budget", args.kv_head_budget, *common, *shlex.split(args.server_args)]
+    if args.query_agnostic:  # compressed between chunks only: once, right before the question's chunk
+        comp_flags += ["--chunked-prefill-size", str(args.query_agnostic), "--compress-on", "chunk-always,decode,preempt"]
     if args.kv_head_budget != "uniform":
         args.policies = [p if p.endswith("/shared") else f"{p}/{args.kv_head_budget}" for p in args.policies]
     trace = logs / "trace.jsonl"
     comp_server = ManagedServer("compressing", comp_flags, logs, args.server_timeout,
                                 env={"SGLKVC_TRACE": str(trace)})
     try:
-        outcomes += run_compressed(comp_server, samples, args)
+        run = run_query_agnostic if args.query_agnostic else run_compressed
+        outcomes += run(comp_server, samples, args)
         phases["compressing"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         timing = run_timing(comp_server, tok, args) if args.timing_lengths else []
@@ -716,8 +826,9 @@ def main(argv: list[str] | None = None) -> dict:
         kvpress = kvpress or ({**prev["kvpress"], "results": []} if prev.get("kvpress") else None)
         kept += [KeptSummary(**k) for k in prev.get("kept", []) if k["config"] not in {x.config for x in kept}]
         phases = {**{f"{k} (merged run)": v for k, v in prev["setup"]["phase_seconds"].items()}, **phases}
-        # The report lists every policy of either run (a merge may rerun only some).
+        # The report lists every policy and budget of either run (a merge may rerun only some).
         args.policies = list(dict.fromkeys([*prev["setup"]["policies"], *args.policies]))
+        args.budgets = sorted(set(prev["setup"]["budgets"]) | set(args.budgets))
     samples = all_samples
 
     texts: dict[str, dict[str, str | None]] = {}

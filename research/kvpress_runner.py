@@ -4,7 +4,8 @@
 
 kvpress pins its own transformers, so it lives in a separate venv (docs/benchmarks.md, "Quality"); this
 script imports nothing from sgl-kvc. IN.json (written by `benchmarks.quality`): the converted
-checkpoint folder, the dtype, budgets, press names and samples as token ids. OUT.json: one outcome per
+checkpoint folder, the dtype, budgets (entries, or below 1 a fraction of each context), press names
+and samples as token ids. OUT.json: one outcome per
 sample and configuration (`kvpress:full`, `kvpress:<press>@<budget>`), in the main benchmark's
 `Outcome` shape.
 
@@ -222,8 +223,10 @@ def run(spec: dict[str, Any], outp: str) -> None:
     for n, s in enumerate(spec["samples"]):
         t0 = time.perf_counter()
         context, question, last = split(s, query_agnostic)
-        # kvpress keeps int(n * (1 - ratio)): half a token less pruned keeps exactly b
-        ratios = {b: (len(context) - b - 0.5) / len(context) for b in spec["budgets"] if b < len(context)}
+        # kvpress keeps int(n * (1 - ratio)): half a token less pruned keeps exactly b (a budget
+        # below 1 is that fraction of the context, as the benchmark's per-request budgets)
+        kept = {b: b if b >= 1 else max(1, round(b * len(context))) for b in spec["budgets"]}
+        ratios = {b: (len(context) - kept[b] - 0.5) / len(context) for b in spec["budgets"] if kept[b] < len(context)}
         rec = Recording(presses=presses, ratios=ratios)
         try:
             with torch.no_grad():
@@ -245,14 +248,14 @@ def run(spec: dict[str, Any], outp: str) -> None:
                 results.append({"sample": s["id"], "config": "kvpress:full", "text": ref})
                 for name in presses:
                     for b in spec["budgets"]:
-                        if b >= len(context):  # nothing to compress: the full cache's answer
+                        if b not in ratios:  # nothing to compress: the full cache's answer
                             text = ref
                         else:
                             text = answer(rec.kept[(name, b)])
                         results.append({"sample": s["id"], "config": f"kvpress:{name}@{b}", "text": text})
                 for name, press in self_run.items():
                     for b in spec["budgets"]:
-                        text = ref if b >= len(context) else masked_answer(
+                        text = ref if b not in ratios else masked_answer(
                             model, press, ratios[b], context, question, last, s, eos, tok)
                         results.append({"sample": s["id"], "config": f"kvpress:{name}@{b}", "text": text})
         except Exception as e:  # noqa: BLE001 - record and go on with the next sample

@@ -14,6 +14,7 @@ import os
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
+from sgl_kvc.core.reconstruction import CHUNK
 from sgl_kvc.policies import (
     AUTO,
     BUDGET_MODES,
@@ -23,6 +24,7 @@ from sgl_kvc.policies import (
     PolicyParams,
     available_policies,
     canonical_policy,
+    decode_policies,
     prompt_policy_error,
     prompt_policy_name,
 )
@@ -149,6 +151,13 @@ class KvcConfig:
             "more than budget + one chunk, and forgets more of what its end asks for)."
         ),
     )
+    kvzip_chunk: int = field(
+        default=CHUNK,
+        metadata=_flag(
+            "KVzip (--prompt-policy kvzip): context tokens its reconstruction pass repeats per "
+            "forward; what one forward holds beside the request, reserved at admission."
+        ),
+    )
     kv_cache_dtype: str = field(
         default="auto",
         metadata=_flag(
@@ -169,8 +178,9 @@ class KvcConfig:
         object.__setattr__(self, "policy", canonical_policy(self.policy))
         object.__setattr__(self, "prompt_policy", canonical_policy(self.prompt_policy))
         choices = available_policies()
-        if self.policy not in choices:
-            raise ValueError(f"unknown policy {self.policy!r}; choose one of {choices}")
+        if self.policy not in decode_policies():
+            what = "a prompt policy (it compresses prompts only: --prompt-policy)" if self.policy in choices else "unknown policy"
+            raise ValueError(f"{what} {self.policy!r}; choose one of {decode_policies()}")
         if self.prompt_policy != AUTO and self.prompt_policy not in choices:
             raise ValueError(f"unknown --prompt-policy {self.prompt_policy!r}; choose auto or one of {choices}")
         why = prompt_policy_error(self.policy, self.prompt_policy)
@@ -204,6 +214,8 @@ class KvcConfig:
             raise ValueError(f"--kv-chunk-keep must be a number in [1, 64], got {self.kv_chunk_keep!r}")
         if self.kv_budget_ratio is not None and not 0.0 < self.kv_budget_ratio <= 1.0:
             raise ValueError(f"--kv-budget-ratio must be in (0, 1], got {self.kv_budget_ratio}")
+        if isinstance(self.kvzip_chunk, bool) or not isinstance(self.kvzip_chunk, int) or self.kvzip_chunk < 1:
+            raise ValueError(f"--kvzip-chunk must be an integer >= 1, got {self.kvzip_chunk!r}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"--kv-cache-memory-gb must be > 0, got {self.kv_cache_memory_gb}")
         self.policy_params()  # validates budget, buffer, window, lambda, sinks
@@ -273,7 +285,7 @@ class KvcConfig:
             default = f.default if f.default is not MISSING else None
             kwargs: dict[str, Any] = {"default": default, "help": f.metadata.get("help", "")}
             if f.name == "policy":
-                kwargs["choices"] = available_policies()
+                kwargs["choices"] = decode_policies()
                 kwargs["type"] = canonical_policy  # an earlier name is accepted
             elif f.name == "prompt_policy":
                 kwargs["choices"] = [AUTO, *(p for p in available_policies() if p != "none")]

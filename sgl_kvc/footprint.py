@@ -46,13 +46,15 @@ class Sizes:
     """A request's sizes, in tokens: `budget` at its longest (a ratio budget grows with the
     length), the decode `buffer`, what a pass between chunks `keep`s, the `chunk` its prompt is
     read in when it is compressed between chunks (None: it is not), and whether what it reads is
-    `published` to the radix tree (not with `--disable-radix-cache`)."""
+    `published` to the radix tree (not with `--disable-radix-cache`), and the slots one
+    `reconstruction` forward holds at a prompt moment (0: its prompt policy reads none)."""
 
     budget: int
     buffer: int
     keep: int
     chunk: int | None = None
     published: bool = True
+    reconstruction: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,8 @@ def most_held(moments: Moments, sizes: Sizes, now: Now) -> int:
             first = min(max(n, sizes.keep) + chunk, n + left)
             tree_first = tree + (first - n) if publishing else tree
             if first < n + left:
-                peak = max(peak, first, sizes.keep + tree_first)
+                # A pass between chunks (each later one holds at most what this one does).
+                peak = max(peak, first, sizes.keep + tree_first, first + sizes.reconstruction)
                 # Every later chunk lands on what the previous pass kept, all of it its own.
                 n, tree = sizes.keep + min(n + left - first, chunk), 0
             else:
@@ -94,6 +97,8 @@ def most_held(moments: Moments, sizes: Sizes, now: Now) -> int:
         else:
             n, tree = n + left, (tree + left if publishing else tree)
         peak = max(peak, n)
+    if moments.prefill and now.prefill_due and sizes.reconstruction:
+        peak = max(peak, n + sizes.reconstruction)  # its reconstruction forward, before the pass chooses
     if moments.prefill and now.prefill_due and n > sizes.budget:
         # Every policy's pass after prefill keeps at most the budget.
         peak = max(peak, sizes.budget + tree)

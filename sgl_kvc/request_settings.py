@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from sgl_kvc.core.request_state import Budget
 from sgl_kvc.policies import (
-    AUTO, SELECTIONS, available_policies, canonical_policy, prompt_policy_error, prompt_policy_name,
+    AUTO, SELECTIONS, available_policies, canonical_policy, decode_policies, prompt_policy_error,
+    prompt_policy_name,
 )
 
 if TYPE_CHECKING:
@@ -104,11 +105,13 @@ def parse_kv_compression(obj: Any, field: str = FIELD) -> RequestCompression:
             f"unknown field(s) {', '.join(unknown)} in {field}; allowed: {', '.join(ALLOWED)}",
         )
     policy = canonical_policy(obj.get("policy"))  # an earlier name is accepted
-    if policy is not None and (not isinstance(policy, str) or policy not in available_policies()):
+    if policy is not None and (not isinstance(policy, str) or policy not in decode_policies()):
         shown = f'"{policy}"' if isinstance(policy, str) else json_type_name(policy)
+        what = ("a prompt policy (it compresses prompts only: give it as prompt_policy)"
+                if policy in available_policies() else "unknown policy")
         raise RequestSettingError(
             f"{field}.policy",
-            f"unknown policy {shown}; choose one of {', '.join(available_policies())}",
+            f"{what} {shown}; choose one of {', '.join(decode_policies())}",
         )
     budget = obj.get("budget")
     if budget is not None and (

@@ -23,7 +23,7 @@ from typing import Any
 import openai
 
 from kvc_reference import assert_pool_whole
-from sgl_kvc.policies import AUTO, SELECTIONS, available_policies, prompt_policy_error
+from sgl_kvc.policies import AUTO, SELECTIONS, available_policies, policy_class, prompt_policy_error
 from sgl_kvc.request_settings import MAX_BUDGET, RequestCompression
 
 WORDS = ("cache", "token", "budget", "tree", "prefix", "layer", "head", "query", "key", "value",
@@ -78,6 +78,8 @@ def _settings(rng: random.Random, server_policy: str, server_prompt_policy: str)
     parsed = RequestCompression(**settings)
     if server_policy == "none" and (parsed.policy not in (None, "none") or parsed.budget or parsed.prompt_policy):
         return settings, "kv_compression." + next(k for k in ("policy", "budget", "prompt_policy") if settings.get(k) not in (None, "none"))
+    if parsed.policy is not None and policy_class(parsed.policy).prompt_only:  # KVzip as a request's policy
+        return settings, "kv_compression.policy"
     if prompt_policy_error(*parsed.policies(server_policy, server_prompt_policy)) is not None:
         return settings, "kv_compression.prompt_policy"
     return settings, None

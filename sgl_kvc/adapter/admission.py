@@ -12,7 +12,7 @@ compaction finds its fresh slots taken:
 | Scheduler.init_req_max_new_tokens                     | a request that cannot fit even compressed is refused (a 400), not cut short |
 | PrefillAdder.add_one_req                              | a waiting request: its footprint beyond its cached prefix |
 | PrefillAdder._check_prefill_budget                    | a prompt compressed between chunks: one chunk and what its first pass copies |
-| PrefillAdder.add_chunked_req                          | such a prompt's next chunk and the slots of the pass after it; with its last chunk, the rest of its life |
+| PrefillAdder.add_chunked_req                          | a prompt's next chunk and the slots of the pass after it; with its last chunk, the rest of its life |
 | PrefillAdder._get_running_request_total_token_offset  | a running request: what it may still take, a pending compaction's copies included |
 
 A request's sizes are fixed when it enters the queue (`remember`), after SGLang has set its
@@ -22,9 +22,11 @@ A request's sizes are fixed when it enters the queue (`remember`), after SGLang 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from sgl_kvc.adapter.compressor import STATE_ATTR
+from sgl_kvc.adapter.reconstruction import forward_slots
 from sgl_kvc.adapter.requests import chunk_compressible
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.footprint import Moments, Now, Sizes, compaction_copies, most_held
@@ -49,7 +51,7 @@ def sizes_of(config: KvcConfig, settings: ResolvedCompression, prompt: int, max_
     SGLang puts what it reads into the radix tree)."""
     budget = settings.budget.at(prompt + max_new)
     return Sizes(budget=budget, buffer=config.kv_buffer, keep=config.chunk_target(budget), chunk=chunk,
-                 published=published)
+                 published=published, reconstruction=forward_slots(config, settings, prompt))
 
 
 def _radix(scheduler: Scheduler) -> bool:
@@ -115,6 +117,9 @@ def running_need(req: Req, config: KvcConfig) -> tuple[int, int] | None:
     s = sizes(req, config)
     if s is None:
         return None
+    # Its prompt moments are over: a pass after prefill put off is its decode policy's, which
+    # reads no reconstruction.
+    s = replace(s, reconstruction=0)
     held, tree = int(req.kv.kv_committed_len), int(req.kv.cache_protected_len)
     # A pass after prefill not done yet: staged over steps, or put off for lack of slots.
     due = not _compacted(req) and len(req.origin_input_ids) > s.budget
@@ -141,14 +146,15 @@ def chunk_need(req: Req, config: KvcConfig, held: int, read: int, compacted: boo
 
 
 def _round_need(moments: Moments, s: Sizes, now: Now) -> tuple[int, int]:
-    """(slots the next round takes for a prompt read in chunks, of them the copies of the pass
-    after a middle chunk)."""
+    """(slots the next round takes for a prompt read in chunks, of them those of the pass after a
+    middle chunk: its copies, or its reconstruction forward's, which is freed before it copies)."""
     if s.chunk is None or now.prompt_left <= s.chunk:
         return most_held(moments, s, now) - now.held, 0
     after = now.held + s.chunk
     publishing = s.published and now.tree >= now.held
     copies = compaction_copies(after, after if publishing else now.tree, s.keep) if after > s.keep else 0
-    return s.chunk + copies, copies
+    extra = max(copies, s.reconstruction) if after > s.keep else 0
+    return s.chunk + extra, extra
 
 
 # --- hooks ------------------------------------------------------------------------------------
@@ -168,7 +174,8 @@ def around_add_one_req(config: KvcConfig) -> Callable[..., Any]:
             sp.max_new_tokens = saved
         if getattr(adder, "new_chunked_req", None) is req:
             # Admitted for its first chunk only: the pass after it copies what it keeps out of
-            # the tree into slots requests admitted after it in this round must not take.
+            # the tree (and first runs its reconstruction forward, KVzip) into slots requests
+            # admitted after it in this round must not take.
             _reserve(adder, _chunk_copies(req, config))
         return result
 
@@ -191,7 +198,7 @@ def around_check_prefill_budget(config: KvcConfig) -> Callable[..., Any]:
 def around_add_chunked_req(config: KvcConfig) -> Callable[..., Any]:
     def hook(original: Callable[..., Any], adder: Any, req: Req, *args: Any, **kwargs: Any):
         s = sizes(req, config)
-        if s is None or s.chunk is None:
+        if s is None or (s.chunk is None and not s.reconstruction):
             return original(adder, req, *args, **kwargs)
         now = _chunked_now(req)
         need, copies = _round_need(Moments.of(config), s, now)
@@ -286,7 +293,8 @@ def _chunk_copies(req: Req, config: KvcConfig) -> int:
     after = int(req.extend_end)  # the first chunk's end
     if after >= len(req.origin_input_ids) + len(req.output_ids) or after <= s.keep:
         return 0  # its last chunk (the pass after prefill is in its footprint), or no pass yet
-    return compaction_copies(after, after, s.keep)
+    # its reconstruction forward (KVzip) is freed before the pass copies
+    return max(compaction_copies(after, after, s.keep), s.reconstruction)
 
 
 def _reserve(adder: Any, slots: int) -> None:
@@ -326,5 +334,7 @@ def _too_large(config: KvcConfig, settings: ResolvedCompression, prompt: int, ma
     growth = (f"its budget ({s.budget}) + buffer ({s.buffer})" if Moments.of(config).generation
               else f"its budget ({s.budget}) + max_tokens ({max_new}), decode compression being off")
     advice = (f"max_tokens of at most {fits} fits" if fits is not None else "a smaller budget or prompt is needed")
+    if s.reconstruction:
+        read += f", one reconstruction forward ({s.reconstruction}: a smaller --kvzip-chunk takes less)"
     return (f"The KV pool ({pool} tokens) cannot hold this request even compressed: it would hold up to "
             f"{held} tokens at once ({read}, the copies of what a compression keeps, {growth}); {advice}")

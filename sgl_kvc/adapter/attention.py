@@ -31,6 +31,7 @@ import torch
 
 from sgl_kvc.adapter import failpoints
 from sgl_kvc.core.store import KvcStore
+from sgl_kvc.kernels.extend_attention import prefix_extend_attention
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -58,7 +59,8 @@ class KvcAttentionMixin:
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         store = self.kvc_store
-        self._kvc_extend = (layer, forward_batch) if store is not None and store.extend_tables else None
+        ours = store is not None and (store.extend_tables or store.reconstruction is not None)
+        self._kvc_extend = (layer, forward_batch) if ours else None
         try:
             out = self.kvc_base.forward_extend(
                 self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs
@@ -87,7 +89,8 @@ class KvcAttentionMixin:
 class TorchNativeKernelMixin:
     """`torch_native`'s inner loops (sglang 0.5.23): decode (`_run_sdpa_forward_decode`) replaced
     by the batched kernel while `forward_decode` has chosen it for this layer; extend
-    (`_run_sdpa_forward_extend`) through per-head tables for the packed requests of the batch."""
+    (`_run_sdpa_forward_extend`) through per-head tables for the packed requests of the batch, and
+    for a reconstruction forward's rows over their prefix without SGLang's padded prefix rows."""
 
     def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
                                  seq_lens, extend_prefix_lens, extend_seq_lens, *args, **kwargs):
@@ -99,12 +102,18 @@ class TorchNativeKernelMixin:
             )
         layer, fb = current
         store = self.kvc_store
+        reconstruction = store.reconstruction.rows if store.reconstruction is not None else {}
         start = 0
         for i, (row, e) in enumerate(zip(store.extend_rows, fb.extend_seq_lens_cpu)):
             stop = start + e
             if e and row in store.extend_tables:
                 output[start:stop] = store.attend_extend(
                     layer.layer_id, row, query[start:stop], fb.positions[start:stop], layer.scaling
+                )
+            elif e and row in reconstruction:  # a KVzip reconstruction forward: its new rows only
+                slots = req_to_token[row, : fb.extend_prefix_lens_cpu[i] + e]
+                output[start:stop] = prefix_extend_attention(
+                    query[start:stop], k_cache[slots], v_cache[slots], fb.extend_prefix_lens_cpu[i], layer.scaling,
                 )
             elif e:  # SGLang's loop, for this request alone
                 self.kvc_base._run_sdpa_forward_extend(
@@ -186,6 +195,11 @@ def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: ForwardBat
 
 
 def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: ForwardBatch) -> None:
+    if store.reconstruction is not None:  # a reconstruction forward (KVzip): its scores only
+        from sgl_kvc.adapter.reconstruction import observe_reconstruction
+
+        observe_reconstruction(store, q, layer, fb)
+        return
     h_q, d = layer.tp_q_head_num, layer.qk_head_dim
     q = q.reshape(-1, h_q, d)
     pool_rows = store.req_to_token.shape[0]

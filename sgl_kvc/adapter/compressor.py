@@ -47,6 +47,7 @@ from sgl_kvc.adapter.chunk_pressure import needs_compression
 from sgl_kvc.adapter.failures import FailedOnAnotherRank, FailureLedger, failure
 from sgl_kvc.adapter.kv_memory import DECODE_BYTES_ATTR, MOMENT_SLOTS_ATTR
 from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
+from sgl_kvc.adapter.reconstruction import Reconstructor, is_reconstruction
 from sgl_kvc.adapter.requests import chunk_compressible, is_middle_chunk, on_release, publish_exact_prefix
 from sgl_kvc.adapter.rope import rope_params
 from sgl_kvc.adapter.tp import RankVote, ScoreReducer, tp_rank
@@ -56,7 +57,7 @@ from sgl_kvc.core.passes import DueCompaction, StepWork, advance_uniform, advanc
 from sgl_kvc.core.query_moments import QueryMoments
 from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.core.store import KvcStore
-from sgl_kvc.core.views import layer_views, prompt_moments, with_gaps
+from sgl_kvc.core.views import layer_views, prompt_moments, prompt_reconstruction, with_gaps
 from sgl_kvc.footprint import compaction_copies
 from sgl_kvc.policies import HeadSelection, Policy, get_policy, prompt_policy_error
 from sgl_kvc.request_settings import resolved
@@ -102,6 +103,8 @@ class Compressor:
         # A request that fails on any rank fails on all of them, in the same step.
         self.failures = FailureLedger(drop=self._drop, vote=RankVote.for_sglang_tp_group())
         self.trace = CompactionTrace.from_env(self.tp_rank)
+        # KVzip's reconstruction passes, run as SGLang extend forwards before their prompt passes
+        self.reconstructor = Reconstructor(config, self.store)
         self.scheduler: Any = None  # set by the scheduler hooks; read for the other running batch
         self._due: list[DueCompaction] = []  # per-head compactions of the current moment
         self._step_seconds = 0.0  # compression work in this step so far
@@ -151,11 +154,15 @@ class Compressor:
     def begin_extend(self, batch: ScheduleBatch) -> None:
         """Before a prefill (chunk): give requests seen for the first time their state, and tell
         the observation store the batch's rows and the tables of its packed requests (host-side:
-        no device sync in the forward)."""
+        no device sync in the forward). A reconstruction forward's rows are its requests' own: the
+        store gets them and their tables, nothing else."""
+        rows = [req.kv.req_pool_idx for req in batch.reqs]
+        if is_reconstruction(batch):
+            self.store.begin_extend(rows, batch.seq_lens_cpu.tolist())
+            return
         for req in batch.reqs:
             if getattr(req, STATE_ATTR, None) is None and not req.finished() and failure(req) is None:
                 self.failures.guarded(req, "start", self._begin, req)
-        rows = [req.kv.req_pool_idx for req in batch.reqs]
         self.store.begin_extend(rows, batch.seq_lens_cpu.tolist())
         failpoints.observing(self.store, batch.reqs, rows)
 
@@ -231,6 +238,9 @@ class Compressor:
                     starts.append((i, state, target))
                 else:
                     self._put_off(state, n)
+        self._reconstruct(batch, chunks, starts)
+        chunks = [c for c in chunks if failure(batch.reqs[c[0]]) is None]
+        starts = [s for s in starts if failure(batch.reqs[s[0]]) is None]
         self._run_passes(batch, [], chunks, "chunk", whole=True)
         self._run_passes(batch, [], starts, "prefill")
         for state in read:
@@ -253,6 +263,23 @@ class Compressor:
             if again is not None and again < target:
                 target = again
         return target
+
+    def _reconstruct(self, batch: ScheduleBatch, chunks: list[tuple[int, ReqKvState, int]],
+                     starts: list[tuple[int, ReqKvState, int]]) -> None:
+        """The reconstruction pass of every request of this moment whose prompt policy reads one
+        (KVzip), before the passes choose: one extend forward per chunk of context, shared by them."""
+        due = []
+        for moment, items in (("chunk", chunks), ("prefill", starts)):
+            for i, state, _ in items:
+                n = int(batch.seq_lens_cpu[i])
+                if self.policy(state.policy_name(moment), state.effective_budget(n)).uses_reconstruction:
+                    due.append((i, state, moment))
+        if not due:
+            return
+        t0 = time.perf_counter()
+        self.reconstructor.run(self.scheduler, batch, due,
+                               lambda req, e: self.failures.fail(req, "compress", e))
+        self._account(time.perf_counter() - t0)
 
     def _chunk_due(self, batch: ScheduleBatch, req: Req, state: ReqKvState, n: int, keep: int) -> bool:
         """Whether a prompt over its budget is compressed before its next chunk: after every
@@ -428,7 +455,8 @@ class Compressor:
             positions = state.positions(n)
             views = layer_views(self.store, req.kv.req_pool_idx, state, n, positions, self._layers(),
                                 values=policy.uses_values,
-                                moments=prompt_moments(self.store, state, policy, moment))
+                                moments=prompt_moments(self.store, state, policy, moment),
+                                reconstruction=prompt_reconstruction(state, policy, moment))
             combined, error = policy.combined_score(views), None
         except Exception as e:  # noqa: BLE001 - raised below, after the other ranks heard of it
             combined, error = None, e
@@ -537,6 +565,9 @@ class Compressor:
         if d.stats is not None:
             state.stats = d.stats
         state.kept_positions = d.kept_positions
+        # between chunks, the scores of the kept entries' reconstruction (the next prompt pass
+        # repeats only what is read since); nothing after the prompt
+        state.reconstructed = d.carried if d.moment == "chunk" else None
         if outcome.units is not None:  # packed into the unit pool
             state.units, state.unit_lens, state.packed = outcome.units, d.selection.lengths, outcome.kept
         if self.trace:

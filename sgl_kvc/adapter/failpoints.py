@@ -14,6 +14,9 @@ on. `name@R` plants the fault on tensor-parallel rank R only (a fault one rank s
 - `observe_raise`: recording the attention observations (window queries) of a request whose id
   starts with `failpoint-observe` raises in the second layer of the rank, after the first
   layer recorded its own.
+- `reconstruct_raise`: scoring the reconstruction pass (KVzip) of a request whose id starts with
+  `failpoint-reconstruct` raises in the first layer of the rank, while SGLang runs the pass's
+  forward with the other requests due in the same moment.
 - `tp_local_scores`: with tensor parallelism, each rank chooses the shared selection of a
   request whose id starts with `failpoint-tp` from its own heads' scores.
 - `skip_compaction`: the compaction of a request whose id starts with `failpoint-skip-<moment>`
@@ -32,7 +35,8 @@ from typing import Any, Sequence
 ENV = "SGLKVC_FAILPOINTS"
 
 # What a raising fault says it was doing, per name.
-_DOING = {"compress_raise": "compressing", "rewrite_raise": "rewriting the row of"}
+_DOING = {"compress_raise": "compressing", "rewrite_raise": "rewriting the row of",
+          "reconstruct_raise": "scoring the context reconstruction of"}
 # On the observation store: the rows of the batch being run that `observe_raise` is planted
 # for (set by `observing`; the store itself knows nothing of it).
 _OBSERVE_ROWS_ATTR = "_sgl_kvc_failpoint_rows"
@@ -56,7 +60,7 @@ def hits(name: str, req: object) -> bool:
 
 
 def check(name: str, req: object) -> None:
-    """A site where a planted fault raises (`compress_raise`, `rewrite_raise`)."""
+    """A site where a planted fault raises (`compress_raise`, `rewrite_raise`, `reconstruct_raise`)."""
     if hits(name, req):
         raise PlantedFault(f"planted fault {_DOING[name]} {getattr(req, 'rid', '')}")
 

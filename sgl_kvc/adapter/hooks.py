@@ -6,7 +6,8 @@
 | Scheduler.process_batch_result                  | after  | moments `prefill` and `chunk`          |
 | Scheduler.update_running_batch                  | around | moments `decode` and `preempt`; counts SGLang's retractions |
 | PrefillAdder.add_one_req / running-token offset | around | admission by footprint (`adapter/admission.py`) |
-| PrefillAdder._check_prefill_budget / add_chunked_req | around | a chunk-compressed prompt: one chunk + what its passes copy and keep |
+| PrefillAdder._check_prefill_budget              | around | a chunk-compressed prompt: one chunk + what its passes copy and keep |
+| PrefillAdder.add_chunked_req                    | around | a prompt's next chunk: what its passes copy and keep, its reconstruction forward (KVzip) |
 | Scheduler.handle_generate_request               | around | prompts longer than the pool, compressed between chunks |
 | Scheduler.init_req_max_new_tokens               | around | a compressing request's output is bounded by the context; one that cannot fit even compressed is a 400 |
 | Req.refresh_fill_ids                            | around | the next chunk of a prompt compressed between chunks |
@@ -80,13 +81,13 @@ def hook_table(config: KvcConfig) -> list[Hook]:
                  "AROUND", ("req",), "admission by footprint"),
             Hook(f"{_SCHEDULER}.init_req_max_new_tokens", admission.around_max_new_tokens(config), "AROUND",
                  ("req",), "output bounded by the context; a request that cannot fit even compressed is a 400"),
+            Hook(f"{_ADDER}.add_chunked_req", admission.around_add_chunked_req(config), "AROUND",
+                 ("req",), "the next chunk and the slots of the pass after it"),
         ]
     if config.chunk_moment is not None:
         hooks += [
             Hook(f"{_ADDER}._check_prefill_budget", admission.around_check_prefill_budget(config), "AROUND",
                  ("req", "extend_input_len", "total_tokens"), "one chunk + what its passes copy and keep"),
-            Hook(f"{_ADDER}.add_chunked_req", admission.around_add_chunked_req(config), "AROUND",
-                 ("req",), "the next chunk and the copies of the pass after it"),
             Hook(f"{_SCHEDULER}.handle_generate_request", _around_handle_generate(config), "AROUND",
                  ("recv_req",), "a prompt longer than the pool is accepted"),
             Hook(f"{_REQ}.refresh_fill_ids", _around_refresh_fill_ids, "AROUND", (),

@@ -15,6 +15,7 @@ from sgl_kvc.adapter.compressor import Compressor
 from sgl_kvc.adapter.fp8_pool import pool_bytes
 from sgl_kvc.adapter.kv_memory import RESERVED_ATTR
 from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
+from sgl_kvc.adapter.reconstruction import ReconstructionStats
 from sgl_kvc.adapter.requests import on_release
 from sgl_kvc.config import KvcConfig
 
@@ -118,6 +119,9 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
     compression = asdict(compressor.stats if compressor is not None else CompressionStats(retractions=runtime.retractions))
     # rows whose attention observations were lost to a failed write (emptied, never stale)
     compression["lost_observations"] = store.lost_observations if store is not None else 0
+    # KVzip's reconstruction passes: forwards, tokens read, seconds, the most slots one held
+    compression["reconstruction"] = asdict(
+        compressor.reconstructor.stats if compressor is not None else ReconstructionStats())
     kv_pool = model_runner.token_to_kv_pool
     return {
         "policy": runtime.config.policy,

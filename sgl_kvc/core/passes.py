@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from sgl_kvc.core.reconstruction import CarriedScores, PassScores, carry_scores
 from sgl_kvc.core.request_state import ReqKvState, RequestTables
 from sgl_kvc.core.store import KvcStore
-from sgl_kvc.core.views import prompt_moments, request_view, with_gaps
+from sgl_kvc.core.views import prompt_moments, prompt_reconstruction, request_view, with_gaps
 from sgl_kvc.policies import HeadSelection, Policy, carry_stats_per_head, select_from_scores, select_per_head
 
 
@@ -65,6 +66,9 @@ class PendingPass:
     # the prompt's query moments (mean, covariance) of each layer of this rank, at the start, for
     # a prompt moment of a policy that reads them (`views.prompt_moments`); None otherwise
     moments: list[tuple[Tensor | None, Tensor | None]] | None = None
+    # the reconstruction scores of this rank's layers (`PassScores`), for a prompt moment of a
+    # policy that reads them (`views.prompt_reconstruction`); None otherwise
+    reconstruction: PassScores | None = None
     indices: list[Tensor] = field(default_factory=list)  # per layer done: [H_kv, target]
     heads: list[Tensor] = field(default_factory=list)  # of the next layer, done: [target]
     steps: int = 0  # scheduler steps it has run in
@@ -85,6 +89,8 @@ class PendingPass:
         held += [q for q in self.queries if q is not None]
         if self.moments is not None:
             held += [t for pair in self.moments for t in pair if t is not None]
+        if self.reconstruction is not None:
+            held += self.reconstruction.tensors()
         if self.tables is not None:
             held += [self.tables.units, self.tables.lens, self.tables.positions]
         return held
@@ -105,6 +111,8 @@ class DueCompaction:
     staged: bool
     units: Tensor | None = None  # the request's tables [L, H_kv, N] (variable budgets)
     n: int = 0  # the request's row length (slots) when it was selected; 0: selection.n (no tables)
+    # between chunks, what it keeps of its pass's reconstruction scores (`CarriedScores`)
+    carried: CarriedScores | None = None
 
 
 def start_pass(
@@ -117,6 +125,7 @@ def start_pass(
         positions=state.positions(n) if tables is None else tables.positions,
         queries=store.window_queries(row, n), tables=tables,
         moments=prompt_moments(store, state, policy, moment),
+        reconstruction=prompt_reconstruction(state, policy, moment),
     )
 
 
@@ -139,7 +148,8 @@ def advance_uniform(
         layer = len(p.indices)
         view = request_view(store, row, layers[layer], state, n=p.n0, positions=p.positions,
                             queries=p.queries[layer], values=p.policy.uses_values,
-                            moments=(None, None) if p.moments is None else p.moments[layer])
+                            moments=(None, None) if p.moments is None else p.moments[layer],
+                            reconstruction=None if p.reconstruction is None else p.reconstruction.layers[layer])
         if whole_layer:
             p.indices.append(select_per_head(p.policy, [view], p.target).indices[0])
             work.spend(layer_cost)
@@ -167,7 +177,7 @@ def advance_uniform(
     return DueCompaction(
         i=i, state=state, policy=p.policy, moment=p.moment, selection=selection,
         kept_positions=full.gather(-1, indices.to(full.device)), stats=stats, began_at=p.n0,
-        staged=p.staged,
+        staged=p.staged, carried=_carried(p, selection, per_head_lengths=False),
     )
 
 
@@ -188,7 +198,8 @@ def advance_variable(
             break
         view = request_view(store, row, store.first_layer + layer, state, tables=tables, head=head,
                             queries=p.queries[layer], values=p.policy.uses_values,
-                            moments=(None, None) if p.moments is None else p.moments[layer])
+                            moments=(None, None) if p.moments is None else p.moments[layer],
+                            reconstruction=None if p.reconstruction is None else p.reconstruction.layers[layer])
         p.scores.append(p.policy.score(view)[0])
         p.protected.append(p.policy.protected(view))
         work.spend(cost)
@@ -222,8 +233,16 @@ def advance_variable(
     return DueCompaction(
         i=i, state=state, policy=p.policy, moment=p.moment, selection=selection,
         kept_positions=now.positions.gather(-1, safe) * valid, stats=stats, began_at=p.n0,
-        staged=p.staged, units=now.units, n=n,
+        staged=p.staged, units=now.units, n=n, carried=_carried(p, selection, per_head_lengths=True),
     )
+
+
+def _carried(p: PendingPass, selection: HeadSelection, per_head_lengths: bool) -> CarriedScores | None:
+    """Between chunks, the reconstruction scores of what the pass keeps (the next prompt pass
+    repeats only the context read since); after the prompt, nothing is carried."""
+    if p.reconstruction is None or p.moment != "chunk":
+        return None
+    return carry_scores(p.reconstruction, selection, per_head_lengths)
 
 
 # --- statistics carried over a compaction -------------------------------------------------------

@@ -162,6 +162,11 @@ class ReqKvState:
     # pass starts (the adapter backs off rather than score a pass it could not compact).
     skips: int = 0
     retry_at: int = 0
+    # When its prompt policy reads a reconstruction (KVzip, `core/reconstruction.py`): the scores
+    # of the one just run (`PassScores`: set at a prompt moment, taken by that moment's pass), and
+    # what a compaction between chunks kept of earlier ones (`CarriedScores`, until its last chunk).
+    reconstruction: Any = None
+    reconstructed: Any = None
 
     PROMPT_MOMENTS = ("prefill", "chunk")
 

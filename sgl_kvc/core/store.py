@@ -88,6 +88,9 @@ class KvcStore:
         # Packed requests of the current extend batch (a prompt compacted between chunks on the
         # unit pool): their tables, new tokens included; they attend through them.
         self.extend_tables: dict[int, RequestTables] = {}
+        # While a reconstruction forward runs (KVzip; `core/reconstruction.ReconstructionRound`):
+        # its rows' queries are folded into their scores and nothing else is recorded for them.
+        self.reconstruction: Any = None
 
     def _fused_decode(self, kv_pool: Any, plan: str | None) -> bool:
         """Whether this store plans decode steps fused: asked for (`plan`), or where the Triton
@@ -149,6 +152,9 @@ class KvcStore:
             tensors += [t for t in (state.kept_positions, state.units, state.unit_lens) if t is not None]
             if state.pending is not None:
                 tensors += state.pending.tensors()
+            for scores in (state.reconstruction, state.reconstructed):  # KVzip's scores, if any
+                if scores is not None:
+                    tensors += scores.tensors()
             total += sum(t.numel() * t.element_size() for t in tensors)
         return total
 
@@ -281,7 +287,7 @@ class KvcStore:
         heads = HeadTables(units=tables.units[local][None], lengths=tables.lens[local][None],
                            positions=tables.positions[local][None])
         on_probs = None
-        if state.policy.uses_stats and state.policy.accumulate_prefill:
+        if state.policy.uses_stats and state.policy.accumulate_prefill and self.reconstruction is None:
 
             def on_probs(start: int, stop: int, probs: Tensor) -> None:  # [1, H_kv, G, q, N]
                 h_kv = probs.shape[1]

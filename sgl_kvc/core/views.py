@@ -21,7 +21,7 @@ def request_view(
     store: KvcStore, row: int, layer: int, state: ReqKvState, *, n: int | None = None,
     positions: Tensor | None = None, tables: RequestTables | None = None, head: int | None = None,
     queries: Tensor | None, values: bool = False,
-    moments: tuple[Tensor | None, Tensor | None] = (None, None),
+    moments: tuple[Tensor | None, Tensor | None] = (None, None), reconstruction: Tensor | None = None,
 ) -> LayerView:
     """Layer id `layer` of request `row`.
 
@@ -31,7 +31,9 @@ def request_view(
     (`KvcStore.window_queries`, taken when a staged pass began); with `head`, its query group.
     `values`: read the values too (for a policy that reads them, `Policy.uses_values`).
     `moments`: the layer's (mean, covariance) of the prompt's pre-RoPE queries
-    (`QueryMoments.statistics`), for a prompt policy that reads them; with `head`, its query group."""
+    (`QueryMoments.statistics`), for a prompt policy that reads them; with `head`, its query group.
+    `reconstruction`: the layer's reconstruction scores [H_kv, W] (`ReqKvState.reconstruction`),
+    for a prompt policy that reads them; its first n columns (with `head`, that head's)."""
     v = None
     if tables is None:
         slots = store.req_to_token[row, :n].long()
@@ -63,21 +65,27 @@ def request_view(
         group = mean.shape[0] // store.kv_heads
         mean = mean[head * group : (head + 1) * group]
         cov = None if cov is None else cov[head * group : (head + 1) * group]
+    if reconstruction is not None:
+        reconstruction = reconstruction[head : head + 1] if head is not None else reconstruction
+        reconstruction = reconstruction[:, : keys.shape[0]]
     return LayerView(keys=keys, queries=queries, positions=positions, stats=stats, values=v,
-                     query_mean=mean, query_cov=cov)
+                     query_mean=mean, query_cov=cov, reconstruction=reconstruction)
 
 
 def layer_views(
     store: KvcStore, row: int, state: ReqKvState, n: int, positions: Tensor, layers: range,
     values: bool = False, moments: list[tuple[Tensor | None, Tensor | None]] | None = None,
+    reconstruction: Any = None,
 ) -> list[LayerView]:
     """Every layer of this rank through the row (one layer's keys, and `values` its values, held per
-    view); `moments`: each layer's query moments (`prompt_moments`), or None."""
+    view); `moments`: each layer's query moments (`prompt_moments`), or None; `reconstruction`: each
+    layer's reconstruction scores (`prompt_reconstruction`), or None."""
     queries = store.window_queries(row, n)
     return [
         request_view(store, row, layer, state, n=n, positions=positions,
                      queries=queries[layer - store.first_layer], values=values,
-                     moments=(None, None) if moments is None else moments[layer - store.first_layer])
+                     moments=(None, None) if moments is None else moments[layer - store.first_layer],
+                     reconstruction=None if reconstruction is None else reconstruction.layers[layer - store.first_layer])
         for layer in layers
     ]
 
@@ -92,6 +100,17 @@ def prompt_moments(
     if moments is None or moment not in ReqKvState.PROMPT_MOMENTS or not policy.uses_query_moments:
         return None
     return moments.snapshot(range(store.first_layer, store.num_layers))
+
+
+def prompt_reconstruction(state: ReqKvState, policy: Policy, moment: str) -> Any:
+    """The request's reconstruction scores (`PassScores`, per layer of this rank) for a pass at
+    `moment` by `policy`: a prompt moment of a policy that reads them (taken: a later pass needs a
+    new reconstruction); None otherwise. A policy that reads them and finds none fails the request
+    (`KVzipPolicy`)."""
+    if moment not in ReqKvState.PROMPT_MOMENTS or not policy.uses_reconstruction:
+        return None
+    scores, state.reconstruction = state.reconstruction, None
+    return scores
 
 
 def with_gaps(first_layer: int, items: list[Any]) -> list[Any]:

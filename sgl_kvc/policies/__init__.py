@@ -6,7 +6,7 @@ Importing this package registers every policy; use :func:`get_policy` / :func:`a
 from __future__ import annotations
 
 from . import (  # noqa: F401  (register)
-    batchmax, expected_attention, h2o, keydiff, kvcompress, none, rkv, snapkv, streamingllm,
+    batchmax, expected_attention, h2o, keydiff, kvcompress, kvzip, none, rkv, snapkv, streamingllm,
 )
 from .batchmax import BatchMaxPolicy
 from ._ops import gqa_logits
@@ -15,6 +15,7 @@ from .expected_attention import ExpectedAttentionPolicy
 from .h2o import H2OPolicy
 from .keydiff import KeyDiffPolicy
 from .kvcompress import KVCompressPolicy
+from .kvzip import KVzipPolicy
 from .none import NoPolicy
 from .per_head import (
     BUDGET_MODES,
@@ -29,6 +30,7 @@ from .registry import (
     AUTO,
     available_policies,
     canonical_policy,
+    decode_policies,
     get_policy,
     policy_class,
     prompt_policy_error,
@@ -51,6 +53,7 @@ __all__ = [
     "HeadSelection",
     "KeyDiffPolicy",
     "KVCompressPolicy",
+    "KVzipPolicy",
     "LayerView",
     "NoPolicy",
     "Policy",
@@ -61,6 +64,7 @@ __all__ = [
     "available_policies",
     "canonical_policy",
     "carry_stats_per_head",
+    "decode_policies",
     "get_policy",
     "gqa_logits",
     "policy_class",

@@ -166,6 +166,9 @@ class LayerView:
                head; None: the policy uses the observation window's queries.
     query_cov: [H_q, d, d] or None: their covariance (divided by the query count), given with
                ``query_mean`` when the policy asks for it.
+    reconstruction: [H_kv, n] or None: the scores a reconstruction pass gave the entries
+               (``Policy.uses_reconstruction``; `sgl_kvc.core.reconstruction`), +inf where it
+               scored nothing (always kept).
     """
 
     keys: Tensor
@@ -176,6 +179,7 @@ class LayerView:
     values: Tensor | None = None
     query_mean: Tensor | None = None
     query_cov: Tensor | None = None
+    reconstruction: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.keys.dim() != 3:
@@ -215,6 +219,8 @@ class LayerView:
                                  f"got shape {tuple(self.query_cov.shape)}")
         elif self.query_cov is not None:
             raise ValueError("query_cov needs query_mean")
+        if self.reconstruction is not None and tuple(self.reconstruction.shape) != (h_kv, n):
+            raise ValueError(f"reconstruction must be [{h_kv}, {n}], got shape {tuple(self.reconstruction.shape)}")
         if self.scale is None:
             self.scale = 1.0 / math.sqrt(d)
 
@@ -246,6 +252,7 @@ class LayerView:
             values=None if self.values is None else self.values[:, h : h + 1],
             query_mean=mean,
             query_cov=cov,
+            reconstruction=None if self.reconstruction is None else self.reconstruction[h : h + 1],
         )
 
 
@@ -284,6 +291,12 @@ class Policy(ABC):
     read so far (``LayerView.query_mean``, ``query_cov``); the caller accumulates them while the
     prompt is prefilled (`sgl_kvc.core.query_moments`) only for a request whose prompt policy
     asks, with :meth:`prerope_queries` to undo RoPE."""
+    uses_reconstruction: ClassVar[bool] = False
+    """Whether the policy scores a prompt from a reconstruction pass (KVzip): the caller runs the
+    pass at a prompt moment before the policy chooses and gives its scores in
+    ``LayerView.reconstruction``."""
+    prompt_only: ClassVar[bool] = False
+    """Whether the policy compresses prompts only (a prompt policy, never a request's policy)."""
     prompt_policy: ClassVar[str | None] = None
     """The policy that compresses the prompt (the prefill and chunk moments) when the user leaves
     it to this one (``--prompt-policy auto``); None: this policy itself. A decode-time method

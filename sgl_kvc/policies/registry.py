@@ -37,6 +37,12 @@ def available_policies() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def decode_policies() -> list[str]:
+    """Sorted names of the policies that can be a request's policy (every one but the prompt
+    policies, `Policy.prompt_only`)."""
+    return [name for name in available_policies() if not _REGISTRY[name].prompt_only]
+
+
 def policy_class(name: str) -> type[Policy]:
     """The class registered as ``name``; ValueError naming the choices otherwise."""
     cls = _REGISTRY.get(canonical_policy(name))
@@ -72,6 +78,8 @@ def prompt_policy_error(policy: str, prompt: str) -> str | None:
     therefore only be the decode policy too, except KV-Compress, which scores a prompt from the
     observation queries when the request keeps no statistic (a decode policy without one).
     """
+    if policy_class(policy).prompt_only:
+        return f"{policy!r} compresses prompts only: give it as the prompt policy, with a decode policy"
     if prompt == AUTO or policy == "none" or prompt == policy:
         return None
     if prompt == "none":

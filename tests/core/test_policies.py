@@ -32,7 +32,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 ALL_POLICIES = [
-    "batchmax", "expected_attention", "h2o", "keydiff", "kvcompress", "none", "rkv", "snapkv", "streamingllm",
+    "batchmax", "expected_attention", "h2o", "keydiff", "kvcompress", "kvzip", "none", "rkv", "snapkv",
+    "streamingllm",
 ]
 
 # --------------------------------------------------------------------------------------------------
@@ -1006,7 +1007,9 @@ def test_select_property(device, name, n, keep, h_kv, group, budget, window, kee
         stats = None
         if pol.uses_stats and name != "kvcompress":
             stats = pol.accumulate(None, random_probs(gen, h_kv * group, 2, n, None).to(device), h_kv)
-        views.append(LayerView(keys=keys, queries=queries, positions=positions, stats=stats, values=values))
+        recon = torch.rand(h_kv, n, generator=gen).to(device) if pol.uses_reconstruction else None
+        views.append(LayerView(keys=keys, queries=queries, positions=positions, stats=stats, values=values,
+                               reconstruction=recon))
     idx = pol.select(views, keep)
     assert idx.dtype == torch.int64 and idx.device == device
     lst = idx.tolist()
@@ -1074,18 +1077,20 @@ def test_prompt_policy_pairs() -> None:
     """Which policy compresses a prompt: R-KV (decode-time, §3) names SnapKV; the others
     themselves. A prompt policy scoring from a statistic pairs only with a decode policy that
     keeps none it could misread."""
-    from sgl_kvc.policies import prompt_policy_error, prompt_policy_name
+    from sgl_kvc.policies import decode_policies, prompt_policy_error, prompt_policy_name
 
     assert prompt_policy_name("rkv") == "snapkv"
-    assert all(prompt_policy_name(p) == p for p in available_policies() if p != "rkv")
+    assert all(prompt_policy_name(p) == p for p in decode_policies() if p != "rkv")
     ok = [("rkv", "rkv"), ("rkv", "kvcompress"), ("h2o", "snapkv"), ("kvcompress", "streamingllm"),
           ("batchmax", "batchmax"), ("none", "h2o"), ("h2o", "auto")]
     assert all(prompt_policy_error(*pair) is None for pair in ok)
     refused = [("rkv", "h2o"), ("rkv", "batchmax"), ("h2o", "kvcompress"), ("h2o", "batchmax"), ("rkv", "none")]
     assert all(prompt_policy_error(*pair) for pair in refused)
     # the query-agnostic scorers keep no statistic: a prompt policy for every decode policy
-    for prompt in ("expected_attention", "keydiff"):
-        assert all(prompt_policy_error(decode, prompt) is None for decode in available_policies())
+    for prompt in ("expected_attention", "keydiff", "kvzip"):
+        assert all(prompt_policy_error(decode, prompt) is None for decode in decode_policies())
+    # KVzip compresses prompts only: never a request's (decode) policy
+    assert "kvzip" not in decode_policies() and prompt_policy_error("kvzip", "auto")
 
 
 def test_request_state_picks_the_policy_of_each_moment() -> None:

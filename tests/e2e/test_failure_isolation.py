@@ -26,6 +26,7 @@ CMD = [
     sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv",
     "--kv-budget", "32", "--kv-buffer", "16", "--max-total-tokens", str(POOL),
     "--chunked-prefill-size", "64", "--compress-on", "chunk-always,prefill,decode,preempt",
+    "--kvzip-chunk", "128",  # KVzip's reconstruction forwards fit this small pool beside a chunk
 ]
 PROMPT = list(range(100, 300))  # 200 token ids: over budget, compressed between chunks and after prefill
 SHORT = list(range(300, 320))  # 20 token ids: first compressed during decode (at budget + buffer)
@@ -40,7 +41,8 @@ def _generate(server: ServerProcess, rid: str, n: int = 24, prompt: list[int] = 
 
 @pytest.fixture(scope="module")
 def faulty_server():
-    env = {"SGLKVC_FAILPOINTS": "compress_raise,rewrite_raise,leak_slot,observe_raise,skip_compaction",
+    env = {"SGLKVC_FAILPOINTS": "compress_raise,rewrite_raise,leak_slot,observe_raise,skip_compaction,"
+                                "reconstruct_raise",
            "SGLKVC_CHECK": "1"}
     with ServerProcess.launch(CMD, env=env) as server:
         yield server
@@ -62,6 +64,18 @@ def test_a_prompt_longer_than_the_pool_whose_compression_fails_is_released_at_on
     chunk (uncompressed, the rest of its prompt would never fit), and it is counted once."""
     long_prompt = [(7 * i) % 1500 + 10 for i in range(3 * POOL)]
     _only_the_planted_request_fails(faulty_server, "failpoint-compress-long", planted_prompt=long_prompt)
+
+
+def test_a_failed_reconstruction_pass_fails_only_its_request(faulty_server) -> None:
+    """KVzip's reconstruction forward is shared by the requests compressed in the same moment; a
+    fault while one request's scores are folded fails that request alone, also between two chunks
+    of a prompt three times the pool (released before its next chunk), and leaves nothing held."""
+    kvzip = {"custom_params": {"sgl_kvc": {"prompt_policy": "kvzip"}}}
+    _only_the_planted_request_fails(faulty_server, "failpoint-reconstruct-1", sampling=kvzip)
+    long_prompt = [(11 * i) % 1500 + 10 for i in range(3 * POOL)]
+    _only_the_planted_request_fails(faulty_server, "failpoint-reconstruct-long", planted_prompt=long_prompt,
+                                    sampling=kvzip)
+    assert faulty_server.wait_idle()["compression"]["reconstruction"]["passes"] > 0
 
 
 def test_lost_observations_fail_only_their_request(faulty_server) -> None:
@@ -110,12 +124,14 @@ def test_decode_compactions_without_free_slots_back_off(faulty_server) -> None:
 
 def _only_the_planted_request_fails(
     server: ServerProcess, planted: str, prompt: list[int] = PROMPT, n: int = 24, planted_prompt: list[int] | None = None,
+    sampling: dict | None = None,
 ) -> requests.Response:
     failed_before = server.wait_idle()["compression"]["failed_requests"]
     rids = [planted, "ok-1", "ok-2", "ok-3"]
 
     def one(rid: str) -> requests.Response:
-        return _generate(server, rid, n, planted_prompt if rid == planted and planted_prompt else prompt)
+        return _generate(server, rid, n, planted_prompt if rid == planted and planted_prompt else prompt,
+                         **(sampling or {}))
 
     with ThreadPoolExecutor(len(rids)) as pool:
         responses = dict(zip(rids, pool.map(one, rids)))

@@ -37,7 +37,7 @@ CMD = [
 ]
 # SGLang's CPU engine wants one NUMA node per rank unless cores are bound explicitly.
 ENV = {"SGLKVC_CHECK": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
-       "SGLKVC_FAILPOINTS": "tp_local_scores,compress_raise@1,rewrite_raise@1"}
+       "SGLKVC_FAILPOINTS": "tp_local_scores,compress_raise@1,rewrite_raise@1,reconstruct_raise@1"}
 POLICIES = ("rkv", "snapkv", "h2o", "kvcompress")
 
 
@@ -136,6 +136,46 @@ def test_a_request_that_fails_on_one_rank_fails_on_both(tp_server) -> None:
     assert stats["compression"]["failed_requests"] == before + len(planted)
     assert_pool_whole(stats)
     assert one("ok-after", "shared", 99).status_code == 200
+
+
+def test_kvzip_reconstruction_runs_on_both_ranks_in_step(tp_server, trace: Path) -> None:
+    """KVzip's reconstruction forwards run on both ranks in the same steps (the model's forward
+    has its own collectives), each rank scoring its own KV head: the shared selection keeps the
+    same tokens on both (its scores averaged over the ranks), per head the same counts. A fault
+    while rank 1 alone scores one request's reconstruction fails that request on both ranks; the
+    others, sharing its forwards, complete."""
+    before = tp_server.wait_idle()["compression"]
+
+    def one(rid: str, selection: str, k: int) -> requests.Response:
+        return tp_server.post("/generate", json={
+            "rid": rid, "input_ids": [(29 * i + k) % 1900 + 10 for i in range(160)],
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True,
+                                "custom_params": {"sgl_kvc": {"prompt_policy": "kvzip", "selection": selection}}},
+        })
+
+    rids = {"kvzip-shared-0": "shared", "kvzip-shared-1": "shared", "kvzip-per-head-0": "per-head",
+            "failpoint-reconstruct-tp": "per-head"}
+    with ThreadPoolExecutor(len(rids)) as pool:
+        answers = dict(zip(rids, pool.map(one, rids, rids.values(), range(len(rids)))))
+    planted = answers.pop("failpoint-reconstruct-tp")
+    assert planted.status_code >= 400 or planted.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "sgl-kvc could not compress" in planted.text, planted.text[:300]
+    for rid, r in answers.items():
+        assert r.status_code == 200, (rid, r.text[:300])
+    kept = _kept_by_rank(trace)
+    for rid in answers:
+        a, b = kept[(rid, 0)], kept[(rid, 1)]
+        # between chunks and after the last one (how many chunk passes depends on how the prefill
+        # rounds split the concurrent prompts)
+        assert len(a) == len(b) and {"chunk", "prefill"} <= {m for m, _ in a}, (rid, [m for m, _ in a])
+        if rids[rid] == "shared":
+            assert a == b, rid
+        else:
+            assert all(x[0] == y[0] and len(x[1][0][0]) == len(y[1][0][0]) for x, y in zip(a, b)), rid
+    stats = tp_server.wait_idle()
+    assert stats["compression"]["failed_requests"] == before["failed_requests"] + 1
+    assert stats["compression"]["reconstruction"]["passes"] > before["reconstruction"]["passes"]
+    assert_pool_whole(stats)
 
 
 def test_request_mix(tp_server, request_mix) -> None:

@@ -132,16 +132,19 @@ def test_fp8_layer_budgets_match_a_dense_fp8_reference(servers, trace, demo_mode
     assert error(evict=False, attn_implementation=fp8) > 3 * max(err, 0.05)
 
 
-@pytest.mark.parametrize(("name", "policy"), [("bf16", "h2o"), ("bf16", "rkv"), ("fp8", "snapkv")])
+@pytest.mark.parametrize(("name", "policy"), [("bf16", "h2o"), ("bf16", "rkv"), ("fp8", "snapkv"),
+                                             ("bf16", "kvzip"), ("fp8", "kvzip")])
 def test_chunks_after_a_variable_compaction_attend_through_the_tables(
     servers, trace, demo_model_path, name: str, policy: str
 ) -> None:
     """A prompt of several chunks, packed after each (the unit pool): the next chunk's queries
     read the packed entries through the per-head tables at logical positions (H2O's statistic
-    adds the attention they computed), and the served log-probs equal the dense reference."""
-    rng = random.Random({"h2o": 7, "rkv": 8, "snapkv": 9}[policy])  # prompts of their own: no prefix hit
+    adds the attention they computed; KVzip's reconstruction forwards read them too), and the
+    served log-probs equal the dense reference."""
+    rng = random.Random({"h2o": 7, "rkv": 8, "snapkv": 9, "kvzip": 10}[policy])  # prompts of their own: no prefix hit
     prompt_ids = [rng.randrange(10, 2000) for _ in range(4 * CHUNK + 20)]
-    out = _generate(servers[name], prompt_ids, 24, sampling={"custom_params": {"sgl_kvc": {"policy": policy}}})
+    settings = {"prompt_policy": policy} if policy == "kvzip" else {"policy": policy}
+    out = _generate(servers[name], prompt_ids, 24, sampling={"custom_params": {"sgl_kvc": settings}})
     events = _events(trace, out["meta_info"]["id"])
     assert [e["moment"] for e in events].count("chunk") == 4, [e["moment"] for e in events]
     assert any(len({len(h) for layer in e["kept_positions"] for h in layer}) > 1 for e in events)

@@ -178,3 +178,48 @@ def test_a_request_that_cannot_fit_even_compressed_is_refused_or_cut_as_sglang_d
         assert "max_tokens of at most 895 fits" in message  # 1024 - budget - 1
     else:
         assert req.abort is None and req.sampling_params.max_new_tokens == expected
+
+
+def test_a_reconstruction_forward_is_held_at_each_prompt_moment_whose_pass_reads_one() -> None:
+    """KVzip's forward (`forward_slots`: one --kvzip-chunk of context + its instruction) holds its
+    slots beside the request's own right after a chunk or the prompt is read, and frees them
+    before the pass compacts: the peak is the larger of the forward and the copies."""
+    r = 300
+    with_r = Sizes(budget=B, buffer=BUF, keep=B, reconstruction=r)
+    assert held(ALL, 1000, 10, with_r) == 1000 + r  # > 1000 + B, the copies
+    assert held(ALL, 1000, 10, Sizes(budget=B, buffer=BUF, keep=B, reconstruction=50)) == 1000 + B
+    assert held(ALL, 100, 10, with_r) == 100 + r  # a prompt under budget is still scored
+    chunked = Sizes(budget=64, buffer=32, keep=64, chunk=256, reconstruction=r)
+    assert held(ALL, 16_000, 100, chunked) == 64 + 256 + r  # the first pass between chunks
+    # the prompt moments are over for a running request: nothing (admission drops it there)
+    decoding = Now(held=B + 10, tree=0, out_left=300, prefill_due=False)
+    assert most_held(ALL, with_r, decoding) == B + BUF + 1
+    no_prefill = Moments(prefill=False, between_chunks=False, generation=True)
+    assert held(no_prefill, 1000, 10, with_r) == 1000 + B  # no prompt moment: no forward (a decode pass copies)
+
+
+def test_admission_counts_a_kvzip_requests_forward_and_the_400_names_kvzip_chunk(monkeypatch) -> None:
+    from sgl_kvc.adapter import admission
+    from sgl_kvc.adapter.reconstruction import RESERVE_HEAD
+    from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY
+
+    monkeypatch.setattr(admission, "_allow_auto_truncate", lambda: False)
+    config = KvcConfig(policy="snapkv", kv_budget=B, kv_buffer=BUF, kvzip_chunk=2048)
+
+    def req(prompt_policy: str) -> _Req:
+        return _Req(rid="r", origin_input_ids=[1] * 900, output_ids=[], abort=None, prefix_len=0,
+                    sampling_params=SimpleNamespace(max_new_tokens=10, min_new_tokens=0,
+                                                    custom_params={CUSTOM_PARAMS_KEY: {"prompt_policy": prompt_policy}}))
+
+    assert admission.admission_demand(req("kvzip"), config) == 900 + 900 + RESERVE_HEAD
+    assert admission.admission_demand(req("snapkv"), config) == 900 + B
+    scheduler = SimpleNamespace(max_new_tokens_limit=None, model_config=SimpleNamespace(context_len=16384),
+                                chunked_prefill_size=256, max_total_num_tokens=1500,
+                                tree_cache=SimpleNamespace(disable=False))
+    kvzip = req("kvzip")
+    admission.around_max_new_tokens(config)(lambda *a: pytest.fail("SGLang's own cut"), scheduler, kvzip)
+    status, message = kvzip.abort
+    assert status == 400 and "--kvzip-chunk" in message
+    snapkv = req("snapkv")
+    admission.around_max_new_tokens(config)(lambda *a: pytest.fail("SGLang's own cut"), scheduler, snapkv)
+    assert snapkv.abort is None

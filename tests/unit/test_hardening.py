@@ -126,6 +126,7 @@ def _views(seed: int, n: int = 96, h_kv: int = 4, group: int = 2, layers: int = 
             queries=torch.randn(8, h_kv * group, 16, generator=g),
             stats=torch.rand(h_kv, n, generator=g),
             values=torch.randn(n, h_kv, 16, generator=g_values),
+            reconstruction=torch.rand(h_kv, n, generator=g_values),  # KVzip's scores
         )
         for _ in range(layers)
     ]
@@ -138,7 +139,7 @@ def _shard(view: LayerView, rank: int, world: int) -> LayerView:
     k0, k1 = rank * h_kv // world, (rank + 1) * h_kv // world
     return LayerView(
         keys=view.keys[:, k0:k1], queries=view.queries[:, k0 * group : k1 * group],
-        stats=view.stats[k0:k1], values=view.values[:, k0:k1],
+        stats=view.stats[k0:k1], values=view.values[:, k0:k1], reconstruction=view.reconstruction[k0:k1],
     )
 
 

@@ -1,0 +1,317 @@
+"""KVzip's reconstruction pass, run by SGLang inside the scheduler (docs/architecture.md,
+"Reconstruction passes").
+
+At a prompt moment (after prefill, between chunks) a request whose prompt policy reads a
+reconstruction (`Policy.uses_reconstruction`: KVzip) is asked to repeat its context before its
+pass chooses. Each chunk of the context is one extend forward that SGLang builds and runs as it
+builds and runs a prefill: a short-lived `Req` per request, prefilled by SGLang's
+`ScheduleBatch.prepare_for_extend` (its row is the request's own, its prefix the request's cached
+entries up to the context's end, so nothing is copied; its chunk gets new slots from SGLang's
+allocator), turned into a `ForwardBatch` and run by the model runner; the passes due in one moment
+share each forward. While it runs, the attention observer folds each layer's queries into the
+request's scores (`core/reconstruction.py`) and records nothing else. Afterwards the chunk's slots
+go back to the allocator and the row is as it was: the pass leaves nothing allocated.
+
+Memory: a forward holds, per request, one chunk of the context and its instruction: at most
+`forward_slots`, which admission counts in the request's footprint (`sgl_kvc/footprint.py`).
+
+Failures: an exception while a request's queries are folded fails that request; one in a forward
+fails the requests of that forward; the others of the moment, and every other request, go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from sgl_kvc.adapter import failpoints
+from sgl_kvc.config import KvcConfig
+from sgl_kvc.core.reconstruction import (
+    OVERLAP,
+    CarriedScores,
+    PassScores,
+    ReconstructionPlan,
+    ReconstructionPrompt,
+    ReconstructionRound,
+    RowReconstruction,
+    context_range,
+    initial_scores,
+    plan_reconstruction,
+)
+from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.core.store import KvcStore
+from sgl_kvc.policies import policy_class
+from sgl_kvc.request_settings import ResolvedCompression, resolved
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Tokens of one reconstruction forward besides its chunk of the context: its instruction, the
+# previous chunk's quoted tokens and the template's opening of an answer (SmolLM2: 30). A forward
+# never reads more than `reserve_tokens`: a template whose text is longer shrinks the chunk.
+RESERVE_HEAD = 64
+SHADOW_ATTR = "_sgl_kvc_reconstruction"  # on a reconstruction forward's ScheduleBatch and Reqs
+
+FIRST = "\n\nRepeat the previous context exactly."  # KVzip §3.2 / kvpress `prepare`
+LATER = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+def uses_reconstruction(config: KvcConfig, req: Any) -> bool:
+    """Whether `req`'s prompt policy reads a reconstruction pass (KVzip)."""
+    settings = resolved(req, config)
+    return settings.compressing and policy_class(settings.prompt_policy_name).uses_reconstruction
+
+
+def forward_slots(config: KvcConfig, settings: ResolvedCompression, prompt: int) -> int:
+    """KV slots a reconstruction forward of a request with these settings and a prompt of
+    `prompt` tokens holds at most beside its own (0 when its prompt policy reads none): one
+    `--kvzip-chunk` of its context and its instruction. Admission counts them in the request's
+    footprint (`sgl_kvc/footprint.py`); a request whose pool can never hold them with it is
+    refused at once (`admission.around_max_new_tokens`)."""
+    if not (settings.compressing and policy_class(settings.prompt_policy_name).uses_reconstruction):
+        return 0
+    return min(prompt, config.kvzip_chunk) + RESERVE_HEAD
+
+
+def reserve_tokens(config: KvcConfig, req: Any) -> int:
+    """`forward_slots` of one of SGLang's requests."""
+    return forward_slots(config, resolved(req, config), len(req.origin_input_ids))
+
+
+def is_reconstruction(batch: Any) -> bool:
+    """Whether `batch` (a ScheduleBatch) is a reconstruction forward."""
+    return bool(getattr(batch, SHADOW_ATTR, False))
+
+
+def prompt_from_tokenizer(tokenizer: Any) -> ReconstructionPrompt:
+    """The instruction ids and the chat template's text around a user's message, as kvpress
+    `KVzipPress` takes them: a dummy message rendered with the template, split at it."""
+    if tokenizer is None:
+        raise RuntimeError("a reconstruction pass needs the model's tokenizer (not with --skip-tokenizer-init)")
+    if getattr(tokenizer, "chat_template", None) is None:
+        system, suffix = "", "\n"  # kvpress's default for a model without a chat template
+    else:
+        dummy = "dummy context"
+        separator = "\n" + "#" * len(dummy)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False,
+            enable_thinking=False,
+        )
+        context, suffix = text.split(separator)
+        system = context.split(dummy)[0]
+
+    def ids(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False)) if text else ()
+
+    return ReconstructionPrompt(system=ids(system), suffix=ids(suffix), first=ids(FIRST), later=ids(LATER))
+
+
+@dataclass
+class ReconstructionStats:
+    passes: int = 0  # requests whose context was repeated before a pass chose
+    forwards: int = 0  # reconstruction forwards run (each one chunk of one or more requests)
+    tokens: int = 0  # tokens those forwards read
+    context_tokens: int = 0  # context tokens repeated
+    seconds: float = 0.0  # spent in them, folding the scores included
+    score_seconds: float = 0.0  # of which folding the queries into the scores
+    max_held_slots: int = 0  # the most slots one forward held (the memory admission reserves)
+
+
+@dataclass
+class _Item:
+    i: int  # index in the batch
+    req: Any
+    state: ReqKvState
+    row: int
+    plan: ReconstructionPlan
+    prefix: int  # physical entries of the row the forward attends to
+    scores: list[torch.Tensor]
+    error: BaseException | None = None
+
+
+@dataclass
+class Reconstructor:
+    """Runs the reconstruction passes of one scheduler process (one per `Compressor`)."""
+
+    config: KvcConfig
+    store: KvcStore
+    stats: ReconstructionStats = field(default_factory=ReconstructionStats)
+    _prompt: ReconstructionPrompt | None = None
+
+    def prompt(self, scheduler: Scheduler) -> ReconstructionPrompt:
+        if self._prompt is None:
+            self._prompt = prompt_from_tokenizer(getattr(scheduler, "tokenizer", None))
+        return self._prompt
+
+    def run(
+        self, scheduler: Scheduler, batch: ScheduleBatch, due: list[tuple[int, ReqKvState, str]],
+        fail: Callable[[Any, BaseException], None],
+    ) -> None:
+        """Repeat the context of each request `due` ((index in `batch`, state, moment: prefill or
+        chunk)); its scores go to `state.reconstruction` for the moment's pass. A request that
+        fails is handed to `fail`."""
+        if not due:
+            return
+        t0 = time.perf_counter()
+        items = []
+        for i, state, moment in due:
+            req = batch.reqs[i]
+            try:
+                items.append(self._plan(scheduler, batch, i, state, moment))
+            except Exception as e:  # noqa: BLE001 - that request fails, alone
+                fail(req, e)
+        rounds = max((len(item.plan.chunks) for item in items), default=0)
+        for k in range(rounds):
+            # Every request with a k-th chunk, in one forward (TP ranks run the same ones: the
+            # plans come from host data every rank shares).
+            self._forward(scheduler, [item for item in items if k < len(item.plan.chunks)], k)
+        for item in items:
+            if item.error is not None:
+                fail(item.req, item.error)
+                continue
+            item.state.reconstruction = PassScores(item.scores, item.plan.end)
+            self.stats.passes += 1
+            self.stats.context_tokens += sum(c.end - c.start for c in item.plan.chunks)
+        self.stats.seconds += time.perf_counter() - t0
+
+    # --- planning -----------------------------------------------------------------------------
+    def _plan(self, scheduler: Scheduler, batch: ScheduleBatch, i: int, state: ReqKvState, moment: str) -> _Item:
+        req = batch.reqs[i]
+        row = req.kv.req_pool_idx
+        n = int(batch.seq_lens_cpu[i])
+        length = state.logical_len(n)
+        prompt = self.prompt(scheduler)
+        ids = req.origin_input_ids
+        sink = self.config.sink_tokens
+        start, end = context_range(ids, length, prompt, sink, prompt_read=moment == "prefill")
+        compacted = state.packed if state.units is not None else (
+            0 if state.kept_positions is None else int(state.kept_positions.shape[-1]))
+        if end - state.offset < compacted:  # the context ends among compacted entries: all of it
+            end = length
+        prefix = end - state.offset
+        carried: CarriedScores | None = state.reconstructed
+        room = min(reserve_tokens(self.config, req), self.store.req_to_token.shape[1] - prefix)
+        plan = plan_reconstruction(ids, start, end, prompt, resume=None if carried is None else carried.end,
+                                   chunk=self.config.kvzip_chunk, overlap=OVERLAP, sink_tokens=sink,
+                                   max_tokens=room)  # fmt: skip
+        scores = self._initial(state, row, n, start, end, carried)
+        return _Item(i, req, state, row, plan, prefix, scores)
+
+    def _initial(self, state: ReqKvState, row: int, n: int, start: int, end: int,
+                 carried: CarriedScores | None) -> list[torch.Tensor]:
+        """Per layer of the rank, [H_kv, W] in the columns of the pass to come: 0 for the
+        context, +inf elsewhere, and what earlier passes gave the entries they kept."""
+        store = self.store
+        layers = store.num_layers - store.first_layer
+        if store.unit_layout is not None:  # the pass reads the request through its per-head tables
+            tables = state.tables(store.req_to_token[row, :n], *store.unit_layout)
+            width = tables.width
+            cols = torch.arange(width, device=tables.units.device)
+            valid = cols[None, None, :] < tables.lens[..., None]
+            positions = tables.positions
+        else:
+            positions = state.positions(n)
+            positions = positions.expand(layers, store.kv_heads, n) if positions.dim() == 1 else positions
+            valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
+        out = []
+        for local in range(layers):
+            scores = initial_scores(positions[local], valid[local], start, end)
+            if carried is not None:
+                kept = carried.layers[local]  # [H_kv, k]: the entries the last compaction kept, first
+                k = min(kept.shape[-1], scores.shape[-1])
+                head_len = carried.lengths[local] if carried.lengths is not None else None
+                earlier = torch.ones_like(kept[:, :k], dtype=torch.bool) if head_len is None else (
+                    torch.arange(k, device=kept.device)[None, :] < head_len[:, None])
+                scores[:, :k] = torch.where(earlier & valid[local][:, :k], kept[:, :k], scores[:, :k])
+            out.append(scores)
+        return out
+
+    # --- one forward ----------------------------------------------------------------------------
+    def _forward(self, scheduler: Scheduler, items: list[_Item], k: int) -> None:
+        """Chunk k of each of `items` in one extend forward that SGLang prepares and runs."""
+        from sglang.srt.managers.schedule_batch import Req, ReqKvInfo, ScheduleBatch
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+        # A request whose scoring failed in an earlier chunk still reads its chunk here (its
+        # scores are no longer folded): with tensor parallelism every rank runs the same forwards,
+        # whose collectives would otherwise wait for a rank that left it out.
+        shadows, saved = [], []
+        rows: dict[int, RowReconstruction] = {}
+        for item in items:
+            chunk = item.plan.chunks[k]
+            fill = array("q", [0] * item.prefix)
+            fill.extend(chunk.ids)
+            shadow = Req(rid=f"{item.req.rid}:reconstruction", origin_input_text="", origin_input_ids=fill,
+                         sampling_params=item.req.sampling_params, vocab_size=scheduler.model_config.vocab_size)
+            shadow.full_untruncated_fill_ids = fill
+            shadow.prefix_len, shadow.extend_end = item.prefix, len(fill)
+            shadow.logprob_start_len = -1
+            # The request's own row: its first `prefix` entries are the forward's prefix, as a
+            # chunked prefill's earlier chunks are; SGLang writes the chunk's new slots after them.
+            shadow.kv = ReqKvInfo(req_pool_idx=item.row, cache_protected_len=item.prefix,
+                                  kv_committed_len=item.prefix, kv_allocated_len=max(item.prefix, 1))
+            setattr(shadow, SHADOW_ATTR, True)
+            shadows.append(shadow)
+            end = item.prefix + len(chunk.ids)
+            saved.append(self.store.req_to_token[item.row, item.prefix : end].clone())
+            rows[item.row] = RowReconstruction(item.state, item.scores, chunk, item.plan.sink, item.prefix, item)
+        new = ScheduleBatch.init_new(
+            shadows, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, scheduler.tree_cache,
+            scheduler.model_config, False, scheduler.spec_algorithm,
+        )
+        setattr(new, SHADOW_ATTR, True)
+        allocated = None
+        self.store.reconstruction = round_ = ReconstructionRound(rows)
+        try:
+            new.prepare_for_extend()
+            allocated = new.out_cache_loc
+            if new.input_ids is None:
+                new.input_ids = new.prefill_input_ids_cpu.to(new.device)
+                new.prefill_input_ids_cpu = None
+            fb = ForwardBatch.init_new(new, scheduler.tp_worker.model_runner, return_hidden_states_before_norm=False)
+            scheduler.tp_worker.model_runner.forward(fb)
+        except Exception as e:  # noqa: BLE001 - the forward's requests fail, the others go on
+            logger.exception("sgl-kvc: a reconstruction forward failed")
+            for item in items:
+                item.error = item.error or e
+        finally:
+            self.store.reconstruction = None
+            self.stats.score_seconds += round_.score_seconds
+            for item, old in zip(items, saved):  # the rows as they were
+                self.store.req_to_token[item.row, item.prefix : item.prefix + old.numel()] = old
+            if allocated is not None:
+                scheduler.token_to_kv_pool_allocator.free(allocated)
+                self.stats.max_held_slots = max(self.stats.max_held_slots, int(allocated.numel()))
+        self.stats.forwards += 1
+        self.stats.tokens += sum(len(item.plan.chunks[k].ids) for item in items)
+
+
+def observe_reconstruction(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> None:
+    """A reconstruction forward's layer: fold each row's queries into its scores. What fails for a
+    row fails that request (recorded on its item), not the forward."""
+    round_ = store.reconstruction
+    t0 = time.perf_counter()
+    h_q, d = layer.tp_q_head_num, layer.qk_head_dim
+    q = q.reshape(-1, h_q, d)
+    start = 0
+    for row, e in zip(store.extend_rows, fb.extend_seq_lens_cpu):
+        qi = q[start : start + e]
+        start += e
+        entry = round_.rows.get(row)
+        if entry is None or entry.owner.error is not None:
+            continue
+        try:
+            failpoints.check("reconstruct_raise", entry.owner.req)
+            round_.fold(store, layer.layer_id, row, qi, layer.scaling)
+        except Exception as err:  # noqa: BLE001
+            entry.owner.error = err
+    round_.score_seconds += time.perf_counter() - t0

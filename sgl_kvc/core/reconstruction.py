@@ -1,0 +1,302 @@
+"""KVzip's context reconstruction (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression
+with Context Reconstruction", §3.2-3.3; kvpress 0.5.5 `KVzipPress` is the reference implementation):
+what a request's reconstruction pass reads, and the score its queries give the cached entries.
+
+A request's prompt is its system prompt (the chat template's text before the user's message), its
+context, and (once the whole prompt is read) the template's text that opens the answer. The model
+is asked to repeat the context, teacher-forced: after the cached prompt it reads "Repeat the
+previous context exactly." (§3.2, Fig. 3), the template's opening of an answer, and the context's
+own tokens. The context is repeated in chunks (§3.3; kvpress and the authors: 2048 tokens), each
+asked after the cache alone, so the extra memory of a pass is one chunk; a chunk after the first
+is asked to repeat "the part of the previous context ... starting with" the previous chunk's last
+tokens (kvpress: 8).
+
+Score (§3.2, eq. 2 and its GQA form): an entry's importance is the largest attention any query of
+the reconstruction pays it, maximised over the query heads of its KV group and over the queries.
+The softmax is the one kvpress computes: over the attention sinks (the first `sink` tokens), the
+chunk's own entries and the reconstruction's keys up to the query (causal); the other chunks'
+entries are left out of it. What a pass never scores is always kept: the system prompt (the
+authors keep it; kvpress keeps its first `sink` tokens) and whatever follows the context.
+
+Everything here is plain torch on one layer of one request, in float32; the adapter feeds it the
+reconstruction's queries and keys while SGLang runs the pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.policies import HeadSelection
+
+CHUNK = 2048  # context tokens repeated per reconstruction forward (kvpress `prepare`'s chunk_size)
+OVERLAP = 8  # previous chunk's last tokens quoted in the next chunk's instruction (kvpress prev_postfix_size)
+# Elements of one block of the score's logits (query heads x queries x keys): a bounded transient
+# (32 MB of float32), large enough that a block is a few big matrix products
+BLOCK_ELEMENTS = 1 << 23
+
+
+@dataclass(frozen=True)
+class ReconstructionPrompt:
+    """Token ids the reconstruction is asked with, from the served model's tokenizer and chat
+    template (kvpress `KVzipPress.__call__` and `prepare` build the same)."""
+
+    system: tuple[int, ...]  # the template's text before a user's message: the system prompt
+    suffix: tuple[int, ...]  # the template's text after a user's message, up to the answer
+    first: tuple[int, ...]  # "\n\nRepeat the previous context exactly."
+    later: tuple[int, ...]  # "\n\nRepeat the part of the previous context exactly, starting with"
+
+    def __post_init__(self) -> None:
+        if not self.first or not self.later:
+            raise ValueError("a reconstruction needs the ids of its instructions")
+
+
+@dataclass(frozen=True)
+class ReconstructionChunk:
+    """One forward of a reconstruction: it repeats the context's logical positions [start, end)."""
+
+    start: int
+    end: int
+    ids: tuple[int, ...]  # what it reads after the cache: instruction, suffix, context[start:end]
+
+
+@dataclass(frozen=True)
+class ReconstructionPlan:
+    """A request's reconstruction: its context [start, end) (logical positions), the chunks that
+    repeat it, and the sinks of their softmax: the first `sink` tokens, those before a chunk."""
+
+    start: int
+    end: int
+    chunks: tuple[ReconstructionChunk, ...]
+    sink: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the reconstruction reads in all."""
+        return sum(len(c.ids) for c in self.chunks)
+
+    @property
+    def longest(self) -> int:
+        """Tokens of its longest forward: the slots it holds at once."""
+        return max((len(c.ids) for c in self.chunks), default=0)
+
+
+def context_range(
+    token_ids: Sequence[int], length: int, prompt: ReconstructionPrompt, sink_tokens: int, prompt_read: bool
+) -> tuple[int, int]:
+    """[start, end): the logical positions of a request's context among its first `length`
+    tokens. It starts after the system prompt when the request begins with the template's (else
+    after kvpress's sinks) and, once the whole prompt is read (`prompt_read`), ends before the
+    template's opening of the answer when the prompt ends with it."""
+    ids = list(token_ids[:length])
+    system = list(prompt.system)
+    start = len(system) if system and ids[: len(system)] == system else min(sink_tokens, length)
+    end = length
+    suffix = list(prompt.suffix)
+    if prompt_read and suffix and len(ids) - len(suffix) >= start and ids[len(ids) - len(suffix):] == suffix:
+        end = length - len(suffix)
+    return start, max(start, end)
+
+
+def plan_reconstruction(
+    token_ids: Sequence[int], start: int, end: int, prompt: ReconstructionPrompt, *, resume: int | None = None,
+    chunk: int = CHUNK, overlap: int = OVERLAP, sink_tokens: int = 4, max_tokens: int | None = None,
+) -> ReconstructionPlan:
+    """The chunks that repeat context [start, end) of `token_ids` (kvpress `prepare`: chunks of
+    `chunk` tokens; a later chunk's instruction quotes the previous chunk's last `overlap`).
+    `resume`: the context before it was repeated by an earlier pass (a prompt read in chunks,
+    compressed between them), whose scores its entries carry: only [resume, end) is repeated now.
+    `max_tokens`: most tokens one forward may read (the memory reserved for it, the room left in
+    the request's row); the chunk shrinks to fit."""
+    if chunk < 1 or overlap < 0:
+        raise ValueError(f"chunk must be >= 1 and overlap >= 0, got {chunk}, {overlap}")
+    head = max(len(prompt.first), len(prompt.later) + overlap) + len(prompt.suffix)
+    if max_tokens is not None:
+        if max_tokens <= head:
+            raise ValueError(f"a reconstruction forward needs more than {head} tokens of room, has {max_tokens}")
+        chunk = min(chunk, max_tokens - head)
+    chunks = []
+    for cs in range(max(start, resume or start), end, chunk):
+        ce = min(cs + chunk, end)
+        ask = prompt.first if cs == start else (*prompt.later, *token_ids[max(start, cs - overlap) : cs])
+        chunks.append(ReconstructionChunk(cs, ce, (*ask, *prompt.suffix, *token_ids[cs:ce])))
+    return ReconstructionPlan(start, end, tuple(chunks), sink_tokens)
+
+
+def initial_scores(positions: Tensor, valid: Tensor, start: int, end: int) -> Tensor:
+    """Float32 [H_kv, W] scores before any chunk: 0 for the context's entries (positions in
+    [start, end)), +inf (always kept) for the others: the system prompt, what follows the context,
+    and padding columns (`valid` False)."""
+    context = valid & (positions >= start) & (positions < end)
+    out = torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
+    return out.masked_fill_(~context, math.inf)
+
+
+def reconstruction_probs(
+    queries: Tensor, keys: Tensor, valid: Tensor, repeat_keys: Tensor, scale: float,
+    block_elements: int = BLOCK_ELEMENTS,
+) -> Tensor:
+    """The largest softmax probability each of `keys` gets from any query of its KV group.
+
+    queries [r, H_q, d]: the reconstruction's queries (after RoPE), query j at the j-th repeat
+    token; keys [H_kv, M, d] with `valid` [H_kv, M]: each KV head's entries in the softmax (the
+    sinks and the chunk's entries); repeat_keys [H_kv, r, d]: the reconstruction's own keys, which
+    query j sees up to j (causal). Query head h reads KV head h // G (G = H_q / H_kv). Returns
+    float32 [H_kv, M] (0 at invalid columns). Queries are taken in blocks of at most
+    `block_elements` logits, so its transient memory is bounded whatever the chunk."""
+    r, h_q, d = queries.shape
+    h_kv, m, _ = keys.shape
+    if h_q % h_kv:
+        raise ValueError(f"H_q={h_q} is not a multiple of H_kv={h_kv}")
+    group = h_q // h_kv
+    # [H_kv, G x r, d]: each KV head's query group, one batched matrix product per block
+    q = (queries.float() * scale).reshape(r, h_kv, group, d).permute(1, 2, 0, 3)  # [H_kv, G, r, d]
+    kt, rkt = keys.float().transpose(1, 2), repeat_keys.float().transpose(1, 2)  # [H_kv, d, M], [H_kv, d, r]
+    # log of the largest probability per key: max over the group and the queries of (logit - the
+    # query's log-sum-exp); one exp at the end, and no probability tensor is ever formed
+    best = torch.full((h_kv, m), -math.inf, dtype=torch.float32, device=keys.device)
+    block = max(1, block_elements // max(1, h_q * (m + r)))
+    invalid = None if bool(valid.all()) else ~valid[:, None, :]  # [H_kv, 1, M]
+    cols = torch.arange(r, device=keys.device)
+    for b0 in range(0, r, block):
+        b = min(block, r - b0)
+        qb = q[:, :, b0 : b0 + b].reshape(h_kv, group * b, d)
+        prefix = torch.bmm(qb, kt)  # [H_kv, G x b, M]
+        if invalid is not None:
+            prefix.masked_fill_(invalid, -math.inf)
+        seen = b0 + b  # the block's queries see the repeat's keys before this
+        own = torch.bmm(qb, rkt[:, :, :seen])  # [H_kv, G x b, seen]
+        future = cols[None, :seen] > (b0 + torch.arange(b, device=keys.device))[:, None]  # [b, seen]
+        own.masked_fill_(future.repeat(group, 1), -math.inf)
+        # the softmax over [prefix, own] (own's first column is always finite)
+        lse = torch.logaddexp(torch.logsumexp(prefix, dim=-1), torch.logsumexp(own, dim=-1))  # [H_kv, G x b]
+        best = torch.maximum(best, prefix.sub_(lse[..., None]).amax(dim=1))
+    out = best.exp_()
+    return out.masked_fill_(~valid, 0.0)
+
+
+def fold_chunk(
+    scores: Tensor, queries: Tensor, keys: Tensor, positions: Tensor, valid: Tensor, repeat_keys: Tensor,
+    chunk: ReconstructionChunk, sink: int, scale: float, block_elements: int = BLOCK_ELEMENTS,
+) -> None:
+    """Fold one reconstruction forward's queries into a layer's `scores` [H_kv, W] (in place).
+
+    keys [H_kv, W', d], positions [H_kv, W'] (logical), valid [H_kv, W'] (W' <= W): each KV head's
+    cached entries the reconstruction attends to, in the scores' column order; repeat_keys
+    [H_kv, r, d]: the chunk's own. Each head's softmax covers its sinks and the entries of the
+    chunk (per head: after a per-head compaction heads hold different tokens); the chunk's entries
+    take the largest probability any query pays them (they belong to this chunk alone). `sink`:
+    the first tokens in every chunk's softmax (those before the chunk)."""
+    h_kv, w_cached = positions.shape
+    sinks = valid & (positions < min(sink, chunk.start))  # kvpress: keys[:, :, :min(n_sink, start_idx)]
+    mine = valid & (positions >= chunk.start) & (positions < chunk.end)
+    subset = sinks | mine
+    counts = subset.sum(dim=-1)  # [H_kv]
+    width = int(counts.max()) if counts.numel() else 0  # one host read per layer and chunk
+    if width == 0:
+        return
+    # each head's subset first, in column order (a stable sort of the mask)
+    order = torch.argsort((~subset).to(torch.int8), dim=-1, stable=True)[:, :width]  # [H_kv, M]
+    live = torch.arange(width, device=keys.device)[None, :] < counts[:, None]
+    sub_keys = keys.gather(1, order[..., None].expand(h_kv, width, keys.shape[-1]))
+    probs = reconstruction_probs(queries, sub_keys, live, repeat_keys, scale, block_elements)
+    write = live & mine.gather(1, order)
+    scores[:, :w_cached].scatter_reduce_(1, order, torch.where(write, probs, 0.0), "amax", include_self=True)
+
+
+@dataclass
+class RowReconstruction:
+    """One request's part of a reconstruction forward: the chunk its row reads after its first
+    `prefix` entries (the forward's keys are written past them), the sinks, and the scores, one
+    [H_kv, W] per layer of the rank, its queries fold into. `owner`: the caller's request."""
+
+    state: ReqKvState
+    scores: list[Tensor]
+    chunk: ReconstructionChunk
+    sink: int
+    prefix: int
+    owner: Any = None
+
+
+@dataclass
+class ReconstructionRound:
+    """The requests of one reconstruction forward, by row. While it runs the attention observer
+    folds each layer's queries of these rows into their scores (`fold`) and records nothing else
+    (no window queries, statistics or query moments: the pass is not the request's text)."""
+
+    rows: dict[int, RowReconstruction]
+    score_seconds: float = 0.0  # the caller's count of the time its folds took
+
+    def fold(self, store: Any, layer: int, row: int, queries: Tensor, scale: float) -> None:
+        """Layer `layer`'s queries [r, H_q, d] of `row`'s chunk into its scores. The row's keys
+        are read from `store`'s pool: through its row (its first `prefix` entries at their logical
+        positions, then the chunk's), or, packed on the unit pool, through the per-head tables
+        the extend was given (`KvcStore.extend_tables`: each head's entries, then the chunk's)."""
+        entry = self.rows[row]
+        r = len(entry.chunk.ids)
+        local = layer - store.first_layer
+        tables = store.extend_tables.get(row)
+        if tables is None:
+            slots = store.req_to_token[row, : entry.prefix + r].long()
+            keys = store.kv_pool.get_key_buffer(layer)[slots].transpose(0, 1)  # [H_kv, p + r, d]
+            h_kv = keys.shape[0]
+            positions = entry.state.positions(entry.prefix)
+            positions = positions[local] if positions.dim() > 1 else positions.expand(h_kv, entry.prefix)
+            prefix_keys, repeat_keys = keys[:, : entry.prefix], keys[:, entry.prefix :]
+            valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
+        else:
+            k_units, _ = store.unit_pools
+            keys = k_units[tables.units[local]]  # [H_kv, W', d]
+            own = tables.lens[local] - r  # each head's entries before the chunk's
+            width = int(own.max())
+            cols = torch.arange(keys.shape[1], device=keys.device)
+            at = (own[:, None] + torch.arange(r, device=keys.device)).clamp(max=keys.shape[1] - 1)
+            repeat_keys = keys.gather(1, at[..., None].expand(-1, -1, keys.shape[-1]))
+            prefix_keys, positions = keys[:, :width], tables.positions[local][:, :width]
+            valid = (cols[None, :width] < own[:, None])
+        fold_chunk(entry.scores[local], queries, prefix_keys, positions, valid, repeat_keys, entry.chunk,
+                   entry.sink, scale)
+
+
+@dataclass
+class PassScores:
+    """A reconstruction's scores for the pass that follows it: one float32 [H_kv, W] per layer of
+    the rank, in that pass's columns, and the logical end of the context they cover."""
+
+    layers: list[Tensor]
+    end: int
+
+    def tensors(self) -> list[Tensor]:
+        return list(self.layers)
+
+
+@dataclass
+class CarriedScores:
+    """What a compaction between chunks kept of its scores: per layer [H_kv, k] for each head's
+    kept entries in their new column order (the first `lengths[layer][h]` of head h on the unit
+    pool; every column otherwise), and the end of the context they cover. The next prompt pass
+    repeats only the context after `end`: an entry is scored once, by the chunk it belongs to."""
+
+    end: int
+    layers: list[Tensor]
+    lengths: list[Tensor] | None = None
+
+    def tensors(self) -> list[Tensor]:
+        return [*self.layers, *(self.lengths or [])]
+
+
+def carry_scores(scores: PassScores, selection: HeadSelection, per_head_lengths: bool) -> CarriedScores:
+    """The scores of the entries `selection` keeps (its columns index the scores' columns), for
+    the request compacted to it; `per_head_lengths`: heads keep different numbers (unit pool)."""
+    layers, lengths = [], []
+    for layer, s in enumerate(scores.layers):
+        idx = selection.indices[layer].to(s.device)
+        layers.append(s.gather(1, idx.clamp(min=0)))
+        lengths.append(selection.lengths[layer].to(s.device))
+    return CarriedScores(scores.end, layers, lengths if per_head_lengths else None)

@@ -1,0 +1,48 @@
+"""KVzip (Kim et al. 2025, arXiv 2505.23416; kvpress `KVzipPress`): keep what the model needs to
+reconstruct the context.
+
+* Score (§3.2): the largest attention any query of a teacher-forced pass that repeats the context
+  ("Repeat the previous context exactly.", then the context's tokens) pays an entry, maximised
+  over the query heads of its KV group. The pass runs inside the scheduler before the policy
+  chooses (`sgl_kvc/core/reconstruction.py` computes the score, the adapter runs the pass); the
+  policy reads it from ``LayerView.reconstruction``. It never reads the question: one compressed
+  context serves every question about it.
+* Allocation (§3.3): one threshold over every layer, head and entry (kvpress sorts them all
+  together), which is ``--kv-head-budget variable``; with uniform budgets each head keeps the same
+  number (kvpress ``layerwise=True`` keeps the same share per layer).
+* Protected: the system prompt and whatever follows the context, which the pass does not score
+  (+inf in the score: the authors keep the system prompt; kvpress keeps its first ``sink_tokens``),
+  and the recent window (``recent_kept``) as the other prompt policies here.
+* A prompt policy only: the score needs the pass, which runs at the prompt moments (after prefill,
+  between chunks). Decoding is compressed by the request's decode policy.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from .base import LayerView, Policy
+from .registry import register_policy
+
+
+@register_policy
+class KVzipPolicy(Policy):
+    name: ClassVar[str] = "kvzip"
+    uses_stats: ClassVar[bool] = False
+    compress_after_prefill: ClassVar[bool] = True
+    uses_reconstruction: ClassVar[bool] = True
+    prompt_only: ClassVar[bool] = True
+
+    def _score(self, view: LayerView) -> Tensor:
+        if view.reconstruction is None:
+            raise ValueError("policy 'kvzip' needs the scores of its reconstruction pass (LayerView.reconstruction)")
+        return view.reconstruction.float()
+
+    def protected(self, view: LayerView) -> Tensor:
+        mask = super().protected(view)
+        if view.reconstruction is not None:
+            mask |= torch.isinf(view.reconstruction).all(dim=0)  # what the pass never scored
+        return mask

@@ -1,0 +1,160 @@
+"""KVzip as a prompt policy on a live server: the reconstruction pass runs as SGLang work inside the
+scheduler, keeps what a float64 reference of its score keeps, leaves nothing allocated, and a
+failure inside it fails only its request.
+
+One server (demo model, float32): SnapKV for decoding, KVzip for prompts, a budget of 16 entries
+per (layer, KV head), reconstruction chunks of 24 tokens (a short prompt is repeated in several
+forwards), prompts read in chunks of 128 and compressed after every chunk.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvc_reference import assert_pool_whole, generate, logprob_error, trace_events
+from kvzip_reference import kvzip_scores, uniform_choice
+from loadtest.server import ServerProcess
+
+pytestmark = pytest.mark.e2e
+
+BUDGET, WINDOW, RECON_CHUNK, CHUNK = 16, 4, 24, 128
+# Scores are softmax probabilities (<= 1): the server's float32 forward and score against the
+# float64 reference differ by a few hundred float32 roundings at most; a head whose choice is
+# closer to a tie than this is not decided by the score and is left out of the comparison.
+TIE = 1000 * torch.finfo(torch.float32).eps
+RESERVE_HEAD = 64  # tokens of a reconstruction forward besides its chunk (adapter/reconstruction.py)
+
+
+@pytest.fixture(scope="module")
+def kvzip_server(trace: Path):
+    cmd = [
+        sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--dtype", "float32",
+        "--policy", "snapkv", "--prompt-policy", "kvzip", "--kv-budget", str(BUDGET), "--kv-window", str(WINDOW),
+        "--kvzip-chunk", str(RECON_CHUNK), "--chunked-prefill-size", str(CHUNK),
+        "--compress-on", "chunk-always,prefill,decode,preempt",
+    ]
+    env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1", "SGLKVC_FAILPOINTS": "reconstruct_raise"}
+    with ServerProcess.launch(cmd, env=env) as server:
+        yield server
+
+
+def _chat_prompt(model_path: str, n_content: int, seed: int) -> list[int]:
+    """A chat prompt whose user message is `n_content` random token ids (the template's system
+    prompt before it, its opening of the answer after)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    ids = tok.apply_chat_template([{"role": "user", "content": "@@"}], add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    marker = tok.encode("@@", add_special_tokens=False)
+    at = next(i for i in range(len(ids)) if ids[i : i + len(marker)] == marker)
+    rng = random.Random(seed)
+    return ids[:at] + [rng.randrange(10, 2000) for _ in range(n_content)] + ids[at + len(marker):]
+
+
+def test_kept_entries_are_the_float64_reference_choice(kvzip_server, trace: Path, demo_model_path: str) -> None:
+    """A prompt read whole, repeated in four reconstruction forwards: every (layer, KV head) keeps
+    the entries a float64 rewrite of KVzip's score (kvpress's) chooses; the same rewrite with a
+    mean over the query group instead of the largest chooses others, so the test can fail."""
+    prompt = _chat_prompt(demo_model_path, 80, seed=1)
+    before = kvzip_server.stats()["compression"]["reconstruction"]
+    out = generate(kvzip_server, prompt, 4)
+    events = [e for e in trace_events(trace, out["meta_info"]["id"]) if e["moment"] == "prefill"]
+    assert len(events) == 1 and events[0]["policy"] == "kvzip", events
+    served = [[set(h) for h in layer] for layer in events[0]["kept_positions"]]
+
+    ref = kvzip_scores(demo_model_path, prompt, chunk=RECON_CHUNK)
+    chosen, margins = uniform_choice(ref, BUDGET, WINDOW)
+    decided = [(l, h) for l, heads in enumerate(margins) for h, m in enumerate(heads) if m > TIE]
+    print(f"margins {margins}; decided {decided}")
+    assert len(decided) >= 2, "the prompt should decide most heads' choices"
+    for l, h in decided:
+        assert served[l][h] == chosen[l][h], (l, h, sorted(served[l][h] ^ chosen[l][h]))
+    wrong, _ = uniform_choice(kvzip_scores(demo_model_path, prompt, chunk=RECON_CHUNK, reduce="mean"), BUDGET, WINDOW)
+    assert any(served[l][h] != wrong[l][h] for l, h in decided)
+
+    after = kvzip_server.wait_idle()
+    rec = after["compression"]["reconstruction"]
+    context = ref.end - ref.start
+    assert rec["forwards"] - before["forwards"] == -(-context // RECON_CHUNK)
+    assert rec["context_tokens"] - before["context_tokens"] == context
+
+
+def test_the_reconstruction_leaves_nothing_allocated(kvzip_server, demo_model_path: str) -> None:
+    """Several requests at once: their reconstruction forwards take new slots from SGLang's
+    allocator and give them all back; once idle the pool adds up and no request state is left.
+    A forward never holds more than admission reserved for it."""
+    prompts = [_chat_prompt(demo_model_path, 60 + 7 * k, seed=10 + k) for k in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda p: generate(kvzip_server, p, 8), prompts))
+    assert all(len(o["output_ids"]) == 8 for o in outs)
+    stats = kvzip_server.wait_idle()
+    assert_pool_whole(stats)
+    assert stats["pool"]["request_state_bytes"] == 0, stats["pool"]
+    rec = stats["compression"]["reconstruction"]
+    assert 0 < rec["max_held_slots"] <= 4 * (RECON_CHUNK + RESERVE_HEAD), rec
+
+
+def test_prompts_read_in_chunks_repeat_each_context_token_once(kvzip_server, trace: Path, demo_model_path: str) -> None:
+    """Compressed after every chunk, a prompt's passes repeat only what was read since the last
+    one (the kept entries carry their scores), and the served log-probabilities equal a dense
+    forward over exactly what each head kept at its logical positions."""
+    prompt = _chat_prompt(demo_model_path, 3 * CHUNK + 40, seed=3)
+    before = kvzip_server.stats()["compression"]
+    out = generate(kvzip_server, prompt, 12)
+    events = trace_events(trace, out["meta_info"]["id"])
+    assert [e["moment"] for e in events][:4] == ["chunk"] * 3 + ["prefill"], [e["moment"] for e in events]
+    assert {e["policy"] for e in events if e["moment"] in ("chunk", "prefill")} == {"kvzip"}
+    after = kvzip_server.wait_idle()["compression"]
+    system, suffix = 3, 4  # the demo template's text before and after a user message
+    assert after["reconstruction"]["context_tokens"] - before["reconstruction"]["context_tokens"] == (
+        len(prompt) - system - suffix)
+    error = logprob_error(demo_model_path, prompt, out, events)
+    err = error()
+    print(f"max |logprob error| {err:.2e}; without eviction {error(evict=False):.3f}")
+    assert err < 1e-3  # float32 serving against a float32 reference
+    assert error(evict=False) > 10 * 1e-3
+
+
+def test_a_failure_inside_the_pass_fails_only_its_request(kvzip_server, demo_model_path: str) -> None:
+    """A fault planted while the reconstruction of one request is scored (it shares the forward
+    with the others of its moment): that request gets a 500, the others their tokens."""
+    before = kvzip_server.stats()["compression"]["failed_requests"]
+    prompt = _chat_prompt(demo_model_path, 70, seed=5)
+
+    def one(rid: str):
+        return kvzip_server.post("/generate", json={
+            "rid": rid, "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+        })
+
+    rids = ["failpoint-reconstruct-1", "neighbour-1", "neighbour-2"]
+    with ThreadPoolExecutor(3) as pool:
+        replies = dict(zip(rids, pool.map(one, rids)))
+    assert replies["failpoint-reconstruct-1"].status_code == 500, replies["failpoint-reconstruct-1"].text
+    for rid in rids[1:]:
+        assert replies[rid].status_code == 200, replies[rid].text[:300]
+        assert len(replies[rid].json()["output_ids"]) == 8
+    stats = kvzip_server.wait_idle()
+    assert stats["compression"]["failed_requests"] == before + 1
+    assert_pool_whole(stats)
+    assert stats["pool"]["request_state_bytes"] == 0
+
+
+def test_kvzip_per_request_and_only_for_prompts(kvzip_server, trace: Path, demo_model_path: str) -> None:
+    """A request names KVzip as its prompt policy; as its policy (which compresses what is
+    generated) it is a 400 naming the field."""
+    prompt = _chat_prompt(demo_model_path, 50, seed=7)
+    body = {"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
+            "kv_compression": {"policy": "rkv", "prompt_policy": "kvzip"}}
+    r = kvzip_server.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text[:300]
+    assert [e["policy"] for e in trace_events(trace, r.json()["id"])] == ["kvzip"]
+    r = kvzip_server.post("/v1/completions", json={**body, "kv_compression": {"policy": "kvzip"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_compression.policy", r.text
