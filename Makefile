@@ -48,7 +48,7 @@ test: install
 	# The plain-torch core (and the compressor's moments on stand-ins) first, with SGLang made
 	# unimportable: they must run on PyTorch alone (a GPU machine may have PyTorch and Triton but
 	# no SGLang: `.ci/gpu`). Then everything else.
-	$(PY) -m pytest --without-sglang $(NO_SGLANG_TESTS) $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --without-sglang $(NO_SGLANG_TESTS) $(PYTEST_ARGS)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(NO_SGLANG_TESTS:%=--ignore=%) $(PYTEST_ARGS)
 
 clean:

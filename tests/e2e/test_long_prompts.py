@@ -18,14 +18,17 @@ import pytest
 
 from kvc_reference import assert_pool_whole
 from loadtest.server import ServerProcess
-from sgl_kvc.policies import available_policies
+from sgl_kvc.policies import available_policies, decode_policies
 
 pytestmark = pytest.mark.e2e
 
 CONTEXT = 16384  # the demo model's max_position_embeddings
 VOCAB = 2000  # ids below the demo tokenizer's vocabulary
 BUDGET = 64
-POLICIES = [p for p in available_policies() if p != "none"]
+# Every decode policy, and every prompt-only policy (KVzip) as the prompt policy of R-KV.
+POLICIES = [{"policy": p} for p in decode_policies() if p != "none"] + [
+    {"policy": "rkv", "prompt_policy": p} for p in available_policies() if p not in decode_policies()
+]
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -33,12 +36,13 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(10, VOCAB) for _ in range(n)]
 
 
-def _complete(server: ServerProcess, ids: list[int], policy: str, max_tokens: int = 4) -> dict:
+def _complete(server: ServerProcess, ids: list[int], policy: str | dict, max_tokens: int = 4) -> dict:
+    settings = {"policy": policy} if isinstance(policy, str) else policy
     r = server.post(
         "/v1/completions",
         json={
             "model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "kv_compression": {"policy": policy},
+            "ignore_eos": True, "kv_compression": settings,
         },
     )
     assert r.status_code == 200, (policy, len(ids), r.text[:500])
