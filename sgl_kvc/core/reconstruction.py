@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from sgl_kvc.core.request_state import ReqKvState
+from sgl_kvc.kernels.attention_lse import attention_lse
 from sgl_kvc.policies import HeadSelection
 
 CHUNK = 2048  # context tokens repeated per reconstruction forward (kvpress `prepare`'s chunk_size)
@@ -155,28 +156,19 @@ def reconstruction_probs(
     if h_q % h_kv:
         raise ValueError(f"H_q={h_q} is not a multiple of H_kv={h_kv}")
     group = h_q // h_kv
-    # [H_kv, G x r, d]: each KV head's query group, one batched matrix product per block
-    q = (queries.float() * scale).reshape(r, h_kv, group, d).permute(1, 2, 0, 3)  # [H_kv, G, r, d]
-    kt, rkt = keys.float().transpose(1, 2), repeat_keys.float().transpose(1, 2)  # [H_kv, d, M], [H_kv, d, r]
-    # log of the largest probability per key: max over the group and the queries of (logit - the
-    # query's log-sum-exp); one exp at the end, and no probability tensor is ever formed
+    q = queries.float().reshape(r, h_kv, group, d).permute(1, 2, 0, 3)  # [H_kv, G, r, d]
+    # Each query's softmax normalizer first (`kernels/attention_lse.py`), then, for the log of
+    # the largest probability per key, one matrix product of the queries widened by it with the
+    # keys widened by a 1: scale * q.k - lse, maxed over the group and the queries, one exp at
+    # the end; no probability tensor is ever formed.
+    lse = attention_lse(q, keys, valid, repeat_keys, scale, block_elements)  # [H_kv, G, r]
+    qa = torch.cat([q * scale, -lse[..., None]], dim=-1).reshape(h_kv, group * r, d + 1)
+    ones = torch.ones(h_kv, m, 1, dtype=torch.float32, device=keys.device)
+    ka = torch.cat([keys.float(), ones], dim=-1).transpose(1, 2)  # [H_kv, d + 1, M]
     best = torch.full((h_kv, m), -math.inf, dtype=torch.float32, device=keys.device)
-    block = max(1, block_elements // max(1, h_q * (m + r)))
-    invalid = None if bool(valid.all()) else ~valid[:, None, :]  # [H_kv, 1, M]
-    cols = torch.arange(r, device=keys.device)
-    for b0 in range(0, r, block):
-        b = min(block, r - b0)
-        qb = q[:, :, b0 : b0 + b].reshape(h_kv, group * b, d)
-        prefix = torch.bmm(qb, kt)  # [H_kv, G x b, M]
-        if invalid is not None:
-            prefix.masked_fill_(invalid, -math.inf)
-        seen = b0 + b  # the block's queries see the repeat's keys before this
-        own = torch.bmm(qb, rkt[:, :, :seen])  # [H_kv, G x b, seen]
-        future = cols[None, :seen] > (b0 + torch.arange(b, device=keys.device))[:, None]  # [b, seen]
-        own.masked_fill_(future.repeat(group, 1), -math.inf)
-        # the softmax over [prefix, own] (own's first column is always finite)
-        lse = torch.logaddexp(torch.logsumexp(prefix, dim=-1), torch.logsumexp(own, dim=-1))  # [H_kv, G x b]
-        best = torch.maximum(best, prefix.sub_(lse[..., None]).amax(dim=1))
+    block = max(1, block_elements // max(1, h_kv * m))
+    for b0 in range(0, group * r, block):
+        best = torch.maximum(best, torch.bmm(qa[:, b0 : b0 + block], ka).amax(dim=1))
     out = best.exp_()
     return out.masked_fill_(~valid, 0.0)
 

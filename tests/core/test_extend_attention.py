@@ -30,7 +30,9 @@ def test_new_tokens_see_the_prefix_and_themselves_up_to_each(device: torch.devic
     out = prefix_extend_attention(q, k, v, p, 0.25)
     assert out.shape == (r, h_q, d) and out.dtype == dtype and out.device == device
     ref = _reference(q.cpu(), k.cpu(), v.cpu(), p, 0.25)
-    tol = 4 * torch.finfo(dtype).eps  # one rounding of outputs of size ~1, a few of the softmax
+    # one rounding of outputs of size ~1, a few of the softmax, and, where the prefix and the new
+    # tokens are attended apart (the fused CPU kernel), a few more where their halves are merged
+    tol = 8 * torch.finfo(dtype).eps
     err = (out.cpu().double() - ref).abs().max().item()
     assert err < tol, err
     # the test can fail: a mask aligned to the start of the sequence (every new token seeing one
