@@ -4,9 +4,9 @@ KVzip's score (`sgl_kvc/core/reconstruction.py`) needs, for every reconstruction
 log-sum-exp of its logits over the keys of its softmax; the probabilities themselves then come
 from one matrix product of the queries, widened by that normalizer, with the keys (eq. 2 of KVzip:
 p = exp(q.k - lse)). Computed from a materialized logits tensor, the normalizer costs several
-passes over it (a max, a subtraction, an exponential, a sum), which on a CPU take four times the
-matrix product itself. PyTorch's fused CPU attention kernel returns it from tiles that never leave
-the cache; elsewhere, a blocked torch version with the same result.
+passes over it (a max, a subtraction, an exponential, a sum), which compete for memory bandwidth
+with whatever else the CPU runs. PyTorch's fused CPU attention kernel returns it from tiles that
+stay in the cache; elsewhere, a blocked torch version with the same result.
 
 Both halves of a reconstruction query's softmax are computed apart and added in log space: the
 cached keys, which every query sees (some columns masked per KV head), and the reconstruction's

@@ -55,5 +55,5 @@ def test_both_versions_match_the_float64_log_sum_exp(device: torch.device, empty
 
 def test_the_fused_kernel_runs_on_this_cpu() -> None:
     """The CPU build of PyTorch has the fused kernel the dispatch takes (else the blocked version
-    runs, about 2.5x slower in a KVzip pass on a 2-core CPU)."""
+    runs, and a reconstruction forward attends with a mask over whole rows)."""
     assert lse_mod._FUSED_CPU is not None
