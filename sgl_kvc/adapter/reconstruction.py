@@ -65,12 +65,6 @@ FIRST = "\n\nRepeat the previous context exactly."  # KVzip §3.2 / kvpress `pre
 LATER = "\n\nRepeat the part of the previous context exactly, starting with"
 
 
-def uses_reconstruction(config: KvcConfig, req: Any) -> bool:
-    """Whether `req`'s prompt policy reads a reconstruction pass (KVzip)."""
-    settings = resolved(req, config)
-    return settings.compressing and policy_class(settings.prompt_policy_name).uses_reconstruction
-
-
 def forward_slots(config: KvcConfig, settings: ResolvedCompression, prompt: int) -> int:
     """KV slots a reconstruction forward of a request with these settings and a prompt of
     `prompt` tokens holds at most beside its own (0 when its prompt policy reads none): one
