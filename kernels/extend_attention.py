@@ -7,7 +7,7 @@ A KVzip reconstruction forward reads 2K tokens after the whole prompt, where tha
 cost; this computes the r rows alone, with the causal mask aligned to the end of the sequence.
 On a CPU it runs PyTorch's fused kernel on the prefix (no mask) and on the new tokens (causal)
 apart and merges the two by their log-sum-exps (`attention_lse.fused_cpu_halves`): a boolean mask
-over the whole row costs the fused kernel a quarter more time.
+over the whole row made it take about 1.6 times as long (2K new tokens after 4K, 2-core CPU).
 """
 
 from __future__ import annotations
