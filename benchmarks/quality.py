@@ -826,8 +826,10 @@ def main(argv: list[str] | None = None) -> dict:
         kvpress = kvpress or ({**prev["kvpress"], "results": []} if prev.get("kvpress") else None)
         kept += [KeptSummary(**k) for k in prev.get("kept", []) if k["config"] not in {x.config for x in kept}]
         phases = {**{f"{k} (merged run)": v for k, v in prev["setup"]["phase_seconds"].items()}, **phases}
-        # The report lists every policy and budget of either run (a merge may rerun only some).
-        args.policies = list(dict.fromkeys([*prev["setup"]["policies"], *args.policies]))
+        # The report lists every policy and budget of either run (a merge may rerun only some); a
+        # kvpress-only run ran no policy of its own.
+        ran = [] if args.only_kvpress else args.policies
+        args.policies = list(dict.fromkeys([*prev["setup"]["policies"], *ran]))
         args.budgets = sorted(set(prev["setup"]["budgets"]) | set(args.budgets))
     samples = all_samples
 
