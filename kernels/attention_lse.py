@@ -40,6 +40,7 @@ def blocked_lse(queries: Tensor, keys: Tensor, valid: Tensor, own_keys: Tensor, 
     q = (queries.float() * scale).reshape(h_kv, group * r, d)
     kt, okt = keys.float().transpose(1, 2), own_keys.float().transpose(1, 2)
     invalid = None if bool(valid.all()) else ~valid[:, None, :]
+    cols = torch.arange(r, device=queries.device)
     rows = torch.arange(group * r, device=queries.device) % r  # each row's query index
     out = torch.empty(h_kv, group * r, dtype=torch.float32, device=queries.device)
     block = max(1, block_elements // max(1, h_kv * (m + r)))
@@ -49,7 +50,7 @@ def blocked_lse(queries: Tensor, keys: Tensor, valid: Tensor, own_keys: Tensor, 
         if invalid is not None:
             cached.masked_fill_(invalid, -math.inf)
         own = torch.bmm(qb, okt)
-        own.masked_fill_(torch.arange(r, device=queries.device)[None, :] > rows[b0 : b0 + block, None], -math.inf)
+        own.masked_fill_(cols[None, :] > rows[b0 : b0 + block, None], -math.inf)
         out[:, b0 : b0 + block] = torch.logaddexp(torch.logsumexp(cached, -1), torch.logsumexp(own, -1))
     return out.reshape(h_kv, group, r)
 
@@ -57,8 +58,8 @@ def blocked_lse(queries: Tensor, keys: Tensor, valid: Tensor, own_keys: Tensor, 
 def _fused_cpu(queries: Tensor, keys: Tensor, valid: Tensor, own_keys: Tensor, scale: float) -> Tensor:
     mask = None if bool(valid.all()) else valid
     # the outputs are not needed: the values are the keys (no copy)
-    _, cached, _, own = fused_cpu_halves(queries.float(), keys.float(), keys.float(), mask,
-                                         own_keys.float(), own_keys.float(), scale)
+    k, own_k = keys.float(), own_keys.float()
+    _, cached, _, own = fused_cpu_halves(queries.float(), k, k, mask, own_k, own_k, scale)
     return torch.logaddexp(cached, own)
 
 
