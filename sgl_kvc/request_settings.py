@@ -17,13 +17,14 @@ and checks it again when the request enters the queue.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from sgl_kvc.core.request_state import Budget
 from sgl_kvc.policies import (
-    AUTO, SELECTIONS, available_policies, canonical_policy, decode_policies, prompt_policy_error,
+    AUTO, SELECTIONS, available_policies, canonical_policy, decode_policies, policy_class, prompt_policy_error,
     prompt_policy_name,
 )
 
@@ -33,7 +34,9 @@ if TYPE_CHECKING:
 FIELD = "kv_compression"
 CUSTOM_PARAMS_KEY = "sgl_kvc"
 MAX_BUDGET = 1 << 20
-ALLOWED = ("policy", "prompt_policy", "budget", "selection")
+ALLOWED = ("policy", "prompt_policy", "budget", "selection", "document")
+DOCUMENT_ALLOWED = ("tokens", "ratio", "budget")
+DEFAULT_DOCUMENT_RATIO = 0.3  # KVzip's headline ratio (its Fig. 1), kvpress's leaderboard point
 
 
 class RequestSettingError(ValueError):
@@ -43,11 +46,31 @@ class RequestSettingError(ValueError):
 
 
 @dataclass(frozen=True)
+class DocumentSpec:
+    """`kv_compression.document`: the prompt's first `tokens` tokens are a document, compressed
+    once without any question to `budget` entries per (layer, KV head), or to `ratio` of its
+    tokens, and shared by every later request that begins with it (`adapter/documents.py`)."""
+
+    tokens: int
+    ratio: float | None = None
+    budget: int | None = None
+
+    def entries(self, floor: int) -> int:
+        """Entries per (layer, KV head) the compressed document keeps (never fewer than `floor`,
+        what the prompt policy always keeps, + 1)."""
+        if self.budget is not None:
+            return max(floor, self.budget)
+        ratio = DEFAULT_DOCUMENT_RATIO if self.ratio is None else self.ratio
+        return max(floor, math.ceil(ratio * self.tokens))
+
+
+@dataclass(frozen=True)
 class RequestCompression:
     policy: str | None = None
     budget: int | None = None
     selection: str | None = None  # "per-head" or "shared" (see --kv-selection)
     prompt_policy: str | None = None  # "auto" or a policy (see --prompt-policy)
+    document: DocumentSpec | None = None
 
     def policies(self, server_policy: str, server_prompt_policy: str) -> tuple[str, str]:
         """(decode policy, prompt policy as asked: a policy or "auto") of a request with these
@@ -60,7 +83,10 @@ class RequestCompression:
         return policy, AUTO if self.policy is not None else server_prompt_policy
 
     def to_custom_params(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        if self.document is not None:
+            out["document"] = {k: v for k, v in asdict(self.document).items() if v is not None}
+        return out
 
     def resolve(self, config: "KvcConfig") -> "ResolvedCompression":
         """What a request with these settings runs with on a server started with `config`."""
@@ -134,7 +160,33 @@ def parse_kv_compression(obj: Any, field: str = FIELD) -> RequestCompression:
         raise RequestSettingError(
             f"{field}.prompt_policy", f"unknown prompt policy {shown}; choose one of {', '.join(choices)}"
         )
-    return RequestCompression(policy=policy, budget=budget, selection=selection, prompt_policy=prompt_policy)
+    document = None if obj.get("document") is None else _parse_document(obj["document"], f"{field}.document")
+    return RequestCompression(policy=policy, budget=budget, selection=selection, prompt_policy=prompt_policy,
+                              document=document)
+
+
+def _parse_document(obj: Any, field: str) -> DocumentSpec:
+    if not isinstance(obj, dict):
+        raise RequestSettingError(field, f"{field} must be an object, got {json_type_name(obj)}")
+    unknown = sorted(str(k) for k in set(obj) - set(DOCUMENT_ALLOWED))
+    if unknown:
+        raise RequestSettingError(
+            f"{field}.{unknown[0]}",
+            f"unknown field(s) {', '.join(unknown)} in {field}; allowed: {', '.join(DOCUMENT_ALLOWED)}",
+        )
+    tokens, ratio, budget = obj.get("tokens"), obj.get("ratio"), obj.get("budget")
+    for name, value in (("tokens", tokens), ("budget", budget)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BUDGET):
+            raise RequestSettingError(f"{field}.{name}", f"{name} must be an integer from 1 to {MAX_BUDGET}, got "
+                                      f"{value if isinstance(value, (int, float)) and not isinstance(value, bool) else json_type_name(value)}")
+    if tokens is None:
+        raise RequestSettingError(f"{field}.tokens", f"{field}.tokens is required: how many prompt tokens the document is")
+    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1):
+        raise RequestSettingError(f"{field}.ratio", f"ratio must be a number between 0 and 1 (exclusive), got "
+                                  f"{ratio if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else json_type_name(ratio)}")
+    if ratio is not None and budget is not None:
+        raise RequestSettingError(f"{field}.ratio", f"give {field}.ratio or {field}.budget, not both")
+    return DocumentSpec(tokens=tokens, ratio=None if ratio is None else float(ratio), budget=budget)
 
 
 def server_conflict(settings: RequestCompression, config: "KvcConfig | None", field: str = FIELD) -> RequestSettingError | None:
@@ -143,7 +195,8 @@ def server_conflict(settings: RequestCompression, config: "KvcConfig | None", fi
     is admitted, by the HTTP layer and again by the scheduler, so that a setting this server
     cannot serve is that request's 400 and never a failure later in a step it shares."""
     wants = [name for name, value in (("policy", settings.policy), ("budget", settings.budget),
-                                      ("prompt_policy", settings.prompt_policy)) if value not in (None, "none")]
+                                      ("prompt_policy", settings.prompt_policy), ("document", settings.document))
+             if value not in (None, "none")]
     if wants and (config is None or not config.compressing):
         return RequestSettingError(
             f"{field}.{wants[0]}",
@@ -154,6 +207,22 @@ def server_conflict(settings: RequestCompression, config: "KvcConfig | None", fi
         why = prompt_policy_error(*settings.policies(config.policy, config.prompt_policy))
         if why is not None:
             return RequestSettingError(f"{field}.prompt_policy", why)
+    if settings.document is not None and config is not None:
+        return document_conflict(settings.resolve(config), config, f"{field}.document")
+    return None
+
+
+def document_conflict(settings: "ResolvedCompression", config: "KvcConfig", field: str) -> RequestSettingError | None:
+    """Why a request with these resolved settings cannot have its prompt's start compressed as a
+    shared document on this server, or None."""
+    prompt = settings.prompt_policy_name
+    if not policy_class(prompt).question_free:
+        free = ", ".join(p for p in available_policies() if policy_class(p).question_free)
+        return RequestSettingError(field, f"a document is compressed before any question is read: its prompt "
+                                          f"policy must need none ({free}), not {prompt}")
+    if settings.selection != "per-head" or config.variable_budget:
+        return RequestSettingError(field, "shared documents need per-head selection with uniform head budgets "
+                                          "(--kv-selection per-head --kv-head-budget uniform)")
     return None
 
 

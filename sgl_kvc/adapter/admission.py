@@ -25,6 +25,7 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from sgl_kvc.adapter import documents
 from sgl_kvc.adapter.compressor import STATE_ATTR
 from sgl_kvc.adapter.reconstruction import forward_slots
 from sgl_kvc.adapter.requests import chunk_compressible
@@ -99,14 +100,24 @@ def _compacted(req: Req) -> bool:
     return state is not None and state.compressed
 
 
+def _document_adjusted(req: Req, s: Sizes) -> tuple[Sizes, int]:
+    """A request started from a shared document holds its k entries in place of its D tokens
+    (`adapter/documents.py`): its sizes with its budget beyond them, and D - k."""
+    doc = documents.hit(req)
+    if doc is None:
+        return s, 0
+    return replace(s, budget=s.budget + doc.key.entries), doc.shift
+
+
 def admission_demand(req: Req, config: KvcConfig) -> int | None:
     """Slots a waiting request (new or retracted) holds at most beyond its cached prefix (SGLang
     has matched it, `prefix_len`, and locks it while admitting), or None if it does not compress."""
     s = sizes(req, config)
     if s is None:
         return None
+    s, shift = _document_adjusted(req, s)
     cached = int(req.prefix_len)
-    fill = len(req.origin_input_ids) + len(req.output_ids)
+    fill = len(req.origin_input_ids) + len(req.output_ids) - shift
     now = Now(held=cached, tree=cached, prompt_left=max(0, fill - cached), out_left=_out_left(req))
     return most_held(Moments.of(config), s, now) - cached
 
@@ -120,9 +131,10 @@ def running_need(req: Req, config: KvcConfig) -> tuple[int, int] | None:
     # Its prompt moments are over: a pass after prefill put off is its decode policy's, which
     # reads no reconstruction.
     s = replace(s, reconstruction=0)
+    s, shift = _document_adjusted(req, s)
     held, tree = int(req.kv.kv_committed_len), int(req.kv.cache_protected_len)
     # A pass after prefill not done yet: staged over steps, or put off for lack of slots.
-    due = not _compacted(req) and len(req.origin_input_ids) > s.budget
+    due = not _compacted(req) and len(req.origin_input_ids) - shift > s.budget
     moments = Moments.of(config)
     total = most_held(moments, s, Now(held, tree, 0, _out_left(req), due)) - held
     copies = most_held(moments, s, Now(held, tree, 0, 0, due)) - held
@@ -165,7 +177,7 @@ def around_add_one_req(config: KvcConfig) -> Callable[..., Any]:
             return original(adder, req, *args, **kwargs)
         # SGLang reserves the extend + max_new_tokens: make that the request's footprint.
         sp = req.sampling_params
-        extend = len(req.origin_input_ids) + len(req.output_ids) - int(req.prefix_len)
+        extend = len(req.full_untruncated_fill_ids) - int(req.prefix_len)  # shifted after a document
         saved = sp.max_new_tokens
         sp.max_new_tokens = len(req.output_ids) + max(demand - extend, 0)
         try:

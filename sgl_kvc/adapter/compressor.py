@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_kvc.adapter import failpoints
+from sgl_kvc.adapter import document_pass, documents, failpoints
 from sgl_kvc.adapter.compaction import (
     CompactionResult,
     CompactionSkipped,
@@ -162,11 +162,11 @@ class Compressor:
             return
         for req in batch.reqs:
             if getattr(req, STATE_ATTR, None) is None and not req.finished() and failure(req) is None:
-                self.failures.guarded(req, "start", self._begin, req)
+                self.failures.guarded(req, "start", self._begin, req, getattr(batch, "tree_cache", None))
         self.store.begin_extend(rows, batch.seq_lens_cpu.tolist())
         failpoints.observing(self.store, batch.reqs, rows)
 
-    def _begin(self, req: Req) -> None:
+    def _begin(self, req: Req, tree_cache: Any = None) -> None:
         state = self.new_state(req)
         prompt = self.policy(state.policy_name("prefill"), state.budget.tokens)
         if prompt.uses_query_moments and self.config.compressing:
@@ -180,6 +180,21 @@ class Compressor:
                     self.num_layers, prompt.params.sink_tokens, prompt.params.ea_covariance, prompt.prerope_queries,
                 )
         self.store.begin(req.kv.req_pool_idx, state)
+        doc = documents.hit(req)
+        if doc is not None:
+            # Its row starts with the document's k slots, which hold the entries the document
+            # kept; what it reads next sits at logical positions D, D+1, ... Its own budget
+            # applies beyond the document's entries.
+            state.kept_positions = doc.kept_positions
+            state.offset = doc.shift
+            state.fill_shift = True
+            if state.budget.ratio is None:
+                state.budget = replace(state.budget, tokens=state.budget.tokens + doc.key.entries)
+            self.store.set_offset(req.kv.req_pool_idx, state.offset)
+            registry = documents.registry_of(tree_cache)
+            if registry is not None:
+                registry.metrics = self.metrics
+                registry.hit()
         setattr(req, STATE_ATTR, state)
 
     def _released(self, req: Req) -> None:
@@ -214,7 +229,7 @@ class Compressor:
         """After an extend: the chunk moment for requests between two chunks of their prompt,
         the prefill moment for those whose prompt is done."""
         self._step_seconds = 0.0
-        starts, chunks, read = [], [], []
+        starts, chunks, read, read_at = [], [], [], []
         for i, req in enumerate(batch.reqs):
             state = self.state(req)
             if req.finished() or state is None or state.policy.name == "none":
@@ -230,6 +245,7 @@ class Compressor:
                     chunks.append((i, state, keep))
                 continue
             read.append(state)
+            read_at.append(i)
             if "prefill" not in self.config.compress_on:
                 continue
             target = self._prefill_target(state, n, budget)
@@ -238,6 +254,8 @@ class Compressor:
                     starts.append((i, state, target))
                 else:
                     self._put_off(state, n)
+        # A shared document is compressed from the exact entries, before its request's own pass.
+        document_pass.publish(self, batch, document_pass.to_publish(self, batch, read_at))
         self._reconstruct(batch, chunks, starts)
         chunks = [c for c in chunks if failure(batch.reqs[c[0]]) is None]
         starts = [s for s in starts if failure(batch.reqs[s[0]]) is None]

@@ -10,7 +10,8 @@
 | PrefillAdder.add_chunked_req                    | around | a prompt's next chunk: what its passes copy and keep, its reconstruction forward (KVzip) |
 | Scheduler.handle_generate_request               | around | prompts longer than the pool, compressed between chunks |
 | Scheduler.init_req_max_new_tokens               | around | a compressing request's output is bounded by the context; one that cannot fit even compressed is a 400 |
-| Req.refresh_fill_ids                            | around | the next chunk of a prompt compressed between chunks |
+| Req.refresh_fill_ids                            | around | the next tokens of a prompt compressed between chunks or started from a shared document |
+| Req.init_next_round_input                       | around | a prefix matched on a shared document: the tokens after it (`adapter/documents.py`) |
 | Req._compute_max_prefix_len                     | around | recompute the observation window on a prefix hit |
 | Scheduler.get_next_batch_to_run                 | after  | peak number of requests in flight      |
 | Scheduler._add_request_to_queue                 | around | validate per-request settings (400)    |
@@ -23,7 +24,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from sgl_kvc.adapter import admission
+from sgl_kvc.adapter import admission, documents
 from sgl_kvc.adapter.admission import CHUNKED_ATTR
 from sgl_kvc.adapter.requests import chunk_compressible, released, shifted_fill_ids
 from sgl_kvc.adapter.compressor import STATE_ATTR
@@ -83,6 +84,10 @@ def hook_table(config: KvcConfig) -> list[Hook]:
                  ("req",), "output bounded by the context; a request that cannot fit even compressed is a 400"),
             Hook(f"{_ADDER}.add_chunked_req", admission.around_add_chunked_req(config), "AROUND",
                  ("req",), "the next chunk and the slots of the pass after it"),
+            Hook(f"{_REQ}.refresh_fill_ids", _around_refresh_fill_ids, "AROUND", (),
+                 "the next tokens after a compaction between chunks or a shared document"),
+            Hook(f"{_REQ}.init_next_round_input", _around_init_next_round, "AROUND", (),
+                 "a prefix matched on a shared document: the tokens after it"),
         ]
     if config.chunk_moment is not None:
         hooks += [
@@ -90,8 +95,6 @@ def hook_table(config: KvcConfig) -> list[Hook]:
                  ("req", "extend_input_len", "total_tokens"), "one chunk + what its passes copy and keep"),
             Hook(f"{_SCHEDULER}.handle_generate_request", _around_handle_generate(config), "AROUND",
                  ("recv_req",), "a prompt longer than the pool is accepted"),
-            Hook(f"{_REQ}.refresh_fill_ids", _around_refresh_fill_ids, "AROUND", (),
-                 "the next chunk's tokens after a compaction between chunks"),
         ]
     return hooks
 
@@ -147,7 +150,7 @@ def _after_batch_result(config: KvcConfig):
     def hook(result: Any, scheduler: Scheduler, batch: ScheduleBatch, *args: Any, **kwargs: Any) -> Any:
         compressor = compressor_of(scheduler.tp_worker.model_runner, config)
         compressor.scheduler = scheduler
-        if batch.forward_mode.is_extend() and ("prefill" in config.compress_on or config.chunk_moment):
+        if batch.forward_mode.is_extend():  # the prompt moments, and publishing shared documents
             compressor.after_prefill(batch)
         return result
 
@@ -184,7 +187,8 @@ def _around_add_to_queue(config: KvcConfig):
         # The one place every new (and retracted) request passes: settings a client put in
         # `custom_params` are checked here, against this server's configuration too, so a bad
         # or unservable one is a 400 for that request and is never read again by the hooks below.
-        admit(req, config)
+        if not admit(req, config):
+            documents.admit(req, config)
         admission.remember(req, config, scheduler)
         return original(scheduler, req, *a, **kw)
 
@@ -236,9 +240,17 @@ def _around_handle_generate(config: KvcConfig):
     return hook
 
 
+def _around_init_next_round(original: Callable[..., Any], req: Req, *args: Any, **kwargs: Any):
+    documents.unmatched(req)  # its tokens are matched afresh, unshifted
+    out = original(req, *args, **kwargs)
+    documents.matched(req)
+    return out
+
+
 def _around_refresh_fill_ids(original: Callable[..., Any], req: Req, *args: Any, **kwargs: Any):
     out = original(req, *args, **kwargs)
     state = getattr(req, STATE_ATTR, None)
-    if state is not None and state.fill_shift and state.offset:
-        shifted_fill_ids(req, state.offset)
+    shift = documents.fill_shift(req) if state is None else state.offset if state.fill_shift else 0
+    if shift:
+        shifted_fill_ids(req, shift)
     return out

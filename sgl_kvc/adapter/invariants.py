@@ -4,13 +4,15 @@ Costly (it walks the whole tree), so off in production; the end-to-end tests tur
 violation raises inside the scheduler, which stops the server and fails the test.
 - a freed slot is held by neither the radix tree nor any running request;
 - a compacted request holds no tree-owned slot (it copied the ones it kept);
-- accounting: free + tree + slots owned by running requests == pool size.
+- accounting: free + tree + slots owned by running requests == pool size;
+- shared documents (`check_documents`): each registered document is its node, in the tree, with
+  one slot per kept entry and the positions of its D tokens.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -61,9 +63,30 @@ def check_after_compaction(batches: list[ScheduleBatch], compacted: list[Req], f
             raise InvariantViolation("a compacted request still references tree-owned slots")
     allocator = batch.token_to_kv_pool_allocator
     total = allocator.size
+    check_documents(tree)
     accounted = allocator.available_size() + len(tree_slots) + owned
     if accounted != total:
         raise InvariantViolation(
             f"pool accounting: free {allocator.available_size()} + tree {len(tree_slots)} "
             f"+ owned by running requests {owned} = {accounted} != {total}"
         )
+
+
+def check_documents(tree: Any) -> None:
+    """The registry of compressed documents agrees with the tree that holds them."""
+    registry = getattr(tree, "documents", None)
+    if registry is None:
+        return
+    for digest, doc in registry.by_key.items():
+        node, k = doc.node, doc.key.entries
+        if getattr(node, "sgl_kvc_document", None) is not doc or doc.key.digest != digest:
+            raise InvariantViolation(f"document {digest[:12]} is not its node's")
+        parent = node.parent
+        if parent is None or parent.children.get(node.key.child_key(tree.page_size)) is not node:
+            raise InvariantViolation(f"document {digest[:12]} is registered but not in the tree")
+        if node.value is None or len(node.value) != k or len(node.key) != k:
+            raise InvariantViolation(f"document {digest[:12]}: {k} entries, node of {len(node.key)} keys "
+                                     f"and {None if node.value is None else len(node.value)} slots")
+        kept = doc.kept_positions
+        if int(kept.shape[-1]) != k or int(kept.max()) >= doc.key.tokens or int(kept.min()) < 0:
+            raise InvariantViolation(f"document {digest[:12]}: kept positions outside its {doc.key.tokens} tokens")

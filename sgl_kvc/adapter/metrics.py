@@ -37,7 +37,7 @@ class CompressionStats:
 
 class CompressionMetrics:
     def __init__(self, labels: dict[str, str]) -> None:
-        from prometheus_client import Counter
+        from prometheus_client import Counter, Gauge
 
         names = list(labels)
         self._labels = labels
@@ -58,6 +58,17 @@ class CompressionMetrics:
         self.retractions = Counter(
             "sgl_kvc:retractions_total", "Requests retracted (preempted) by the scheduler", names
         )
+        self.documents = Counter(
+            "sgl_kvc:documents_total", "Shared documents: compressed and published, hit, evicted",
+            names + ["event"],
+        )
+        self.resident = Gauge(
+            "sgl_kvc:documents_resident", "Compressed documents in the prefix cache", names, multiprocess_mode="mostrecent"
+        )
+        self.document_entries = Gauge(
+            "sgl_kvc:document_entries", "Entries per (layer, KV head) the resident documents hold", names,
+            multiprocess_mode="mostrecent",
+        )
 
     def compressed(self, moment: str, evicted: int) -> None:
         self.passes.labels(**self._labels, moment=moment).inc()
@@ -66,6 +77,12 @@ class CompressionMetrics:
     def spent(self, seconds: float) -> None:
         """Compression work of one scheduler step (a staged pass spends over several)."""
         self.seconds.labels(**self._labels).inc(seconds)
+
+    def document(self, event: str, resident: int, entries: int) -> None:
+        """A document was compressed, hit or evicted; what is resident after it."""
+        self.documents.labels(**self._labels, event=event).inc()
+        self.resident.labels(**self._labels).set(resident)
+        self.document_entries.labels(**self._labels).set(entries)
 
     def avoided_retraction(self) -> None:
         self.avoided.labels(**self._labels).inc()

@@ -6,14 +6,17 @@ SGLang's own choice. Compaction's radix rule (the tree holds only full, exact KV
 request copies what it keeps of its tree-owned prefix and drops its lock,
 `adapter/compaction.py`) is written against this class's locking and eviction
 (`inc_lock_ref` / `dec_lock_ref`, `evict`), which is why compressing servers pin it rather than
-SGLang's default `UnifiedRadixCache`.
+SGLang's default `UnifiedRadixCache`. It also holds the compressed documents
+(`adapter/documents.py`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from typing import Any
 
-from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.registry import (
     TreeCacheBuildContext,
@@ -21,6 +24,8 @@ from sglang.srt.mem_cache.registry import (
     get_radix_cache_factory,
     register_radix_cache_backend,
 )
+
+from sgl_kvc.adapter.documents import DocumentRegistry, declared
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +41,37 @@ def create(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     if reasons:
         logger.warning("sgl-kvc prefix cache not used (%s): SGLang's default applies", reasons)
         return default_radix_cache_factory(ctx)
-    return RadixCache(ctx.params)
+    return KvcRadixCache(ctx.params)
+
+
+class KvcRadixCache(RadixCache):
+    """SGLang's `RadixCache` with compressed documents (`adapter/documents.py`): a request that
+    declares a resident document matches the document's node, whatever its tokens would match;
+    a document's node leaves the registry when the tree deletes it."""
+
+    def reset(self) -> None:
+        super().reset()
+        registry = getattr(self, "documents", None)
+        if registry is None:
+            self.documents = DocumentRegistry()
+        else:
+            registry.clear()
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        req = params.req
+        doc = None if req is None or self.disable else self.documents.get(declared(req))
+        # The request's prompt reaches past the document (`request_key` checked it); SGLang's
+        # cap on the match (the last token, the observation window) is about its own suffix.
+        if doc is not None and len(params.key.token_ids) > doc.key.tokens:
+            node = doc.node
+            node.last_access_time = time.monotonic()  # LRU: a hit is a use
+            return MatchResult(device_prefix_len=len(node.value), last_device_node=node,
+                               last_host_node=node, best_match_node=node)
+        return super().match_prefix(params)
+
+    def _delete_leaf(self, node: Any) -> None:
+        super()._delete_leaf(node)
+        self.documents.removed(node)
 
 
 def register(name: str) -> None:

@@ -147,20 +147,20 @@ class Reconstructor:
         return self._prompt
 
     def run(
-        self, scheduler: Scheduler, batch: ScheduleBatch, due: list[tuple[int, ReqKvState, str]],
+        self, scheduler: Scheduler, batch: ScheduleBatch, due: list[tuple[Any, ...]],
         fail: Callable[[Any, BaseException], None],
     ) -> None:
         """Repeat the context of each request `due` ((index in `batch`, state, moment: prefill or
-        chunk)); its scores go to `state.reconstruction` for the moment's pass. A request that
-        fails is handed to `fail`."""
+        chunk[, n: the first n entries of its row only, a shared document])); its scores go to
+        `state.reconstruction` for the moment's pass. A request that fails is handed to `fail`."""
         if not due:
             return
         t0 = time.perf_counter()
         items = []
-        for i, state, moment in due:
+        for i, state, moment, *length in due:
             req = batch.reqs[i]
             try:
-                items.append(self._plan(scheduler, batch, i, state, moment))
+                items.append(self._plan(scheduler, batch, i, state, moment, *length))
             except Exception as e:  # noqa: BLE001 - that request fails, alone
                 fail(req, e)
         rounds = max((len(item.plan.chunks) for item in items), default=0)
@@ -178,10 +178,11 @@ class Reconstructor:
         self.stats.seconds += time.perf_counter() - t0
 
     # --- planning -----------------------------------------------------------------------------
-    def _plan(self, scheduler: Scheduler, batch: ScheduleBatch, i: int, state: ReqKvState, moment: str) -> _Item:
+    def _plan(self, scheduler: Scheduler, batch: ScheduleBatch, i: int, state: ReqKvState, moment: str,
+              n: int | None = None) -> _Item:
         req = batch.reqs[i]
         row = req.kv.req_pool_idx
-        n = int(batch.seq_lens_cpu[i])
+        n = int(batch.seq_lens_cpu[i]) if n is None else n
         length = state.logical_len(n)
         prompt = self.prompt(scheduler)
         ids = req.origin_input_ids

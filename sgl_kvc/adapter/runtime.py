@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 
 from sgl_kvc.adapter.compressor import Compressor
+from sgl_kvc.adapter.documents import DocumentRegistry, registry_of
 from sgl_kvc.adapter.fp8_pool import pool_bytes
 from sgl_kvc.adapter.kv_memory import RESERVED_ATTR
 from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
@@ -149,6 +150,8 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
             "hit_tokens": prefix.hit_tokens,
         },
         "compression": compression,
+        # compressed documents shared through the prefix cache (adapter/documents.py)
+        "documents": _documents(tree),
         # per-head budgets: uniform, or variable / layer (packed in the unit pool)
         "head_budget": runtime.config.kv_head_budget if store is not None and store.unit_pools is not None else "uniform",
         # who computes decode attention: sgl-kvc's batched kernel (CPU, compressing servers) or
@@ -163,3 +166,8 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
             "max_running_limit": int(scheduler.max_running_requests),
         },
     }
+
+
+def _documents(tree: Any) -> dict[str, Any]:
+    registry = registry_of(tree)
+    return (registry or DocumentRegistry()).snapshot()

@@ -297,6 +297,10 @@ class Policy(ABC):
     ``LayerView.reconstruction``."""
     prompt_only: ClassVar[bool] = False
     """Whether the policy compresses prompts only (a prompt policy, never a request's policy)."""
+    question_free: ClassVar[bool] = False
+    """Whether the policy chooses what a prompt keeps without reading any query of the prompt (no
+    observation window, no query statistics): only such a policy compresses a document before the
+    questions that will be asked about it (`kv_compression.document`)."""
     prompt_policy: ClassVar[str | None] = None
     """The policy that compresses the prompt (the prefill and chunk moments) when the user leaves
     it to this one (``--prompt-policy auto``); None: this policy itself. A decode-time method

@@ -35,6 +35,7 @@ class KeyDiffPolicy(Policy):
     name: ClassVar[str] = "keydiff"
     uses_stats: ClassVar[bool] = False
     compress_after_prefill: ClassVar[bool] = True
+    question_free: ClassVar[bool] = True
 
     def _score(self, view: LayerView) -> Tensor:
         keys = view.keys.float()  # [n, H_kv, d]

@@ -35,6 +35,7 @@ class KVzipPolicy(Policy):
     compress_after_prefill: ClassVar[bool] = True
     uses_reconstruction: ClassVar[bool] = True
     prompt_only: ClassVar[bool] = True
+    question_free: ClassVar[bool] = True
 
     def _score(self, view: LayerView) -> Tensor:
         if view.reconstruction is None:

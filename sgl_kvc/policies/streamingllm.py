@@ -22,6 +22,7 @@ class StreamingLLMPolicy(Policy):
     name: ClassVar[str] = "streamingllm"
     uses_stats: ClassVar[bool] = False
     compress_after_prefill: ClassVar[bool] = True
+    question_free: ClassVar[bool] = True
 
     def protected(self, view: LayerView) -> Tensor:
         mask = torch.zeros(view.n, dtype=torch.bool, device=view.keys.device)

@@ -37,7 +37,7 @@ CMD = [
 ]
 # SGLang's CPU engine wants one NUMA node per rank unless cores are bound explicitly.
 ENV = {"SGLKVC_CHECK": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
-       "SGLKVC_FAILPOINTS": "tp_local_scores,compress_raise@1,rewrite_raise@1,reconstruct_raise@1"}
+       "SGLKVC_FAILPOINTS": "tp_local_scores,compress_raise@1,rewrite_raise@1,reconstruct_raise@1,document_raise@1"}
 POLICIES = ("rkv", "snapkv", "h2o", "kvcompress")
 
 
@@ -176,6 +176,32 @@ def test_kvzip_reconstruction_runs_on_both_ranks_in_step(tp_server, trace: Path)
     assert stats["compression"]["failed_requests"] == before["failed_requests"] + 1
     assert stats["compression"]["reconstruction"]["passes"] > before["reconstruction"]["passes"]
     assert_pool_whole(stats)
+
+
+def test_a_document_is_published_on_both_ranks_or_on_neither(tp_server) -> None:
+    """A shared document (`kv_compression.document`) whose compression fails on rank 1 alone is
+    published on neither rank (the ranks vote before it enters their trees): the next request
+    declaring it compresses it on both, and the one after starts from it on both (had the trees
+    diverged, the ranks' prefixes and forwards would no longer match)."""
+    doc = [(31 * i + 5) % 1900 + 10 for i in range(48)]  # one chunk with its question
+
+    def ask(rid: str, k: int) -> requests.Response:
+        return tp_server.post("/generate", json={
+            "rid": rid, "input_ids": doc + [(13 * i + k) % 1900 + 10 for i in range(8)],
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True, "custom_params": {
+                "sgl_kvc": {"prompt_policy": "kvzip", "document": {"tokens": len(doc)}}}},
+        })
+
+    before = tp_server.wait_idle()["documents"]
+    for rid, k in (("failpoint-document-tp", 1), ("document-tp-first", 2), ("document-tp-second", 3)):
+        r = ask(rid, k)
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 8, (rid, r.text[:300])
+    after = tp_server.wait_idle()
+    docs = after["documents"]
+    assert docs["not_published"] == before["not_published"] + 1, docs
+    assert docs["compressions"] == before["compressions"] + 1, docs
+    assert docs["hits"] == before["hits"] + 1, docs
+    assert_pool_whole(after)
 
 
 def test_request_mix(tp_server, request_mix) -> None:

@@ -1,0 +1,158 @@
+"""Compressing a shared document and publishing it to the radix tree (`adapter/documents.py`).
+
+Right after a request that declares a document has read its prompt, and before its own prompt
+pass: its entries [0, D) are exact KV of the document (nothing of it is compressed yet), so a pass
+over those D entries alone, by the request's question-free prompt policy, chooses what the
+document keeps (KVzip's reconstruction repeats the document only and attends to it only, as
+kvpress compresses a context without its question). The kept entries are copied, per (layer, KV
+head), into k fresh slots (`core/moves.py`), which become a tree node of their own. The request's
+row is only read: whatever fails here leaves the request as it was, and the document is simply not
+published (the next request that declares it tries again).
+
+The k slots come from the free pool or from evicting unlocked tree nodes (LRU), like any tree
+insert: the node is unlocked cache at once, evicted before any request is retracted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from sgl_kvc.adapter import failpoints, invariants
+from sgl_kvc.adapter.documents import Document, DocumentKey, declared, hit, node_key, registry_of
+from sgl_kvc.core.moves import move_units_many
+from sgl_kvc.core.passes import StepWork, advance_uniform, start_pass
+from sgl_kvc.core.request_state import Budget, ReqKvState
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    from sgl_kvc.adapter.compressor import Compressor
+
+logger = logging.getLogger(__name__)
+
+
+def to_publish(compressor: Compressor, batch: ScheduleBatch, read: list[int]) -> list[tuple[int, DocumentKey]]:
+    """The requests of `batch` (indices whose prompt is read) that publish their document now:
+    they declare one not resident, did not start from it, hold its D entries exact (not compacted
+    between chunks), and are the first in this batch to declare it. Decided from what every
+    tensor-parallel rank holds alike (a request whose state failed here is still listed, and not
+    ready in `publish`'s vote), so that the ranks run the same passes and vote together."""
+    registry = registry_of(getattr(batch, "tree_cache", None))
+    if registry is None:
+        return []  # not sgl-kvc's prefix cache
+    out, seen = [], set()
+    for i in read:
+        req = batch.reqs[i]
+        key = declared(req)
+        if key is None or req.finished() or hit(req) is not None or key.digest in seen:
+            continue
+        state = compressor.state(req)
+        if state is not None and state.passes:
+            continue  # compacted between chunks: its entries are no longer the document's
+        if registry.get(key) is not None or int(batch.seq_lens_cpu[i]) <= key.tokens:
+            continue
+        seen.add(key.digest)
+        out.append((i, key))
+    return out
+
+
+@dataclass
+class _Ready:
+    i: int
+    key: DocumentKey
+    dest: Tensor  # k fresh slots, the kept entries copied in
+    kept_positions: Tensor
+
+
+def publish(compressor: Compressor, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]]) -> None:
+    """Score, copy and publish each item's document; a failure loses that document only. With
+    tensor parallelism a document is published only where every rank copied it."""
+    if not items:
+        return
+    t0 = time.perf_counter()
+    registry = registry_of(batch.tree_cache)
+    registry.metrics = compressor.metrics
+    store = compressor.store
+    states = {}
+    for i, key in items:
+        policy = compressor.policy(key.policy, key.entries)
+        # The document alone, as a request that has read D tokens and compressed nothing.
+        states[i] = ReqKvState(policy=policy, budget=Budget(key.entries), selection="per-head", device=store.device)
+    failed: dict[int, BaseException] = {}
+    recon = [(i, states[i], "prefill", key.tokens) for i, key in items if states[i].policy.uses_reconstruction]
+    if recon:
+        compressor.reconstructor.run(compressor.scheduler, batch, recon, lambda req, e: failed.setdefault(
+            batch.reqs.index(req), e))
+    ready: list[_Ready | None] = []
+    for i, key in items:
+        try:
+            if i in failed:
+                raise failed[i]
+            if compressor.state(batch.reqs[i]) is None:
+                raise RuntimeError("its request failed on this rank")
+            ready.append(_prepare(compressor, batch, i, key, states[i]))
+        except Exception:  # noqa: BLE001 - the document is not published; its request goes on
+            logger.exception("sgl-kvc: document of %s not published", batch.reqs[i].rid)
+            ready.append(None)
+    missing = torch.tensor([[r is None] for r in ready], dtype=torch.int64)
+    if compressor.failures.vote is not None:
+        missing = compressor.failures.vote(missing)  # summed over the ranks
+    for r, absent in zip(ready, missing[:, 0].tolist()):
+        if r is not None and absent:
+            batch.token_to_kv_pool_allocator.free(r.dest)
+        elif r is not None:
+            _insert(compressor, batch, r, registry)
+    registry.stats.not_published += sum(1 for absent in missing[:, 0].tolist() if absent)
+    if invariants.enabled():
+        invariants.check_documents(batch.tree_cache)
+    registry.stats.seconds += compressor._account(time.perf_counter() - t0)
+
+
+def _prepare(compressor: Compressor, batch: ScheduleBatch, i: int, key: DocumentKey,
+             state: ReqKvState) -> _Ready | None:
+    """The document's pass over the request's first D entries, and its kept entries copied into
+    k fresh slots (None: no free slots for them)."""
+    from sgl_kvc.adapter.compaction import _make_room_in_tree
+
+    store = compressor.store
+    req = batch.reqs[i]
+    row = req.kv.req_pool_idx
+    d, k = key.tokens, key.entries
+    failpoints.check("document_raise", req)
+    state.pending = start_pass(store, row, state, state.policy, d, k, "prefill", None)
+    due = advance_uniform(store, row, state, d, StepWork.unlimited(), i)
+    if due is None:
+        raise RuntimeError("an unlimited document pass did not finish")
+    tree, allocator = batch.tree_cache, batch.token_to_kv_pool_allocator
+    _make_room_in_tree(tree, k)  # the request's own path is locked: never evicted here
+    if allocator.available_size() < k:
+        return None
+    slots = store.req_to_token[row, :d].to(torch.int64)
+    dest = allocator.alloc(k).to(device=slots.device, dtype=torch.int64)
+    try:
+        move_units_many(allocator.get_kvcache(), [(slots, due.selection.indices.to(slots.device), dest)])
+    except BaseException:
+        allocator.free(dest)
+        raise
+    return _Ready(i, key, dest, due.kept_positions)
+
+
+def _insert(compressor: Compressor, batch: ScheduleBatch, r: _Ready, registry: Any) -> None:
+    """The document's node: plain tree inserts (the node is unlocked cache at once)."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    result = batch.tree_cache.insert(InsertParams(key=node_key(r.key), value=r.dest))
+    if result.prefix_len:  # cannot happen: a node under this key is registered, hence never re-published
+        raise RuntimeError(f"a document node under key {r.key.digest[:12]} exists unregistered")
+    registry.add(Document(key=r.key, node=result.last_device_node, kept_positions=r.kept_positions))
+    if compressor.trace:
+        trace_state = ReqKvState(policy=compressor.policy(r.key.policy, r.key.entries), budget=Budget(r.key.entries),
+                                 kept_positions=r.kept_positions)
+        d = r.key.tokens
+        compressor.trace.write(batch.reqs[r.i].rid, "document", r.key.policy, d, d, trace_state, r.key.entries, d)

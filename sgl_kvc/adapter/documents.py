@@ -1,0 +1,216 @@
+"""Compressed documents shared through the prefix cache (docs/architecture.md, "Shared documents").
+
+A request says that its prompt's first D tokens are a document to keep compressed
+(`kv_compression.document`). The first such request reads its prompt whole, as SGLang does; right
+after, before anything of its question is scored, the document's entries [0, D) are scored by its
+question-free prompt policy (KVzip repeats the document alone) and the k kept per (layer, KV head)
+are copied into k fresh slots, published to the radix tree as one node (`publish`). Every later
+request that begins with the same D tokens (and the same namespace and settings, the document's
+*key*) matches that node instead of the tokens: its row starts with the node's k slots, locked as
+any matched prefix is, and it prefills only its own suffix, at logical positions D, D+1, ...
+
+The node is an ordinary tree node under a key of its own (k placeholder tokens in a namespace, the
+`extra_key`, no real request uses), so its key and value have the same length and SGLang's locking,
+LRU eviction and size accounting hold for it as written; this module keeps the side registry that
+maps a document's key to its node and to which token each of its entries holds. A request's own
+compaction never writes the node's slots (they are tree-owned: it copies what it keeps, as for any
+matched prefix, `adapter/compaction.py`).
+
+What a document request adds is checked when it enters the queue (`request_key`: a 400 if its
+prompt does not extend past the document, or if its settings cannot compress one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from sgl_kvc.config import KvcConfig
+from sgl_kvc.request_settings import RequestSettingError, document_conflict, of_request, resolved
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+KEY_ATTR = "_sgl_kvc_document_key"  # on a Req: the DocumentKey of the document it declares
+HIT_ATTR = "_sgl_kvc_document_hit"  # on a Req: the Document its matched prefix is, else None
+NODE_ATTR = "sgl_kvc_document"  # on a radix TreeNode: the Document it holds
+NAMESPACE = "sgl-kvc/document/"  # the extra_key prefix of a document node
+
+
+@dataclass(frozen=True)
+class DocumentKey:
+    """What identifies a compressed document: a hash of its tokens, the request's namespace
+    (`extra_key`, `cache_salt`) and how it is compressed (prompt policy, entries, selection)."""
+
+    digest: str
+    tokens: int  # D: prompt tokens the document covers
+    entries: int  # k: entries each (layer, KV head) keeps
+    policy: str  # the prompt policy that compresses it
+
+
+@dataclass(eq=False)
+class Document:
+    """A resident compressed document: its node's k slots hold, in (layer l, KV head h), the
+    entry of the token at logical position `kept_positions[l, h, j]` in slot j."""
+
+    key: DocumentKey
+    node: Any  # the radix TreeNode (value: its k slots)
+    kept_positions: Tensor  # [L, H_kv, k] int64, never written
+
+    @property
+    def shift(self) -> int:
+        """Tokens a request starting from it has read beyond what its row holds: D - k."""
+        return self.key.tokens - self.key.entries
+
+
+@dataclass
+class DocumentStats:
+    compressions: int = 0  # documents compressed and published
+    hits: int = 0  # requests that started from a resident document
+    evictions: int = 0  # documents the tree evicted (LRU) or dropped
+    not_published: int = 0  # compressed documents not published: no free slots, or a failure
+    seconds: float = 0.0  # spent scoring and copying documents
+
+
+@dataclass
+class DocumentRegistry:
+    """One radix tree's documents, by key."""
+
+    by_key: dict[str, Document] = field(default_factory=dict)
+    stats: DocumentStats = field(default_factory=DocumentStats)
+    metrics: Any = None  # the scheduler's CompressionMetrics (`/metrics`), once it has some
+
+    def get(self, key: DocumentKey | None) -> Document | None:
+        return None if key is None else self.by_key.get(key.digest)
+
+    def add(self, doc: Document) -> None:
+        setattr(doc.node, NODE_ATTR, doc)
+        self.by_key[doc.key.digest] = doc
+        self.stats.compressions += 1
+        self._emit("compressed")
+
+    def hit(self) -> None:
+        """A request started from a resident document."""
+        self.stats.hits += 1
+        self._emit("hit")
+
+    def removed(self, node: Any) -> None:
+        """The tree deleted `node` (evicted it): a document it held is gone."""
+        doc = getattr(node, NODE_ATTR, None)
+        if doc is not None and self.by_key.get(doc.key.digest) is doc:
+            del self.by_key[doc.key.digest]
+            self.stats.evictions += 1
+            self._emit("evicted")
+
+    def clear(self) -> None:
+        """The tree was reset (`/flush_cache`): every document is gone."""
+        for digest in list(self.by_key):
+            del self.by_key[digest]
+            self.stats.evictions += 1
+            self._emit("evicted")
+
+    def _emit(self, event: str) -> None:
+        if self.metrics is not None:
+            self.metrics.document(event, len(self.by_key), sum(d.key.entries for d in self.by_key.values()))
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "resident": len(self.by_key),
+            "entries": sum(doc.key.entries for doc in self.by_key.values()),  # per (layer, KV head)
+            "tokens": sum(doc.key.tokens for doc in self.by_key.values()),  # what they cover
+            **asdict(self.stats),
+        }
+
+
+def registry_of(tree_cache: Any) -> DocumentRegistry | None:
+    """The document registry of SGLang's tree cache (sgl-kvc's prefix cache), or None."""
+    return getattr(tree_cache, "documents", None)
+
+
+def request_key(req: Req, config: KvcConfig) -> DocumentKey | None:
+    """The document a request declares, or None. Raises `RequestSettingError` (its 400) when the
+    document cannot be served for it."""
+    spec = of_request(req).document
+    if spec is None:
+        return None
+    field_name = "kv_compression.document"
+    settings = resolved(req, config)
+    conflict = document_conflict(settings, config, field_name)
+    if conflict is not None:
+        raise conflict
+    prompt = req.origin_input_ids
+    if spec.tokens >= len(prompt):
+        raise RequestSettingError(f"{field_name}.tokens", f"the document ({spec.tokens} tokens) must end before the "
+                                                          f"prompt does ({len(prompt)} tokens)")
+    params = config.policy_params()
+    entries = spec.entries(params.recent_kept + params.sink_tokens + 1)
+    if entries >= spec.tokens:
+        raise RequestSettingError(f"{field_name}.ratio", f"the document ({spec.tokens} tokens) would keep "
+                                                         f"{entries} entries per head: nothing to compress")
+    policy = settings.prompt_policy_name
+    h = hashlib.sha256(array("q", prompt[: spec.tokens]).tobytes())
+    h.update(repr((getattr(req, "extra_key", None), getattr(req, "cache_salt", None), policy, entries,
+                   settings.selection, config.kv_head_budget)).encode())
+    return DocumentKey(digest=h.hexdigest(), tokens=spec.tokens, entries=entries, policy=policy)
+
+
+def declared(req: Any) -> DocumentKey | None:
+    return getattr(req, KEY_ATTR, None)
+
+
+def hit(req: Any) -> Document | None:
+    """The document a request's matched prefix is (set at each match), or None."""
+    return getattr(req, HIT_ATTR, None)
+
+
+def fill_shift(req: Any) -> int:
+    """Prompt tokens a request read beyond the slots of its matched prefix (0 without a hit)."""
+    doc = hit(req)
+    return 0 if doc is None else doc.shift
+
+
+def node_key(key: DocumentKey) -> Any:
+    """The radix key of a document's node: k placeholder tokens in the document's own namespace
+    (`extra_key`), so that no request's tokens ever match into it."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(array("q", bytes(8 * key.entries)), extra_key=NAMESPACE + key.digest)
+
+
+def admit(req: Any, config: KvcConfig) -> None:
+    """When a request enters the queue: the document it declares, or its 400 (SGLang's
+    `set_finish_with_abort`) when that document cannot be served for it."""
+    setattr(req, HIT_ATTR, None)
+    if req.finished():
+        setattr(req, KEY_ATTR, None)
+        return
+    try:
+        setattr(req, KEY_ATTR, request_key(req, config))
+    except RequestSettingError as e:
+        from http import HTTPStatus
+
+        setattr(req, KEY_ATTR, None)
+        req.set_finish_with_abort(f"Invalid {e.param}: {e}", status_code=HTTPStatus.BAD_REQUEST)
+
+
+def unmatched(req: Any) -> None:
+    setattr(req, HIT_ATTR, None)
+
+
+def matched(req: Any) -> None:
+    """After SGLang matched a request's prefix (`Req.init_next_round_input`): if it matched a
+    document's node, its fill ids start D - k tokens later (SGLang reads its extend at
+    `prefix_len`, the node's k slots, in them) and nothing of it is ever inserted into the tree
+    under its tokens (its row does not hold their KV)."""
+    doc = getattr(getattr(req, "last_node", None), NODE_ATTR, None)
+    setattr(req, HIT_ATTR, doc)
+    if doc is None:
+        return
+    from sgl_kvc.adapter.requests import shifted_fill_ids
+
+    shifted_fill_ids(req, doc.shift)
+    req.skip_radix_cache_insert = True

@@ -1,0 +1,148 @@
+"""Compressed documents shared through the prefix cache, on a live server.
+
+One server (demo model, float32): SnapKV for decoding, KVzip for prompts, a budget of 64 entries
+per (layer, KV head), a pool of 2000 slots, invariants checked after every compaction. Prompts are
+a document of 120 random tokens, then a question of 12: the document is compressed to 30% (36
+entries per head) by the first request that declares it and shared by the later ones.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from kvc_reference import assert_pool_whole, generate, logprob_error, trace_events
+from loadtest.server import ServerProcess
+
+pytestmark = pytest.mark.e2e
+
+DOC, QUESTION, ENTRIES, POOL = 120, 12, 36, 2000  # ENTRIES = ceil(0.3 x DOC)
+# float32 serving against a float32 reference (as in test_kvzip_serving); the same reference
+# without the document's eviction must be 10x further off, so the comparison can fail.
+TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def documents_server(trace: Path):
+    cmd = [
+        sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--dtype", "float32",
+        "--policy", "snapkv", "--prompt-policy", "kvzip", "--kv-budget", "64", "--kv-window", "4",
+        "--kvzip-chunk", "48", "--max-total-tokens", str(POOL), "--enable-metrics",
+    ]
+    env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1", "SGLKVC_FAILPOINTS": "document_raise"}
+    with ServerProcess.launch(cmd, env=env) as server:
+        yield server
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 2000) for _ in range(n)]
+
+
+def _ask(server: ServerProcess, doc: list[int], question: list[int], n: int = 4, **extra) -> dict:
+    spec = {"tokens": len(doc), "ratio": 0.3}
+    return generate(server, doc + question, n, sampling={"custom_params": {"sgl_kvc": {"document": spec}}}, **extra)
+
+
+def _documents(server: ServerProcess) -> dict:
+    return server.stats()["documents"]
+
+
+def test_a_second_request_prefills_only_its_suffix(documents_server, trace: Path, demo_model_path: str) -> None:
+    """The first request compresses the document once; the second starts from its 36 entries
+    (its matched prefix), prefills its 12 question tokens at logical positions 120.., and answers
+    exactly as a dense reference whose queries after the document see only the entries the
+    document kept (a request holding its own copy compressed the same way, the question unread)."""
+    doc = _tokens(1, DOC)
+    before = _documents(documents_server)
+    first = _ask(documents_server, doc, _tokens(2, QUESTION))
+    after_first = _documents(documents_server)
+    assert after_first["compressions"] == before["compressions"] + 1, after_first
+    published = [e for e in trace_events(trace, first["meta_info"]["id"]) if e["moment"] == "document"]
+    assert len(published) == 1 and published[0]["logical_len"] == DOC, published
+
+    question = _tokens(3, QUESTION)
+    second = _ask(documents_server, doc, question)
+    after = _documents(documents_server)
+    assert after["hits"] == after_first["hits"] + 1, after
+    assert after["compressions"] == after_first["compressions"], "the document was compressed again"
+    assert second["meta_info"]["cached_tokens"] == ENTRIES  # its prefix: the document's slots
+    assert not [e for e in trace_events(trace, second["meta_info"]["id"]) if e["moment"] == "document"]
+
+    error = logprob_error(demo_model_path, doc + question, second, published)
+    err, dense = error(), error(evict=False)
+    print(f"max |logprob error| {err:.2e}; against the whole document {dense:.3f}")
+    assert err < TOLERANCE
+    assert dense > 10 * TOLERANCE
+
+
+def test_concurrent_first_requests_compress_once(documents_server) -> None:
+    doc = _tokens(10, DOC)
+    before = _documents(documents_server)
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda i: _ask(documents_server, doc, _tokens(20 + i, QUESTION)), range(4)))
+    assert all(len(o["output_ids"]) == 4 for o in outs)
+    after = _documents(documents_server)
+    assert after["compressions"] == before["compressions"] + 1, after
+    assert after["resident"] >= 1
+
+
+def test_the_pool_adds_up_after_documents_are_evicted(documents_server) -> None:
+    """More documents than the pool keeps: the tree evicts the least recently used (every
+    compaction and publication checked the pool meanwhile, SGLKVC_CHECK); an evicted document is
+    compressed again by the next request that declares it; idle, every slot is free or cached."""
+    before = _documents(documents_server)
+    docs = [_tokens(100 + i, DOC) for i in range(24)]
+    for i, doc in enumerate(docs):
+        _ask(documents_server, doc, _tokens(200 + i, QUESTION))
+    after = _documents(documents_server)
+    assert after["compressions"] == before["compressions"] + len(docs), after
+    assert after["evictions"] > before["evictions"], after
+    assert after["resident"] * ENTRIES == after["entries"] and after["resident"] < len(docs), after
+    _ask(documents_server, docs[0], _tokens(300, QUESTION))
+    again = _documents(documents_server)
+    assert again["compressions"] == after["compressions"] + 1, again
+    assert_pool_whole(documents_server.stats())
+
+
+def test_a_failure_while_compressing_a_document_loses_only_the_document(documents_server) -> None:
+    """A planted fault while the first request compresses its document: the request answers
+    (its own cache was only read), nothing is published; the next request publishes it."""
+    doc = _tokens(400, DOC)
+    before = _documents(documents_server)
+    out = _ask(documents_server, doc, _tokens(401, QUESTION), rid="failpoint-document-0")
+    assert len(out["output_ids"]) == 4 and out["meta_info"]["finish_reason"]["type"] == "length"
+    mid = _documents(documents_server)
+    assert mid["compressions"] == before["compressions"] and mid["not_published"] == before["not_published"] + 1
+    _ask(documents_server, doc, _tokens(402, QUESTION))
+    assert _documents(documents_server)["compressions"] == before["compressions"] + 1
+    assert_pool_whole(documents_server.stats())
+
+
+def test_prometheus_metrics(documents_server) -> None:
+    doc = _tokens(500, DOC)
+    _ask(documents_server, doc, _tokens(501, QUESTION))
+    _ask(documents_server, doc, _tokens(502, QUESTION))
+    text = documents_server.get("/metrics").text
+    lines = [l for l in text.splitlines() if l.startswith("sgl_kvc:document")]
+    counts = {e: sum(float(l.rsplit(" ", 1)[1]) for l in lines if f'event="{e}"' in l) for e in ("compressed", "hit")}
+    assert counts["compressed"] >= 1 and counts["hit"] >= 1, lines
+    assert any(l.startswith("sgl_kvc:documents_resident{") and float(l.rsplit(" ", 1)[1]) >= 1 for l in lines), lines
+
+
+@pytest.mark.parametrize("document, why", [
+    ({"tokens": DOC + QUESTION}, "must end before the prompt does"),
+    ({"tokens": DOC, "ratio": 1.5}, "ratio must be a number between 0 and 1"),
+    ({"ratio": 0.3}, "tokens is required"),
+])
+def test_a_bad_document_is_a_400(documents_server, document: dict, why: str) -> None:
+    r = documents_server.post("/generate", json={
+        "input_ids": _tokens(5, DOC + QUESTION),
+        "sampling_params": {"max_new_tokens": 2, "custom_params": {"sgl_kvc": {"document": document}}},
+    })
+    assert r.status_code == 400, r.text
+    assert why in r.text

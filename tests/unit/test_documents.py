@@ -1,0 +1,136 @@
+"""Shared documents without a server: the `kv_compression.document` field, a document's key, and
+its node in sgl-kvc's prefix cache (SGLang's RadixCache with a registry): matched in place of the
+request's tokens, locked and evicted like any node, and dropped from the registry when evicted."""
+
+from __future__ import annotations
+
+from array import array
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sgl_kvc.adapter import documents, invariants
+from sgl_kvc.adapter.documents import Document, DocumentKey, node_key, request_key
+from sgl_kvc.adapter.radix_cache import KvcRadixCache
+from sgl_kvc.config import KvcConfig
+from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY, DocumentSpec, RequestSettingError, parse_kv_compression
+
+KVZIP = KvcConfig(policy="snapkv", prompt_policy="kvzip")
+
+
+@pytest.mark.parametrize("document, field, words", [
+    ({"ratio": 0.3}, "document.tokens", "is required"),
+    ({"tokens": 0}, "document.tokens", "from 1 to"),
+    ({"tokens": 10, "ratio": 1.0}, "document.ratio", "between 0 and 1"),
+    ({"tokens": 10, "ratio": True}, "document.ratio", "a boolean"),
+    ({"tokens": 10, "ratio": 0.3, "budget": 4}, "document.ratio", "not both"),
+    ({"tokens": 10, "messages": 2}, "document.messages", "unknown field"),
+    ([10], "document", "must be an object"),
+])
+def test_a_bad_document_names_its_field(document, field: str, words: str) -> None:
+    with pytest.raises(RequestSettingError) as e:
+        parse_kv_compression({"document": document}, field="kv_compression")
+    assert e.value.param == f"kv_compression.{field}" and words in str(e.value)
+
+
+def test_entries_from_a_ratio_or_a_budget() -> None:
+    assert DocumentSpec(tokens=100).entries(floor=13) == 30  # the default ratio, 0.3
+    assert DocumentSpec(tokens=100, ratio=0.05).entries(floor=13) == 13
+    assert DocumentSpec(tokens=100, budget=40).entries(floor=13) == 40
+    settings = parse_kv_compression({"document": {"tokens": 100, "budget": 40}})
+    assert settings.to_custom_params() == {"document": {"tokens": 100, "budget": 40}}
+
+
+def _req(prompt: list[int], extra_key: str | None = None, **kv) -> SimpleNamespace:
+    custom = {CUSTOM_PARAMS_KEY: {"document": {"tokens": 100}, **kv}}
+    return SimpleNamespace(origin_input_ids=prompt, extra_key=extra_key, cache_salt=None,
+                           sampling_params=SimpleNamespace(custom_params=custom))
+
+
+def test_a_documents_key_is_its_tokens_namespace_and_compression() -> None:
+    doc = list(range(10, 110))
+    a = request_key(_req(doc + [1, 2, 3]), KVZIP)
+    assert (a.tokens, a.entries, a.policy) == (100, 30, "kvzip")
+    assert request_key(_req(doc + [4, 5]), KVZIP) == a  # another question, the same document
+    assert request_key(_req(doc + [4, 5], extra_key="lora-1"), KVZIP).digest != a.digest
+    assert request_key(_req(doc[:-1] + [7, 4]), KVZIP).digest != a.digest
+    assert request_key(_req(doc + [4], prompt_policy="keydiff"), KVZIP).digest != a.digest
+
+
+@pytest.mark.parametrize("prompt, kv, words", [
+    (list(range(100)), {}, "must end before the prompt does"),
+    (list(range(120)), {"prompt_policy": "snapkv"}, "must need none"),
+    (list(range(120)), {"selection": "shared"}, "per-head selection"),
+])
+def test_a_document_the_server_cannot_compress_is_refused(prompt, kv, words: str) -> None:
+    with pytest.raises(RequestSettingError) as e:
+        request_key(_req(prompt, **kv), KVZIP)
+    assert words in str(e.value)
+
+
+class _Allocator:
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.freed: list[int] = []
+
+    def free_segment(self, slots: torch.Tensor, start_pos: int = 0) -> None:
+        self.freed += slots.tolist()
+
+
+def _tree() -> tuple[KvcRadixCache, _Allocator]:
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    allocator = _Allocator()
+    return KvcRadixCache(CacheInitParams(disable=False, req_to_token_pool=None,
+                                         token_to_kv_pool_allocator=allocator, page_size=1)), allocator
+
+
+def test_a_resident_document_is_matched_locked_and_evicted_like_a_node() -> None:
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    tree, allocator = _tree()
+    key = DocumentKey(digest="ab" * 32, tokens=100, entries=30, policy="kvzip")
+    slots = torch.arange(500, 530)
+    node = tree.insert(InsertParams(key=node_key(key), value=slots)).last_device_node
+    tree.documents.add(Document(key=key, node=node, kept_positions=torch.randint(0, 100, (2, 1, 30))))
+    invariants.check_documents(tree)
+    assert tree.evictable_size() == 30 and tree.documents.snapshot()["resident"] == 1
+
+    tokens = array("q", range(10, 115))
+    req = SimpleNamespace(**{documents.KEY_ATTR: key})
+    match = tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens, limit=60), req=req))
+    assert match.device_prefix_len == 30 and match.last_device_node is node
+    assert torch.equal(tree.path_device_indices(node), slots)
+    # the same tokens without the declaration match nothing (the node's key is its own)
+    assert tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens), req=SimpleNamespace())).device_prefix_len == 0
+    # a prompt no longer than the document does not start from it
+    short = RadixKey(array("q", range(10, 110)))
+    assert tree.match_prefix(MatchPrefixParams(key=short, req=req)).device_prefix_len == 0
+
+    lock = tree.lock(node)
+    tree.evict(EvictParams(num_tokens=100))
+    assert tree.documents.get(key) is doc_of(node) and allocator.freed == []  # locked: kept
+    tree.unlock(lock)
+    tree.evict(EvictParams(num_tokens=100))
+    assert tree.documents.get(key) is None and allocator.freed == slots.tolist()
+    assert tree.documents.stats.evictions == 1 and tree.evictable_size() == 0
+    invariants.check_documents(tree)
+
+
+def doc_of(node) -> Document:
+    return getattr(node, documents.NODE_ATTR)
+
+
+def test_a_registered_document_missing_from_the_tree_is_a_violation() -> None:
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    tree, _ = _tree()
+    key = DocumentKey(digest="cd" * 32, tokens=50, entries=20, policy="kvzip")
+    node = tree.insert(InsertParams(key=node_key(key), value=torch.arange(20))).last_device_node
+    tree.documents.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 20, dtype=torch.int64)))
+    node.parent.children.clear()  # as if the tree lost it without telling the registry
+    with pytest.raises(invariants.InvariantViolation, match="not in the tree"):
+        invariants.check_documents(tree)
