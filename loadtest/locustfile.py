@@ -20,9 +20,9 @@ carry several tokens or none, e.g. while a byte-level BPE character is incomplet
 With `--requests-csv PATH` one row per request is also written there (the fields of
 `loadtest.metrics.RequestRecord`); the runner computes throughput and goodput from it.
 
-Options added to locust's: --scenario {short,shared_prefix,long_gen,mix} (default mix),
---prompt-seed, --long-max-tokens, --system-prompts, --model (default: the first of GET /v1/models),
---requests-csv, --request-timeout.
+Options added to locust's: --scenario {short,shared_prefix,long_gen,shared_documents,mix} (default
+mix), --prompt-seed, --long-max-tokens, --system-prompts, --document-ratio, --model (default: the
+first of GET /v1/models), --requests-csv, --request-timeout.
 """
 
 from __future__ import annotations
@@ -59,7 +59,11 @@ def _add_options(parser: Any) -> None:
     )
     group.add_argument(
         "--system-prompts", type=int, default=PromptSettings.system_prompts,
-        help="shared_prefix: number of different system prompts requests draw from",
+        help="shared_prefix: number of different system prompts requests draw from; shared_documents: of documents",
+    )
+    group.add_argument(
+        "--document-ratio", type=float, default=PromptSettings.document_ratio,
+        help="shared_documents: the ratio documents are compressed to and shared at (0: not asked)",
     )
     group.add_argument("--model", default="", help="model name (default: first of /v1/models)")
     group.add_argument("--requests-csv", default="", help="also write one row per request here")
@@ -140,6 +144,7 @@ class ChatUser(User):
             seed=_option(env, "prompt_seed", 0),
             long_max_tokens=_option(env, "long_max_tokens", PromptSettings.long_max_tokens),
             system_prompts=_option(env, "system_prompts", PromptSettings.system_prompts),
+            document_ratio=_option(env, "document_ratio", PromptSettings.document_ratio),
         )
         self.prompts = PromptGenerator(self.label, settings, stream_id=next(_user_ids))
 

@@ -8,6 +8,10 @@ Scenarios:
                  (several applications behind one endpoint: what prefix-aware routing sorts)
   long_gen       a short question, `ignore_eos` and a fixed `max_tokens` (reasoning-style
                  long outputs, where KV-cache compression matters)
+  shared_documents  one of `system_prompts` long documents (`document_words` words) as the first
+                 message, then a question about it; with `document_ratio` > 0 the request asks
+                 sgl-kvc to keep the document compressed and shared (`kv_compression.document`;
+                 0 for a server without sgl-kvc's compression)
   mix            a weighted draw of the three above, from the same seeded stream
 """
 
@@ -17,7 +21,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-SCENARIOS: tuple[str, ...] = ("short", "shared_prefix", "long_gen", "mix")
+SCENARIOS: tuple[str, ...] = ("short", "shared_prefix", "long_gen", "shared_documents", "mix")
 MIX_WEIGHTS: dict[str, float] = {"short": 0.5, "shared_prefix": 0.3, "long_gen": 0.2}
 
 # Words the demo model's tokenizer was trained on, so prompts tokenize compactly.
@@ -49,6 +53,7 @@ class ChatRequest:
     messages: tuple[dict[str, str], ...]
     max_tokens: int
     ignore_eos: bool = False
+    extra: tuple[tuple[str, Any], ...] = ()  # more body fields (sgl-kvc's kv_compression)
 
     def body(self, model: str) -> dict[str, Any]:
         """The JSON body of a streaming `/v1/chat/completions` request."""
@@ -62,6 +67,7 @@ class ChatRequest:
         }
         if self.ignore_eos:
             out["ignore_eos"] = True  # SGLang extension: generate exactly max_tokens tokens
+        out.update(dict(self.extra))
         return out
 
 
@@ -76,6 +82,8 @@ class PromptSettings:
     long_max_tokens: int = 256
     long_prompt_words: int = 0  # long_gen: pad the question with distinct sentences to this length
     system_prompts: int = 1  # shared_prefix: how many different system prompts requests draw from
+    document_words: int = 1500  # shared_documents: words of each document
+    document_ratio: float = 0.3  # shared_documents: kv_compression.document's ratio (0: none asked)
     mix_weights: dict[str, float] = field(default_factory=lambda: dict(MIX_WEIGHTS))
 
 
@@ -142,6 +150,15 @@ class PromptGenerator:
             {"role": "user", "content": self._question(1)},
         )
         return ChatRequest("shared_prefix", messages, self.settings.shared_max_tokens)
+
+    def _shared_documents(self) -> ChatRequest:
+        index = self._rng.randrange(self.settings.system_prompts)
+        document = system_prompt(self.settings.seed + 1, self.settings.document_words, index)
+        messages = ({"role": "user", "content": document}, {"role": "user", "content": self._question(1)})
+        extra = ()
+        if self.settings.document_ratio > 0:
+            extra = (("kv_compression", {"document": {"ratio": self.settings.document_ratio}}),)
+        return ChatRequest("shared_documents", messages, self.settings.shared_max_tokens, extra=extra)
 
     def _long_gen(self) -> ChatRequest:
         q = self._question(1)

@@ -241,7 +241,7 @@ def inspect_body(route: str, body: bytes, config: KvcConfig | None) -> bytes:
             _check_generate_token_ids(data.get("input_ids"))
             return body
         _validate_openai(route, data, body)
-        changed = apply_openai_settings(data, config)
+        changed = apply_openai_settings(data, config, chat=route == CHAT)
     except RequestSettingError as e:
         raise BodyError(400, _sentence(f"Invalid '{e.param}': {e}"), e.param) from None
     return orjson.dumps(data) if changed else body

@@ -11,6 +11,7 @@ These functions work on the parsed body; `sgl_kvc.server.body_guard` calls them.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from sgl_kvc.config import KvcConfig
@@ -23,17 +24,18 @@ from sgl_kvc.request_settings import (
     server_conflict,
 )
 from sgl_kvc.request_settings import json_type_name
+from sgl_kvc.server.documents import count_tokens
 from sgl_kvc.server.errors import format_param
 
 CUSTOM_FIELD = f"custom_params.{CUSTOM_PARAMS_KEY}"
 
 
-def check_settings_object(obj: Any, field: str, config: KvcConfig | None) -> RequestCompression:
+def check_settings_object(obj: Any, field: str, config: KvcConfig | None, chat: bool = False) -> RequestCompression:
     """Validate one settings object the client knows by `field`; raise `RequestSettingError`."""
     if not isinstance(obj, dict):
         # parse_kv_compression would say so too, but with a Python class name ("NoneType").
         raise RequestSettingError(field, f"{field} must be an object, got {json_type_name(obj)}")
-    settings = parse_kv_compression(obj, field=field)
+    settings = parse_kv_compression(obj, field=field, chat=chat)
     conflict = server_conflict(settings, config, field)
     if conflict is not None:
         raise conflict
@@ -64,13 +66,16 @@ def check_generate_body(data: dict, config: KvcConfig | None) -> None:
                 check_custom_params(one.get("custom_params"), prefix, config)
 
 
-def apply_openai_settings(data: dict, config: KvcConfig | None) -> bool:
+def apply_openai_settings(data: dict, config: KvcConfig | None, chat: bool = False) -> bool:
     """Chat/completions body: validate `custom_params.sgl_kvc`, then move a `kv_compression`
-    object into `custom_params` (it wins over a direct one). True when `data` was changed."""
+    object into `custom_params` (it wins over a direct one). On the chat route a document named
+    by messages gets its token count (`server/documents.py`). True when `data` was changed."""
     check_custom_params(data.get("custom_params"), "", config)
     if FIELD not in data:
         return False
-    settings = check_settings_object(data.pop(FIELD), FIELD, config)
+    settings = check_settings_object(data.pop(FIELD), FIELD, config, chat)
+    if chat and settings.document is not None:
+        settings = replace(settings, document=count_tokens(data, settings.document, f"{FIELD}.document"))
     custom = data.get("custom_params") or {}
     data["custom_params"] = {**custom, CUSTOM_PARAMS_KEY: settings.to_custom_params()}
     return True

@@ -35,7 +35,7 @@ FIELD = "kv_compression"
 CUSTOM_PARAMS_KEY = "sgl_kvc"
 MAX_BUDGET = 1 << 20
 ALLOWED = ("policy", "prompt_policy", "budget", "selection", "document")
-DOCUMENT_ALLOWED = ("tokens", "ratio", "budget")
+DOCUMENT_ALLOWED = ("tokens", "messages", "ratio", "budget")
 DEFAULT_DOCUMENT_RATIO = 0.3  # KVzip's headline ratio (its Fig. 1), kvpress's leaderboard point
 
 
@@ -49,11 +49,14 @@ class RequestSettingError(ValueError):
 class DocumentSpec:
     """`kv_compression.document`: the prompt's first `tokens` tokens are a document, compressed
     once without any question to `budget` entries per (layer, KV head), or to `ratio` of its
-    tokens, and shared by every later request that begins with it (`adapter/documents.py`)."""
+    tokens, and shared by every later request that begins with it (`adapter/documents.py`). On
+    the chat route the document is named by messages instead (`messages`, by default all but the
+    last): the HTTP layer counts their tokens (`server/documents.py`)."""
 
-    tokens: int
+    tokens: int | None = None  # None only on the chat route before its messages are counted
     ratio: float | None = None
     budget: int | None = None
+    messages: int | None = None  # chat: the first `messages` messages (default: all but the last)
 
     def entries(self, floor: int) -> int:
         """Entries per (layer, KV head) the compressed document keeps (never fewer than `floor`,
@@ -119,9 +122,10 @@ class ResolvedCompression:
         return prompt_policy_name(self.policy, self.prompt_policy)
 
 
-def parse_kv_compression(obj: Any, field: str = FIELD) -> RequestCompression:
+def parse_kv_compression(obj: Any, field: str = FIELD, chat: bool = False) -> RequestCompression:
     """Validate a `kv_compression` object; raise `RequestSettingError` naming the bad field
-    (`field` is the name the caller knows the object by)."""
+    (`field` is the name the caller knows the object by; `chat`: on the chat route, where a
+    document may be named by messages)."""
     if not isinstance(obj, dict):
         raise RequestSettingError(field, f"{field} must be an object, got {json_type_name(obj)}")
     unknown = sorted(str(k) for k in set(obj) - set(ALLOWED))
@@ -160,12 +164,12 @@ def parse_kv_compression(obj: Any, field: str = FIELD) -> RequestCompression:
         raise RequestSettingError(
             f"{field}.prompt_policy", f"unknown prompt policy {shown}; choose one of {', '.join(choices)}"
         )
-    document = None if obj.get("document") is None else _parse_document(obj["document"], f"{field}.document")
+    document = None if obj.get("document") is None else _parse_document(obj["document"], f"{field}.document", chat)
     return RequestCompression(policy=policy, budget=budget, selection=selection, prompt_policy=prompt_policy,
                               document=document)
 
 
-def _parse_document(obj: Any, field: str) -> DocumentSpec:
+def _parse_document(obj: Any, field: str, chat: bool = False) -> DocumentSpec:
     if not isinstance(obj, dict):
         raise RequestSettingError(field, f"{field} must be an object, got {json_type_name(obj)}")
     unknown = sorted(str(k) for k in set(obj) - set(DOCUMENT_ALLOWED))
@@ -174,19 +178,24 @@ def _parse_document(obj: Any, field: str) -> DocumentSpec:
             f"{field}.{unknown[0]}",
             f"unknown field(s) {', '.join(unknown)} in {field}; allowed: {', '.join(DOCUMENT_ALLOWED)}",
         )
-    tokens, ratio, budget = obj.get("tokens"), obj.get("ratio"), obj.get("budget")
-    for name, value in (("tokens", tokens), ("budget", budget)):
+    tokens, ratio, budget, messages = obj.get("tokens"), obj.get("ratio"), obj.get("budget"), obj.get("messages")
+    for name, value in (("tokens", tokens), ("budget", budget), ("messages", messages)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BUDGET):
             raise RequestSettingError(f"{field}.{name}", f"{name} must be an integer from 1 to {MAX_BUDGET}, got "
                                       f"{value if isinstance(value, (int, float)) and not isinstance(value, bool) else json_type_name(value)}")
-    if tokens is None:
+    if messages is not None and not chat:
+        raise RequestSettingError(f"{field}.messages", f"{field}.messages names chat messages: give "
+                                                       f"{field}.tokens, the document's prompt tokens, here")
+    if messages is not None and tokens is not None:
+        raise RequestSettingError(f"{field}.messages", f"give {field}.messages or {field}.tokens, not both")
+    if tokens is None and not chat:
         raise RequestSettingError(f"{field}.tokens", f"{field}.tokens is required: how many prompt tokens the document is")
     if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1):
         raise RequestSettingError(f"{field}.ratio", f"ratio must be a number between 0 and 1 (exclusive), got "
                                   f"{ratio if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else json_type_name(ratio)}")
     if ratio is not None and budget is not None:
         raise RequestSettingError(f"{field}.ratio", f"give {field}.ratio or {field}.budget, not both")
-    return DocumentSpec(tokens=tokens, ratio=None if ratio is None else float(ratio), budget=budget)
+    return DocumentSpec(tokens=tokens, ratio=None if ratio is None else float(ratio), budget=budget, messages=messages)
 
 
 def server_conflict(settings: RequestCompression, config: "KvcConfig | None", field: str = FIELD) -> RequestSettingError | None:
@@ -220,9 +229,9 @@ def document_conflict(settings: "ResolvedCompression", config: "KvcConfig", fiel
         free = ", ".join(p for p in available_policies() if policy_class(p).question_free)
         return RequestSettingError(field, f"a document is compressed before any question is read: its prompt "
                                           f"policy must need none ({free}), not {prompt}")
-    if settings.selection != "per-head" or config.variable_budget:
-        return RequestSettingError(field, "shared documents need per-head selection with uniform head budgets "
-                                          "(--kv-selection per-head --kv-head-budget uniform)")
+    if settings.selection != "per-head":
+        return RequestSettingError(field, "shared documents need per-head selection (--kv-selection per-head, "
+                                          "or \"selection\": \"per-head\")")
     return None
 
 

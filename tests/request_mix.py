@@ -5,7 +5,9 @@ A mix varies what one tenant can choose: every policy and prompt policy, budgets
 both selections, `kv_compression` absent, empty, partial, full or invalid; chat and completions,
 streaming (and a client that hangs up mid-stream), `n` > 1, stop strings, log-probabilities of
 the output and of the prompt (`echo`), prompts of a few to several hundred tokens (longer than the
-chunk of a server with a small `--chunked-prefill-size`).
+chunk of a server with a small `--chunked-prefill-size`), and chat requests that begin with one of a
+few shared documents (`kv_compression.document`, with prompt policies that can and cannot compress
+one; drawn from a stream of their own, so the rest of a seed's mix is as it was).
 
 What must hold, whatever the mix: each request completes with the tokens it asked for (or fewer,
 ended by its own stop string), or gets a 400 whose `param` names its own field; nothing gets a
@@ -23,8 +25,8 @@ from typing import Any
 import openai
 
 from kvc_reference import assert_pool_whole
-from sgl_kvc.policies import AUTO, SELECTIONS, available_policies, policy_class, prompt_policy_error
-from sgl_kvc.request_settings import MAX_BUDGET, RequestCompression
+from sgl_kvc.policies import AUTO, SELECTIONS, available_policies, policy_class, prompt_policy_error, prompt_policy_name
+from sgl_kvc.request_settings import MAX_BUDGET, RequestCompression, parse_kv_compression
 
 WORDS = ("cache", "token", "budget", "tree", "prefix", "layer", "head", "query", "key", "value",
          "memory", "pool", "slot", "chunk", "decode", "prompt", "score", "window", "sink", "the")
@@ -44,6 +46,31 @@ INVALID: tuple[tuple[Any, str], ...] = (
     ("rkv", "kv_compression"),
     (None, "kv_compression"),
 )
+
+
+# The shared documents of the mix: fixed texts, so that requests of one burst and of later bursts
+# start from the same ones (a document of 40 to 250 words is 50 to 300 tokens).
+DOCUMENTS = tuple(" ".join(random.Random(f"document-{i}").choice(WORDS) for _ in range(n))
+                  for i, n in enumerate((40, 120, 250)))
+DOCUMENT_SPECS = ({}, {"ratio": 0.2}, {"ratio": 0.5}, {"budget": 16}, {"messages": 1})
+
+
+def _document_expect(settings: dict[str, Any], server_policy: str, server_prompt_policy: str,
+                     head_budget: str) -> str | None:
+    """The field a 400 must name for a chat request with a document and these settings."""
+    parsed = parse_kv_compression(settings, chat=True)
+    wants = [k for k in ("policy", "budget", "prompt_policy", "document") if settings.get(k) not in (None, "none")]
+    if server_policy == "none":
+        return "kv_compression." + wants[0]
+    if parsed.policy is not None and policy_class(parsed.policy).prompt_only:
+        return "kv_compression.policy"
+    policies = parsed.policies(server_policy, server_prompt_policy)
+    if prompt_policy_error(*policies) is not None:
+        return "kv_compression.prompt_policy"
+    if (not policy_class(prompt_policy_name(*policies)).question_free or (parsed.selection or "per-head") != "per-head"
+            or head_budget != "uniform"):
+        return "kv_compression.document"
+    return None
 
 
 @dataclass(frozen=True)
@@ -86,8 +113,10 @@ def _settings(rng: random.Random, server_policy: str, server_prompt_policy: str)
 
 
 def make_mix(seed: int, count: int, model: str, server_policy: str, server_prompt_policy: str = AUTO,
-             max_words: int = 300) -> list[MixRequest]:
+             max_words: int = 300, head_budget: str = "uniform", prompt_policy_now: str | None = None) -> list[MixRequest]:
+    """`prompt_policy_now`: the server's prompt policy as its stats name it (for the documents)."""
     rng = random.Random(seed)
+    documents = random.Random(f"documents-{seed}")
     out = []
     for _ in range(count):
         text = " ".join(rng.choice(WORDS) for _ in range(rng.choice([3, 20, 60, max_words // 2, max_words])))
@@ -113,6 +142,12 @@ def make_mix(seed: int, count: int, model: str, server_policy: str, server_promp
         if stream and rng.random() < 0.7:
             kwargs["stream_options"] = {"include_usage": True}
         settings, expect = _settings(rng, server_policy, server_prompt_policy)
+        if route == "chat" and expect is None and documents.random() < 0.3:
+            kwargs["messages"] = [{"role": "user", "content": documents.choice(DOCUMENTS)}, *kwargs["messages"]]
+            settings = {**({} if settings is ... else settings), "document": documents.choice(DOCUMENT_SPECS)}
+            if documents.random() < 0.7:
+                settings["prompt_policy"] = documents.choice(["kvzip", "keydiff", "streamingllm", "snapkv"])
+            expect = _document_expect(settings, server_policy, prompt_policy_now or server_prompt_policy, head_budget)
         if settings is not ...:
             extra["kv_compression"] = settings
         kwargs["extra_body"] = extra
@@ -199,7 +234,8 @@ def run_bursts(
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
     counts = {"requests": 0, "ok": 0, "rejected": 0, "streamed": 0, "disconnected": 0}
     for burst in range(bursts):
-        mix = make_mix(seed + burst, per_burst, model, policy, max_words=max_words)
+        mix = make_mix(seed + burst, per_burst, model, policy, max_words=max_words, head_budget=before["head_budget"],
+                       prompt_policy_now=before["prompt_policy"])
         with ThreadPoolExecutor(per_burst) as pool:
             answers = list(pool.map(lambda r: send(client, r), mix))
         for k, (req, answer) in enumerate(zip(mix, answers)):

@@ -101,12 +101,13 @@ def _compacted(req: Req) -> bool:
 
 
 def _document_adjusted(req: Req, s: Sizes) -> tuple[Sizes, int]:
-    """A request started from a shared document holds its k entries in place of its D tokens
-    (`adapter/documents.py`): its sizes with its budget beyond them, and D - k."""
-    doc = documents.hit(req)
-    if doc is None:
+    """A request with a shared document (`adapter/documents.py`): its sizes with its budget
+    beyond the document's part of its row (k entries after a hit, D tokens otherwise), and the
+    tokens a hit reads beyond its row's slots (D - k; 0 otherwise)."""
+    part = documents.held_for_document(req)
+    if not part:
         return s, 0
-    return replace(s, budget=s.budget + doc.key.entries), doc.shift
+    return replace(s, budget=s.budget + part), documents.fill_shift(req)
 
 
 def admission_demand(req: Req, config: KvcConfig) -> int | None:

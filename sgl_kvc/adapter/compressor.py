@@ -183,18 +183,22 @@ class Compressor:
         doc = documents.hit(req)
         if doc is not None:
             # Its row starts with the document's k slots, which hold the entries the document
-            # kept; what it reads next sits at logical positions D, D+1, ... Its own budget
-            # applies beyond the document's entries.
+            # kept; what it reads next sits at logical positions D, D+1, ...
             state.kept_positions = doc.kept_positions
+            if doc.units is not None:  # packed, as a request compacted on the unit pool is
+                state.units, state.unit_lens, state.packed = doc.units, doc.unit_lens, doc.slots
             state.offset = doc.shift
             state.fill_shift = True
-            if state.budget.ratio is None:
-                state.budget = replace(state.budget, tokens=state.budget.tokens + doc.key.entries)
             self.store.set_offset(req.kv.req_pool_idx, state.offset)
             registry = documents.registry_of(tree_cache)
             if registry is not None:
                 registry.metrics = self.metrics
                 registry.hit()
+        # A document request's own budget applies beyond its document: the document's k entries
+        # (a hit), or its D tokens (the request that compresses it keeps its own copy whole).
+        document_part = documents.held_for_document(req)
+        if document_part and state.budget.ratio is None:
+            state.budget = replace(state.budget, tokens=state.budget.tokens + document_part)
         setattr(req, STATE_ATTR, state)
 
     def _released(self, req: Req) -> None:

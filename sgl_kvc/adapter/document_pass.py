@@ -5,7 +5,8 @@ pass: its entries [0, D) are exact KV of the document (nothing of it is compress
 over those D entries alone, by the request's question-free prompt policy, chooses what the
 document keeps (KVzip's reconstruction repeats the document only and attends to it only, as
 kvpress compresses a context without its question). The kept entries are copied, per (layer, KV
-head), into k fresh slots (`core/moves.py`), which become a tree node of their own. The request's
+head), into k fresh slots (`core/moves.py`; with variable or layer head budgets, packed unit by
+unit into G slots as a compaction packs a request), which become a tree node of their own. The request's
 row is only read: whatever fails here leaves the request as it was, and the document is simply not
 published (the next request that declares it tries again).
 
@@ -25,8 +26,8 @@ from torch import Tensor
 
 from sgl_kvc.adapter import failpoints, invariants
 from sgl_kvc.adapter.documents import Document, DocumentKey, declared, hit, node_key, registry_of
-from sgl_kvc.core.moves import move_units_many
-from sgl_kvc.core.passes import StepWork, advance_uniform, start_pass
+from sgl_kvc.core.moves import move_unit_entries, move_units_many, packed_slots, unit_moves
+from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
 from sgl_kvc.core.request_state import Budget, ReqKvState
 
 if TYPE_CHECKING:
@@ -66,8 +67,10 @@ def to_publish(compressor: Compressor, batch: ScheduleBatch, read: list[int]) ->
 class _Ready:
     i: int
     key: DocumentKey
-    dest: Tensor  # k fresh slots, the kept entries copied in
+    dest: Tensor  # k (or G, packed) fresh slots, the kept entries copied in
     kept_positions: Tensor
+    units: Tensor | None = None  # packed: the document's tables and each head's entries
+    unit_lens: Tensor | None = None
 
 
 def publish(compressor: Compressor, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]]) -> None:
@@ -125,17 +128,27 @@ def _prepare(compressor: Compressor, batch: ScheduleBatch, i: int, key: Document
     row = req.kv.req_pool_idx
     d, k = key.tokens, key.entries
     failpoints.check("document_raise", req)
-    state.pending = start_pass(store, row, state, state.policy, d, k, "prefill", None)
-    due = advance_uniform(store, row, state, d, StepWork.unlimited(), i)
+    slots = store.req_to_token[row, :d].to(torch.int64)
+    packed = store.unit_layout is not None  # variable / layer budgets: one sort over every head
+    tables = state.tables(slots, *store.unit_layout) if packed else None
+    state.pending = start_pass(store, row, state, state.policy, d, k, "prefill", tables)
+    if packed:
+        due = advance_variable(store, row, state, d, StepWork.unlimited(), compressor.config.kv_head_budget, i)
+    else:
+        due = advance_uniform(store, row, state, d, StepWork.unlimited(), i)
     if due is None:
         raise RuntimeError("an unlimited document pass did not finish")
+    g = packed_slots(due.selection) if packed else k
     tree, allocator = batch.tree_cache, batch.token_to_kv_pool_allocator
-    _make_room_in_tree(tree, k)  # the request's own path is locked: never evicted here
-    if allocator.available_size() < k:
+    _make_room_in_tree(tree, g)  # the request's own path is locked: never evicted here
+    if allocator.available_size() < g:
         return None
-    slots = store.req_to_token[row, :d].to(torch.int64)
-    dest = allocator.alloc(k).to(device=slots.device, dtype=torch.int64)
+    dest = allocator.alloc(g).to(device=slots.device, dtype=torch.int64)
     try:
+        if packed:
+            moves = unit_moves(due.selection, due.units, dest)
+            move_unit_entries(store.unit_pools, [moves])
+            return _Ready(i, key, dest, due.kept_positions, moves.table, due.selection.lengths)
         move_units_many(allocator.get_kvcache(), [(slots, due.selection.indices.to(slots.device), dest)])
     except BaseException:
         allocator.free(dest)
@@ -150,9 +163,11 @@ def _insert(compressor: Compressor, batch: ScheduleBatch, r: _Ready, registry: A
     result = batch.tree_cache.insert(InsertParams(key=node_key(r.key), value=r.dest))
     if result.prefix_len:  # cannot happen: a node under this key is registered, hence never re-published
         raise RuntimeError(f"a document node under key {r.key.digest[:12]} exists unregistered")
-    registry.add(Document(key=r.key, node=result.last_device_node, kept_positions=r.kept_positions))
+    slots = int(r.dest.numel())
+    registry.add(Document(key=r.key, node=result.last_device_node, kept_positions=r.kept_positions, slots=slots,
+                          units=r.units, unit_lens=r.unit_lens))
     if compressor.trace:
         trace_state = ReqKvState(policy=compressor.policy(r.key.policy, r.key.entries), budget=Budget(r.key.entries),
-                                 kept_positions=r.kept_positions)
+                                 kept_positions=r.kept_positions, units=r.units, unit_lens=r.unit_lens)
         d = r.key.tokens
-        compressor.trace.write(batch.reqs[r.i].rid, "document", r.key.policy, d, d, trace_state, r.key.entries, d)
+        compressor.trace.write(batch.reqs[r.i].rid, "document", r.key.policy, d, d, trace_state, slots, d)

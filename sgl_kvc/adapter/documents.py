@@ -54,17 +54,23 @@ class DocumentKey:
 
 @dataclass(eq=False)
 class Document:
-    """A resident compressed document: its node's k slots hold, in (layer l, KV head h), the
-    entry of the token at logical position `kept_positions[l, h, j]` in slot j."""
+    """A resident compressed document. Uniform head budgets: its node's k slots hold, in (layer
+    l, KV head h), the entry of the token at logical position `kept_positions[l, h, j]` in slot j.
+    Variable / layer budgets (the unit pool): its G slots are packed, head (l, h) keeping
+    `unit_lens[l, h]` entries in units `units[l, h, :unit_lens[l, h]]`, at `kept_positions[l, h, :]`
+    (a request starting from it is packed so, `core/request_state.py`)."""
 
     key: DocumentKey
-    node: Any  # the radix TreeNode (value: its k slots)
-    kept_positions: Tensor  # [L, H_kv, k] int64, never written
+    node: Any  # the radix TreeNode (value: its slots)
+    kept_positions: Tensor  # [L, H_kv, k or K] int64, never written
+    slots: int  # k, or G when packed
+    units: Tensor | None = None  # [L, H_kv, K] when packed, never written
+    unit_lens: Tensor | None = None  # [L, H_kv]
 
     @property
     def shift(self) -> int:
-        """Tokens a request starting from it has read beyond what its row holds: D - k."""
-        return self.key.tokens - self.key.entries
+        """Tokens a request starting from it has read beyond what its row holds: D - slots."""
+        return self.key.tokens - self.slots
 
 
 @dataclass
@@ -167,6 +173,16 @@ def hit(req: Any) -> Document | None:
     return getattr(req, HIT_ATTR, None)
 
 
+def held_for_document(req: Any) -> int:
+    """Entries of a request's row that are its document's: k after a hit, D for a request that
+    declares one and reads it (0 without a document). Its own budget applies beyond them."""
+    doc = hit(req)
+    if doc is not None:
+        return doc.key.entries
+    key = declared(req)
+    return 0 if key is None else key.tokens
+
+
 def fill_shift(req: Any) -> int:
     """Prompt tokens a request read beyond the slots of its matched prefix (0 without a hit)."""
     doc = hit(req)
@@ -189,7 +205,13 @@ def admit(req: Any, config: KvcConfig) -> None:
         setattr(req, KEY_ATTR, None)
         return
     try:
-        setattr(req, KEY_ATTR, request_key(req, config))
+        key = request_key(req, config)
+        setattr(req, KEY_ATTR, key)
+        if key is not None:
+            # Its exact KV never enters the tree: the document's compressed node is what later
+            # requests start from, and its whole prompt and answer (several times the node's
+            # size, and newer) would only push the node out of the LRU.
+            req.skip_radix_cache_insert = True
     except RequestSettingError as e:
         from http import HTTPStatus
 

@@ -84,9 +84,15 @@ def check_documents(tree: Any) -> None:
         parent = node.parent
         if parent is None or parent.children.get(node.key.child_key(tree.page_size)) is not node:
             raise InvariantViolation(f"document {digest[:12]} is registered but not in the tree")
-        if node.value is None or len(node.value) != k or len(node.key) != k:
-            raise InvariantViolation(f"document {digest[:12]}: {k} entries, node of {len(node.key)} keys "
-                                     f"and {None if node.value is None else len(node.value)} slots")
+        if node.value is None or len(node.value) != doc.slots or len(node.key) != doc.slots:
+            raise InvariantViolation(f"document {digest[:12]}: {doc.slots} slots, node of {len(node.key)} keys "
+                                     f"and {None if node.value is None else len(node.value)} values")
         kept = doc.kept_positions
-        if int(kept.shape[-1]) != k or int(kept.max()) >= doc.key.tokens or int(kept.min()) < 0:
+        if doc.units is None and int(kept.shape[-1]) != k:
+            raise InvariantViolation(f"document {digest[:12]}: {kept.shape[-1]} kept positions per head, not {k}")
+        if doc.units is not None:  # packed: each head's own entries only
+            import torch
+
+            kept = kept[torch.arange(kept.shape[-1], device=kept.device) < doc.unit_lens[..., None]]
+        if kept.numel() and (int(kept.max()) >= doc.key.tokens or int(kept.min()) < 0):
             raise InvariantViolation(f"document {digest[:12]}: kept positions outside its {doc.key.tokens} tokens")

@@ -61,6 +61,9 @@ class PrefixStats:
     requests: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    # tokens SGLang's prefill batches computed (what no prefix hit or shared document saved;
+    # reconstruction forwards not counted)
+    prefilled_tokens: int = 0
 
     def count(self, req: Req) -> None:
         # Retracted requests release their row too, and again when they finish: count at
@@ -104,6 +107,8 @@ class KvcRuntime:
         n = client_requests(running.reqs)
         if batch is not None and batch is not running:
             n += client_requests(batch.reqs)  # a prefill batch runs while the decode batch waits
+            if batch.forward_mode.is_extend():
+                self.prefix.prefilled_tokens += int(getattr(batch, "extend_num_tokens", 0) or 0)
         self.max_running = max(self.max_running, n)
 
 
@@ -148,6 +153,7 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
             "requests": prefix.requests,  # finished requests, counted below
             "prompt_tokens": prefix.prompt_tokens,
             "hit_tokens": prefix.hit_tokens,
+            "prefilled_tokens": prefix.prefilled_tokens,
         },
         "compression": compression,
         # compressed documents shared through the prefix cache (adapter/documents.py)

@@ -3,7 +3,8 @@
 One server (demo model, float32): SnapKV for decoding, KVzip for prompts, a budget of 64 entries
 per (layer, KV head), a pool of 2000 slots, invariants checked after every compaction. Prompts are
 a document of 120 random tokens, then a question of 12: the document is compressed to 30% (36
-entries per head) by the first request that declares it and shared by the later ones.
+entries per head) by the first request that declares it and shared by the later ones. A second
+server does the same with variable head budgets (the unit pool: the document is packed).
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ DOC, QUESTION, ENTRIES, POOL = 120, 12, 36, 2000  # ENTRIES = ceil(0.3 x DOC)
 TOLERANCE = 1e-3
 
 
+CMD = [
+    sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--dtype", "float32",
+    "--policy", "snapkv", "--prompt-policy", "kvzip", "--kv-budget", "64", "--kv-window", "4",
+    "--kvzip-chunk", "48", "--max-total-tokens", str(POOL), "--enable-metrics",
+]
+
+
 @pytest.fixture(scope="module")
 def documents_server(trace: Path):
-    cmd = [
-        sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--dtype", "float32",
-        "--policy", "snapkv", "--prompt-policy", "kvzip", "--kv-budget", "64", "--kv-window", "4",
-        "--kvzip-chunk", "48", "--max-total-tokens", str(POOL), "--enable-metrics",
-    ]
     env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1", "SGLKVC_FAILPOINTS": "document_raise"}
-    with ServerProcess.launch(cmd, env=env) as server:
+    with ServerProcess.launch(CMD, env=env) as server:
         yield server
 
 
@@ -43,9 +46,13 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(10, 2000) for _ in range(n)]
 
 
-def _ask(server: ServerProcess, doc: list[int], question: list[int], n: int = 4, **extra) -> dict:
-    spec = {"tokens": len(doc), "ratio": 0.3}
+def _ask(server: ServerProcess, doc: list[int], question: list[int], n: int = 4, ratio: float = 0.3, **extra) -> dict:
+    spec = {"tokens": len(doc), "ratio": ratio}
     return generate(server, doc + question, n, sampling={"custom_params": {"sgl_kvc": {"document": spec}}}, **extra)
+
+
+# Documents kept at 80% (96 slots each, packed or not): 24 of them need more than the pool.
+LARGE, MANY = 0.8, 24
 
 
 def _documents(server: ServerProcess) -> dict:
@@ -57,20 +64,42 @@ def test_a_second_request_prefills_only_its_suffix(documents_server, trace: Path
     (its matched prefix), prefills its 12 question tokens at logical positions 120.., and answers
     exactly as a dense reference whose queries after the document see only the entries the
     document kept (a request holding its own copy compressed the same way, the question unread)."""
+    _second_request(documents_server, trace, demo_model_path, ENTRIES)
+
+
+def test_variable_head_budgets(trace: Path, demo_model_path: str) -> None:
+    """The same with variable head budgets: the document is packed into G = 36 slots, each head
+    keeping its own number of entries (one sort over layer x head x entry); the second request's
+    row starts packed. Then more documents than the pool keeps: the pool adds up."""
+    cmd = [*CMD, "--kv-head-budget", "variable"]
+    with ServerProcess.launch(cmd, env={"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1"}) as server:
+        events = _second_request(server, trace, demo_model_path, ENTRIES)
+        lengths = {len(h) for layer in events[0]["kept_positions"] for h in layer}
+        assert len(lengths) > 1, "every head kept as many entries: not a variable budget"
+        for i in range(MANY):
+            _ask(server, _tokens(600 + i, DOC), _tokens(700 + i, QUESTION), ratio=LARGE)
+        docs = _documents(server)
+        assert docs["evictions"] > 0 and docs["resident"] >= 1, docs
+        assert_pool_whole(server.stats())
+
+
+def _second_request(server: ServerProcess, trace: Path, demo_model_path: str, slots: int) -> list[dict]:
     doc = _tokens(1, DOC)
-    before = _documents(documents_server)
-    first = _ask(documents_server, doc, _tokens(2, QUESTION))
-    after_first = _documents(documents_server)
+    before = _documents(server)
+    first = _ask(server, doc, _tokens(2, QUESTION))
+    after_first = _documents(server)
     assert after_first["compressions"] == before["compressions"] + 1, after_first
     published = [e for e in trace_events(trace, first["meta_info"]["id"]) if e["moment"] == "document"]
     assert len(published) == 1 and published[0]["logical_len"] == DOC, published
 
     question = _tokens(3, QUESTION)
-    second = _ask(documents_server, doc, question)
-    after = _documents(documents_server)
+    prefilled = server.stats()["prefix_cache"]["prefilled_tokens"]
+    second = _ask(server, doc, question)
+    assert server.stats()["prefix_cache"]["prefilled_tokens"] - prefilled == QUESTION
+    after = _documents(server)
     assert after["hits"] == after_first["hits"] + 1, after
     assert after["compressions"] == after_first["compressions"], "the document was compressed again"
-    assert second["meta_info"]["cached_tokens"] == ENTRIES  # its prefix: the document's slots
+    assert second["meta_info"]["cached_tokens"] == slots  # its prefix: the document's slots
     assert not [e for e in trace_events(trace, second["meta_info"]["id"]) if e["moment"] == "document"]
 
     error = logprob_error(demo_model_path, doc + question, second, published)
@@ -78,6 +107,7 @@ def test_a_second_request_prefills_only_its_suffix(documents_server, trace: Path
     print(f"max |logprob error| {err:.2e}; against the whole document {dense:.3f}")
     assert err < TOLERANCE
     assert dense > 10 * TOLERANCE
+    return published
 
 
 def test_concurrent_first_requests_compress_once(documents_server) -> None:
@@ -96,14 +126,14 @@ def test_the_pool_adds_up_after_documents_are_evicted(documents_server) -> None:
     compaction and publication checked the pool meanwhile, SGLKVC_CHECK); an evicted document is
     compressed again by the next request that declares it; idle, every slot is free or cached."""
     before = _documents(documents_server)
-    docs = [_tokens(100 + i, DOC) for i in range(24)]
+    docs = [_tokens(100 + i, DOC) for i in range(MANY)]
     for i, doc in enumerate(docs):
-        _ask(documents_server, doc, _tokens(200 + i, QUESTION))
+        _ask(documents_server, doc, _tokens(200 + i, QUESTION), ratio=LARGE)
     after = _documents(documents_server)
     assert after["compressions"] == before["compressions"] + len(docs), after
     assert after["evictions"] > before["evictions"], after
-    assert after["resident"] * ENTRIES == after["entries"] and after["resident"] < len(docs), after
-    _ask(documents_server, docs[0], _tokens(300, QUESTION))
+    assert after["resident"] < after["compressions"], after
+    _ask(documents_server, docs[0], _tokens(300, QUESTION), ratio=LARGE)
     again = _documents(documents_server)
     assert again["compressions"] == after["compressions"] + 1, again
     assert_pool_whole(documents_server.stats())
@@ -121,6 +151,34 @@ def test_a_failure_while_compressing_a_document_loses_only_the_document(document
     _ask(documents_server, doc, _tokens(402, QUESTION))
     assert _documents(documents_server)["compressions"] == before["compressions"] + 1
     assert_pool_whole(documents_server.stats())
+
+
+def test_a_chat_document_is_its_messages(documents_server) -> None:
+    """With the openai client: `kv_compression.document` on a chat request names the messages
+    before the last (the HTTP layer counts their tokens); a second conversation with the same
+    first message starts from its compressed copy. A template split that cannot be a prefix (the
+    document naming every message) is a 400."""
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=documents_server.url + "/v1", api_key="-")
+    text = " ".join(f"Fact {i}: the {w} is {i * 7 % 13}." for i, w in enumerate(["river", "lamp", "seed"] * 6))
+    before = _documents(documents_server)
+
+    def ask(question: str):
+        return client.chat.completions.create(
+            model="demo", max_tokens=4, temperature=0,
+            messages=[{"role": "user", "content": text}, {"role": "user", "content": question}],
+            extra_body={"kv_compression": {"document": {"ratio": 0.3}}},
+        )
+
+    first, second = ask("What is the lamp?"), ask("What is the seed?")
+    assert first.choices[0].message.content is not None and second.usage.completion_tokens == 4
+    after = _documents(documents_server)
+    assert after["compressions"] == before["compressions"] + 1 and after["hits"] == before["hits"] + 1, after
+    with pytest.raises(BadRequestError) as e:
+        client.chat.completions.create(model="demo", max_tokens=2, messages=[{"role": "user", "content": text}],
+                                       extra_body={"kv_compression": {"document": {}}})
+    assert "kv_compression.document" in str(e.value)
 
 
 def test_prometheus_metrics(documents_server) -> None:

@@ -61,6 +61,13 @@ def test_prompt_scenarios() -> None:
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
     assert body["ignore_eos"] is True
     assert "ignore_eos" not in next(PromptGenerator("short", settings)).body("m")
+    docs = PromptGenerator("shared_documents", PromptSettings(system_prompts=3, document_words=200), stream_id=0)
+    drawn = [next(docs) for _ in range(30)]
+    assert len({r.messages[0]["content"] for r in drawn}) == 3  # three documents, asked about in turn
+    assert all(len(r.messages[0]["content"].split()) >= 200 for r in drawn)
+    assert drawn[0].body("m")["kv_compression"] == {"document": {"ratio": 0.3}}
+    plain = next(PromptGenerator("shared_documents", PromptSettings(document_ratio=0)))
+    assert "kv_compression" not in plain.body("m")  # for a server without sgl-kvc's compression
     with pytest.raises(ValueError):
         PromptGenerator("nope", settings)
 

@@ -25,13 +25,21 @@ KVZIP = KvcConfig(policy="snapkv", prompt_policy="kvzip")
     ({"tokens": 10, "ratio": 1.0}, "document.ratio", "between 0 and 1"),
     ({"tokens": 10, "ratio": True}, "document.ratio", "a boolean"),
     ({"tokens": 10, "ratio": 0.3, "budget": 4}, "document.ratio", "not both"),
-    ({"tokens": 10, "messages": 2}, "document.messages", "unknown field"),
+    ({"tokens": 10, "messages": 2}, "document.messages", "names chat messages"),
+    ({"tokens": 10, "pages": 2}, "document.pages", "unknown field"),
     ([10], "document", "must be an object"),
 ])
 def test_a_bad_document_names_its_field(document, field: str, words: str) -> None:
     with pytest.raises(RequestSettingError) as e:
         parse_kv_compression({"document": document}, field="kv_compression")
     assert e.value.param == f"kv_compression.{field}" and words in str(e.value)
+
+
+def test_on_the_chat_route_a_document_is_named_by_messages() -> None:
+    assert parse_kv_compression({"document": {}}, chat=True).document == DocumentSpec()
+    assert parse_kv_compression({"document": {"messages": 2, "ratio": 0.2}}, chat=True).document.messages == 2
+    with pytest.raises(RequestSettingError, match="not both"):
+        parse_kv_compression({"document": {"messages": 2, "tokens": 9}}, chat=True)
 
 
 def test_entries_from_a_ratio_or_a_budget() -> None:
@@ -62,6 +70,7 @@ def test_a_documents_key_is_its_tokens_namespace_and_compression() -> None:
     (list(range(100)), {}, "must end before the prompt does"),
     (list(range(120)), {"prompt_policy": "snapkv"}, "must need none"),
     (list(range(120)), {"selection": "shared"}, "per-head selection"),
+    (list(range(120)), {"prompt_policy": "expected_attention"}, "must need none"),
 ])
 def test_a_document_the_server_cannot_compress_is_refused(prompt, kv, words: str) -> None:
     with pytest.raises(RequestSettingError) as e:
@@ -95,7 +104,7 @@ def test_a_resident_document_is_matched_locked_and_evicted_like_a_node() -> None
     key = DocumentKey(digest="ab" * 32, tokens=100, entries=30, policy="kvzip")
     slots = torch.arange(500, 530)
     node = tree.insert(InsertParams(key=node_key(key), value=slots)).last_device_node
-    tree.documents.add(Document(key=key, node=node, kept_positions=torch.randint(0, 100, (2, 1, 30))))
+    tree.documents.add(Document(key=key, node=node, kept_positions=torch.randint(0, 100, (2, 1, 30)), slots=30))
     invariants.check_documents(tree)
     assert tree.evictable_size() == 30 and tree.documents.snapshot()["resident"] == 1
 
@@ -130,7 +139,7 @@ def test_a_registered_document_missing_from_the_tree_is_a_violation() -> None:
     tree, _ = _tree()
     key = DocumentKey(digest="cd" * 32, tokens=50, entries=20, policy="kvzip")
     node = tree.insert(InsertParams(key=node_key(key), value=torch.arange(20))).last_device_node
-    tree.documents.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 20, dtype=torch.int64)))
+    tree.documents.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 20, dtype=torch.int64), slots=20))
     node.parent.children.clear()  # as if the tree lost it without telling the registry
     with pytest.raises(invariants.InvariantViolation, match="not in the tree"):
         invariants.check_documents(tree)
