@@ -55,8 +55,7 @@ DOCUMENTS = tuple(" ".join(random.Random(f"document-{i}").choice(WORDS) for _ in
 DOCUMENT_SPECS = ({}, {"ratio": 0.2}, {"ratio": 0.5}, {"budget": 16}, {"messages": 1})
 
 
-def _document_expect(settings: dict[str, Any], server_policy: str, server_prompt_policy: str,
-                     head_budget: str) -> str | None:
+def _document_expect(settings: dict[str, Any], server_policy: str, server_prompt_policy: str) -> str | None:
     """The field a 400 must name for a chat request with a document and these settings."""
     parsed = parse_kv_compression(settings, chat=True)
     wants = [k for k in ("policy", "budget", "prompt_policy", "document") if settings.get(k) not in (None, "none")]
@@ -67,8 +66,7 @@ def _document_expect(settings: dict[str, Any], server_policy: str, server_prompt
     policies = parsed.policies(server_policy, server_prompt_policy)
     if prompt_policy_error(*policies) is not None:
         return "kv_compression.prompt_policy"
-    if (not policy_class(prompt_policy_name(*policies)).question_free or (parsed.selection or "per-head") != "per-head"
-            or head_budget != "uniform"):
+    if not policy_class(prompt_policy_name(*policies)).question_free or (parsed.selection or "per-head") != "per-head":
         return "kv_compression.document"
     return None
 
@@ -113,7 +111,7 @@ def _settings(rng: random.Random, server_policy: str, server_prompt_policy: str)
 
 
 def make_mix(seed: int, count: int, model: str, server_policy: str, server_prompt_policy: str = AUTO,
-             max_words: int = 300, head_budget: str = "uniform", prompt_policy_now: str | None = None) -> list[MixRequest]:
+             max_words: int = 300, prompt_policy_now: str | None = None) -> list[MixRequest]:
     """`prompt_policy_now`: the server's prompt policy as its stats name it (for the documents)."""
     rng = random.Random(seed)
     documents = random.Random(f"documents-{seed}")
@@ -147,7 +145,7 @@ def make_mix(seed: int, count: int, model: str, server_policy: str, server_promp
             settings = {**({} if settings is ... else settings), "document": documents.choice(DOCUMENT_SPECS)}
             if documents.random() < 0.7:
                 settings["prompt_policy"] = documents.choice(["kvzip", "keydiff", "streamingllm", "snapkv"])
-            expect = _document_expect(settings, server_policy, prompt_policy_now or server_prompt_policy, head_budget)
+            expect = _document_expect(settings, server_policy, prompt_policy_now or server_prompt_policy)
         if settings is not ...:
             extra["kv_compression"] = settings
         kwargs["extra_body"] = extra
@@ -234,8 +232,7 @@ def run_bursts(
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
     counts = {"requests": 0, "ok": 0, "rejected": 0, "streamed": 0, "disconnected": 0}
     for burst in range(bursts):
-        mix = make_mix(seed + burst, per_burst, model, policy, max_words=max_words, head_budget=before["head_budget"],
-                       prompt_policy_now=before["prompt_policy"])
+        mix = make_mix(seed + burst, per_burst, model, policy, max_words=max_words, prompt_policy_now=before["prompt_policy"])
         with ThreadPoolExecutor(per_burst) as pool:
             answers = list(pool.map(lambda r: send(client, r), mix))
         for k, (req, answer) in enumerate(zip(mix, answers)):
