@@ -72,6 +72,11 @@ class Document:
         """Tokens a request starting from it has read beyond what its row holds: D - slots."""
         return self.key.tokens - self.slots
 
+    @property
+    def metadata_bytes(self) -> int:
+        tensors = (self.kept_positions, self.units, self.unit_lens)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
 
 @dataclass
 class DocumentStats:
@@ -128,6 +133,9 @@ class DocumentRegistry:
             "resident": len(self.by_key),
             "entries": sum(doc.key.entries for doc in self.by_key.values()),  # per (layer, KV head)
             "tokens": sum(doc.key.tokens for doc in self.by_key.values()),  # what they cover
+            # which token each entry holds (and a packed document's tables), on the KV's device:
+            # not part of the KV memory's reservation yet
+            "metadata_bytes": sum(doc.metadata_bytes for doc in self.by_key.values()),
             **asdict(self.stats),
         }
 

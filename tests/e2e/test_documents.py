@@ -110,6 +110,27 @@ def _second_request(server: ServerProcess, trace: Path, demo_model_path: str, sl
     return published
 
 
+@pytest.mark.parametrize("policy", ["rkv", "h2o", "snapkv", "kvcompress", "streamingllm", "batchmax"])
+def test_a_request_on_a_document_compresses_its_own_tokens(documents_server, policy: str) -> None:
+    """Each decode policy on a request that started from a document: its generated tokens go past
+    the document's entries + its budget, so its own pass runs over the document's entries (scored
+    without statistics of their own) and its tokens; it copies what it keeps, the document stays."""
+    doc = _tokens(800, DOC)
+    _ask(documents_server, doc, _tokens(801, QUESTION))
+    before = documents_server.stats()
+    spec = {"tokens": DOC, "ratio": 0.3}
+    out = generate(documents_server, doc + _tokens(802, QUESTION), 200, sampling={"custom_params": {"sgl_kvc": {
+        "policy": policy, "prompt_policy": "kvzip", "budget": 8, "document": spec}}})
+    assert len(out["output_ids"]) == 200 and out["meta_info"]["cached_tokens"] == ENTRIES
+    after = documents_server.stats()
+    assert after["documents"]["hits"] == before["documents"]["hits"] + 1
+    assert after["compression"]["decode_passes"] > before["compression"]["decode_passes"], policy
+    assert after["compression"]["failed_requests"] == before["compression"]["failed_requests"]
+    _ask(documents_server, doc, _tokens(803, QUESTION))  # the document is still there, whole
+    assert documents_server.stats()["documents"]["hits"] == after["documents"]["hits"] + 1
+    assert_pool_whole(documents_server.stats())
+
+
 def test_concurrent_first_requests_compress_once(documents_server) -> None:
     doc = _tokens(10, DOC)
     before = _documents(documents_server)
