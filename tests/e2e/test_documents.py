@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,18 @@ CMD = [
 
 
 @pytest.fixture(scope="module")
-def documents_server(trace: Path):
+def servers(trace: Path):
+    """Two servers started at once: uniform head budgets, and variable ones."""
     env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1", "SGLKVC_FAILPOINTS": "document_raise"}
-    with ServerProcess.launch(CMD, env=env) as server:
-        yield server
+    specs = {"uniform": CMD, "variable": [*CMD, "--kv-head-budget", "variable"]}
+    with ExitStack() as stack, ThreadPoolExecutor(len(specs)) as pool:
+        futures = {name: pool.submit(stack.enter_context, ServerProcess.launch(c, env)) for name, c in specs.items()}
+        yield {name: f.result() for name, f in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def documents_server(servers):
+    return servers["uniform"]
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -67,20 +76,19 @@ def test_a_second_request_prefills_only_its_suffix(documents_server, trace: Path
     _second_request(documents_server, trace, demo_model_path, ENTRIES)
 
 
-def test_variable_head_budgets(trace: Path, demo_model_path: str) -> None:
+def test_variable_head_budgets(servers, trace: Path, demo_model_path: str) -> None:
     """The same with variable head budgets: the document is packed into G = 36 slots, each head
     keeping its own number of entries (one sort over layer x head x entry); the second request's
     row starts packed. Then more documents than the pool keeps: the pool adds up."""
-    cmd = [*CMD, "--kv-head-budget", "variable"]
-    with ServerProcess.launch(cmd, env={"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1"}) as server:
-        events = _second_request(server, trace, demo_model_path, ENTRIES)
-        lengths = {len(h) for layer in events[0]["kept_positions"] for h in layer}
-        assert len(lengths) > 1, "every head kept as many entries: not a variable budget"
-        for i in range(MANY):
-            _ask(server, _tokens(600 + i, DOC), _tokens(700 + i, QUESTION), ratio=LARGE)
-        docs = _documents(server)
-        assert docs["evictions"] > 0 and docs["resident"] >= 1, docs
-        assert_pool_whole(server.stats())
+    server = servers["variable"]
+    events = _second_request(server, trace, demo_model_path, ENTRIES)
+    lengths = {len(h) for layer in events[0]["kept_positions"] for h in layer}
+    assert len(lengths) > 1, "every head kept as many entries: not a variable budget"
+    for i in range(MANY):
+        _ask(server, _tokens(600 + i, DOC), _tokens(700 + i, QUESTION), ratio=LARGE)
+    docs = _documents(server)
+    assert docs["evictions"] > 0 and docs["resident"] >= 1, docs
+    assert_pool_whole(server.stats())
 
 
 def _second_request(server: ServerProcess, trace: Path, demo_model_path: str, slots: int) -> list[dict]:
