@@ -110,7 +110,12 @@ def publish(compressor: Compressor, batch: ScheduleBatch, items: list[tuple[int,
         if r is not None and absent:
             batch.token_to_kv_pool_allocator.free(r.dest)
         elif r is not None:
-            _insert(compressor, batch, r, registry)
+            try:
+                _insert(compressor, batch, r, registry)
+            except Exception:  # noqa: BLE001 - never the request's: its row was only read
+                logger.exception("sgl-kvc: document of %s not published", batch.reqs[r.i].rid)
+                batch.token_to_kv_pool_allocator.free(r.dest)
+                registry.stats.not_published += 1
     registry.stats.not_published += sum(1 for absent in missing[:, 0].tolist() if absent)
     if invariants.enabled():
         invariants.check_documents(batch.tree_cache)
@@ -160,14 +165,18 @@ def _insert(compressor: Compressor, batch: ScheduleBatch, r: _Ready, registry: A
     """The document's node: plain tree inserts (the node is unlocked cache at once)."""
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
-    result = batch.tree_cache.insert(InsertParams(key=node_key(r.key), value=r.dest))
+    slots = int(r.dest.numel())
+    result = batch.tree_cache.insert(InsertParams(key=node_key(r.key, slots), value=r.dest))
     if result.prefix_len:  # cannot happen: a node under this key is registered, hence never re-published
         raise RuntimeError(f"a document node under key {r.key.digest[:12]} exists unregistered")
-    slots = int(r.dest.numel())
     registry.add(Document(key=r.key, node=result.last_device_node, kept_positions=r.kept_positions, slots=slots,
                           units=r.units, unit_lens=r.unit_lens))
-    if compressor.trace:
-        trace_state = ReqKvState(policy=compressor.policy(r.key.policy, r.key.entries), budget=Budget(r.key.entries),
-                                 kept_positions=r.kept_positions, units=r.units, unit_lens=r.unit_lens)
-        d = r.key.tokens
-        compressor.trace.write(batch.reqs[r.i].rid, "document", r.key.policy, d, d, trace_state, slots, d)
+    if compressor.trace:  # tests only (SGLKVC_TRACE); the node is the tree's now, whatever happens here
+        try:
+            trace_state = ReqKvState(policy=compressor.policy(r.key.policy, r.key.entries),
+                                     budget=Budget(r.key.entries), kept_positions=r.kept_positions, units=r.units,
+                                     unit_lens=r.unit_lens)
+            d = r.key.tokens
+            compressor.trace.write(batch.reqs[r.i].rid, "document", r.key.policy, d, d, trace_state, slots, d)
+        except Exception:  # noqa: BLE001
+            logger.exception("sgl-kvc: trace of a document not written")

@@ -197,12 +197,12 @@ def fill_shift(req: Any) -> int:
     return 0 if doc is None else doc.shift
 
 
-def node_key(key: DocumentKey) -> Any:
-    """The radix key of a document's node: k placeholder tokens in the document's own namespace
-    (`extra_key`), so that no request's tokens ever match into it."""
+def node_key(key: DocumentKey, slots: int) -> Any:
+    """The radix key of a document's node of `slots` slots: as many placeholder tokens, in the
+    document's own namespace (`extra_key`), so that no request's tokens ever match into it."""
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    return RadixKey(array("q", bytes(8 * key.entries)), extra_key=NAMESPACE + key.digest)
+    return RadixKey(array("q", bytes(8 * slots)), extra_key=NAMESPACE + key.digest)
 
 
 def admit(req: Any, config: KvcConfig) -> None:

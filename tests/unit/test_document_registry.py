@@ -103,7 +103,7 @@ def test_a_resident_document_is_matched_locked_and_evicted_like_a_node() -> None
     tree, allocator = _tree()
     key = DocumentKey(digest="ab" * 32, tokens=100, entries=30, policy="kvzip")
     slots = torch.arange(500, 530)
-    node = tree.insert(InsertParams(key=node_key(key), value=slots)).last_device_node
+    node = tree.insert(InsertParams(key=node_key(key, 30), value=slots)).last_device_node
     tree.documents.add(Document(key=key, node=node, kept_positions=torch.randint(0, 100, (2, 1, 30)), slots=30))
     invariants.check_documents(tree)
     assert tree.evictable_size() == 30 and tree.documents.snapshot()["resident"] == 1
@@ -138,7 +138,7 @@ def test_a_registered_document_missing_from_the_tree_is_a_violation() -> None:
 
     tree, _ = _tree()
     key = DocumentKey(digest="cd" * 32, tokens=50, entries=20, policy="kvzip")
-    node = tree.insert(InsertParams(key=node_key(key), value=torch.arange(20))).last_device_node
+    node = tree.insert(InsertParams(key=node_key(key, 20), value=torch.arange(20))).last_device_node
     tree.documents.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 20, dtype=torch.int64), slots=20))
     node.parent.children.clear()  # as if the tree lost it without telling the registry
     with pytest.raises(invariants.InvariantViolation, match="not in the tree"):
