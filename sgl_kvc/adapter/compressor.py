@@ -190,6 +190,10 @@ class Compressor:
             state.offset = doc.shift
             state.fill_shift = True
             self.store.set_offset(req.kv.req_pool_idx, state.offset)
+            if not getattr(req, "retracted_stain", False):
+                # SGLang counted the node's slots as cached prompt tokens: the client's usage
+                # says the document's D tokens were (counted once, as SGLang counts them).
+                req.cached_tokens += doc.shift
             registry = documents.registry_of(tree_cache)
             if registry is not None:
                 registry.metrics = self.metrics

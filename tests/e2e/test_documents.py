@@ -73,7 +73,7 @@ def test_a_second_request_prefills_only_its_suffix(documents_server, trace: Path
     (its matched prefix), prefills its 12 question tokens at logical positions 120.., and answers
     exactly as a dense reference whose queries after the document see only the entries the
     document kept (a request holding its own copy compressed the same way, the question unread)."""
-    _second_request(documents_server, trace, demo_model_path, ENTRIES)
+    _second_request(documents_server, trace, demo_model_path)
 
 
 def test_variable_head_budgets(servers, trace: Path, demo_model_path: str) -> None:
@@ -81,7 +81,7 @@ def test_variable_head_budgets(servers, trace: Path, demo_model_path: str) -> No
     keeping its own number of entries (one sort over layer x head x entry); the second request's
     row starts packed. Then more documents than the pool keeps: the pool adds up."""
     server = servers["variable"]
-    events = _second_request(server, trace, demo_model_path, ENTRIES)
+    events = _second_request(server, trace, demo_model_path)
     lengths = {len(h) for layer in events[0]["kept_positions"] for h in layer}
     assert len(lengths) > 1, "every head kept as many entries: not a variable budget"
     for i in range(MANY):
@@ -91,12 +91,13 @@ def test_variable_head_budgets(servers, trace: Path, demo_model_path: str) -> No
     assert_pool_whole(server.stats())
 
 
-def _second_request(server: ServerProcess, trace: Path, demo_model_path: str, slots: int) -> list[dict]:
+def _second_request(server: ServerProcess, trace: Path, demo_model_path: str) -> list[dict]:
     doc = _tokens(1, DOC)
     before = _documents(server)
     first = _ask(server, doc, _tokens(2, QUESTION))
     after_first = _documents(server)
     assert after_first["compressions"] == before["compressions"] + 1, after_first
+    assert after_first["entries"] == before["entries"] + ENTRIES, after_first
     published = [e for e in trace_events(trace, first["meta_info"]["id"]) if e["moment"] == "document"]
     assert len(published) == 1 and published[0]["logical_len"] == DOC, published
 
@@ -107,7 +108,8 @@ def _second_request(server: ServerProcess, trace: Path, demo_model_path: str, sl
     after = _documents(server)
     assert after["hits"] == after_first["hits"] + 1, after
     assert after["compressions"] == after_first["compressions"], "the document was compressed again"
-    assert second["meta_info"]["cached_tokens"] == slots  # its prefix: the document's slots
+    # its prefix is the document's slots; its client is told the document's tokens were cached
+    assert second["meta_info"]["cached_tokens"] == DOC
     assert not [e for e in trace_events(trace, second["meta_info"]["id"]) if e["moment"] == "document"]
 
     error = logprob_error(demo_model_path, doc + question, second, published)
@@ -129,7 +131,7 @@ def test_a_request_on_a_document_compresses_its_own_tokens(documents_server, pol
     spec = {"tokens": DOC, "ratio": 0.3}
     out = generate(documents_server, doc + _tokens(802, QUESTION), 200, sampling={"custom_params": {"sgl_kvc": {
         "policy": policy, "prompt_policy": "kvzip", "budget": 8, "document": spec}}})
-    assert len(out["output_ids"]) == 200 and out["meta_info"]["cached_tokens"] == ENTRIES
+    assert len(out["output_ids"]) == 200 and out["meta_info"]["cached_tokens"] == DOC
     after = documents_server.stats()
     assert after["documents"]["hits"] == before["documents"]["hits"] + 1
     assert after["compression"]["decode_passes"] > before["compression"]["decode_passes"], policy
