@@ -205,7 +205,7 @@ def node_key(key: DocumentKey, slots: int) -> Any:
     return RadixKey(array("q", bytes(8 * slots)), extra_key=NAMESPACE + key.digest)
 
 
-def admit(req: Any, config: KvcConfig) -> None:
+def admit(req: Any, config: KvcConfig, tree_cache: Any) -> None:
     """When a request enters the queue: the document it declares, or its 400 (SGLang's
     `set_finish_with_abort`) when that document cannot be served for it."""
     setattr(req, HIT_ATTR, None)
@@ -214,6 +214,9 @@ def admit(req: Any, config: KvcConfig) -> None:
         return
     try:
         key = request_key(req, config)
+        if key is not None and registry_of(tree_cache) is None:
+            raise RequestSettingError("kv_compression.document", "shared documents live in sgl-kvc's prefix cache: "
+                                      "this server runs without it (--disable-radix-cache or the hierarchical cache)")
         setattr(req, KEY_ATTR, key)
         if key is not None:
             # Its exact KV never enters the tree: the document's compressed node is what later

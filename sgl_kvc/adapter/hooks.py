@@ -188,7 +188,7 @@ def _around_add_to_queue(config: KvcConfig):
         # `custom_params` are checked here, against this server's configuration too, so a bad
         # or unservable one is a 400 for that request and is never read again by the hooks below.
         if not admit(req, config):
-            documents.admit(req, config)
+            documents.admit(req, config, getattr(scheduler, "tree_cache", None))
         admission.remember(req, config, scheduler)
         return original(scheduler, req, *a, **kw)
 

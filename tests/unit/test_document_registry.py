@@ -143,3 +143,16 @@ def test_a_registered_document_missing_from_the_tree_is_a_violation() -> None:
     node.parent.children.clear()  # as if the tree lost it without telling the registry
     with pytest.raises(invariants.InvariantViolation, match="not in the tree"):
         invariants.check_documents(tree)
+
+
+def test_a_document_on_a_server_without_sgl_kvcs_prefix_cache_is_a_400() -> None:
+    aborted = []
+    req = _req(list(range(10, 130)))
+    req.finished = lambda: False
+    req.set_finish_with_abort = lambda message, status_code: aborted.append((message, int(status_code)))
+    documents.admit(req, KVZIP, tree_cache=SimpleNamespace())  # SGLang's own tree: no registry
+    assert aborted and aborted[0][1] == 400 and "--disable-radix-cache" in aborted[0][0]
+    tree, _ = _tree()
+    aborted.clear()
+    documents.admit(req, KVZIP, tree_cache=tree)
+    assert not aborted and documents.declared(req).tokens == 100 and req.skip_radix_cache_insert
