@@ -107,7 +107,8 @@ class KvcRuntime:
         n = client_requests(running.reqs)
         if batch is not None and batch is not running:
             n += client_requests(batch.reqs)  # a prefill batch runs while the decode batch waits
-            if batch.forward_mode.is_extend():
+            mode = getattr(batch, "forward_mode", None)
+            if mode is not None and mode.is_extend():
                 self.prefix.prefilled_tokens += int(getattr(batch, "extend_num_tokens", 0) or 0)
         self.max_running = max(self.max_running, n)
 

@@ -208,7 +208,7 @@ def test_concurrent_compressing_requests_complete_and_free_everything(rkv_server
     assert_pool_whole(s)
     assert s["compression"]["decode_passes"] > 0 and s["compression"]["staged_passes"] > 0
     assert s["pool"]["request_state_bytes"] == 0
-    assert s["prefix_cache"]["backend"] == "RadixCache"  # the tree compaction is written for
+    assert s["prefix_cache"]["backend"] == "KvcRadixCache"  # SGLang's RadixCache, which compaction is written for
 
 
 @pytest.mark.parametrize(

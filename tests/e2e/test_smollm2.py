@@ -108,7 +108,7 @@ def test_policy_none_is_plain_sglang(servers, smollm2_path: str) -> None:
     assert "Paris" in ours[0]  # a real model: it knows the capital of France
     assert _tree_class(servers["none"]) == plain_tree  # SGLang's own prefix cache
     assert servers["none"].stats()["prefix_cache"]["backend"] == plain_tree
-    assert _tree_class(servers["rkv"]) == "RadixCache"  # the tree compaction is written for
+    assert _tree_class(servers["rkv"]) == "KvcRadixCache"  # SGLang's RadixCache, which compaction is written for
 
 
 def _tokens(server: ServerProcess, prompt: list[int], max_tokens: int, kvc: dict | None = None):
