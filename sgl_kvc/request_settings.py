@@ -126,14 +126,7 @@ def parse_kv_compression(obj: Any, field: str = FIELD, chat: bool = False) -> Re
     """Validate a `kv_compression` object; raise `RequestSettingError` naming the bad field
     (`field` is the name the caller knows the object by; `chat`: on the chat route, where a
     document may be named by messages)."""
-    if not isinstance(obj, dict):
-        raise RequestSettingError(field, f"{field} must be an object, got {json_type_name(obj)}")
-    unknown = sorted(str(k) for k in set(obj) - set(ALLOWED))
-    if unknown:
-        raise RequestSettingError(
-            f"{field}.{unknown[0]}",
-            f"unknown field(s) {', '.join(unknown)} in {field}; allowed: {', '.join(ALLOWED)}",
-        )
+    _check_object(obj, field, ALLOWED)
     policy = canonical_policy(obj.get("policy"))  # an earlier name is accepted
     if policy is not None and (not isinstance(policy, str) or policy not in decode_policies()):
         shown = f'"{policy}"' if isinstance(policy, str) else json_type_name(policy)
@@ -169,15 +162,20 @@ def parse_kv_compression(obj: Any, field: str = FIELD, chat: bool = False) -> Re
                               document=document)
 
 
-def _parse_document(obj: Any, field: str, chat: bool = False) -> DocumentSpec:
+def _check_object(obj: Any, field: str, allowed: tuple[str, ...]) -> None:
+    """`obj` is a JSON object of `allowed` fields only, or the error names the field."""
     if not isinstance(obj, dict):
         raise RequestSettingError(field, f"{field} must be an object, got {json_type_name(obj)}")
-    unknown = sorted(str(k) for k in set(obj) - set(DOCUMENT_ALLOWED))
+    unknown = sorted(str(k) for k in set(obj) - set(allowed))
     if unknown:
         raise RequestSettingError(
             f"{field}.{unknown[0]}",
-            f"unknown field(s) {', '.join(unknown)} in {field}; allowed: {', '.join(DOCUMENT_ALLOWED)}",
+            f"unknown field(s) {', '.join(unknown)} in {field}; allowed: {', '.join(allowed)}",
         )
+
+
+def _parse_document(obj: Any, field: str, chat: bool = False) -> DocumentSpec:
+    _check_object(obj, field, DOCUMENT_ALLOWED)
     tokens, ratio, budget, messages = obj.get("tokens"), obj.get("ratio"), obj.get("budget"), obj.get("messages")
     for name, value in (("tokens", tokens), ("budget", budget), ("messages", messages)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BUDGET):

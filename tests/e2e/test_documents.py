@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -39,10 +38,8 @@ CMD = [
 def servers(trace: Path):
     """Two servers started at once: uniform head budgets, and variable ones."""
     env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1", "SGLKVC_FAILPOINTS": "document_raise"}
-    specs = {"uniform": CMD, "variable": [*CMD, "--kv-head-budget", "variable"]}
-    with ExitStack() as stack, ThreadPoolExecutor(len(specs)) as pool:
-        futures = {name: pool.submit(stack.enter_context, ServerProcess.launch(c, env)) for name, c in specs.items()}
-        yield {name: f.result() for name, f in futures.items()}
+    with ServerProcess.launch_all([CMD, [*CMD, "--kv-head-budget", "variable"]], env=env) as (uniform, variable):
+        yield {"uniform": uniform, "variable": variable}
 
 
 @pytest.fixture(scope="module")
