@@ -10,15 +10,17 @@ number only."), as the conversation's second message. The questions arrive inter
 question of every document, then the second of every document, ...) and `--clients` clients send
 them as streaming `/v1/chat/completions`, each taking the next when its answer is done.
 
-Three servers, one after the other on the same machine, with the same model, dtype and pool
-(`--max-total-tokens`: a third of the documents' tokens, plus the room one request reading its
-document whole needs, see `pool_tokens`):
+Three servers, one after the other on the same machine, with the same model, dtype, chunk size
+(`--chunk`) and pool (`--max-total-tokens`: a third of the documents' tokens, plus the room one
+request compressing its document between chunks needs, see `pool_tokens`):
 - `plain`: SGLang itself (`--policy none`, its radix cache on);
 - `per-request`: every request compresses its own prompt, document and question, after prefill,
   by KVzip to the documents' entries (`kv_compression: {"budget": k}` with k = ratio x document),
   variable head budgets (`--kv-head-budget`);
 - `documents`: each document compressed once by KVzip to `--ratio` of its tokens, without any
-  question, and shared (`kv_compression: {"document": {"ratio": r}}`: every message but the last).
+  question, and shared (`kv_compression: {"document": {"ratio": r}}`: every message but the last);
+  compressed after every chunk (`chunk-always`), so the request that compresses a document holds
+  at most its budget, the document's entries and one chunk, never the document whole.
 Recorded per server: answers right (and kept, against `plain`'s, the full cache's), TTFT p50 /
 p99, output tokens per second over the run, prompt tokens prefilled (`/v1/kvc/stats`), documents
 compressed, hit, evicted and resident at the end, and the wall time. Writes
@@ -47,7 +49,8 @@ from loadtest.server import ServerProcess
 
 STYLES = ("templated", "docs", "code", "table")
 HEAD = "The text below mentions the codes of several objects. Read it carefully.\n\n"
-KVZIP_CHUNK = 1024  # tokens of a reconstruction forward: bounds what a request reads at once
+KVZIP_CHUNK = 512  # tokens of a reconstruction forward: bounds what a request reads at once
+BUDGET = 128  # the compressing servers' --kv-budget: a document request's own, beyond its document
 
 
 @dataclass(frozen=True)
@@ -133,11 +136,11 @@ def make_questions(tok: Any, documents: int, tokens: int, facts: int, per_docume
     return [by_doc[d][q] for q in range(per_document) for d in range(documents)], lengths
 
 
-def pool_tokens(lengths: list[int], ratio: float) -> int:
-    """A third of the documents' tokens, plus what one request reading its document whole holds:
-    the document, its question and answer, the reconstruction forward, and its compressed copy."""
-    longest = max(lengths)
-    return math.ceil(sum(lengths) / 3) + longest + 64 + KVZIP_CHUNK + 64 + math.ceil(ratio * longest)
+def pool_tokens(lengths: list[int], ratio: float, chunk: int) -> int:
+    """A third of the documents' tokens, plus what one request compressing its document between
+    chunks holds at most: one chunk, the reconstruction forward, its budget and the document's
+    entries, its question and answer."""
+    return math.ceil(sum(lengths) / 3) + chunk + KVZIP_CHUNK + BUDGET + math.ceil(ratio * max(lengths)) + 128
 
 
 def ask(url: str, q: Question, extra: dict[str, Any], max_tokens: int) -> Answer:
@@ -239,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--chunk", type=int, default=512, help="--chunked-prefill-size of every server")
     p.add_argument("--kv-head-budget", default="variable", choices=["uniform", "variable", "layer"],
                    help="of the compressing servers (KVzip's gain comes from variable budgets)")
     p.add_argument("--configs", nargs="+", default=["plain", "per-request", "documents"])
@@ -256,18 +260,20 @@ def main(argv: list[str] | None = None) -> None:
     model = str(ensure_smollm2())
     tok = AutoTokenizer.from_pretrained(model)
     questions, lengths = make_questions(tok, args.documents, args.document_tokens, args.facts, args.questions, args.seed)
-    pool = pool_tokens(lengths, args.ratio)
+    pool = pool_tokens(lengths, args.ratio, args.chunk)
     k = math.ceil(args.ratio * max(lengths))
-    common = ["--model-path", model, "--dtype", args.dtype, "--max-total-tokens", str(pool)]
+    common = ["--model-path", model, "--dtype", args.dtype, "--max-total-tokens", str(pool),
+              "--chunked-prefill-size", str(args.chunk)]
     kvc = [*common, "--policy", "snapkv", "--prompt-policy", "kvzip", "--kvzip-chunk", str(KVZIP_CHUNK),
-           "--kv-head-budget", args.kv_head_budget]
+           "--kv-head-budget", args.kv_head_budget, "--kv-budget", str(BUDGET)]
     import sys
 
     launch = [sys.executable, "-m", "sgl_kvc.launch"]
     configs = {
         "plain": ([*launch, *common, "--policy", "none"], {}),
         "per-request": ([*launch, *kvc], {"kv_compression": {"budget": k}}),
-        "documents": ([*launch, *kvc], {"kv_compression": {"document": {"ratio": args.ratio}}}),
+        "documents": ([*launch, *kvc, "--compress-on", "chunk-always,prefill,decode,preempt"],
+                      {"kv_compression": {"document": {"ratio": args.ratio}}}),
     }
     logs = Path(tempfile.mkdtemp(prefix="shared-documents-"))
     print(f"{len(questions)} questions on {args.documents} documents of {lengths} tokens; pool {pool}; "
@@ -283,7 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     setup = {"documents": args.documents, "document_tokens": lengths, "facts": args.facts,
              "questions_per_document": args.questions, "ratio": args.ratio, "entries": k, "pool": pool,
              "clients": args.clients, "max_tokens": args.max_tokens, "dtype": args.dtype,
-             "kv_head_budget": args.kv_head_budget}
+             "kv_head_budget": args.kv_head_budget, "chunk": args.chunk, "kv_budget": BUDGET,
+             "kvzip_chunk": KVZIP_CHUNK}
     (args.out / f"{stem}.json").write_text(json.dumps(
         {"meta": meta, "setup": setup, "summary": rows,
          "answers": {n: [asdict(a) for a in r.answers] for n, r in results.items()}}, indent=2))

@@ -100,14 +100,19 @@ def _compacted(req: Req) -> bool:
     return state is not None and state.compressed
 
 
-def _document_adjusted(req: Req, s: Sizes) -> tuple[Sizes, int]:
+def _document_adjusted(req: Req, s: Sizes, config: KvcConfig) -> tuple[Sizes, int]:
     """A request with a shared document (`adapter/documents.py`): its sizes with its budget
-    beyond the document's part of its row (k entries after a hit, D tokens otherwise), and the
-    tokens a hit reads beyond its row's slots (D - k; 0 otherwise)."""
-    part = documents.held_for_document(req)
+    beyond the document's part of its row (`documents.held_for_document`), and the tokens a hit
+    reads beyond its row's slots (D - k; 0 otherwise)."""
+    return _with_document(s, documents.held_for_document(req), config), documents.fill_shift(req)
+
+
+def _with_document(s: Sizes, part: int, config: KvcConfig) -> Sizes:
+    """Sizes whose budget applies beyond a document's `part` of the row."""
     if not part:
-        return s, 0
-    return replace(s, budget=s.budget + part), documents.fill_shift(req)
+        return s
+    budget = s.budget + part
+    return replace(s, budget=budget, keep=config.chunk_target(budget))
 
 
 def admission_demand(req: Req, config: KvcConfig) -> int | None:
@@ -116,7 +121,7 @@ def admission_demand(req: Req, config: KvcConfig) -> int | None:
     s = sizes(req, config)
     if s is None:
         return None
-    s, shift = _document_adjusted(req, s)
+    s, shift = _document_adjusted(req, s, config)
     cached = int(req.prefix_len)
     fill = len(req.origin_input_ids) + len(req.output_ids) - shift
     now = Now(held=cached, tree=cached, prompt_left=max(0, fill - cached), out_left=_out_left(req))
@@ -132,7 +137,7 @@ def running_need(req: Req, config: KvcConfig) -> tuple[int, int] | None:
     # Its prompt moments are over: a pass after prefill put off is its decode policy's, which
     # reads no reconstruction.
     s = replace(s, reconstruction=0)
-    s, shift = _document_adjusted(req, s)
+    s, shift = _document_adjusted(req, s, config)
     held, tree = int(req.kv.kv_committed_len), int(req.kv.cache_protected_len)
     # A pass after prefill not done yet: staged over steps, or put off for lack of slots.
     due = not _compacted(req) and len(req.origin_input_ids) - shift > s.budget
@@ -151,6 +156,7 @@ def chunk_need(req: Req, config: KvcConfig, held: int, read: int, compacted: boo
     s = sizes(req, config)
     if s is None:
         return None
+    s, _ = _document_adjusted(req, s, config)
     left = len(req.origin_input_ids) - read
     if left <= 0:
         return 0
@@ -190,6 +196,7 @@ def around_add_one_req(config: KvcConfig) -> Callable[..., Any]:
             # the tree (and first runs its reconstruction forward, KVzip) into slots requests
             # admitted after it in this round must not take.
             _reserve(adder, _chunk_copies(req, config))
+            _end_round_if_capped(adder, req)
         return result
 
     return hook
@@ -203,6 +210,9 @@ def around_check_prefill_budget(config: KvcConfig) -> Callable[..., Any]:
             # Compressed between chunks, it never holds more than that (a chunk beyond what its
             # passes keep): SGLang's check of its whole prompt would refuse what fits.
             kwargs["total_tokens"] = min(kwargs["total_tokens"], demand)
+            cap = documents.chunk_cap(req)
+            if cap is not None:  # its first chunk ends at its document's end, at the latest
+                kwargs["chunk_limit"] = min(kwargs["chunk_limit"], cap)
         return original(adder, req, *args, **kwargs)
 
     return hook
@@ -210,26 +220,44 @@ def around_check_prefill_budget(config: KvcConfig) -> Callable[..., Any]:
 
 def around_add_chunked_req(config: KvcConfig) -> Callable[..., Any]:
     def hook(original: Callable[..., Any], adder: Any, req: Req, *args: Any, **kwargs: Any):
-        s = sizes(req, config)
-        if s is None or (s.chunk is None and not s.reconstruction):
-            return original(adder, req, *args, **kwargs)
-        now = _chunked_now(req)
-        need, copies = _round_need(Moments.of(config), s, now)
-        sp = req.sampling_params
-        saved = sp.max_new_tokens
-        # With its last chunk SGLang reserves the chunk + max_new_tokens: make that the rest of
-        # the request's life (its pass after prefill copies, its generation).
-        sp.max_new_tokens = len(req.output_ids) + max(need - now.prompt_left, 0)
-        try:
-            result = original(adder, req, *args, **kwargs)
-        finally:
-            sp.max_new_tokens = saved
-        added = bool(adder.can_run_list) and adder.can_run_list[-1] is req
-        if added and result is req:  # a middle chunk: SGLang reserves the chunk alone
-            _reserve(adder, copies)
-        return result
+        cap = documents.chunk_cap(req)
+        if cap is not None:
+            # Its next chunk ends at its document's end, at the latest (SGLang's own per-round
+            # cap on the chunk it continues, `chunked_req_limit`).
+            saved_limit = adder.chunked_req_limit
+            adder.chunked_req_limit = cap if saved_limit is None else min(saved_limit, cap)
+            try:
+                result = _add_chunked(config, original, adder, req, *args, **kwargs)
+            finally:
+                adder.chunked_req_limit = saved_limit
+            if result is req:
+                _end_round_if_capped(adder, req)
+            return result
+        return _add_chunked(config, original, adder, req, *args, **kwargs)
 
     return hook
+
+
+def _add_chunked(config: KvcConfig, original: Callable[..., Any], adder: Any, req: Req, *args: Any, **kwargs: Any):
+    s = sizes(req, config)
+    if s is None or (s.chunk is None and not s.reconstruction):
+        return original(adder, req, *args, **kwargs)
+    s, _ = _document_adjusted(req, s, config)
+    now = _chunked_now(req)
+    need, copies = _round_need(Moments.of(config), s, now)
+    sp = req.sampling_params
+    saved = sp.max_new_tokens
+    # With its last chunk SGLang reserves the chunk + max_new_tokens: make that the rest of the
+    # request's life (its pass after prefill copies, its generation).
+    sp.max_new_tokens = len(req.output_ids) + max(need - now.prompt_left, 0)
+    try:
+        result = original(adder, req, *args, **kwargs)
+    finally:
+        sp.max_new_tokens = saved
+    added = bool(adder.can_run_list) and adder.can_run_list[-1] is req
+    if added and result is req:  # a middle chunk: SGLang reserves the chunk alone
+        _reserve(adder, copies)
+    return result
 
 
 def around_running_offset(config: KvcConfig) -> Callable[..., Any]:
@@ -267,9 +295,11 @@ def around_max_new_tokens(config: KvcConfig) -> Callable[..., Any]:
         pool = int(scheduler.max_total_num_tokens)
         moments = Moments.of(config)
         published = _radix(scheduler)
+        # a shared document's part of its row (`adapter/documents.py`), its own budget beyond
+        part = documents.declared_part(req, config, split=chunk is not None)
 
         def held(out: int) -> int:  # on an empty pool
-            s = sizes_of(config, settings, prompt, out, chunk, published)
+            s = _with_document(sizes_of(config, settings, prompt, out, chunk, published), part, config)
             return most_held(moments, s, Now(prompt_left=prompt, out_left=out))
 
         if held(max_new) < pool:
@@ -283,7 +313,8 @@ def around_max_new_tokens(config: KvcConfig) -> Callable[..., Any]:
             _set_max_new(sp, fits)
             return None
         _set_max_new(sp, 0)
-        req.set_finish_with_abort(_too_large(config, settings, prompt, max_new, held(max_new), pool, chunk, fits))
+        req.set_finish_with_abort(_too_large(config, settings, prompt, max_new, held(max_new), pool, chunk, fits,
+                                             part))
         return None
 
     return hook
@@ -308,6 +339,14 @@ def _chunk_copies(req: Req, config: KvcConfig) -> int:
         return 0  # its last chunk (the pass after prefill is in its footprint), or no pass yet
     # its reconstruction forward (KVzip) is freed before the pass copies
     return max(compaction_copies(after, after, s.keep), s.reconstruction)
+
+
+def _end_round_if_capped(adder: Any, req: Req) -> None:
+    """A chunk cut short at its document's end leaves the round room for more chunk tokens, but
+    SGLang reads one prompt in chunks at a time: no other request may start being chunked in this
+    round (its chunk budget is spent, as an uncut chunk would have spent it)."""
+    if documents.chunk_cap(req) is not None and adder.rem_chunk_tokens is not None:
+        adder.rem_chunk_tokens = 0
 
 
 def _reserve(adder: Any, slots: int) -> None:
@@ -340,12 +379,14 @@ def _allow_auto_truncate() -> bool:
 
 
 def _too_large(config: KvcConfig, settings: ResolvedCompression, prompt: int, max_new: int, held: int,
-               pool: int, chunk: int | None, fits: int | None) -> str:
+               pool: int, chunk: int | None, fits: int | None, document: int = 0) -> str:
     """The 400's message: what the request would hold at once, and what would fit."""
-    s = sizes_of(config, settings, prompt, max_new, chunk)
+    s = _with_document(sizes_of(config, settings, prompt, max_new, chunk), document, config)
     read = f"one chunk ({chunk}) of its prompt" if chunk else f"its prompt ({prompt})"
-    growth = (f"its budget ({s.budget}) + buffer ({s.buffer})" if Moments.of(config).generation
-              else f"its budget ({s.budget}) + max_tokens ({max_new}), decode compression being off")
+    own = f"its budget ({s.budget - document}) + its document's entries ({document})" if document else \
+        f"its budget ({s.budget})"
+    growth = (f"{own} + buffer ({s.buffer})" if Moments.of(config).generation
+              else f"{own} + max_tokens ({max_new}), decode compression being off")
     advice = (f"max_tokens of at most {fits} fits" if fits is not None else "a smaller budget or prompt is needed")
     if s.reconstruction:
         read += f", one reconstruction forward ({s.reconstruction}: a smaller --kvzip-chunk takes less)"

@@ -1,7 +1,14 @@
 """Compressing a shared document and publishing it to the radix tree (`adapter/documents.py`).
 
-Right after a request that declares a document has read its prompt, and before its own prompt
-pass: its entries [0, D) are exact KV of the document (nothing of it is compressed yet), so a pass
+Between chunks (`publish_rows`), on a server that compresses there: a chunk of the request that
+declares the document ended at the document's end, and the chunk moment cut its row to the
+document's k entries per (layer, KV head) with its question-free prompt policy (KVzip repeats
+what it read since its last cut, the scores of what that kept carried), before any of its question
+is read. Those k slots (G, packed) become the node as they are, and the request goes on as one that
+started from it: its row's first slots are the node's, locked, and its own compactions copy them.
+
+Otherwise (`publish`), right after a request that declares a document has read its prompt, and
+before its own prompt pass: its entries [0, D) are exact KV of the document (nothing of it is compressed yet), so a pass
 over those D entries alone, by the request's question-free prompt policy, chooses what the
 document keeps (KVzip's reconstruction repeats the document only and attends to it only, as
 kvpress compresses a context without its question). The kept entries are copied, per (layer, KV
@@ -25,7 +32,8 @@ import torch
 from torch import Tensor
 
 from sgl_kvc.adapter import failpoints, invariants
-from sgl_kvc.adapter.documents import Document, DocumentKey, declared, hit, node_key, registry_of
+from sgl_kvc.adapter.documents import Document, DocumentKey, declared, hit, node_key, registry_of, started_from
+from sgl_kvc.adapter.failures import failure
 from sgl_kvc.core.moves import move_unit_entries, move_units_many, packed_slots, unit_moves
 from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
 from sgl_kvc.core.request_state import Budget, ReqKvState
@@ -169,14 +177,106 @@ def _insert(compressor: Compressor, batch: ScheduleBatch, r: _Ready, registry: A
     result = batch.tree_cache.insert(InsertParams(key=node_key(r.key, slots), value=r.dest))
     if result.prefix_len:  # cannot happen: a node under this key is registered, hence never re-published
         raise RuntimeError(f"a document node under key {r.key.digest[:12]} exists unregistered")
-    registry.add(Document(key=r.key, node=result.last_device_node, kept_positions=r.kept_positions, slots=slots,
-                          units=r.units, unit_lens=r.unit_lens))
-    if compressor.trace:  # tests only (SGLKVC_TRACE); the node is the tree's now, whatever happens here
+    doc = Document(key=r.key, node=result.last_device_node, kept_positions=r.kept_positions, slots=slots,
+                   units=r.units, unit_lens=r.unit_lens)
+    registry.add(doc)
+    _trace(compressor, batch.reqs[r.i], doc)
+
+
+def publish_rows(compressor: Compressor, batch: ScheduleBatch, ends: list[tuple[int, DocumentKey]],
+                 passes_before: dict[int, int]) -> None:
+    """After the chunk moment: each request of `ends` (indices whose chunk ended at their
+    document's end, found alike on every rank) whose row the moment cut to its document's entries
+    (`passes_before`: its passes before, for those it was cut) publishes its row's first slots as
+    the document's node. A document already resident (another request published it meanwhile) is
+    not published again: that request goes on with its own copy. A failure loses the document, not
+    the request; with tensor parallelism a document is published only where every rank is ready."""
+    registry = registry_of(getattr(batch, "tree_cache", None))
+    if registry is None:
+        return
+    items = [(i, key) for i, key in ends if registry.get(key) is None]
+    items = [(i, key) for j, (i, key) in enumerate(items) if all(k.digest != key.digest for _, k in items[:j])]
+    if not items:
+        return  # (of several in one batch declaring one document, the first publishes it)
+    t0 = time.perf_counter()
+    registry.metrics = compressor.metrics
+    rows: list[Tensor | None] = []
+    for i, key in items:
         try:
-            trace_state = ReqKvState(policy=compressor.policy(r.key.policy, r.key.entries),
-                                     budget=Budget(r.key.entries), kept_positions=r.kept_positions, units=r.units,
-                                     unit_lens=r.unit_lens)
-            d = r.key.tokens
-            compressor.trace.write(batch.reqs[r.i].rid, "document", r.key.policy, d, d, trace_state, slots, d)
-        except Exception:  # noqa: BLE001
-            logger.exception("sgl-kvc: trace of a document not written")
+            rows.append(_row_ready(compressor, batch, i, key, passes_before.get(i)))
+        except Exception:  # noqa: BLE001 - the document is not published; its request goes on
+            logger.exception("sgl-kvc: document of %s not published", batch.reqs[i].rid)
+            rows.append(None)
+    missing = torch.tensor([[r is None] for r in rows], dtype=torch.int64)
+    if compressor.failures.vote is not None:
+        missing = compressor.failures.vote(missing)  # summed over the ranks
+    for (i, key), slots, absent in zip(items, rows, missing[:, 0].tolist()):
+        if absent:
+            registry.stats.not_published += 1
+            continue
+        try:
+            _adopt(compressor, batch, i, key, slots, registry)
+        except Exception:  # noqa: BLE001 - its row is as the chunk moment left it: it goes on
+            logger.exception("sgl-kvc: document of %s not published", batch.reqs[i].rid)
+            registry.stats.not_published += 1
+    if invariants.enabled():
+        invariants.check_documents(batch.tree_cache)
+    registry.stats.seconds += compressor._account(time.perf_counter() - t0)
+
+
+def _row_ready(compressor: Compressor, batch: ScheduleBatch, i: int, key: DocumentKey,
+               passes_before: int | None) -> Tensor | None:
+    """The slots of request i's row that hold its document's kept entries (a copy of its row's
+    first k, or G packed, slot numbers), or None where the chunk moment did not cut it to them (it
+    failed, or had no free slots for the copies)."""
+    req = batch.reqs[i]
+    state = compressor.state(req)
+    if state is None or failure(req) is not None or passes_before is None or state.passes <= passes_before:
+        return None
+    failpoints.check("document_raise", req)
+    kept = int(req.kv.kv_committed_len)
+    expected = state.packed if state.units is not None else key.entries
+    if kept != expected or state.logical_len(kept) != key.tokens or int(req.kv.cache_protected_len):
+        raise RuntimeError(f"its row holds {kept} slots (cut to {expected} expected) covering "
+                           f"{state.logical_len(kept)} tokens, {int(req.kv.cache_protected_len)} of them the tree's")
+    return compressor.store.req_to_token[req.kv.req_pool_idx, :kept].to(torch.int64, copy=True)
+
+
+def _adopt(compressor: Compressor, batch: ScheduleBatch, i: int, key: DocumentKey, slots: Tensor,
+           registry: Any) -> None:
+    """The node is the row's first slots; the request holds it locked, as a matched prefix, and
+    goes on exactly as a request that started from it (`Compressor._begin` for a hit)."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    req, tree = batch.reqs[i], batch.tree_cache
+    state = compressor.state(req)
+    n = int(slots.numel())
+    result = tree.insert(InsertParams(key=node_key(key, n), value=slots))
+    if result.prefix_len:  # cannot happen: a node under this key is registered, hence never re-published
+        raise RuntimeError(f"a document node under key {key.digest[:12]} exists unregistered")
+    node = result.last_device_node
+    tree.unlock(req.lock)  # the root's, or nothing: the cut already dropped a matched prefix's
+    req.lock, req.last_node = tree.lock(node), node
+    req.kv.cache_protected_len = n
+    doc = Document(key=key, node=node, kept_positions=state.kept_positions, slots=n, units=state.units,
+                   unit_lens=state.unit_lens)
+    registry.add(doc)
+    started_from(req, doc)
+    # As a request that started from it: its next pass scores the document's entries afresh (no
+    # reconstruction scores carried) and counts as its first.
+    state.reconstructed = None
+    state.passes = 0
+    _trace(compressor, req, doc)
+
+
+def _trace(compressor: Compressor, req: Any, doc: Document) -> None:
+    if not compressor.trace:  # tests only (SGLKVC_TRACE); the node is the tree's now, whatever happens here
+        return
+    try:
+        key = doc.key
+        trace_state = ReqKvState(policy=compressor.policy(key.policy, key.entries), budget=Budget(key.entries),
+                                 kept_positions=doc.kept_positions, units=doc.units, unit_lens=doc.unit_lens)
+        compressor.trace.write(req.rid, "document", key.policy, key.tokens, key.tokens, trace_state, doc.slots,
+                               key.tokens)
+    except Exception:  # noqa: BLE001
+        logger.exception("sgl-kvc: trace of a document not written")

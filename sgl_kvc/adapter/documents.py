@@ -1,13 +1,19 @@
 """Compressed documents shared through the prefix cache (docs/architecture.md, "Shared documents").
 
 A request says that its prompt's first D tokens are a document to keep compressed
-(`kv_compression.document`). The first such request reads its prompt whole, as SGLang does; right
-after, before anything of its question is scored, the document's entries [0, D) are scored by its
-question-free prompt policy (KVzip repeats the document alone) and the k kept per (layer, KV head)
-are copied into k fresh slots, published to the radix tree as one node (`publish`). Every later
-request that begins with the same D tokens (and the same namespace and settings, the document's
-*key*) matches that node instead of the tokens: its row starts with the node's k slots, locked as
-any matched prefix is, and it prefills only its own suffix, at logical positions D, D+1, ...
+(`kv_compression.document`). The first such request compresses it, by its question-free prompt
+policy (KVzip repeats the document alone), to k entries per (layer, KV head), and publishes them to
+the radix tree as one node (`adapter/document_pass.py`):
+- on a server that compresses between chunks (`--compress-on chunk` or `chunk-always`), it reads
+  the document in chunks, one of which ends exactly at D (`chunk_cap`), and compresses its row to k
+  entries there, before any of its question is read; its row's k slots become the node, and it goes
+  on as a request that started from it (it never holds the document whole: a document longer than
+  the pool is served, and the first request answers as every later one does);
+- otherwise it reads its prompt whole, as SGLang does; right after, before its own pass, the
+  document's entries [0, D) are scored and the k kept are copied into k fresh slots, the node.
+Every later request that begins with the same D tokens (and the same namespace and settings, the
+document's *key*) matches that node instead of the tokens: its row starts with the node's k slots,
+locked as any matched prefix is, and it prefills only its own suffix, at logical positions D, D+1, ...
 
 The node is an ordinary tree node under a key of its own (k placeholder tokens in a namespace, the
 `extra_key`, no real request uses), so its key and value have the same length and SGLang's locking,
@@ -37,6 +43,7 @@ if TYPE_CHECKING:
 
 KEY_ATTR = "_sgl_kvc_document_key"  # on a Req: the DocumentKey of the document it declares
 HIT_ATTR = "_sgl_kvc_document_hit"  # on a Req: the Document its matched prefix is, else None
+SPLIT_ATTR = "_sgl_kvc_document_split"  # on a Req: its document is compressed at a chunk ending at D
 NODE_ATTR = "sgl_kvc_document"  # on a radix TreeNode: the Document it holds
 NAMESPACE = "sgl-kvc/document/"  # the extra_key prefix of a document node
 
@@ -181,14 +188,66 @@ def hit(req: Any) -> Document | None:
     return getattr(req, HIT_ATTR, None)
 
 
+def splits(req: Any) -> bool:
+    """Whether `req` compresses its document itself, at a chunk that ends at the document's end
+    (it declares one, did not start from it, and is compressed between chunks)."""
+    return bool(getattr(req, SPLIT_ATTR, False)) and declared(req) is not None and hit(req) is None
+
+
 def held_for_document(req: Any) -> int:
-    """Entries of a request's row that are its document's: k after a hit, D for a request that
-    declares one and reads it (0 without a document). Its own budget applies beyond them."""
+    """Entries of a request's row that are its document's: k after a hit or for a request that
+    compresses it between chunks, D for one that reads it whole (0 without a document). Its own
+    budget applies beyond them."""
     doc = hit(req)
     if doc is not None:
         return doc.key.entries
     key = declared(req)
-    return 0 if key is None else key.tokens
+    return 0 if key is None else key.entries if splits(req) else key.tokens
+
+
+def declared_part(req: Any, config: KvcConfig, split: bool) -> int:
+    """`held_for_document` of a request not yet in the queue (its document's settings unchecked:
+    0 if it declares none or an invalid one, which `admit` refuses)."""
+    spec = of_request(req).document
+    if spec is None or spec.tokens is None:
+        return 0
+    params = config.policy_params()
+    return spec.entries(params.recent_kept + params.sink_tokens + 1) if split else spec.tokens
+
+
+def prompt_read(req: Any) -> int:
+    """Tokens of `req`'s prompt it has read (SGLang's fill ids after its prefix are the rest; they
+    start later by the tokens it read beyond its row's slots, `shifted_fill_ids`)."""
+    left = len(req.full_untruncated_fill_ids) - int(req.prefix_len)
+    return len(req.origin_input_ids) + len(req.output_ids) - left
+
+
+def chunk_cap(req: Any) -> int | None:
+    """The most tokens `req`'s next chunk may read so that one chunk ends at its document's end,
+    or None: it compresses its document between chunks and has not read all of it."""
+    if not splits(req):
+        return None
+    left = declared(req).tokens - prompt_read(req)
+    return left if left > 0 else None
+
+
+def ends_here(req: Any) -> DocumentKey | None:
+    """The document whose end the chunk of `req` that just ran ended at, or None. From SGLang's
+    fields alone (the chunk's end in its row, `extend_end`, and the tokens its fill ids skip), so
+    that every tensor-parallel rank finds the same, a request that failed on one of them too."""
+    key = declared(req)
+    if not splits(req):
+        return None
+    skipped = len(req.origin_input_ids) + len(req.output_ids) - len(req.full_untruncated_fill_ids)
+    return key if skipped + int(req.extend_end) == key.tokens else None
+
+
+def match_limit(req: Any, resident: bool) -> int | None:
+    """The most prompt tokens `req` may match in the tree, or None (no limit): one that compresses
+    its document between chunks matches fewer than D, so that a chunk of it ends at D."""
+    if resident or not splits(req):
+        return None
+    return declared(req).tokens - 1
 
 
 def fill_shift(req: Any) -> int:
@@ -205,10 +264,12 @@ def node_key(key: DocumentKey, slots: int) -> Any:
     return RadixKey(array("q", bytes(8 * slots)), extra_key=NAMESPACE + key.digest)
 
 
-def admit(req: Any, config: KvcConfig, tree_cache: Any) -> None:
+def admit(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False) -> None:
     """When a request enters the queue: the document it declares, or its 400 (SGLang's
-    `set_finish_with_abort`) when that document cannot be served for it."""
+    `set_finish_with_abort`) when that document cannot be served for it. `split`: the request is
+    compressed between chunks of its prompt (`adapter/admission.scheduler_chunk`)."""
     setattr(req, HIT_ATTR, None)
+    setattr(req, SPLIT_ATTR, split)
     if req.finished():
         setattr(req, KEY_ATTR, None)
         return
@@ -232,6 +293,11 @@ def admit(req: Any, config: KvcConfig, tree_cache: Any) -> None:
 
 def unmatched(req: Any) -> None:
     setattr(req, HIT_ATTR, None)
+
+
+def started_from(req: Any, doc: Document) -> None:
+    """`req` published `doc` from its own row, which now starts with the document's node."""
+    setattr(req, HIT_ATTR, doc)
 
 
 def matched(req: Any) -> None:

@@ -188,7 +188,8 @@ def _around_add_to_queue(config: KvcConfig):
         # `custom_params` are checked here, against this server's configuration too, so a bad
         # or unservable one is a 400 for that request and is never read again by the hooks below.
         if not admit(req, config):
-            documents.admit(req, config, getattr(scheduler, "tree_cache", None))
+            split = admission.scheduler_chunk(scheduler, req, config) is not None
+            documents.admit(req, config, getattr(scheduler, "tree_cache", None), split=split)
         admission.remember(req, config, scheduler)
         return original(scheduler, req, *a, **kw)
 
@@ -241,6 +242,10 @@ def _around_handle_generate(config: KvcConfig):
 
 
 def _around_init_next_round(original: Callable[..., Any], req: Req, *args: Any, **kwargs: Any):
+    if kwargs.get("tree_cache", args[0] if args else None) is None:
+        # No match this round (SGLang's next chunk of a prompt it is reading): its prefix, and
+        # the shift of its fill ids (`_around_refresh_fill_ids`), stay what they are.
+        return original(req, *args, **kwargs)
     documents.unmatched(req)  # its tokens are matched afresh, unshifted
     out = original(req, *args, **kwargs)
     documents.matched(req)

@@ -12,6 +12,7 @@ SGLang's default `UnifiedRadixCache`. It also holds the compressed documents
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -25,7 +26,7 @@ from sglang.srt.mem_cache.registry import (
     register_radix_cache_backend,
 )
 
-from sgl_kvc.adapter.documents import DocumentRegistry, declared
+from sgl_kvc.adapter.documents import DocumentRegistry, declared, match_limit
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,9 @@ def create(ctx: TreeCacheBuildContext) -> BasePrefixCache:
 
 class KvcRadixCache(RadixCache):
     """SGLang's `RadixCache` with compressed documents (`adapter/documents.py`): a request that
-    declares a resident document matches the document's node, whatever its tokens would match;
-    a document's node leaves the registry when the tree deletes it."""
+    declares a resident document matches the document's node, whatever its tokens would match; one
+    that compresses its document between chunks matches less than the document, so that a chunk of
+    it ends at the document's end; a document's node leaves the registry when the tree deletes it."""
 
     def reset(self) -> None:
         super().reset()
@@ -67,6 +69,9 @@ class KvcRadixCache(RadixCache):
             node.last_access_time = time.monotonic()  # LRU: a hit is a use
             return MatchResult(device_prefix_len=len(node.value), last_device_node=node,
                                last_host_node=node, best_match_node=node)
+        limit = None if req is None or self.disable else match_limit(req, resident=doc is not None)
+        if limit is not None and len(params.key) > limit:
+            params = dataclasses.replace(params, key=params.key[:limit])
         return super().match_prefix(params)
 
     def _delete_leaf(self, node: Any) -> None:

@@ -1,10 +1,13 @@
 """Compressed documents shared through the prefix cache, on a live server.
 
 One server (demo model, float32): SnapKV for decoding, KVzip for prompts, a budget of 64 entries
-per (layer, KV head), a pool of 2000 slots, invariants checked after every compaction. Prompts are
-a document of 120 random tokens, then a question of 12: the document is compressed to 30% (36
-entries per head) by the first request that declares it and shared by the later ones. A second
-server does the same with variable head budgets (the unit pool: the document is packed).
+per (layer, KV head), a pool of 2000 slots, chunks of 256 tokens compressed between them when the
+next would not fit (the default `chunk` moment), invariants checked after every compaction.
+Prompts are a document of 120 random tokens, then a question of 12: the document is compressed to
+30% (36 entries per head) by the first request that declares it, at a chunk that ends at the
+document's end, and shared by the later ones. A second server does the same with variable head
+budgets (the unit pool: the document is packed); a third compresses nothing between chunks, so
+its first request reads its prompt whole and publishes a copy of the document's kept entries.
 """
 
 from __future__ import annotations
@@ -30,16 +33,19 @@ TOLERANCE = 1e-3
 CMD = [
     sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--dtype", "float32",
     "--policy", "snapkv", "--prompt-policy", "kvzip", "--kv-budget", "64", "--kv-window", "4",
-    "--kvzip-chunk", "48", "--max-total-tokens", str(POOL), "--enable-metrics",
+    "--kvzip-chunk", "48", "--max-total-tokens", str(POOL), "--chunked-prefill-size", "256", "--enable-metrics",
 ]
+READ_WHOLE = ["--compress-on", "prefill,decode,preempt"]
 
 
 @pytest.fixture(scope="module")
 def servers(trace: Path):
-    """Two servers started at once: uniform head budgets, and variable ones."""
+    """Three servers started at once: uniform head budgets, variable ones, and uniform ones
+    without the chunk moment."""
     env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1", "SGLKVC_FAILPOINTS": "document_raise"}
-    with ServerProcess.launch_all([CMD, [*CMD, "--kv-head-budget", "variable"]], env=env) as (uniform, variable):
-        yield {"uniform": uniform, "variable": variable}
+    cmds = [CMD, [*CMD, "--kv-head-budget", "variable"], [*CMD, *READ_WHOLE]]
+    with ServerProcess.launch_all(cmds, env=env) as (uniform, variable, whole):
+        yield {"uniform": uniform, "variable": variable, "whole": whole}
 
 
 @pytest.fixture(scope="module")
@@ -59,18 +65,22 @@ def _ask(server: ServerProcess, doc: list[int], question: list[int], n: int = 4,
 
 # Documents kept at 80% (96 slots each, packed or not): 24 of them need more than the pool.
 LARGE, MANY = 0.8, 24
+LONG = 2400  # a document longer than the pool
 
 
 def _documents(server: ServerProcess) -> dict:
     return server.stats()["documents"]
 
 
-def test_a_second_request_prefills_only_its_suffix(documents_server, trace: Path, demo_model_path: str) -> None:
+@pytest.mark.parametrize("name", ["uniform", "whole"])
+def test_a_second_request_prefills_only_its_suffix(servers, name: str, trace: Path, demo_model_path: str) -> None:
     """The first request compresses the document once; the second starts from its 36 entries
     (its matched prefix), prefills its 12 question tokens at logical positions 120.., and answers
     exactly as a dense reference whose queries after the document see only the entries the
-    document kept (a request holding its own copy compressed the same way, the question unread)."""
-    _second_request(documents_server, trace, demo_model_path)
+    document kept (a request holding its own copy compressed the same way, the question unread).
+    Compressed between chunks, the first request answers so too; reading its prompt whole, it
+    answers from the whole document."""
+    _second_request(servers[name], trace, demo_model_path, split=name != "whole")
 
 
 def test_variable_head_budgets(servers, trace: Path, demo_model_path: str) -> None:
@@ -78,7 +88,7 @@ def test_variable_head_budgets(servers, trace: Path, demo_model_path: str) -> No
     keeping its own number of entries (one sort over layer x head x entry); the second request's
     row starts packed. Then more documents than the pool keeps: the pool adds up."""
     server = servers["variable"]
-    events = _second_request(server, trace, demo_model_path)
+    events = _second_request(server, trace, demo_model_path, split=True)
     lengths = {len(h) for layer in events[0]["kept_positions"] for h in layer}
     assert len(lengths) > 1, "every head kept as many entries: not a variable budget"
     for i in range(MANY):
@@ -88,15 +98,22 @@ def test_variable_head_budgets(servers, trace: Path, demo_model_path: str) -> No
     assert_pool_whole(server.stats())
 
 
-def _second_request(server: ServerProcess, trace: Path, demo_model_path: str) -> list[dict]:
+def _second_request(server: ServerProcess, trace: Path, demo_model_path: str, split: bool) -> list[dict]:
     doc = _tokens(1, DOC)
     before = _documents(server)
-    first = _ask(server, doc, _tokens(2, QUESTION))
+    first_question = _tokens(2, QUESTION)
+    first = _ask(server, doc, first_question)
     after_first = _documents(server)
     assert after_first["compressions"] == before["compressions"] + 1, after_first
     assert after_first["entries"] == before["entries"] + ENTRIES, after_first
-    published = [e for e in trace_events(trace, first["meta_info"]["id"]) if e["moment"] == "document"]
+    events = trace_events(trace, first["meta_info"]["id"])
+    published = [e for e in events if e["moment"] == "document"]
     assert len(published) == 1 and published[0]["logical_len"] == DOC, published
+    # compressed between chunks: a chunk ended at the document's end, cut there to its entries
+    assert [e["logical_len"] for e in events if e["moment"] == "chunk"] == ([DOC] if split else []), events
+    first_error = logprob_error(demo_model_path, doc + first_question, first, published)()
+    print(f"first request: max |logprob error| {first_error:.2e}")
+    assert (first_error < TOLERANCE) == split, first_error
 
     question = _tokens(3, QUESTION)
     prefilled = server.stats()["prefix_cache"]["prefilled_tokens"]
@@ -111,10 +128,34 @@ def _second_request(server: ServerProcess, trace: Path, demo_model_path: str) ->
 
     error = logprob_error(demo_model_path, doc + question, second, published)
     err, dense = error(), error(evict=False)
-    print(f"max |logprob error| {err:.2e}; against the whole document {dense:.3f}")
+    print(f"second request: max |logprob error| {err:.2e}; against the whole document {dense:.3f}")
     assert err < TOLERANCE
     assert dense > 10 * TOLERANCE
     return published
+
+
+def test_a_document_longer_than_the_pool(documents_server, trace: Path) -> None:
+    """A document of 2400 tokens on a pool of 2000: its first request reads it in chunks of 256,
+    compressed between them when the next would not fit, and one of them ends at the document's
+    end, where it is cut to the document's 240 entries (10%) and published; its question is read
+    after. A second request with the same question starts from the document, prefills only its
+    question and answers as the first did (both attend to the same entries)."""
+    doc, question = _tokens(900, LONG), _tokens(901, QUESTION)
+    before = _documents(documents_server)
+    first = _ask(documents_server, doc, question, ratio=0.1)
+    chunks = [e["logical_len"] for e in trace_events(trace, first["meta_info"]["id"]) if e["moment"] == "chunk"]
+    assert chunks[-1] == LONG and min(chunks) < POOL, chunks
+    after_first = _documents(documents_server)
+    assert after_first["compressions"] == before["compressions"] + 1, after_first
+    prefilled = documents_server.stats()["prefix_cache"]["prefilled_tokens"]
+    second = _ask(documents_server, doc, question, ratio=0.1)
+    assert documents_server.stats()["prefix_cache"]["prefilled_tokens"] - prefilled == QUESTION
+    assert second["meta_info"]["cached_tokens"] == LONG
+    assert _documents(documents_server)["hits"] == after_first["hits"] + 1
+    assert second["output_ids"] == first["output_ids"]
+    served = [[lp[0] for lp in out["meta_info"]["output_token_logprobs"]] for out in (first, second)]
+    assert max(abs(a - b) for a, b in zip(*served)) < TOLERANCE, served
+    assert_pool_whole(documents_server.stats())
 
 
 @pytest.mark.parametrize("policy", ["rkv", "h2o", "snapkv", "kvcompress", "streamingllm", "batchmax"])

@@ -206,6 +206,44 @@ def test_fp8_rkv_logits_match_a_dense_fp8_reference(servers, trace, tokenizer, d
     assert err_no_evict > 3 * err  # the reference can tell: ignoring evictions is far off
 
 
+def test_a_shared_document_matches_a_dense_fp8_reference(servers, trace, tokenizer, demo_model_path) -> None:
+    """A compressed document (`kv_compression.document`, KVzip at 30%) on the FP8 pool: the
+    second request starts from the entries its first request kept (their codes and scales as they
+    were written), prefills only its question and answers as a dense reference that drops what
+    the document evicted and rounds K/V like the pool."""
+    server = servers["e4m3_rkv"]
+    doc = tokenizer(LONG_PROMPT).input_ids
+    settings = {"sgl_kvc": {"prompt_policy": "kvzip", "document": {"tokens": len(doc), "ratio": 0.3}}}
+
+    def ask(question: str) -> tuple[list[int], dict]:
+        prompt = doc + tokenizer(question, add_special_tokens=False).input_ids
+        # its own budget (24) holds its question and answer: nothing of it is compressed
+        return prompt, _generate(server, prompt, 8, sampling={"custom_params": settings})
+
+    _, first = ask(" Question: what comes next? Answer:")
+    published = [e for e in trace_events(trace, first["meta_info"]["id"]) if e["moment"] == "document"]
+    assert len(published) == 1 and published[0]["logical_len"] == len(doc), published
+    prompt, second = ask(" Question: what is it about? Answer:")
+    assert second["meta_info"]["cached_tokens"] == len(doc)
+    assert not trace_events(trace, second["meta_info"]["id"])
+    served = torch.tensor([lp[0] for lp in second["meta_info"]["output_token_logprobs"]])
+    seq = prompt + second["output_ids"][:-1]
+    rows, targets = torch.arange(len(prompt) - 1, len(seq)), torch.tensor(second["output_ids"])
+
+    def error(fp8: str | None = "fp8_e4m3", evict: bool = True) -> float:
+        ref = reference_logprobs(demo_model_path, seq, published, evict=evict,
+                                 attn_implementation=fp8_attention(fp8))[rows, targets]
+        return float((ref - served).abs().mean())
+
+    err, err_no_fp8, err_no_evict = error(), error(None), error(evict=False)
+    print(f"document: mean |logprob error| vs dense FP8 reference {err:.4f}; without FP8 rounding "
+          f"{err_no_fp8:.4f}; without the document's eviction {err_no_evict:.4f}")
+    assert err < 0.05
+    assert err < err_no_fp8  # the document's entries are read as the pool rounded them
+    assert err_no_evict > 3 * err  # the reference can tell: ignoring the document's eviction is far off
+    assert_pool_whole(server.wait_idle())
+
+
 def test_request_mix(servers, request_mix) -> None:
     """The request-mix fuzz test (tests/request_mix.py) on the FP8 pool (e4m3, uniform per-head budgets)."""
     request_mix(servers["e4m3_rkv"], ci_seed=4000)

@@ -156,3 +156,42 @@ def test_a_document_on_a_server_without_sgl_kvcs_prefix_cache_is_a_400() -> None
     aborted.clear()
     documents.admit(req, KVZIP, tree_cache=tree)
     assert not aborted and documents.declared(req).tokens == 100 and req.skip_radix_cache_insert
+
+
+def test_a_request_compressing_its_document_between_chunks_stops_a_chunk_at_its_end() -> None:
+    """Its chunks are cut to end at the document's end (D = 100), counted in prompt tokens read
+    (its fill ids skip what a compaction dropped); its match in the tree stops one token short of
+    D (so a chunk of its own ends there), unless the document is resident; a hit is not cut."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    prompt = list(range(10, 130))  # 120 tokens: a document of 100 and a question of 20
+    tree, _ = _tree()
+    req = _req(prompt)
+    req.finished = lambda: False
+    documents.admit(req, KVZIP, tree_cache=tree, split=True)
+    req.output_ids, req.full_untruncated_fill_ids, req.prefix_len, req.extend_end = [], prompt, 0, 0
+    assert documents.splits(req) and documents.held_for_document(req) == 30  # its budget beyond k, not D
+    assert documents.chunk_cap(req) == 100
+    # a first chunk of 64 compacted to 40 entries: SGLang resumes at 40, its fill ids skip 24
+    req.prefix_len = req.extend_end = 40
+    req.full_untruncated_fill_ids = prompt[24:]
+    assert documents.chunk_cap(req) == 36 and documents.ends_here(req) is None
+    req.extend_end = 76  # its next chunk, cut at the document's end
+    assert documents.ends_here(req) == documents.declared(req)
+
+    # the tree holds the document's exact tokens (another request read them): matched up to D - 1
+    tree.insert(InsertParams(key=RadixKey(array("q", prompt)), value=torch.arange(120)))
+    match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=req))
+    assert match.device_prefix_len == 99
+    whole = SimpleNamespace(**{documents.KEY_ATTR: documents.declared(req)})  # reads it whole: no limit
+    assert tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=whole)).device_prefix_len == 120
+
+    key = documents.declared(req)
+    node = tree.insert(InsertParams(key=node_key(key, 30), value=torch.arange(200, 230))).last_device_node
+    tree.documents.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64), slots=30))
+    match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=req))
+    assert match.last_device_node is node  # resident: it starts from it
+    documents.started_from(req, doc_of(node))
+    assert not documents.splits(req) and documents.chunk_cap(req) is None and documents.ends_here(req) is None
+    assert documents.held_for_document(req) == 30 and documents.fill_shift(req) == 70
