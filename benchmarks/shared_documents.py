@@ -17,10 +17,15 @@ request compressing its document between chunks needs, see `pool_tokens`):
 - `per-request`: every request compresses its own prompt, document and question, after prefill,
   by KVzip to the documents' entries (`kv_compression: {"budget": k}` with k = ratio x document),
   variable head budgets (`--kv-head-budget`);
+- `own-copy`: every request compresses its own copy of its document exactly as `documents` does,
+  nothing shared (each request its own `cache_salt`): the answers sharing must keep;
 - `documents`: each document compressed once by KVzip to `--ratio` of its tokens, without any
   question, and shared (`kv_compression: {"document": {"ratio": r}}`: every message but the last);
   compressed after every chunk (`chunk-always`), so the request that compresses a document holds
-  at most its budget, the document's entries and one chunk, never the document whole.
+  at most its budget, the document's entries and one chunk, never the document whole;
+- `documents-on-pressure`: the same with the default moments (between chunks only when the next
+  would not fit): the first request of a document reads it whole where memory allows and cuts it
+  once, at its end.
 Recorded per server: answers right (and kept, against `plain`'s, the full cache's), TTFT p50 /
 p99, output tokens per second over the run, prompt tokens prefilled (`/v1/kvc/stats`), documents
 compressed, hit, evicted and resident at the end, and the wall time. Writes
@@ -144,6 +149,8 @@ def pool_tokens(lengths: list[int], ratio: float, chunk: int) -> int:
 
 
 def ask(url: str, q: Question, extra: dict[str, Any], max_tokens: int) -> Answer:
+    if extra.get("cache_salt") is True:  # a namespace of its own: nothing it caches is shared
+        extra = {**extra, "cache_salt": f"question-{q.document}-{q.index}"}
     from openai import OpenAI
 
     client = OpenAI(base_url=url + "/v1", api_key="-", timeout=3600)
@@ -214,7 +221,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     names = [r["config"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     x = range(len(rows))
     axes[0].bar([i - 0.2 for i in x], [r["ttft_p50"] or 0 for r in rows], 0.4, label="p50")
     axes[0].bar([i + 0.2 for i in x], [r["ttft_p99"] or 0 for r in rows], 0.4, label="p99")
@@ -225,7 +232,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     axes[2].bar(list(x), [r["right"] for r in rows])
     axes[2].set_ylabel("answers right")
     for ax in axes:
-        ax.set_xticks(list(x), names)
+        ax.set_xticks(list(x), names, rotation=20, ha="right")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -245,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk", type=int, default=512, help="--chunked-prefill-size of every server")
     p.add_argument("--kv-head-budget", default="variable", choices=["uniform", "variable", "layer"],
                    help="of the compressing servers (KVzip's gain comes from variable budgets)")
-    p.add_argument("--configs", nargs="+", default=["plain", "per-request", "documents"])
+    p.add_argument("--configs", nargs="+",
+                   default=["plain", "per-request", "own-copy", "documents", "documents-on-pressure"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--tag", default="")
@@ -272,8 +280,11 @@ def main(argv: list[str] | None = None) -> None:
     configs = {
         "plain": ([*launch, *common, "--policy", "none"], {}),
         "per-request": ([*launch, *kvc], {"kv_compression": {"budget": k}}),
+        "own-copy": ([*launch, *kvc, "--compress-on", "chunk-always,prefill,decode,preempt"],
+                     {"kv_compression": {"document": {"ratio": args.ratio}}, "cache_salt": True}),
         "documents": ([*launch, *kvc, "--compress-on", "chunk-always,prefill,decode,preempt"],
                       {"kv_compression": {"document": {"ratio": args.ratio}}}),
+        "documents-on-pressure": ([*launch, *kvc], {"kv_compression": {"document": {"ratio": args.ratio}}}),
     }
     logs = Path(tempfile.mkdtemp(prefix="shared-documents-"))
     print(f"{len(questions)} questions on {args.documents} documents of {lengths} tokens; pool {pool}; "

@@ -8,16 +8,16 @@ is read. Those k slots (G, packed) become the node as they are, and the request 
 started from it: its row's first slots are the node's, locked, and its own compactions copy them.
 
 Otherwise (`publish`), right after a request that declares a document has read its prompt, and
-before its own prompt pass: its entries [0, D) are exact KV of the document (nothing of it is compressed yet), so a pass
-over those D entries alone, by the request's question-free prompt policy, chooses what the
-document keeps (KVzip's reconstruction repeats the document only and attends to it only, as
-kvpress compresses a context without its question). The kept entries are copied, per (layer, KV
-head), into k fresh slots (`core/moves.py`; with variable or layer head budgets, packed unit by
-unit into G slots as a compaction packs a request), which become a tree node of their own. The request's
-row is only read: whatever fails here leaves the request as it was, and the document is simply not
-published (the next request that declares it tries again).
+before its own prompt pass: its entries [0, D) are exact KV of the document (nothing of it is
+compressed yet), so a pass over those D entries alone, by the request's question-free prompt
+policy, chooses what the document keeps (KVzip's reconstruction repeats the document only and
+attends to it only, as kvpress compresses a context without its question). The kept entries are
+copied, per (layer, KV head), into k fresh slots (`core/moves.py`; with variable or layer head
+budgets, packed unit by unit into G slots as a compaction packs a request), which become a tree
+node of their own. The request's row is only read: whatever fails here leaves the request as it
+was, and the document is simply not published (the next request that declares it tries again).
 
-The k slots come from the free pool or from evicting unlocked tree nodes (LRU), like any tree
+There the k fresh slots come from the free pool or from evicting unlocked tree nodes (LRU), like any tree
 insert: the node is unlocked cache at once, evicted before any request is retracted.
 """
 

@@ -17,9 +17,10 @@ on. `name@R` plants the fault on tensor-parallel rank R only (a fault one rank s
 - `reconstruct_raise`: scoring the reconstruction pass (KVzip) of a request whose id starts with
   `failpoint-reconstruct` raises in the first layer of the rank, while SGLang runs the pass's
   forward with the other requests due in the same moment.
-- `document_raise`: compressing the shared document of a request whose id starts with
-  `failpoint-document` raises after its reconstruction pass, before its entries are copied
-  (`document_raise@R`: on rank R only, so that the ranks must agree not to publish it).
+- `document_raise`: publishing the shared document of a request whose id starts with
+  `failpoint-document` raises after its pass, before its entries are copied into the node's slots
+  or its cut row becomes the node (`document_raise@R`: on rank R only, so that the ranks must agree
+  not to publish it).
 - `tp_local_scores`: with tensor parallelism, each rank chooses the shared selection of a
   request whose id starts with `failpoint-tp` from its own heads' scores.
 - `skip_compaction`: the compaction of a request whose id starts with `failpoint-skip-<moment>`
@@ -40,7 +41,7 @@ ENV = "SGLKVC_FAILPOINTS"
 # What a raising fault says it was doing, per name.
 _DOING = {"compress_raise": "compressing", "rewrite_raise": "rewriting the row of",
           "reconstruct_raise": "scoring the context reconstruction of",
-          "document_raise": "compressing the shared document of"}
+          "document_raise": "publishing the shared document of"}
 # On the observation store: the rows of the batch being run that `observe_raise` is planted
 # for (set by `observing`; the store itself knows nothing of it).
 _OBSERVE_ROWS_ATTR = "_sgl_kvc_failpoint_rows"

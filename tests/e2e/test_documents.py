@@ -6,8 +6,9 @@ next would not fit (the default `chunk` moment), invariants checked after every 
 Prompts are a document of 120 random tokens, then a question of 12: the document is compressed to
 30% (36 entries per head) by the first request that declares it, at a chunk that ends at the
 document's end, and shared by the later ones. A second server does the same with variable head
-budgets (the unit pool: the document is packed); a third compresses nothing between chunks, so
-its first request reads its prompt whole and publishes a copy of the document's kept entries.
+budgets (the unit pool: the document is packed); a third, with layer head budgets, compresses
+nothing between chunks, so its first request reads its prompt whole and publishes a copy of the
+document's kept entries.
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ CMD = [
     "--policy", "snapkv", "--prompt-policy", "kvzip", "--kv-budget", "64", "--kv-window", "4",
     "--kvzip-chunk", "48", "--max-total-tokens", str(POOL), "--chunked-prefill-size", "256", "--enable-metrics",
 ]
-READ_WHOLE = ["--compress-on", "prefill,decode,preempt"]
+READ_WHOLE = ["--compress-on", "prefill,decode,preempt", "--kv-head-budget", "layer"]
 
 
 @pytest.fixture(scope="module")
 def servers(trace: Path):
-    """Three servers started at once: uniform head budgets, variable ones, and uniform ones
-    without the chunk moment."""
+    """Three servers started at once: uniform head budgets, variable ones, and layer ones without
+    the chunk moment."""
     env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1", "SGLKVC_FAILPOINTS": "document_raise"}
     cmds = [CMD, [*CMD, "--kv-head-budget", "variable"], [*CMD, *READ_WHOLE]]
     with ServerProcess.launch_all(cmds, env=env) as (uniform, variable, whole):
