@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import Tensor
@@ -100,21 +100,16 @@ def publish(compressor: Compressor, batch: ScheduleBatch, items: list[tuple[int,
     if recon:
         compressor.reconstructor.run(compressor.scheduler, batch, recon, lambda req, e: failed.setdefault(
             batch.reqs.index(req), e))
-    ready: list[_Ready | None] = []
-    for i, key in items:
-        try:
-            if i in failed:
-                raise failed[i]
-            if compressor.state(batch.reqs[i]) is None:
-                raise RuntimeError("its request failed on this rank")
-            ready.append(_prepare(compressor, batch, i, key, states[i]))
-        except Exception:  # noqa: BLE001 - the document is not published; its request goes on
-            logger.exception("sgl-kvc: document of %s not published", batch.reqs[i].rid)
-            ready.append(None)
-    missing = torch.tensor([[r is None] for r in ready], dtype=torch.int64)
-    if compressor.failures.vote is not None:
-        missing = compressor.failures.vote(missing)  # summed over the ranks
-    for r, absent in zip(ready, missing[:, 0].tolist()):
+
+    def prepare(i: int, key: DocumentKey) -> _Ready | None:
+        if i in failed:
+            raise failed[i]
+        if compressor.state(batch.reqs[i]) is None:
+            raise RuntimeError("its request failed on this rank")
+        return _prepare(compressor, batch, i, key, states[i])
+
+    voted = _voted(compressor, batch, items, prepare)
+    for r, absent in voted:
         if r is not None and absent:
             batch.token_to_kv_pool_allocator.free(r.dest)
         elif r is not None:
@@ -124,10 +119,27 @@ def publish(compressor: Compressor, batch: ScheduleBatch, items: list[tuple[int,
                 logger.exception("sgl-kvc: document of %s not published", batch.reqs[r.i].rid)
                 batch.token_to_kv_pool_allocator.free(r.dest)
                 registry.stats.not_published += 1
-    registry.stats.not_published += sum(1 for absent in missing[:, 0].tolist() if absent)
+    registry.stats.not_published += sum(1 for _, absent in voted if absent)
     if invariants.enabled():
         invariants.check_documents(batch.tree_cache)
     registry.stats.seconds += compressor._account(time.perf_counter() - t0)
+
+
+def _voted(compressor: Compressor, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]],
+           prepare: Callable[[int, DocumentKey], Any]) -> list[tuple[Any, bool]]:
+    """`prepare(i, key)` of each item (None where it raises here: logged, the document is not
+    published, its request goes on), and whether it is missing on any rank (the ranks' vote)."""
+    ready = []
+    for i, key in items:
+        try:
+            ready.append(prepare(i, key))
+        except Exception:  # noqa: BLE001
+            logger.exception("sgl-kvc: document of %s not published", batch.reqs[i].rid)
+            ready.append(None)
+    missing = torch.tensor([[r is None] for r in ready], dtype=torch.int64)
+    if compressor.failures.vote is not None:
+        missing = compressor.failures.vote(missing)  # summed over the ranks
+    return list(zip(ready, (bool(m) for m in missing[:, 0].tolist())))
 
 
 def _prepare(compressor: Compressor, batch: ScheduleBatch, i: int, key: DocumentKey,
@@ -200,17 +212,9 @@ def publish_rows(compressor: Compressor, batch: ScheduleBatch, ends: list[tuple[
         return  # (of several in one batch declaring one document, the first publishes it)
     t0 = time.perf_counter()
     registry.metrics = compressor.metrics
-    rows: list[Tensor | None] = []
-    for i, key in items:
-        try:
-            rows.append(_row_ready(compressor, batch, i, key, passes_before.get(i)))
-        except Exception:  # noqa: BLE001 - the document is not published; its request goes on
-            logger.exception("sgl-kvc: document of %s not published", batch.reqs[i].rid)
-            rows.append(None)
-    missing = torch.tensor([[r is None] for r in rows], dtype=torch.int64)
-    if compressor.failures.vote is not None:
-        missing = compressor.failures.vote(missing)  # summed over the ranks
-    for (i, key), slots, absent in zip(items, rows, missing[:, 0].tolist()):
+    voted = _voted(compressor, batch, items,
+                   lambda i, key: _row_ready(compressor, batch, i, key, passes_before.get(i)))
+    for (i, key), (slots, absent) in zip(items, voted):
         if absent:
             registry.stats.not_published += 1
             continue
