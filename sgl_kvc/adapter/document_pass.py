@@ -120,9 +120,16 @@ def publish(compressor: Compressor, batch: ScheduleBatch, items: list[tuple[int,
                 batch.token_to_kv_pool_allocator.free(r.dest)
                 registry.stats.not_published += 1
     registry.stats.not_published += sum(1 for _, absent in voted if absent)
+    _settle(batch, items, registry)
     if invariants.enabled():
         invariants.check_documents(batch.tree_cache)
     registry.stats.seconds += compressor._account(time.perf_counter() - t0)
+
+
+def _settle(batch: ScheduleBatch, items: list[tuple[int, DocumentKey]], registry: Any) -> None:
+    """The requests held back for these documents may go: each is published or will not be."""
+    for i, key in items:
+        registry.settle(key, batch.reqs[i])
 
 
 def _voted(compressor: Compressor, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]],
@@ -223,6 +230,7 @@ def publish_rows(compressor: Compressor, batch: ScheduleBatch, ends: list[tuple[
         except Exception:  # noqa: BLE001 - its row is as the chunk moment left it: it goes on
             logger.exception("sgl-kvc: document of %s not published", batch.reqs[i].rid)
             registry.stats.not_published += 1
+    _settle(batch, items, registry)
     if invariants.enabled():
         invariants.check_documents(batch.tree_cache)
     registry.stats.seconds += compressor._account(time.perf_counter() - t0)

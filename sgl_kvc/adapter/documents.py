@@ -101,12 +101,29 @@ class DocumentRegistry:
     by_key: dict[str, Document] = field(default_factory=dict)
     stats: DocumentStats = field(default_factory=DocumentStats)
     metrics: Any = None  # the scheduler's CompressionMetrics (`/metrics`), once it has some
+    # documents being compressed: key digest -> the request (SGLang's Req) compressing it
+    compressing: dict[str, Any] = field(default_factory=dict)
 
     def get(self, key: DocumentKey | None) -> Document | None:
         return None if key is None else self.by_key.get(key.digest)
 
+    def compressed_by(self, key: DocumentKey) -> Any:
+        """The request in flight that compresses this document, or None (one that finished or gave
+        its row back without publishing it is forgotten here)."""
+        req = self.compressing.get(key.digest)
+        if req is not None and (req.finished() or not req.kv.holds_kv):
+            del self.compressing[key.digest]
+            return None
+        return req
+
+    def settle(self, key: DocumentKey, req: Any) -> None:
+        """`req` published the document, or will not: requests held back for it may go."""
+        if self.compressing.get(key.digest) is req:
+            del self.compressing[key.digest]
+
     def add(self, doc: Document) -> None:
         setattr(doc.node, NODE_ATTR, doc)
+        self.compressing.pop(doc.key.digest, None)
         self.by_key[doc.key.digest] = doc
         self.stats.compressions += 1
         self._emit("compressed")
@@ -177,6 +194,32 @@ def request_key(req: Req, config: KvcConfig) -> DocumentKey | None:
     h.update(repr((getattr(req, "extra_key", None), getattr(req, "cache_salt", None), policy, entries,
                    settings.selection, config.kv_head_budget)).encode())
     return DocumentKey(digest=h.hexdigest(), tokens=spec.tokens, entries=entries, policy=policy)
+
+
+def held_back(waiting: list[Any], registry: DocumentRegistry) -> list[Any]:
+    """The waiting requests that wait for their document to be published rather than compress it
+    themselves: another request in flight compresses it, or an earlier one in the queue declares it
+    (the first of them is admitted; the others start from its document once it is published)."""
+    held, first = [], set()
+    for req in waiting:
+        key = declared(req)
+        if key is None or registry.get(key) is not None:
+            continue
+        by = registry.compressed_by(key)
+        if (by is not None and by is not req) or (by is None and key.digest in first):
+            held.append(req)
+        first.add(key.digest)
+    return held
+
+
+def compressing(admitted: list[Any], registry: DocumentRegistry) -> None:
+    """Requests just admitted to read their prompt that compress their document: registered, so
+    that later ones wait for it (`held_back`)."""
+    for req in admitted:
+        key = declared(req)
+        if (key is not None and hit(req) is None and not req.output_ids and registry.get(key) is None
+                and registry.compressed_by(key) is None):
+            registry.compressing[key.digest] = req
 
 
 def declared(req: Any) -> DocumentKey | None:

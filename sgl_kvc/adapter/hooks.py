@@ -14,6 +14,7 @@
 | Req.init_next_round_input                       | around | a prefix matched on a shared document: the tokens after it (`adapter/documents.py`) |
 | Req._compute_max_prefix_len                     | around | recompute the observation window on a prefix hit |
 | Scheduler.get_next_batch_to_run                 | after  | peak number of requests in flight      |
+| Scheduler.get_new_batch_prefill                 | around | a request waits while another compresses its document |
 | Scheduler._add_request_to_queue                 | around | validate per-request settings (400)    |
 | SchedulerInternalStateController.get_internal_state | after | `/v1/kvc/stats` snapshot          |
 | ReqToTokenPool.free                             | before | a released request: its state dropped, its prefix hits counted |
@@ -88,6 +89,8 @@ def hook_table(config: KvcConfig) -> list[Hook]:
                  "the next tokens after a compaction between chunks or a shared document"),
             Hook(f"{_REQ}.init_next_round_input", _around_init_next_round, "AROUND", (),
                  "a prefix matched on a shared document: the tokens after it"),
+            Hook(f"{_SCHEDULER}.get_new_batch_prefill", _around_new_prefill, "AROUND", (),
+                 "a request waits while another compresses its document"),
         ]
     if config.chunk_moment is not None:
         hooks += [
@@ -239,6 +242,26 @@ def _around_handle_generate(config: KvcConfig):
             setattr(scheduler, CHUNKED_ATTR, None)
 
     return hook
+
+
+def _around_new_prefill(original: Callable[..., Any], scheduler: Scheduler, *args: Any, **kwargs: Any):
+    # Concurrent first requests for one document: one compresses it, the others stay in the
+    # queue meanwhile (left out of this round's admission, then put back in front, in order) and
+    # start from it once it is published (`documents.held_back`).
+    registry = documents.registry_of(getattr(scheduler, "tree_cache", None))
+    if registry is None:
+        return original(scheduler, *args, **kwargs)
+    held = documents.held_back(scheduler.waiting_queue, registry)
+    if held:
+        ids = {id(r) for r in held}
+        scheduler.waiting_queue = [r for r in scheduler.waiting_queue if id(r) not in ids]
+    try:
+        plan = original(scheduler, *args, **kwargs)
+    finally:
+        if held:
+            scheduler.waiting_queue = held + scheduler.waiting_queue
+    documents.compressing(getattr(getattr(plan, "batch_to_run", None), "reqs", None) or [], registry)
+    return plan
 
 
 def _around_init_next_round(original: Callable[..., Any], req: Req, *args: Any, **kwargs: Any):

@@ -188,6 +188,9 @@ def test_concurrent_first_requests_compress_once(documents_server) -> None:
     assert all(len(o["output_ids"]) == 4 for o in outs)
     after = _documents(documents_server)
     assert after["compressions"] == before["compressions"] + 1, after
+    # the other three waited in the queue while it was compressed, then started from it
+    assert after["hits"] == before["hits"] + 3, after
+    assert sum(o["meta_info"]["cached_tokens"] == DOC for o in outs) == 3, outs
     assert after["resident"] >= 1
 
 

@@ -195,3 +195,35 @@ def test_a_request_compressing_its_document_between_chunks_stops_a_chunk_at_its_
     documents.started_from(req, doc_of(node))
     assert not documents.splits(req) and documents.chunk_cap(req) is None and documents.ends_here(req) is None
     assert documents.held_for_document(req) == 30 and documents.fill_shift(req) == 70
+
+
+def test_concurrent_first_requests_wait_for_the_one_compressing_their_document() -> None:
+    """Of the waiting requests declaring a document not resident, the first is admitted and
+    registered as compressing it; the others are held back while it runs, and go once it
+    published it, or once it finished or gave its row back without publishing."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    tree, _ = _tree()
+    key = DocumentKey(digest="ef" * 32, tokens=100, entries=30, policy="kvzip")
+    other = DocumentKey(digest="01" * 32, tokens=100, entries=30, policy="kvzip")
+
+    def req(k: DocumentKey | None) -> SimpleNamespace:
+        return SimpleNamespace(output_ids=[], kv=SimpleNamespace(holds_kv=True), finished=lambda: False,
+                               **{documents.KEY_ATTR: k, documents.HIT_ATTR: None})
+
+    a, b, c, plain = req(key), req(key), req(other), req(None)
+    registry = tree.documents
+    assert documents.held_back([plain, a, b, c], registry) == [b]
+    documents.compressing([a, c], registry)  # admitted
+    d = req(key)
+    assert documents.held_back([b, d, c], registry) == [b, d]  # c is compressing its own
+    a.kv.holds_kv = False  # a gave its row back without publishing: b goes and compresses it
+    assert documents.held_back([b, d], registry) == [d]
+    documents.compressing([b], registry)
+    registry.settle(key, b)  # b will not publish it after all
+    assert documents.held_back([d], registry) == []
+    documents.compressing([d], registry)
+    node = tree.insert(InsertParams(key=node_key(key, 30), value=torch.arange(30))).last_device_node
+    registry.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64), slots=30))
+    assert documents.held_back([req(key), req(key)], registry) == []  # resident: every one starts from it
+    assert key.digest not in registry.compressing
