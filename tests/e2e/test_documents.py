@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -157,6 +158,27 @@ def test_a_document_longer_than_the_pool(documents_server, trace: Path) -> None:
     served = [[lp[0] for lp in out["meta_info"]["output_token_logprobs"]] for out in (first, second)]
     assert max(abs(a - b) for a, b in zip(*served)) < TOLERANCE, served
     assert_pool_whole(documents_server.stats())
+
+
+def test_a_request_aborted_while_it_compresses_its_document(documents_server) -> None:
+    """The first request of a long document is aborted while it reads it (SGLang's
+    `/abort_request`, as for a client gone): the requests that waited for it go on, one of them
+    compresses the document, and the pool adds up."""
+    doc = _tokens(950, LONG)
+    rid = "aborted-document"
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(lambda: documents_server.post("/generate", json={
+            "rid": rid, "input_ids": doc + _tokens(951, QUESTION), "sampling_params": {
+                "max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True,
+                "custom_params": {"sgl_kvc": {"document": {"tokens": LONG, "ratio": 0.1}}}}}))
+        time.sleep(0.3)
+        waiting = [pool.submit(_ask, documents_server, doc, _tokens(952 + i, QUESTION), 4, 0.1) for i in range(2)]
+        documents_server.post("/abort_request", json={"rid": rid})
+        r = first.result()  # aborted while it read its document (or, on a fast machine, done first)
+        print("first request:", r.status_code, r.text[-120:])
+        assert all(len(w.result()["output_ids"]) == 4 for w in waiting)
+    assert documents_server.stats()["documents"]["resident"] >= 1
+    assert_pool_whole(documents_server.wait_idle())
 
 
 @pytest.mark.parametrize("policy", ["rkv", "h2o", "snapkv", "kvcompress", "streamingllm", "batchmax"])
