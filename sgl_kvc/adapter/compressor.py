@@ -239,8 +239,8 @@ class Compressor:
         self._step_seconds = 0.0
         starts, chunks, read, read_at = [], [], [], []
         # requests whose chunk ended at their document's end (the same on every rank)
-        ends = [(i, key) for i, req in enumerate(batch.reqs)
-                if is_middle_chunk(batch, req) and (key := documents.ends_here(req)) is not None]
+        ends = {i: key for i, req in enumerate(batch.reqs)
+                if is_middle_chunk(batch, req) and (key := documents.ends_here(req)) is not None}
         passes_before = {}
         for i, req in enumerate(batch.reqs):
             state = self.state(req)
@@ -250,7 +250,7 @@ class Compressor:
             budget = state.effective_budget(n)
             if is_middle_chunk(batch, req):
                 # Never staged: the next chunk extends what this pass leaves.
-                doc = next((key for j, key in ends if j == i), None)
+                doc = ends.get(i)
                 if doc is not None and n > doc.entries and self._room_for(batch, i, doc.entries):
                     # Its document is read, its question not: the row is cut to the document's k
                     # entries, to be published (`document_pass.publish_rows`).
@@ -285,7 +285,7 @@ class Compressor:
             # one took them when it began) and serve no later one.
             state.query_moments = None
         self._flush(batch)
-        document_pass.publish_rows(self, batch, ends, passes_before)
+        document_pass.publish_rows(self, batch, list(ends.items()), passes_before)
         self._settle(batch)
 
     def _prefill_target(self, state: ReqKvState, n: int, budget: int) -> int | None:

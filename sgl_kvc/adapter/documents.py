@@ -7,8 +7,8 @@ the radix tree as one node (`adapter/document_pass.py`):
 - on a server that compresses between chunks (`--compress-on chunk` or `chunk-always`), it reads
   the document in chunks, one of which ends exactly at D (`chunk_cap`), and compresses its row to k
   entries there, before any of its question is read; its row's k slots become the node, and it goes
-  on as a request that started from it (it never holds the document whole: a document longer than
-  the pool is served, and the first request answers as every later one does);
+  on as a request that started from it (it answers as every later one does, and it holds the
+  document whole only where memory allows: a document longer than the pool is served);
 - otherwise it reads its prompt whole, as SGLang does; right after, before its own pass, the
   document's entries [0, D) are scored and the k kept are copied into k fresh slots, the node.
 Every later request that begins with the same D tokens (and the same namespace and settings, the
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from sgl_kvc.config import KvcConfig
-from sgl_kvc.request_settings import RequestSettingError, document_conflict, of_request, resolved
+from sgl_kvc.request_settings import DocumentSpec, RequestSettingError, document_conflict, of_request, resolved
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -184,8 +184,7 @@ def request_key(req: Req, config: KvcConfig) -> DocumentKey | None:
     if spec.tokens >= len(prompt):
         raise RequestSettingError(f"{field_name}.tokens", f"the document ({spec.tokens} tokens) must end before the "
                                                           f"prompt does ({len(prompt)} tokens)")
-    params = config.policy_params()
-    entries = spec.entries(params.recent_kept + params.sink_tokens + 1)
+    entries = _entries(spec, config)
     if entries >= spec.tokens:
         raise RequestSettingError(f"{field_name}.ratio", f"the document ({spec.tokens} tokens) would keep "
                                                          f"{entries} entries per head: nothing to compress")
@@ -254,15 +253,24 @@ def declared_part(req: Any, config: KvcConfig, split: bool) -> int:
     spec = of_request(req).document
     if spec is None or spec.tokens is None:
         return 0
+    return _entries(spec, config) if split else spec.tokens
+
+
+def _entries(spec: DocumentSpec, config: KvcConfig) -> int:
+    """k: never fewer than what the prompt policy always keeps (its sinks and window), + 1."""
     params = config.policy_params()
-    return spec.entries(params.recent_kept + params.sink_tokens + 1) if split else spec.tokens
+    return spec.entries(params.recent_kept + params.sink_tokens + 1)
 
 
 def prompt_read(req: Any) -> int:
     """Tokens of `req`'s prompt it has read (SGLang's fill ids after its prefix are the rest; they
     start later by the tokens it read beyond its row's slots, `shifted_fill_ids`)."""
-    left = len(req.full_untruncated_fill_ids) - int(req.prefix_len)
-    return len(req.origin_input_ids) + len(req.output_ids) - left
+    return _skipped(req) + int(req.prefix_len)
+
+
+def _skipped(req: Any) -> int:
+    """Tokens SGLang's fill ids of `req` start after (what its row does not hold of what it read)."""
+    return len(req.origin_input_ids) + len(req.output_ids) - len(req.full_untruncated_fill_ids)
 
 
 def chunk_cap(req: Any) -> int | None:
@@ -278,11 +286,10 @@ def ends_here(req: Any) -> DocumentKey | None:
     """The document whose end the chunk of `req` that just ran ended at, or None. From SGLang's
     fields alone (the chunk's end in its row, `extend_end`, and the tokens its fill ids skip), so
     that every tensor-parallel rank finds the same, a request that failed on one of them too."""
-    key = declared(req)
     if not splits(req):
         return None
-    skipped = len(req.origin_input_ids) + len(req.output_ids) - len(req.full_untruncated_fill_ids)
-    return key if skipped + int(req.extend_end) == key.tokens else None
+    key = declared(req)
+    return key if _skipped(req) + int(req.extend_end) == key.tokens else None
 
 
 def match_limit(req: Any, resident: bool) -> int | None:
