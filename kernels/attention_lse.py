@@ -66,14 +66,23 @@ def _fused_cpu(queries: Tensor, keys: Tensor, valid: Tensor, own_keys: Tensor, s
 def fused_cpu_halves(queries: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None, own_keys: Tensor,
                      own_values: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """PyTorch's fused CPU attention over the two halves of a softmax, apart: queries [H_kv, G, r, d]
-    over keys/values [H_kv, M, d] (every column visible, but where `valid` [H_kv, M] is False), and
-    over own_keys/own_values [H_kv, r, d] (causal: query i sees its first i + 1). Returns (output
-    [H_kv, G, r, d_v], log-sum-exp [H_kv, G, r] in float32) of each half; a head with no valid key
-    has an output of 0 and a log-sum-exp of -inf in the first. Needs `has_fused_cpu()`."""
+    over keys/values [H_kv, M, d] (`fused_cpu_cached`), and over own_keys/own_values [H_kv, r, d]
+    (`fused_cpu_causal`). Returns (output [H_kv, G, r, d_v], log-sum-exp [H_kv, G, r] in float32)
+    of each half. Needs `has_fused_cpu()`."""
+    out, lse = fused_cpu_cached(queries, keys, values, valid, scale)
+    own_out, own_lse = fused_cpu_causal(queries, own_keys, own_values, scale)
+    return out, lse, own_out, own_lse
+
+
+def fused_cpu_cached(queries: Tensor, keys: Tensor, values: Tensor, valid: Tensor | None,
+                     scale: float) -> tuple[Tensor, Tensor]:
+    """Queries [H_kv, G, r, d] over cached keys/values [H_kv, M, d], every column visible but where
+    `valid` [H_kv, M] is False: (output [H_kv, G, r, d_v], log-sum-exp [H_kv, G, r] in float32); a
+    head with no valid key has an output of 0 and a log-sum-exp of -inf."""
     h_kv, group, r, d = queries.shape
     q = queries.contiguous()
-    # The first half: a KV head's query group read as one sequence of G x r queries (no mask is
-    # per query, so the keys need no copy per query head).
+    # A KV head's query group read as one sequence of G x r queries (no mask is per query, so the
+    # keys need no copy per query head).
     mask = None
     if valid is not None:
         mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, -math.inf)
@@ -84,11 +93,18 @@ def fused_cpu_halves(queries: Tensor, keys: Tensor, values: Tensor, valid: Tenso
     if valid is not None:  # a masked-out row's NaN is nothing
         empty = ~valid.any(-1)[:, None, None]
         out, lse = out.masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, -math.inf)
-    # The second: causal and square, one batch entry per query head of the group.
+    return out, lse
+
+
+def fused_cpu_causal(queries: Tensor, own_keys: Tensor, own_values: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Queries [H_kv, G, r, d] over their own keys/values [H_kv, r, d], query i seeing its first
+    i + 1: (output [H_kv, G, r, d_v], log-sum-exp [H_kv, G, r] in float32)."""
+    group = queries.shape[1]
+    # Causal and square: one batch entry per query head of the group.
     own_k = own_keys[None].expand(group, *own_keys.shape).contiguous()
     own_v = own_values[None].expand(group, *own_values.shape).contiguous()
-    own_out, own_lse = _FUSED_CPU(q.transpose(0, 1).contiguous(), own_k, own_v, 0.0, True, scale=scale)[:2]
-    return out, lse, own_out.transpose(0, 1), own_lse.transpose(0, 1)
+    out, lse = _FUSED_CPU(queries.transpose(0, 1).contiguous(), own_k, own_v, 0.0, True, scale=scale)[:2]
+    return out.transpose(0, 1), lse.transpose(0, 1)
 
 
 def has_fused_cpu(device: torch.device) -> bool:

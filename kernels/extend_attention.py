@@ -8,6 +8,11 @@ cost; this computes the r rows alone, with the causal mask aligned to the end of
 On a CPU it runs PyTorch's fused kernel on the prefix (no mask) and on the new tokens (causal)
 apart and merges the two by their log-sum-exps (`attention_lse.fused_cpu_halves`): a boolean mask
 over the whole row made it take about 1.6 times as long (2K new tokens after 4K, 2-core CPU).
+
+KVzip's score needs, for each reconstruction query, the log-sum-exp of its logits over part of the
+cache (the entries the chunk scores) and its own keys. `scored_extend_attention` splits the
+prefix there, so the forward's own kernel calls return it: three calls of about the cost of two,
+instead of a second attention pass over the scored entries.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sgl_kvc.kernels.attention_lse import fused_cpu_halves, has_fused_cpu
+from sgl_kvc.kernels.attention_lse import fused_cpu_cached, fused_cpu_causal, has_fused_cpu
 
 
 def prefix_extend_attention(query: Tensor, keys: Tensor, values: Tensor, prefix: int, scale: float) -> Tensor:
@@ -37,14 +42,44 @@ def prefix_extend_attention(query: Tensor, keys: Tensor, values: Tensor, prefix:
     return out[0].movedim(0, 1)
 
 
-def _merged_halves(query: Tensor, keys: Tensor, values: Tensor, prefix: int, scale: float) -> Tensor:
+def scored_extend_attention(query: Tensor, keys: Tensor, values: Tensor, prefix: int, scale: float,
+                            scored: Tensor) -> tuple[Tensor, Tensor]:
+    """`prefix_extend_attention`, and each query's log-sum-exp of its logits over the cached entries
+    `scored` (int64 column indices into the prefix, the same for every KV head, at least one) and
+    the new tokens up to itself: float32 [H_kv, G, r] (G = H_q / H_kv). Needs `has_fused_cpu()`."""
+    r, n = query.shape[0], keys.shape[0]
+    if n != prefix + r or r == 0:
+        raise ValueError(f"{n} keys for a prefix of {prefix} and {r} new tokens")
+    q, k, v = _by_kv_head(query, keys.to(query.dtype), values.to(query.dtype))
+    others = torch.ones(prefix, dtype=torch.bool, device=keys.device).index_fill_(0, scored, False)
+    others = others.nonzero()[:, 0]
+    parts = [fused_cpu_cached(q, k[:, scored], v[:, scored], None, scale),
+             fused_cpu_causal(q, k[:, prefix:], v[:, prefix:], scale)]
+    lse = torch.logaddexp(parts[0][1], parts[1][1])
+    if others.numel():
+        parts.append(fused_cpu_cached(q, k[:, others], v[:, others], None, scale))
+    return _merged(parts, query), lse
+
+
+def _by_kv_head(query: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """query [r, H_q, d] as [H_kv, G, r, d]; keys and values [n, H_kv, d] as [H_kv, n, d]."""
     r, h_q, d = query.shape
     h_kv = keys.shape[1]
-    group = h_q // h_kv
-    q = query.reshape(r, h_kv, group, d).permute(1, 2, 0, 3)  # [H_kv, G, r, d]
-    k, v = keys.movedim(0, 1), values.movedim(0, 1)  # [H_kv, p + r, d]
-    out, lse, own, own_lse = fused_cpu_halves(q, k[:, :prefix], v[:, :prefix], None, k[:, prefix:], v[:, prefix:],
-                                              scale)
-    total = torch.logaddexp(lse, own_lse)[..., None]
-    merged = out.float() * (lse[..., None] - total).exp() + own.float() * (own_lse[..., None] - total).exp()
+    return query.reshape(r, h_kv, h_q // h_kv, d).permute(1, 2, 0, 3), keys.movedim(0, 1), values.movedim(0, 1)
+
+
+def _merged(parts: list[tuple[Tensor, Tensor]], query: Tensor) -> Tensor:
+    """The attention of a softmax computed in parts, each (output [H_kv, G, r, d_v], log-sum-exp
+    [H_kv, G, r]), as [r, H_q, d_v] in the queries' dtype."""
+    total = parts[0][1]
+    for _, lse in parts[1:]:
+        total = torch.logaddexp(total, lse)
+    merged = sum(out.float() * (lse - total)[..., None].exp() for out, lse in parts)
+    r, h_q, _ = query.shape
     return merged.permute(2, 0, 1, 3).reshape(r, h_q, -1).to(query.dtype)
+
+
+def _merged_halves(query: Tensor, keys: Tensor, values: Tensor, prefix: int, scale: float) -> Tensor:
+    q, k, v = _by_kv_head(query, keys, values)
+    return _merged([fused_cpu_cached(q, k[:, :prefix], v[:, :prefix], None, scale),
+                    fused_cpu_causal(q, k[:, prefix:], v[:, prefix:], scale)], query)

@@ -31,7 +31,8 @@ import torch
 
 from sgl_kvc.adapter import failpoints
 from sgl_kvc.core.store import KvcStore
-from sgl_kvc.kernels.extend_attention import prefix_extend_attention
+from sgl_kvc.kernels.attention_lse import has_fused_cpu
+from sgl_kvc.kernels.extend_attention import prefix_extend_attention, scored_extend_attention
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -102,7 +103,8 @@ class TorchNativeKernelMixin:
             )
         layer, fb = current
         store = self.kvc_store
-        reconstruction = store.reconstruction.rows if store.reconstruction is not None else {}
+        round_ = store.reconstruction
+        reconstruction = round_.rows if round_ is not None else {}
         start = 0
         for i, (row, e) in enumerate(zip(store.extend_rows, fb.extend_seq_lens_cpu)):
             stop = start + e
@@ -111,9 +113,9 @@ class TorchNativeKernelMixin:
                     layer.layer_id, row, query[start:stop], fb.positions[start:stop], layer.scaling
                 )
             elif e and row in reconstruction:  # a KVzip reconstruction forward: its new rows only
-                slots = req_to_token[row, : fb.extend_prefix_lens_cpu[i] + e]
-                output[start:stop] = prefix_extend_attention(
-                    query[start:stop], k_cache[slots], v_cache[slots], fb.extend_prefix_lens_cpu[i], layer.scaling,
+                output[start:stop] = _reconstruction_attention(
+                    round_, store, layer, row, query[start:stop], k_cache, v_cache, req_to_token,
+                    fb.extend_prefix_lens_cpu[i],
                 )
             elif e:  # SGLang's loop, for this request alone
                 self.kvc_base._run_sdpa_forward_extend(
@@ -133,6 +135,27 @@ class TorchNativeKernelMixin:
         store = self.kvc_store
         store.attend_decode(layer.layer_id, store.decode_step, query, k_cache, v_cache, layer.scaling, output)
         return output
+
+
+def _reconstruction_attention(round_: Any, store: KvcStore, layer: Any, row: int, query: torch.Tensor,
+                              k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor,
+                              prefix: int) -> torch.Tensor:
+    """A reconstruction row's attention over its prefix and its new tokens. Where the kernel can,
+    it also returns its score softmax's normalizer (the scored columns apart), which the layer's
+    fold then takes instead of a pass of its own."""
+    slots = req_to_token[row, : prefix + query.shape[0]]
+    keys, values = k_cache[slots], v_cache[slots]
+    scored = None
+    if has_fused_cpu(query.device) and round_.rows[row].prefix == prefix:
+        try:
+            scored = round_.scored_columns(store, layer.layer_id, row)
+        except Exception:  # noqa: BLE001 - the fold computes the normalizer itself
+            logger.exception("sgl-kvc: row %s's scored columns failed in layer %s", row, layer.layer_id)
+    if scored is None:
+        return prefix_extend_attention(query, keys, values, prefix, layer.scaling)
+    out, lse = scored_extend_attention(query, keys, values, prefix, layer.scaling, scored.to(keys.device))
+    round_.lse[(row, layer.layer_id)] = lse
+    return out
 
 
 def _kernel_attends(store: KvcStore, q: Any, layer: Any, fb: ForwardBatch) -> bool:

@@ -117,6 +117,7 @@ class ReconstructionStats:
     context_tokens: int = 0  # context tokens repeated
     seconds: float = 0.0  # spent in them, folding the scores included
     score_seconds: float = 0.0  # of which folding the queries into the scores
+    forward_normalizers: int = 0  # folds (request x layer) whose softmax normalizer the forward computed
     max_held_slots: int = 0  # the most slots one forward held (the memory admission reserves)
 
 
@@ -281,6 +282,7 @@ class Reconstructor:
         finally:
             self.store.reconstruction = None
             self.stats.score_seconds += round_.score_seconds
+            self.stats.forward_normalizers += round_.forward_normalizers
             for item, old in zip(items, saved):  # the rows as they were
                 self.store.req_to_token[item.row, item.prefix : item.prefix + old.numel()] = old
             if allocated is not None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -141,7 +141,7 @@ def initial_scores(positions: Tensor, valid: Tensor, start: int, end: int) -> Te
 
 def reconstruction_probs(
     queries: Tensor, keys: Tensor, valid: Tensor, repeat_keys: Tensor, scale: float,
-    block_elements: int = BLOCK_ELEMENTS,
+    block_elements: int = BLOCK_ELEMENTS, lse: Tensor | None = None,
 ) -> Tensor:
     """The largest softmax probability each of `keys` gets from any query of its KV group.
 
@@ -150,7 +150,9 @@ def reconstruction_probs(
     sinks and the chunk's entries); repeat_keys [H_kv, r, d]: the reconstruction's own keys, which
     query j sees up to j (causal). Query head h reads KV head h // G (G = H_q / H_kv). Returns
     float32 [H_kv, M] (0 at invalid columns). Queries are taken in blocks of at most
-    `block_elements` logits, so its transient memory is bounded whatever the chunk."""
+    `block_elements` logits, so its transient memory is bounded whatever the chunk. `lse`
+    [H_kv, G, r]: each query's log-sum-exp over those keys, where the caller has it (the forward's
+    own attention, `kernels/extend_attention.scored_extend_attention`); else computed here."""
     r, h_q, d = queries.shape
     h_kv, m, _ = keys.shape
     if h_q % h_kv:
@@ -161,7 +163,8 @@ def reconstruction_probs(
     # the largest probability per key, one matrix product of the queries widened by it with the
     # keys widened by a 1: scale * q.k - lse, maxed over the group and the queries, one exp at
     # the end; no probability tensor is ever formed.
-    lse = attention_lse(q, keys, valid, repeat_keys, scale, block_elements)  # [H_kv, G, r]
+    if lse is None:
+        lse = attention_lse(q, keys, valid, repeat_keys, scale, block_elements)  # [H_kv, G, r]
     qa = torch.cat([q * scale, -lse[..., None]], dim=-1).reshape(h_kv, group * r, d + 1)
     ones = torch.ones(h_kv, m, 1, dtype=torch.float32, device=keys.device)
     ka = torch.cat([keys.float(), ones], dim=-1).transpose(1, 2)  # [H_kv, d + 1, M]
@@ -173,9 +176,18 @@ def reconstruction_probs(
     return out.masked_fill_(~valid, 0.0)
 
 
+def scored_entries(positions: Tensor, valid: Tensor, chunk: ReconstructionChunk, sink: int) -> tuple[Tensor, Tensor]:
+    """[H_kv, W'] masks of the cached entries in a chunk's score softmax: its sinks (the first
+    `sink` tokens before the chunk; kvpress: keys[:, :, :min(n_sink, start_idx)]) and its own."""
+    sinks = valid & (positions < min(sink, chunk.start))
+    mine = valid & (positions >= chunk.start) & (positions < chunk.end)
+    return sinks, mine
+
+
 def fold_chunk(
     scores: Tensor, queries: Tensor, keys: Tensor, positions: Tensor, valid: Tensor, repeat_keys: Tensor,
     chunk: ReconstructionChunk, sink: int, scale: float, block_elements: int = BLOCK_ELEMENTS,
+    lse: Tensor | None = None,
 ) -> None:
     """Fold one reconstruction forward's queries into a layer's `scores` [H_kv, W] (in place).
 
@@ -184,10 +196,10 @@ def fold_chunk(
     [H_kv, r, d]: the chunk's own. Each head's softmax covers its sinks and the entries of the
     chunk (per head: after a per-head compaction heads hold different tokens); the chunk's entries
     take the largest probability any query pays them (they belong to this chunk alone). `sink`:
-    the first tokens in every chunk's softmax (those before the chunk)."""
+    the first tokens in every chunk's softmax (those before the chunk). `lse`: the softmax's
+    log-sum-exp per query, where the forward computed it (`reconstruction_probs`)."""
     h_kv, w_cached = positions.shape
-    sinks = valid & (positions < min(sink, chunk.start))  # kvpress: keys[:, :, :min(n_sink, start_idx)]
-    mine = valid & (positions >= chunk.start) & (positions < chunk.end)
+    sinks, mine = scored_entries(positions, valid, chunk, sink)
     subset = sinks | mine
     counts = subset.sum(dim=-1)  # [H_kv]
     width = int(counts.max()) if counts.numel() else 0  # one host read per layer and chunk
@@ -197,7 +209,7 @@ def fold_chunk(
     order = torch.argsort((~subset).to(torch.int8), dim=-1, stable=True)[:, :width]  # [H_kv, M]
     live = torch.arange(width, device=keys.device)[None, :] < counts[:, None]
     sub_keys = keys.gather(1, order[..., None].expand(h_kv, width, keys.shape[-1]))
-    probs = reconstruction_probs(queries, sub_keys, live, repeat_keys, scale, block_elements)
+    probs = reconstruction_probs(queries, sub_keys, live, repeat_keys, scale, block_elements, lse)
     write = live & mine.gather(1, order)
     scores[:, :w_cached].scatter_reduce_(1, order, torch.where(write, probs, 0.0), "amax", include_self=True)
 
@@ -224,6 +236,28 @@ class ReconstructionRound:
 
     rows: dict[int, RowReconstruction]
     score_seconds: float = 0.0  # the caller's count of the time its folds took
+    forward_normalizers: int = 0  # folds (row x layer) whose normalizer the forward computed
+    # (row, layer): the score softmax's log-sum-exp per query, from the forward's own attention
+    # (`scored_columns`), until that layer's fold takes it
+    lse: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+
+    def scored_columns(self, store: Any, layer: int, row: int) -> Tensor | None:
+        """The columns of `row`'s cached entries in its chunk's score softmax in layer `layer`
+        (`scored_entries`), for its forward to compute that softmax's normalizer
+        (`scored_extend_attention`): where the row is read as it is (no per-head tables) and the
+        columns are the same for every KV head; else None (its fold computes the normalizer)."""
+        entry = self.rows.get(row)
+        if entry is None or row in store.extend_tables:
+            return None
+        positions = entry.state.positions(entry.prefix)
+        if positions.dim() > 1:
+            positions = positions[layer - store.first_layer]
+            if not bool((positions == positions[:1]).all()):
+                return None
+            positions = positions[0]
+        sinks, mine = scored_entries(positions, torch.ones_like(positions, dtype=torch.bool), entry.chunk, entry.sink)
+        columns = (sinks | mine).nonzero()[:, 0]
+        return columns if columns.numel() else None
 
     def fold(self, store: Any, layer: int, row: int, queries: Tensor, scale: float) -> None:
         """Layer `layer`'s queries [r, H_q, d] of `row`'s chunk into its scores. The row's keys
@@ -252,8 +286,10 @@ class ReconstructionRound:
             repeat_keys = keys.gather(1, at[..., None].expand(-1, -1, keys.shape[-1]))
             prefix_keys, positions = keys[:, :width], tables.positions[local][:, :width]
             valid = (cols[None, :width] < own[:, None])
+        lse = self.lse.pop((row, layer), None)
+        self.forward_normalizers += lse is not None
         fold_chunk(entry.scores[local], queries, prefix_keys, positions, valid, repeat_keys, entry.chunk,
-                   entry.sink, scale)
+                   entry.sink, scale, lse=lse)
 
 
 @dataclass

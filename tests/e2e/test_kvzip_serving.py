@@ -84,6 +84,10 @@ def test_kept_entries_are_the_float64_reference_choice(kvzip_server, trace: Path
     context = ref.end - ref.start
     assert rec["forwards"] - before["forwards"] == -(-context // RECON_CHUNK)
     assert rec["context_tokens"] - before["context_tokens"] == context
+    # on this CPU server every layer's score normalizer came from the forward's own attention
+    # (`scored_extend_attention`), the path the comparison above checked
+    forwards = rec["forwards"] - before["forwards"]
+    assert rec["forward_normalizers"] - before["forward_normalizers"] == forwards * len(served)
 
 
 def test_the_reconstruction_leaves_nothing_allocated(kvzip_server, demo_model_path: str) -> None:
