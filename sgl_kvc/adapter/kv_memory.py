@@ -17,7 +17,12 @@ A compressing server keeps, besides SGLang's KV pool:
   float32 mean [H_q, d] and scatter [H_q, d, d] per layer, one layer's merge beside them), for at
   most `moment_slots` requests at a time: a tenant's `prompt_policy` switches them on, and any
   request beyond those slots is scored from its observation window instead (the policy's own
-  fallback, counted as `moments_declined` in the stats).
+  fallback, counted as `moments_declined` in the stats);
+* room at the end of every request row of SGLang's `req_to_token` (an int32 per entry) for a KVzip
+  reconstruction forward, which writes its chunk past the request's prompt: SGLang sizes a row to
+  the context length, so a prompt near it would leave a forward a few tokens and its context would
+  be repeated in as many forwards as that takes (`forward_room`). Any tenant can switch KVzip on
+  (`prompt_policy`), so every compressing server widens its rows.
 
 SGLang sizes its pool from a number of bytes, its KV memory (`KVCacheConfigurator._profile_available_bytes`:
 free memory after weights, minus the activation slack of `--mem-fraction-static`; or
@@ -52,6 +57,7 @@ STATS_BYTES = 4  # float32 statistic per (token, layer, KV head)
 MAX_DECODE_SHARE = 0.02  # of the KV memory, at most, for one decode call's allocations (CUDA)
 MOMENT_SLOTS_ATTR = "kvc_moment_slots"  # on SGLang's MemoryPoolConfig: read by the compressor
 DECODE_BYTES_ATTR = "kvc_decode_block_bytes"  # the same: the fused plan's block bound
+ROW_ENTRY_BYTES = 4  # an int32 slot index of SGLang's req_to_token
 
 
 @dataclass(frozen=True)
@@ -66,13 +72,13 @@ class Reservation:
     @classmethod
     def for_model(
         cls, window: int, num_layers: int, q_heads: int, kv_heads: int, head_dim: int, q_bytes: int,
-        unit_tables: bool = False, decode_bytes: int = 0,
+        unit_tables: bool = False, decode_bytes: int = 0, row_room: int = 0,
     ) -> "Reservation":
         # a statistic twice (two steps' slabs); on the unit pool a step's tables, twice
         per_token = num_layers * kv_heads * (2 * STATS_BYTES + (2 * 8 if unit_tables else 0))
         layer_moments = q_heads * head_dim * (head_dim + 1) * 4  # float32 mean and scatter
         return cls(
-            per_request=window * num_layers * q_heads * head_dim * q_bytes,
+            per_request=window * num_layers * q_heads * head_dim * q_bytes + row_room * ROW_ENTRY_BYTES,
             per_token=per_token,
             per_moment=num_layers * layer_moments + 2 * layer_moments,  # + one layer's merge
             fixed=decode_bytes,
@@ -109,6 +115,8 @@ def hook_table(config: KvcConfig) -> list[Hook]:
     return [
         Hook(f"{_CONFIGURATOR}._profile_available_bytes", probe.after_profile, "AFTER", (),
              "the KV memory (bytes) SGLang profiled"),
+        Hook(f"{_CONFIGURATOR}._build_req_to_token_pool", _after_req_pool(config), "AFTER", (),
+             "request rows with room for a reconstruction forward"),
         Hook(f"{_CONFIGURATOR}._resolve_memory_pool_config", _around_resolve(config, probe), "AROUND", (),
              "sgl-kvc's buffers charged to that memory"),
     ]
@@ -153,6 +161,7 @@ def _around_resolve(config: KvcConfig, probe: _MemoryProbe) -> Callable[..., Any
             q_bytes=int(mc.dtype.itemsize),
             unit_tables=config.variable_budget,
             decode_bytes=decode_bytes,
+            row_room=forward_room(config),
         )
         cell = getattr(configurator, "_cell_size", None)  # SGLang's bytes per token (FP8 included)
         if not cell:  # a pool layout without one cost per token (hybrid, MLA...)
@@ -180,6 +189,34 @@ def _around_resolve(config: KvcConfig, probe: _MemoryProbe) -> Callable[..., Any
             r.per_token, r.fixed, fit.moment_slots, r.per_moment, pool.max_total_num_tokens,
             pool.max_running_requests,
         )
+        return pool
+
+    return hook
+
+
+def forward_room(config: KvcConfig) -> int:
+    """Entries added at the end of every request row: the most a reconstruction forward writes
+    past a request's entries (one `--kvzip-chunk` and its instruction)."""
+    from sgl_kvc.adapter.reconstruction import RESERVE_HEAD
+
+    return config.kvzip_chunk + RESERVE_HEAD if config.compressing else 0
+
+
+def widen_rows(pool: Any, room: int) -> None:
+    """Give each row of SGLang's `pool` (a ReqToTokenPool, just built: nothing holds its table
+    yet) `room` more entries."""
+    if room <= 0:
+        return
+    old = pool.req_to_token
+    wider = old.new_zeros((old.shape[0], old.shape[1] + room))
+    wider[:, : old.shape[1]] = old
+    pool.req_to_token = wider
+    pool.max_context_len += room
+
+
+def _after_req_pool(config: KvcConfig) -> Callable[..., Any]:
+    def hook(pool: Any, kvc: Any, *args: Any, **kwargs: Any) -> Any:
+        widen_rows(pool, forward_room(config))
         return pool
 
     return hook

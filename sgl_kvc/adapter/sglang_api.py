@@ -139,7 +139,8 @@ INTERNALS: tuple[Internal, ...] = (
         "is_cross_attention",
     ), why="decode attention and observation per layer"),
     # --- pools and the radix tree ---------------------------------------------------------------
-    Internal(f"{_MM}.memory_pool.ReqToTokenPool", attrs=("req_to_token",), why="rows of slots"),
+    Internal(f"{_MM}.memory_pool.ReqToTokenPool", attrs=("req_to_token", "max_context_len"),
+             why="rows of slots; widened for a reconstruction forward"),
     Internal(f"{_MM}.memory_pool.MHATokenToKVPool", ("size", "page_size", "dtype", "head_num", "head_dim"),
              attrs=("start_layer", "layer_num", "k_buffer", "v_buffer", "store_dtype", "head_num",
                     "head_dim", "v_head_dim", "layer_transfer_counter", "memory_saver_adapter"),

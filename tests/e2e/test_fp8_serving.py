@@ -22,7 +22,8 @@ from kvc_reference import generate as _generate
 from kvc_reference import REASONING_PROMPT as LONG_PROMPT
 from kvc_reference import assert_pool_whole, fp8_attention, kept_count, reference_logprobs, trace_events
 from loadtest.server import ServerProcess
-from sgl_kvc.adapter.kv_memory import Reservation, fit_pool
+from sgl_kvc.adapter.kv_memory import Reservation, fit_pool, forward_room
+from sgl_kvc.config import KvcConfig
 
 pytestmark = pytest.mark.e2e
 
@@ -99,7 +100,8 @@ def test_capacity_at_the_same_memory_budget(servers) -> None:
     # (adapter/kv_memory.py): its pool is that much smaller, and both fit together.
     stats = servers["e4m3_rkv"].stats()
     pool = stats["pool"]
-    reserve = Reservation.for_model(window=WINDOW, num_layers=2, q_heads=4, kv_heads=2, head_dim=32, q_bytes=2)
+    reserve = Reservation.for_model(window=WINDOW, num_layers=2, q_heads=4, kv_heads=2, head_dim=32, q_bytes=2,
+                                    row_room=forward_room(KvcConfig(policy="rkv")))  # its rows' room for KVzip
     fit = fit_pool(budget, FP8_BYTES_PER_TOKEN, budget // FP8_BYTES_PER_TOKEN, 2048, reserve)
     assert (pool["total_tokens"], stats["requests"]["max_running_limit"]) == (fit.tokens, fit.requests)
     assert pool["reserved_bytes"] == fit.reserved_bytes > 0

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sgl_kvc.adapter.kv_memory import MAX_QUERY_SHARE, Reservation, fit_pool
+from sgl_kvc.adapter.kv_memory import MAX_QUERY_SHARE, ROW_ENTRY_BYTES, Reservation, fit_pool, forward_room, widen_rows
+from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import get_policy
@@ -94,3 +95,23 @@ def test_moment_slots_take_at_most_their_share_and_the_pool_still_fits() -> None
     assert 1 <= fit.moment_slots <= fit.requests
     assert fit.moment_slots * SMOLLM2.per_moment <= MAX_MOMENT_SHARE * budget
     assert fit.tokens * SMOLLM2_CELL + fit.reserved_bytes <= budget
+
+
+def test_rows_get_room_for_a_reconstruction_forward_charged_per_request_slot() -> None:
+    """A compressing server widens SGLang's request rows by one KVzip forward (its chunk and its
+    instruction), keeps what they hold, and charges the int32 entries to each request slot."""
+
+    class Rows:  # what SGLang's ReqToTokenPool has that the widening touches
+        req_to_token = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+        max_context_len = 4
+
+    room = forward_room(KvcConfig(policy="snapkv", kvzip_chunk=100))
+    assert room > 100 and forward_room(KvcConfig(policy="none")) == 0
+    rows = Rows()
+    widen_rows(rows, room)
+    assert rows.req_to_token.shape == (3, 4 + room) and rows.req_to_token.dtype == torch.int32
+    assert (rows.req_to_token[:, :4] == torch.arange(12, dtype=torch.int32).reshape(3, 4)).all()
+    assert (rows.req_to_token[:, 4:] == 0).all() and rows.max_context_len == 4 + room
+    wider = Reservation.for_model(window=8, num_layers=30, q_heads=9, kv_heads=3, head_dim=64, q_bytes=2,
+                                  row_room=room)
+    assert wider.per_request == SMOLLM2.per_request + room * ROW_ENTRY_BYTES
