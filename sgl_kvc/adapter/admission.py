@@ -29,6 +29,7 @@ from sgl_kvc.adapter import documents
 from sgl_kvc.adapter.compressor import STATE_ATTR
 from sgl_kvc.adapter.reconstruction import forward_slots
 from sgl_kvc.adapter.requests import chunk_compressible
+from sgl_kvc.adapter.runtime import compressor_of
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.footprint import Moments, Now, Sizes, compaction_copies, most_held
 from sgl_kvc.request_settings import ResolvedCompression, resolved
@@ -279,6 +280,13 @@ def around_max_new_tokens(config: KvcConfig) -> Callable[..., Any]:
         settings = resolved(req, config)
         if not settings.compressing or req.finished():
             return original(scheduler, req, *args, **kwargs)
+        if forward_slots(config, settings, len(req.origin_input_ids)):  # its prompt policy repeats the context
+            reconstructor = compressor_of(scheduler.tp_worker.model_runner, config).reconstructor
+            short = reconstructor.refusal(scheduler, req.origin_input_ids)
+            if short is not None:
+                _set_max_new(req.sampling_params, 0)
+                req.set_finish_with_abort(short)
+                return None
         # SGLang bounds prompt + output by the pool and silently cuts the output to fit; a
         # compressing request holds far less, so only the context bounds its output, unless it
         # cannot fit the pool even compressed: then it is refused (a 400), as SGLang refuses a

@@ -20,9 +20,9 @@ A compressing server keeps, besides SGLang's KV pool:
   fallback, counted as `moments_declined` in the stats);
 * room at the end of every request row of SGLang's `req_to_token` (an int32 per entry) for a KVzip
   reconstruction forward, which writes its chunk past the request's prompt: SGLang sizes a row to
-  the context length, so a prompt near it would leave a forward a few tokens and its context would
-  be repeated in as many forwards as that takes (`forward_room`). Any tenant can switch KVzip on
-  (`prompt_policy`), so every compressing server widens its rows.
+  the context length, and where that is shorter than the model's positions a prompt near it would
+  leave a forward a few tokens (`forward_room`). Any tenant can switch KVzip on (`prompt_policy`),
+  so every compressing server widens its rows.
 
 SGLang sizes its pool from a number of bytes, its KV memory (`KVCacheConfigurator._profile_available_bytes`:
 free memory after weights, minus the activation slack of `--mem-fraction-static`; or

@@ -25,6 +25,7 @@ import logging
 import time
 from array import array
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -41,6 +42,7 @@ from sgl_kvc.core.reconstruction import (
     RowReconstruction,
     context_range,
     initial_scores,
+    instruction_tokens,
     plan_reconstruction,
 )
 from sgl_kvc.core.request_state import ReqKvState
@@ -141,11 +143,38 @@ class Reconstructor:
     store: KvcStore
     stats: ReconstructionStats = field(default_factory=ReconstructionStats)
     _prompt: ReconstructionPrompt | None = None
+    _positions: int | None = None
 
     def prompt(self, scheduler: Scheduler) -> ReconstructionPrompt:
         if self._prompt is None:
             self._prompt = prompt_from_tokenizer(getattr(scheduler, "tokenizer", None))
         return self._prompt
+
+    def positions(self, scheduler: Scheduler) -> int:
+        """The positions the model encodes: its rotary tables' length (the shortest, where it has
+        several), else its context length. A reconstruction forward reads its tokens at the
+        positions after the context, so its last one must stay below it."""
+        if self._positions is None:
+            model = scheduler.tp_worker.model_runner.model
+            tables = [int(m.cos_sin_cache.shape[0]) for m in model.modules()
+                      if isinstance(getattr(m, "cos_sin_cache", None), torch.Tensor)]
+            self._positions = min(tables) if tables else int(scheduler.model_config.context_len)
+        return self._positions
+
+    def refusal(self, scheduler: Scheduler, ids: Sequence[int]) -> str | None:
+        """Why a prompt of `ids` cannot have its context repeated (a 400 at admission), or None:
+        the smallest forward (its instruction and one context token) must fit in the positions
+        after the context."""
+        prompt = self.prompt(scheduler)
+        _, end = context_range(ids, len(ids), prompt, self.config.sink_tokens, prompt_read=True)
+        need = instruction_tokens(prompt, OVERLAP) + 1
+        limit = self.positions(scheduler)
+        if end + need <= limit:
+            return None
+        over = end + need - limit
+        return (f"prompt_policy 'kvzip' repeats the prompt's context after it, which needs {need} positions "
+                f"after the context; this prompt leaves {max(0, limit - end)} of the model's {limit}: shorten "
+                f"it by at least {over} token{'s' if over > 1 else ''}, or use another prompt_policy")
 
     def run(
         self, scheduler: Scheduler, batch: ScheduleBatch, due: list[tuple[Any, ...]],
@@ -195,7 +224,9 @@ class Reconstructor:
             end = length
         prefix = end - state.offset
         carried: CarriedScores | None = state.reconstructed
-        room = min(reserve_tokens(self.config, req), self.store.req_to_token.shape[1] - prefix)
+        # a forward's room: what admission reserved, its row's end, and the model's positions
+        room = min(reserve_tokens(self.config, req), self.store.req_to_token.shape[1] - prefix,
+                   self.positions(scheduler) - end)
         plan = plan_reconstruction(ids, start, end, prompt, resume=None if carried is None else carried.end,
                                    chunk=self.config.kvzip_chunk, overlap=OVERLAP, sink_tokens=sink,
                                    max_tokens=room)  # fmt: skip

@@ -105,6 +105,12 @@ def context_range(
     return start, max(start, end)
 
 
+def instruction_tokens(prompt: ReconstructionPrompt, overlap: int = OVERLAP) -> int:
+    """The most tokens a reconstruction forward reads besides its context: its instruction (a
+    later chunk's quotes `overlap` tokens) and the template's opening of an answer."""
+    return max(len(prompt.first), len(prompt.later) + overlap) + len(prompt.suffix)
+
+
 def plan_reconstruction(
     token_ids: Sequence[int], start: int, end: int, prompt: ReconstructionPrompt, *, resume: int | None = None,
     chunk: int = CHUNK, overlap: int = OVERLAP, sink_tokens: int = 4, max_tokens: int | None = None,
@@ -117,7 +123,7 @@ def plan_reconstruction(
     the request's row); the chunk shrinks to fit."""
     if chunk < 1 or overlap < 0:
         raise ValueError(f"chunk must be >= 1 and overlap >= 0, got {chunk}, {overlap}")
-    head = max(len(prompt.first), len(prompt.later) + overlap) + len(prompt.suffix)
+    head = instruction_tokens(prompt, overlap)
     if max_tokens is not None:
         if max_tokens <= head:
             raise ValueError(f"a reconstruction forward needs more than {head} tokens of room, has {max_tokens}")

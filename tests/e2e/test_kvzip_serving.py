@@ -133,9 +133,10 @@ def test_prompts_read_in_chunks_repeat_each_context_token_once(kvzip_server, tra
 
 
 def test_a_prompt_at_the_context_length_is_repeated_in_whole_chunks(servers, demo_model_path: str) -> None:
-    """SGLang sizes a request's row to the context length, and a reconstruction forward writes its
-    chunk past the prompt: sgl-kvc widens the rows, so a prompt 8 tokens short of the context is
-    repeated in forwards of a whole chunk (without the room it was a failed request)."""
+    """SGLang sizes a request's row to the context length (here 192, of the demo model's 16384
+    positions), and a reconstruction forward writes its chunk past the prompt: sgl-kvc widens the
+    rows, so a prompt 8 tokens short of the context is repeated in forwards of a whole chunk
+    (without the room it was a failed request)."""
     server = servers[1]
     system, suffix = 3, 4
     prompt = _chat_prompt(demo_model_path, CONTEXT - 8 - system - suffix, seed=11)  # SGLang takes at most 186 here

@@ -60,3 +60,28 @@ def test_the_instruction_and_the_template_around_a_message(demo_model_path: str)
     assert tok.decode(list(prompt.later)).endswith("starting with")
     with pytest.raises(RuntimeError, match="tokenizer"):
         reconstruction.prompt_from_tokenizer(None)
+
+
+def test_a_prompt_must_leave_its_reconstruction_positions_before_the_model_s_last() -> None:
+    """The forward reads its instruction and the context after the context: the model's positions
+    are its rotary tables' (the shortest); a prompt whose smallest forward (instruction and one
+    token) would run past them is refused, with what to do."""
+    import torch
+
+    prompt = reconstruction.ReconstructionPrompt(system=(1, 2), suffix=(8, 9), first=(50, 51), later=(60, 61, 62))
+    need = reconstruction.instruction_tokens(prompt) + 1  # 3 + 8 quoted + 2 of the template, + 1
+    rope = [SimpleNamespace(cos_sin_cache=torch.zeros(n, 4)) for n in (120, 100)]
+    model = SimpleNamespace(modules=lambda: [SimpleNamespace(), *rope])
+    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)),
+                                model_config=SimpleNamespace(context_len=4096))
+    rec = reconstruction.Reconstructor(KvcConfig(policy="snapkv", prompt_policy="kvzip"), store=None,
+                                       _prompt=prompt)
+    assert rec.positions(scheduler) == 100
+    fits = [1, 2, *range(100, 100 + 100 - need - 2), 8, 9]  # the context ends `need` before 100
+    assert rec.refusal(scheduler, fits) is None
+    short = rec.refusal(scheduler, [1, 2, *fits[2:-2], 7, 8, 9])  # one more context token
+    assert short is not None and "prompt_policy 'kvzip'" in short and "by at least 1 token," in short
+    # a model without rotary tables: its context length
+    bare = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(
+        model=SimpleNamespace(modules=lambda: []))), model_config=SimpleNamespace(context_len=4096))
+    assert reconstruction.Reconstructor(KvcConfig(policy="snapkv"), store=None).positions(bare) == 4096
