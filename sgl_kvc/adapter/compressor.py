@@ -598,6 +598,10 @@ class Compressor:
             # sets from `extend_end` when it stashes a chunk), and its tokens are read `offset`
             # further on (`shifted_fill_ids`).
             req.prefix_len = req.extend_end = outcome.kept
+            # SGLang counts a chunk's cache hits as its prefix minus what the request computed
+            # before it (`already_computed`): that is now the kept entries, so the usage's
+            # cached_tokens stays what the tree gave (it went negative by every dropped entry).
+            req.already_computed = outcome.kept
             state.fill_shift = True
         logical_len = state.logical_len(n)  # the offset is still the one before compaction
         if d.stats is not None:

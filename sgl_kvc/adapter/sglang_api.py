@@ -61,7 +61,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_MGR}.schedule_batch.Req", attrs=(
         "rid", "kv", "sampling_params", "origin_input_ids", "output_ids", "lock", "is_retracted",
         "skip_radix_cache_insert", "cached_tokens", "to_finish", "inflight_middle_chunks",
-        "prefix_len", "extend_end", "full_untruncated_fill_ids", "return_logprob", "logprob_start_len",
+        "prefix_len", "extend_end", "already_computed", "full_untruncated_fill_ids", "return_logprob",
+        "logprob_start_len",
         "multimodal_inputs", "discard_output_reason",
     ), why="per-request settings, rows, tree locks, finish and abort; chunks"),
     Internal(f"{_MGR}.schedule_batch.Req.finished", (), why="skip finished requests"),
