@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 import time
 from array import array
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
