@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from sgl_kvc.adapter import failpoints
+from sgl_kvc.core.reconstruction import ForwardAttention
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.kernels.attention_lse import has_fused_cpu
 from sgl_kvc.kernels.extend_attention import prefix_extend_attention, scored_extend_attention
@@ -142,7 +143,7 @@ def _reconstruction_attention(round_: Any, store: KvcStore, layer: Any, row: int
                               prefix: int) -> torch.Tensor:
     """A reconstruction row's attention over its prefix and its new tokens. Where the kernel can,
     it also returns its score softmax's normalizer (the scored columns apart), which the layer's
-    fold then takes instead of a pass of its own."""
+    fold then takes, with the keys gathered here, instead of a pass and a gather of its own."""
     slots = req_to_token[row, : prefix + query.shape[0]]
     keys, values = k_cache[slots], v_cache[slots]
     scored = None
@@ -154,7 +155,7 @@ def _reconstruction_attention(round_: Any, store: KvcStore, layer: Any, row: int
     if scored is None:
         return prefix_extend_attention(query, keys, values, prefix, layer.scaling)
     out, lse = scored_extend_attention(query, keys, values, prefix, layer.scaling, scored.to(keys.device))
-    round_.lse[(row, layer.layer_id)] = lse
+    round_.given[(row, layer.layer_id)] = ForwardAttention(keys, lse)
     return out
 
 

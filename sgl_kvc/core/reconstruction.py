@@ -234,6 +234,16 @@ class RowReconstruction:
     owner: Any = None
 
 
+@dataclass(frozen=True)
+class ForwardAttention:
+    """What a reconstruction row's forward attention hands its layer's fold: the row's keys it
+    gathered ([p + r, H_kv, d], its prefix then the chunk's) and each query's log-sum-exp over the
+    chunk's score softmax ([H_kv, G, r], float32)."""
+
+    keys: Tensor
+    lse: Tensor
+
+
 @dataclass
 class ReconstructionRound:
     """The requests of one reconstruction forward, by row. While it runs the attention observer
@@ -243,9 +253,9 @@ class ReconstructionRound:
     rows: dict[int, RowReconstruction]
     score_seconds: float = 0.0  # the caller's count of the time its folds took
     forward_normalizers: int = 0  # folds (row x layer) whose normalizer the forward computed
-    # (row, layer): the score softmax's log-sum-exp per query, from the forward's own attention
-    # (`scored_columns`), until that layer's fold takes it
-    lse: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    # (row, layer): what the forward's own attention leaves the fold (`scored_columns`), until
+    # that layer's fold takes it
+    given: dict[tuple[int, int], ForwardAttention] = field(default_factory=dict)
 
     def scored_columns(self, store: Any, layer: int, row: int) -> Tensor | None:
         """The columns of `row`'s cached entries in its chunk's score softmax in layer `layer`
@@ -274,9 +284,13 @@ class ReconstructionRound:
         r = len(entry.chunk.ids)
         local = layer - store.first_layer
         tables = store.extend_tables.get(row)
+        given = self.given.pop((row, layer), None)
         if tables is None:
-            slots = store.req_to_token[row, : entry.prefix + r].long()
-            keys = store.kv_pool.get_key_buffer(layer)[slots].transpose(0, 1)  # [H_kv, p + r, d]
+            if given is None:
+                slots = store.req_to_token[row, : entry.prefix + r].long()
+                keys = store.kv_pool.get_key_buffer(layer)[slots].transpose(0, 1)  # [H_kv, p + r, d]
+            else:  # the keys the forward gathered from the same pool
+                keys = given.keys.transpose(0, 1)
             h_kv = keys.shape[0]
             positions = entry.state.positions(entry.prefix)
             positions = positions[local] if positions.dim() > 1 else positions.expand(h_kv, entry.prefix)
@@ -292,10 +306,9 @@ class ReconstructionRound:
             repeat_keys = keys.gather(1, at[..., None].expand(-1, -1, keys.shape[-1]))
             prefix_keys, positions = keys[:, :width], tables.positions[local][:, :width]
             valid = (cols[None, :width] < own[:, None])
-        lse = self.lse.pop((row, layer), None)
-        self.forward_normalizers += lse is not None
+        self.forward_normalizers += given is not None
         fold_chunk(entry.scores[local], queries, prefix_keys, positions, valid, repeat_keys, entry.chunk,
-                   entry.sink, scale, lse=lse)
+                   entry.sink, scale, lse=None if given is None else given.lse)
 
 
 @dataclass
