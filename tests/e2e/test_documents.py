@@ -6,9 +6,9 @@ next would not fit (the default `chunk` moment), invariants checked after every 
 Prompts are a document of 120 random tokens, then a question of 12: the document is compressed to
 30% (36 entries per head) by the first request that declares it, at a chunk that ends at the
 document's end, and shared by the later ones. A second server does the same with variable head
-budgets (the unit pool: the document is packed); a third, with layer head budgets, compresses
-nothing between chunks, so its first request reads its prompt whole and publishes a copy of the
-document's kept entries.
+budgets (the unit pool: the document is packed); a third, with layer head budgets and a context
+length of 192, compresses nothing between chunks, so its first request reads its prompt whole and
+publishes a copy of the document's kept entries.
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ CMD = [
     "--policy", "snapkv", "--prompt-policy", "kvzip", "--kv-budget", "64", "--kv-window", "4",
     "--kvzip-chunk", "48", "--max-total-tokens", str(POOL), "--chunked-prefill-size", "256", "--enable-metrics",
 ]
-READ_WHOLE = ["--compress-on", "prefill,decode,preempt", "--kv-head-budget", "layer"]
+# a context length far below the demo model's 16384 positions: a prompt near it leaves its
+# reconstruction forward room in the row only because sgl-kvc widens the rows
+CONTEXT = 192
+READ_WHOLE = ["--compress-on", "prefill,decode,preempt", "--kv-head-budget", "layer", "--context-length", str(CONTEXT)]
 
 
 @pytest.fixture(scope="module")
@@ -299,3 +302,21 @@ def test_a_bad_document_is_a_400(documents_server, document: dict, why: str) -> 
     })
     assert r.status_code == 400, r.text
     assert why in r.text
+
+
+def test_a_prompt_at_the_context_length_is_repeated_in_whole_chunks(servers) -> None:
+    """SGLang sizes a request's row to the context length (here 192), and a reconstruction forward
+    writes its chunk past the prompt: sgl-kvc widens the rows, so a prompt 8 tokens short of the
+    context is repeated in forwards of a whole chunk (without the room it was a failed request)."""
+    server = servers["whole"]
+    prompt = _tokens(900, CONTEXT - 8)  # SGLang takes at most 186 here; no template: the context starts after 4 sinks
+    before = server.stats()["compression"]
+    out = generate(server, prompt, 4)
+    assert len(out["output_ids"]) == 4
+    after = server.wait_idle()
+    rec, was = after["compression"]["reconstruction"], before["reconstruction"]
+    context = len(prompt) - 4
+    assert rec["forwards"] - was["forwards"] == -(-context // 48)  # --kvzip-chunk 48
+    assert rec["context_tokens"] - was["context_tokens"] == context
+    assert after["compression"]["failed_requests"] == before["failed_requests"]
+    assert_pool_whole(after)

@@ -215,7 +215,11 @@ def test_admission_counts_a_kvzip_requests_forward_and_the_400_names_kvzip_chunk
     assert admission.admission_demand(req("snapkv"), config) == 900 + B
     scheduler = SimpleNamespace(max_new_tokens_limit=None, model_config=SimpleNamespace(context_len=16384),
                                 chunked_prefill_size=256, max_total_num_tokens=1500,
-                                tree_cache=SimpleNamespace(disable=False))
+                                tree_cache=SimpleNamespace(disable=False), tp_worker=SimpleNamespace(model_runner=None))
+    # the model's positions leave the reconstruction room (`Reconstructor.refusal`, tested apart)
+    refusal = SimpleNamespace(message=None)
+    compressor = SimpleNamespace(reconstructor=SimpleNamespace(refusal=lambda s, ids: refusal.message))
+    monkeypatch.setattr(admission, "compressor_of", lambda model_runner, config: compressor)
     kvzip = req("kvzip")
     admission.around_max_new_tokens(config)(lambda *a: pytest.fail("SGLang's own cut"), scheduler, kvzip)
     status, message = kvzip.abort
@@ -223,3 +227,8 @@ def test_admission_counts_a_kvzip_requests_forward_and_the_400_names_kvzip_chunk
     snapkv = req("snapkv")
     admission.around_max_new_tokens(config)(lambda *a: pytest.fail("SGLang's own cut"), scheduler, snapkv)
     assert snapkv.abort is None
+    # where they do not, the refusal is the 400 (before any pool arithmetic)
+    refusal.message = "prompt_policy 'kvzip' repeats the prompt's context after it"
+    short = req("kvzip")
+    admission.around_max_new_tokens(config)(lambda *a: pytest.fail("SGLang's own cut"), scheduler, short)
+    assert short.abort == (400, refusal.message)
