@@ -10,7 +10,8 @@ An ASGI middleware on `POST /v1/chat/completions`, `POST /v1/completions` and SG
   outside OpenAI's documented ranges, which SGLang does not check (`n: 0` failed deep inside
   with "range() arg 3 must not be zero"; `n: -1`, `logprobs: 1000`, `best_of: 0` were accepted);
 - carrying invalid per-request compression settings (`kv_compression`, `custom_params.sgl_kvc`;
-  `sgl_kvc.server.settings`).
+  `sgl_kvc.server.settings`), or an `extra_key` / `cache_salt` in the namespace of sgl-kvc's
+  shared documents.
 A good body goes on unchanged (or with `kv_compression` moved into `custom_params`); the
 response, streamed or not, is never touched here. Out-of-vocabulary token ids are checked
 later, where every entry point passes (`sgl_kvc.adapter.request_guard`).
@@ -235,6 +236,7 @@ def inspect_body(route: str, body: bytes, config: KvcConfig | None) -> bytes:
         raise BodyError(
             400, f"The request body must be a JSON object, got {json_type_name(data)}."
         )
+    _check_namespaces(data)
     try:
         if route == GENERATE:
             check_generate_body(data, config)
@@ -245,6 +247,23 @@ def inspect_body(route: str, body: bytes, config: KvcConfig | None) -> bytes:
     except RequestSettingError as e:
         raise BodyError(400, _sentence(f"Invalid '{e.param}': {e}"), e.param) from None
     return orjson.dumps(data) if changed else body
+
+
+def _check_namespaces(data: dict) -> None:
+    """`extra_key` and `cache_salt` (one value, or one per prompt of a batch) outside the namespace
+    sgl-kvc's shared documents keep their tree nodes in: a 400 naming the field. (The node's key
+    cannot be forged anyway, `adapter/documents.DocumentNamespace`; every other entry point is
+    refused in `adapter/request_guard.py`, without a `param`.)"""
+    from sgl_kvc.adapter.documents import reserved_namespace
+
+    for name in ("extra_key", "cache_salt"):
+        value = data.get(name)
+        values = value if isinstance(value, list) else [value]
+        for i, one in enumerate(values):
+            param = f"{name}[{i}]" if values is value else name
+            message = reserved_namespace(param, one)
+            if message is not None:
+                raise BodyError(400, message, param)
 
 
 def _vocab_size() -> int | None:

@@ -45,7 +45,39 @@ KEY_ATTR = "_sgl_kvc_document_key"  # on a Req: the DocumentKey of the document 
 HIT_ATTR = "_sgl_kvc_document_hit"  # on a Req: the Document its matched prefix is, else None
 SPLIT_ATTR = "_sgl_kvc_document_split"  # on a Req: its document is compressed at a chunk ending at D
 NODE_ATTR = "sgl_kvc_document"  # on a radix TreeNode: the Document it holds
-NAMESPACE = "sgl-kvc/document/"  # the extra_key prefix of a document node
+NAMESPACE = "sgl-kvc/document/"  # the extra_key prefix of a document node, reserved (`reserved_namespace`)
+
+
+class DocumentNamespace(str):
+    """The `extra_key` of a document's node: `NAMESPACE` + its key's digest, as a str (SGLang's
+    KV events and logs read it as one) that is equal only to another `DocumentNamespace`. A
+    client's `extra_key` is always a plain str: were the node's one too, a client that computed a
+    document's digest (its tokens are the client's, the key formula is public, k is in the stats)
+    could plant a node under it before the document was published, and the publication's insert
+    would split that node and share its slots (slots owned twice). A plain str never equals this
+    class (its reflected `__eq__` runs first) and hashes elsewhere, so SGLang's child keys
+    `(extra_key, token)` of a client's nodes and of a document's never meet in the tree."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is DocumentNamespace and str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash((DocumentNamespace, str.__str__(self)))
+
+
+def reserved_namespace(field_name: str, value: Any) -> str | None:
+    """Why a client's `extra_key` or `cache_salt` (`field_name`) cannot be served, or None: the
+    document namespace is sgl-kvc's own (refused where requests enter, `server/body_guard.py` and
+    `adapter/request_guard.py`; the node's key cannot be forged anyway, `DocumentNamespace`)."""
+    if isinstance(value, str) and value.startswith(NAMESPACE):
+        return (f"Invalid '{field_name}': values starting with '{NAMESPACE}' are reserved for "
+                "sgl-kvc's shared documents.")
+    return None
 
 
 @dataclass(frozen=True)
@@ -111,10 +143,19 @@ class DocumentRegistry:
         """The request in flight that compresses this document, or None (one that finished or gave
         its row back without publishing it is forgotten here)."""
         req = self.compressing.get(key.digest)
-        if req is not None and (req.finished() or not req.kv.holds_kv):
+        if req is not None and _gone(req):
             del self.compressing[key.digest]
             return None
         return req
+
+    def forget_gone(self) -> None:
+        """Forget every request registered as compressing a document that finished, failed or gave
+        its row back without publishing it. `compressed_by` forgets one only when its document is
+        asked for again: a unique document's would keep its `Req` (its prompt, its output) for the
+        server's lifetime. Run at each prefill round (`compressing`), it bounds the registry by the
+        requests in flight."""
+        for digest in [d for d, req in self.compressing.items() if _gone(req)]:
+            del self.compressing[digest]
 
     def settle(self, key: DocumentKey, req: Any) -> None:
         """`req` published the document, or will not: requests held back for it may go."""
@@ -164,6 +205,11 @@ class DocumentRegistry:
         }
 
 
+def _gone(req: Any) -> bool:
+    """`req` will not publish its document any more: finished, or its row given back (retracted)."""
+    return req.finished() or not req.kv.holds_kv
+
+
 def registry_of(tree_cache: Any) -> DocumentRegistry | None:
     """The document registry of SGLang's tree cache (sgl-kvc's prefix cache), or None."""
     return getattr(tree_cache, "documents", None)
@@ -195,14 +241,26 @@ def request_key(req: Req, config: KvcConfig) -> DocumentKey | None:
     return DocumentKey(digest=h.hexdigest(), tokens=spec.tokens, entries=entries, policy=policy)
 
 
+def may_start_from(req: Any) -> bool:
+    """Whether `req` may start from its resident document's node. Not a request that asks for its
+    prompt's log-probabilities: a hit's prefix is k slots standing for D tokens, so SGLang would
+    expect log-probabilities of tokens it never reads and count the rest from k, not D (its assert
+    in the scheduler loop took the server down); such a request reads its prompt itself, exact,
+    as on a server without documents (and may publish the document from it, read whole)."""
+    from sgl_kvc.adapter.requests import asks_prompt_logprobs
+
+    return not asks_prompt_logprobs(req, len(getattr(req, "origin_input_ids", ())))
+
+
 def held_back(waiting: list[Any], registry: DocumentRegistry) -> list[Any]:
     """The waiting requests that wait for their document to be published rather than compress it
     themselves: another request in flight compresses it, or an earlier one in the queue declares it
-    (the first of them is admitted; the others start from its document once it is published)."""
+    (the first of them is admitted; the others start from its document once it is published).
+    A request that may not start from it (`may_start_from`) never waits for it."""
     held, first = [], set()
     for req in waiting:
         key = declared(req)
-        if key is None or registry.get(key) is not None:
+        if key is None or registry.get(key) is not None or not may_start_from(req):
             continue
         by = registry.compressed_by(key)
         if (by is not None and by is not req) or (by is None and key.digest in first):
@@ -213,7 +271,8 @@ def held_back(waiting: list[Any], registry: DocumentRegistry) -> list[Any]:
 
 def compressing(admitted: list[Any], registry: DocumentRegistry) -> None:
     """Requests just admitted to read their prompt that compress their document: registered, so
-    that later ones wait for it (`held_back`)."""
+    that later ones wait for it (`held_back`). Those that ended without publishing are forgotten."""
+    registry.forget_gone()
     for req in admitted:
         key = declared(req)
         if (key is not None and hit(req) is None and not req.output_ids and registry.get(key) is None
@@ -308,10 +367,11 @@ def fill_shift(req: Any) -> int:
 
 def node_key(key: DocumentKey, slots: int) -> Any:
     """The radix key of a document's node of `slots` slots: as many placeholder tokens, in the
-    document's own namespace (`extra_key`), so that no request's tokens ever match into it."""
+    document's own namespace (`extra_key`, a `DocumentNamespace` no client's key equals), so that
+    no request's tokens ever match into it and no client's node is ever under its key."""
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    return RadixKey(array("q", bytes(8 * slots)), extra_key=NAMESPACE + key.digest)
+    return RadixKey(array("q", bytes(8 * slots)), extra_key=DocumentNamespace(NAMESPACE + key.digest))
 
 
 def admit(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False) -> None:

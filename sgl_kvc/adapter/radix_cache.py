@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.registry import (
     register_radix_cache_backend,
 )
 
-from sgl_kvc.adapter.documents import DocumentRegistry, declared, match_limit
+from sgl_kvc.adapter.documents import DocumentRegistry, declared, match_limit, may_start_from
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,10 @@ class KvcRadixCache(RadixCache):
         req = params.req
         doc = None if req is None or self.disable else self.documents.get(declared(req))
         # The request's prompt reaches past the document (`request_key` checked it); SGLang's
-        # cap on the match (the last token, the observation window) is about its own suffix.
-        if doc is not None and len(params.key.token_ids) > doc.key.tokens:
+        # cap on the match (the last token, the observation window) is about its own suffix, but
+        # its cap for prompt log-probabilities (`logprob_start_len`) is not: such a request
+        # reads its prompt itself (`may_start_from`).
+        if doc is not None and len(params.key.token_ids) > doc.key.tokens and may_start_from(req):
             node = doc.node
             node.last_access_time = time.monotonic()  # LRU: a hit is a use
             return MatchResult(device_prefix_len=len(node.value), last_device_node=node,

@@ -1,4 +1,5 @@
-"""Refuse prompts with out-of-vocabulary token ids before they reach the scheduler.
+"""Refuse prompts with out-of-vocabulary token ids (and `extra_key` / `cache_salt` values in the
+namespace of sgl-kvc's shared documents) before they reach the scheduler.
 
 SGLang 0.5.23 does not range-check prompt token ids: `"prompt": [999999]` (or `[-1]`) on
 `/v1/completions`, `input_ids` on `/v1/chat/completions` or the native `/generate`, reaches the
@@ -24,7 +25,7 @@ def hook_table() -> list[Hook]:
     """Installed in every SGLang process; the hook only ever runs in the process that owns the
     TokenizerManager (the HTTP server)."""
     return [Hook(TARGET, _before_validate_one_request, "BEFORE", ("obj", "input_ids"),
-                 "out-of-vocabulary prompt token ids are a 400")]
+                 "out-of-vocabulary prompt token ids, a reserved extra_key or cache_salt are a 400")]
 
 
 def out_of_vocab_message(input_ids: Sequence[Any] | None, vocab_size: int) -> str | None:
@@ -62,6 +63,14 @@ def _has_multimodal_input(manager: Any, obj: Any) -> bool:
 def _before_validate_one_request(
     manager: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any
 ) -> None:
+    from sgl_kvc.adapter.documents import reserved_namespace
+
+    # The shared documents' namespace is sgl-kvc's (the HTTP routes refuse it first, naming the
+    # field; this covers every other entry point, the Python engine's included).
+    for name in ("extra_key", "cache_salt"):
+        message = reserved_namespace(name, getattr(obj, name, None))
+        if message is not None:
+            raise ValueError(message)
     if input_ids is None or _has_multimodal_input(manager, obj):
         return None
     message = out_of_vocab_message(input_ids, manager.model_config.vocab_size)

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.request_settings import of_request, resolved
@@ -55,9 +55,19 @@ def chunk_compressible(req: Req | TokenizedGenerateReqInput, config: KvcConfig) 
     settings = of_request(req, cache=False).resolve(config) if tokenized else resolved(req, config)
     if not settings.compressing:
         return False
-    if getattr(req, "return_logprob", False) and 0 <= getattr(req, "logprob_start_len", -1) < len(prompt):
+    if asks_prompt_logprobs(req, len(prompt)):
         return False
     return getattr(req, "multimodal_inputs", None) is None and getattr(req, "mm_inputs", None) is None
+
+
+def asks_prompt_logprobs(req: Any, prompt_len: int) -> bool:
+    """Whether `req` (SGLang's `Req`, or its tokenized input) asks for log-probabilities of
+    some of its `prompt_len` prompt tokens (`logprob_start_len` within the prompt: `/generate`'s
+    own field, `echo` with `logprobs` on `/v1/completions`). SGLang computes them in the forward
+    that reads those tokens and expects one per prompt token from `logprob_start_len`, counted
+    from the request's matched prefix (`prefix_len` slots taken as as many tokens): such a
+    request reads each of those tokens itself, into a cache that holds every token before them."""
+    return bool(getattr(req, "return_logprob", False)) and 0 <= getattr(req, "logprob_start_len", -1) < prompt_len
 
 
 def shifted_fill_ids(req: Req, offset: int) -> None:

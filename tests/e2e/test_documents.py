@@ -320,3 +320,99 @@ def test_a_prompt_at_the_context_length_is_repeated_in_whole_chunks(servers) -> 
     assert rec["context_tokens"] - was["context_tokens"] == context
     assert after["compression"]["failed_requests"] == before["failed_requests"]
     assert_pool_whole(after)
+
+
+def _kvc_config(flags: list[str]):
+    """The sgl-kvc settings a server started with `flags` runs with (as its launcher parses them)."""
+    import argparse
+
+    from sgl_kvc.config import KvcConfig
+
+    parser = argparse.ArgumentParser()
+    KvcConfig.add_cli_args(parser)
+    known, _ = parser.parse_known_args(flags)
+    return KvcConfig.from_cli_args(known)
+
+
+@pytest.mark.parametrize("name", ["variable", "whole"])
+def test_prompt_logprobs_on_a_resident_document(servers, name: str) -> None:
+    """A request asking for its prompt's log-probabilities (`/generate` with `logprob_start_len`
+    0, `/v1/completions` with `echo` and `logprobs`) on a resident document: it cannot start from
+    the compressed copy (its prompt's tokens up to D would have no log-probability; SGLang asserted
+    in its scheduler loop and the server exited), so it reads its prompt itself and gets exact
+    prompt log-probabilities, those of the same prompt without a document. The server goes on."""
+    server = servers[name]
+    tenant = _tokens(1105, DOC + QUESTION)
+    quiet = generate(server, tenant, 8)["output_ids"]
+    doc, question = _tokens(1100, DOC), _tokens(1101, QUESTION)
+    prompt = doc + question
+    _ask(server, doc, _tokens(1102, QUESTION))  # publishes the document
+    before = _documents(server)
+    assert before["resident"] >= 1, before
+
+    def prompt_logprobs(document: bool) -> list:
+        sampling = {"custom_params": {"sgl_kvc": {"document": {"tokens": DOC}}}} if document else {}
+        out = generate(server, prompt, 2, sampling=sampling, logprob_start_len=0)
+        return [lp[0] for lp in out["meta_info"]["input_token_logprobs"]]
+
+    served, plain = prompt_logprobs(True), prompt_logprobs(False)
+    assert len(served) == len(prompt) and served[0] is None
+    assert max(abs(a - b) for a, b in zip(served[1:], plain[1:])) < TOLERANCE
+
+    r = server.post("/v1/completions", json={
+        "model": "demo", "prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1,
+        "kv_compression": {"document": {"tokens": DOC}},
+    })
+    assert r.status_code == 200, r.text
+    token_logprobs = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(token_logprobs) == len(prompt) + 2
+    assert max(abs(a - b) for a, b in zip(token_logprobs[1:len(prompt)], plain[1:])) < TOLERANCE
+
+    # still serving: the document is still resident and a later request starts from it
+    _ask(server, doc, _tokens(1103, QUESTION))
+    after = _documents(server)
+    assert after["hits"] == before["hits"] + 1 and after["compressions"] == before["compressions"], after
+    assert_pool_whole(server.wait_idle())
+    assert generate(server, tenant, 8)["output_ids"] == quiet  # another tenant's answer is unchanged
+
+
+def test_a_client_cannot_plant_a_node_in_a_documents_namespace(servers) -> None:
+    """A client's `extra_key` (or `cache_salt`) in the namespace of a document's node (the key
+    formula is public, k is in the stats): a 400 naming the field. Planted before the document was
+    published, it split into the node's place in the tree and its slots were owned twice (the
+    scheduler exited). The document is then published and shared as usual, the pool adds up
+    (SGLKVC_CHECK), and another tenant's greedy answer is unchanged. (Past the 400, the node's key
+    cannot be reached either: tests/unit/test_document_registry.py plants one in the tree.)"""
+    from types import SimpleNamespace
+
+    from sgl_kvc.adapter.documents import NAMESPACE, request_key
+    from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY
+
+    server = servers["variable"]
+    tenant = _tokens(1200, DOC + QUESTION)
+    quiet = generate(server, tenant, 8)["output_ids"]
+
+    doc, question = _tokens(1201, DOC), _tokens(1202, QUESTION)
+    spec = {"tokens": DOC, "ratio": 0.3}
+    req = SimpleNamespace(origin_input_ids=doc + question, extra_key=None, cache_salt=None,
+                          sampling_params=SimpleNamespace(custom_params={CUSTOM_PARAMS_KEY: {"document": spec}}))
+    digest = request_key(req, _kvc_config([*CMD, "--kv-head-budget", "variable"])).digest
+    for field in ("extra_key", "cache_salt"):
+        # a few placeholder tokens (0), as the node's key holds, under the node's namespace
+        r = server.post("/generate", json={
+            "input_ids": [0] * 8, field: NAMESPACE + digest,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+        })
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"], r.text
+    r = server.post("/v1/completions", json={"model": "demo", "prompt": [0] * 8, "max_tokens": 2,
+                                              "extra_key": NAMESPACE + digest})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "extra_key", r.text
+
+    before = _documents(server)
+    _ask(server, doc, question)
+    _ask(server, doc, _tokens(1204, QUESTION))
+    after = _documents(server)
+    assert after["compressions"] == before["compressions"] + 1 and after["hits"] == before["hits"] + 1, after
+    assert_pool_whole(server.wait_idle())
+    assert generate(server, tenant, 8)["output_ids"] == quiet

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any, List, Literal, Optional, Union
 
 import pytest
@@ -236,6 +237,27 @@ def test_kv_compression_moves_into_custom_params() -> None:
     data = json.loads(out)
     assert "kv_compression" not in data
     assert data["custom_params"] == {"x": 1, "sgl_kvc": {"policy": "rkv", "budget": 8}}
+
+
+def test_the_documents_namespace_is_reserved() -> None:
+    """An `extra_key` or `cache_salt` in the namespace of sgl-kvc's shared documents' nodes is a
+    400 naming the field, on every route, one value or one per prompt; any other passes unchanged.
+    Every other entry point is refused by the tokenizer manager's hook (`request_guard`)."""
+    from sgl_kvc.adapter import request_guard
+    from sgl_kvc.adapter.documents import NAMESPACE
+
+    planted = NAMESPACE + "ab" * 32
+    for field in ("extra_key", "cache_salt"):
+        for route, obj in [(CHAT, chat()), (COMPLETIONS, {"prompt": "hi"}), (GENERATE, {"text": "hi"})]:
+            e = rejected(route, {**obj, field: planted})
+            assert e.status == 400 and e.param == field and field in e.message and "reserved" in e.message
+        assert rejected(GENERATE, {"text": ["a", "b"], field: ["x", planted]}).param == f"{field}[1]"
+        body = _body({"text": "hi", field: "tenant-" + planted})
+        assert inspect_body(GENERATE, body, RKV) is body
+        one = SimpleNamespace(**{"extra_key": None, "cache_salt": None, field: planted})
+        with pytest.raises(ValueError, match=field):
+            request_guard._before_validate_one_request(SimpleNamespace(), one, None)
+    request_guard._before_validate_one_request(SimpleNamespace(), SimpleNamespace(extra_key="a"), None)
 
 
 # ------------------------------------------------------------------------ token ids, envelope

@@ -227,3 +227,76 @@ def test_concurrent_first_requests_wait_for_the_one_compressing_their_document()
     registry.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64), slots=30))
     assert documents.held_back([req(key), req(key)], registry) == []  # resident: every one starts from it
     assert key.digest not in registry.compressing
+
+
+def test_no_client_extra_key_reaches_a_documents_node() -> None:
+    """A client's node under the document namespace's very string (`extra_key` is any client's,
+    the digest computable): the document's node is inserted beside it, not into it (before, the
+    publication's insert split it and found a prefix: slots owned twice), and each matches only
+    its own."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    tree, _ = _tree()
+    key = DocumentKey(digest="9a" * 32, tokens=100, entries=30, policy="kvzip")
+    planted = RadixKey(array("q", [0] * 8), extra_key=documents.NAMESPACE + key.digest)
+    tree.insert(InsertParams(key=planted, value=torch.arange(900, 908)))
+    result = tree.insert(InsertParams(key=node_key(key, 30), value=torch.arange(500, 530)))
+    assert result.prefix_len == 0 and len(result.last_device_node.value) == 30
+    assert tree.evictable_size() == 38
+    client = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", [0] * 40), extra_key=planted.extra_key)))
+    assert client.device_prefix_len == 8
+    assert tree.match_prefix(MatchPrefixParams(key=node_key(key, 30))).device_prefix_len == 30
+    assert node_key(key, 30).extra_key != planted.extra_key and planted.extra_key != node_key(key, 30).extra_key
+
+
+def test_a_request_asking_for_prompt_logprobs_never_starts_from_a_document() -> None:
+    """Prompt log-probabilities (SGLang's `logprob_start_len` within the prompt) on a resident
+    document: the request matches its tokens, not the node (SGLang would count them from the
+    node's k slots; its assert took the server down), and waits for no publisher."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    tree, _ = _tree()
+    prompt = list(range(10, 130))
+    key = DocumentKey(digest="7b" * 32, tokens=100, entries=30, policy="kvzip")
+    node = tree.insert(InsertParams(key=node_key(key, 30), value=torch.arange(30))).last_device_node
+    tree.documents.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64), slots=30))
+
+    def req(return_logprob: bool, start: int) -> SimpleNamespace:
+        return SimpleNamespace(origin_input_ids=prompt, return_logprob=return_logprob, logprob_start_len=start,
+                               **{documents.KEY_ATTR: key})
+
+    for start in (0, 99, 100, 119):  # before, at and after the document's end
+        limited = RadixKey(array("q", prompt), limit=start)  # SGLang's cap for them
+        match = tree.match_prefix(MatchPrefixParams(key=limited, req=req(True, start)))
+        assert match.last_device_node is not node and match.device_prefix_len == 0, start
+    for r in (req(True, 120), req(True, -1), req(False, 0)):  # output log-probabilities only
+        assert tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=r)).last_device_node is node
+    waiting = SimpleNamespace(**vars(req(True, 0)), output_ids=[])
+    del tree.documents.by_key[key.digest]  # not resident: another request compresses it
+    tree.documents.compressing[key.digest] = SimpleNamespace(finished=lambda: False, kv=SimpleNamespace(holds_kv=True))
+    assert documents.held_back([waiting], tree.documents) == []
+
+
+def test_publishers_that_ended_without_publishing_are_forgotten() -> None:
+    """The registry holds a request compressing a document only while it is in flight: one that
+    finished, failed or was retracted before publishing is dropped at the next prefill round, even
+    if no request declares its (unique) document again."""
+    registry = documents.DocumentRegistry()
+
+    def publisher(i: int) -> tuple[DocumentKey, SimpleNamespace]:
+        key = DocumentKey(digest=f"{i:064x}", tokens=100, entries=30, policy="kvzip")
+        req = SimpleNamespace(output_ids=[], kv=SimpleNamespace(holds_kv=True), finished=lambda: False,
+                              **{documents.KEY_ATTR: key, documents.HIT_ATTR: None})
+        return key, req
+
+    reqs = [publisher(i)[1] for i in range(100)]
+    documents.compressing(reqs, registry)
+    assert len(registry.compressing) == 100
+    for i, r in enumerate(reqs[:99]):  # finished (aborted or not) or retracted: its row given back
+        if i % 2:
+            r.finished = lambda: True
+        r.kv.holds_kv = False
+    documents.compressing([], registry)  # the next prefill round
+    assert list(registry.compressing.values()) == [reqs[99]]
