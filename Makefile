@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP := $(VENV)/.sgl-kvc-installed
 
-.PHONY: install serve test clean
+.PHONY: install serve test clean gpu-kit gpu-kit-check
 
 install: $(STAMP)
 
@@ -50,6 +50,18 @@ test: install
 	# no SGLang: `.ci/gpu`). Then everything else.
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --without-sglang $(NO_SGLANG_TESTS) $(PYTEST_ARGS)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(NO_SGLANG_TESTS:%=--ignore=%) $(PYTEST_ARGS)
+
+# The offline GPU kit (gpu/README.md): SGLang + sgl-kvc wheels for a CUDA machine without a
+# package registry, built into .gpu-kit/ (downloads), and the GPU serving table's model folder
+# (a config and the default model's tokenizer: benchmarks/gpu_serving.py). Not part of install or test.
+gpu-kit: install
+	$(PY) gpu/build_kit.py
+	$(PY) -m benchmarks.gpu_serving --write-model .gpu-kit/llama-3.1-8b-shape
+
+# Dry run of the kit here: a clean venv with the GPU image's packages, the kit installed offline,
+# import checks as is and with CUDA simulated (downloads the image's packages).
+gpu-kit-check: gpu-kit
+	bash gpu/check_kit.sh
 
 clean:
 	rm -rf $(VENV)

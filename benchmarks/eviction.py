@@ -79,6 +79,7 @@ class ConfigResult:
     retractions: int = 0
     total_tokens: int = 0
     max_row_slots: int = 0  # the most slots one compressing request held (before a compaction)
+    pool_bytes: int = 0  # the KV pool's K and V buffers (scales included), from /v1/kvc/stats
     errors: list[str] = field(default_factory=list)  # the distinct reasons requests failed
     round: int = 0  # with --rounds: which round of the interleaved repeats
 
@@ -201,7 +202,9 @@ def server_flags(flags: list[str], args: argparse.Namespace) -> list[str]:
     given = [*flags, *args.server_args]
     model = [] if has_flag(given, "--model-path") else ["--model-path", "demo"]
     dtype = [] if has_flag(given, "--dtype") else ["--dtype", "auto"]
-    return ["--max-total-tokens", str(args.max_total_tokens), *model, *dtype, *flags, *args.server_args]
+    # A pool sized in bytes (`--kv-cache-memory-gb`: FP8 then holds more tokens) takes no token cap.
+    pool = [] if has_flag(given, "--kv-cache-memory-gb") else ["--max-total-tokens", str(args.max_total_tokens)]
+    return [*pool, *model, *dtype, *flags, *args.server_args]
 
 
 def run_config(name: str, flags: list[str], args: argparse.Namespace, log: Path) -> ConfigResult:
@@ -236,7 +239,7 @@ def run_config(name: str, flags: list[str], args: argparse.Namespace, log: Path)
         compression_s_per_pass=comp["seconds"] / max(comp["passes"], 1),
         compression_max_step_s=comp.get("max_step_seconds", 0.0),
         retractions=comp.get("retractions", 0), total_tokens=stats["pool"]["total_tokens"],
-        max_row_slots=comp.get("max_row_slots", 0),
+        max_row_slots=comp.get("max_row_slots", 0), pool_bytes=stats["pool"].get("bytes", 0),
         errors=sorted({str(r)[:300] for r in results if not isinstance(r, RequestResult)})[:3],
     )
 

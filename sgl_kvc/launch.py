@@ -3,7 +3,8 @@
 Every SGLang server flag works and means what it means in SGLang; the flags of `KvcConfig`
 are added. Per device defaults are filled in only where the user did not give the flag:
 on CPU the torch-native attention and sampling backends, no grammar backend and a modest
-`--max-total-tokens`; on CUDA FlashInfer. Without `--model-path` the built-in real model,
+`--max-total-tokens`; on CUDA FlashInfer, or SGLang's Triton backend where FlashInfer is not
+installed or the KV pool is sgl-kvc's own (FP8, variable budgets). Without `--model-path` the built-in real model,
 SmolLM2-135M-Instruct, is served (converted from its packaged GGUF file on first use);
 `--model-path demo` serves the tiny random-weight model the fast tests use. Set-ups sgl-kvc
 cannot serve correctly are refused with one line (`unsupported`).
@@ -38,6 +39,10 @@ CPU_DEFAULTS: dict[str, str | None] = {
     "--sleep-on-idle": None,
 }
 GPU_DEFAULTS: dict[str, str | None] = {"--attention-backend": "flashinfer"}
+# The CUDA backend where FlashInfer is not installed (SGLang's own fallback on AMD GPUs; the offline
+# GPU kit, gpu/README.md) and for sgl-kvc's pools: SGLang's Triton kernels, with sgl-kvc's Triton
+# decode kernel over the FP8 and unit pools (adapter/attention.py, `TritonKernelMixin`).
+GPU_TRITON_BACKEND = "triton"
 # The model dtype on a CPU without native bfloat16 (no AVX512-BF16 or AMX), where a bfloat16 or
 # float16 model's matrix products are emulated: float32 serves many users and pre-fills faster
 # there, one user alone decodes slower (batch-1 decode reads the weights, twice the bytes), and
@@ -59,28 +64,39 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def default_attention_backend(on_gpu: bool, fp8_kv: bool = False, unit_pool: bool = False) -> str:
-    """The attention backend a server gets without `--attention-backend`."""
+def flashinfer_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def default_attention_backend(on_gpu: bool, fp8_kv: bool = False, unit_pool: bool = False,
+                              flashinfer: bool = True) -> str:
+    """The attention backend a server gets without `--attention-backend`. `flashinfer`: whether
+    FlashInfer is installed (on a GPU)."""
+    if not on_gpu:
+        return str(CPU_DEFAULTS["--attention-backend"])
     if fp8_kv or unit_pool:
-        # sgl-kvc's FP8 pool is read by indexing (dequantizing the rows read), and heads of a
-        # packed request (variable per-head budgets) hold different numbers of entries, which only
-        # sgl-kvc's batched kernel reads: torch-native attention, also on CUDA. SGLang itself keeps
-        # the model's dtype (`auto`), so its AMX-only CPU FP8 path is never entered.
-        return "torch_native"
-    return str((GPU_DEFAULTS if on_gpu else CPU_DEFAULTS)["--attention-backend"])
+        # sgl-kvc's FP8 pool stores codes and scales, and the heads of a packed request (variable
+        # per-head budgets) hold different numbers of entries: FlashInfer reads neither. In the
+        # Triton backend sgl-kvc's kernel runs decode and extends read the rows they need
+        # dequantized; SGLang itself keeps the model's dtype (`auto`).
+        return GPU_TRITON_BACKEND
+    return str(GPU_DEFAULTS["--attention-backend"]) if flashinfer else GPU_TRITON_BACKEND
 
 
 def build_sglang_argv(
     argv: list[str], on_gpu: bool, compressing: bool = False, fp8_kv: bool = False,
-    kv_memory_gb: bool = False, unit_pool: bool = False, native_bf16: bool = True,
+    kv_memory_gb: bool = False, unit_pool: bool = False, native_bf16: bool = True, flashinfer: bool = True,
 ) -> list[str]:
     """SGLang's argument list: the user's flags plus the defaults they did not override.
-    `native_bf16`: whether this CPU multiplies bfloat16 natively (see `EMULATED_BF16_DTYPE`)."""
+    `native_bf16`: whether this CPU multiplies bfloat16 natively (see `EMULATED_BF16_DTYPE`);
+    `flashinfer`: whether FlashInfer is installed."""
     from sgl_kvc.adapter import RADIX_CACHE_BACKEND
 
     out = list(argv)
     defaults = dict(GPU_DEFAULTS if on_gpu else CPU_DEFAULTS)
-    defaults["--attention-backend"] = default_attention_backend(on_gpu, fp8_kv, unit_pool)
+    defaults["--attention-backend"] = default_attention_backend(on_gpu, fp8_kv, unit_pool, flashinfer)
     if kv_memory_gb:
         defaults.pop("--max-total-tokens", None)  # the KV memory decides the pool's size
     if compressing and not has_flag(out, "--disable-overlap-schedule"):
@@ -162,40 +178,37 @@ def parse_args(argv: list[str]) -> tuple[KvcConfig, list[str]]:
         rest = [*rest, "--kv-cache-dtype", config.kv_cache_dtype]
         config = replace(config, kv_cache_dtype="auto")
     backend = _flag_value(rest, "--attention-backend")
-    if config.fp8_kv and backend not in (None, "torch_native"):
+    if config.fp8_kv and backend not in (None, *KVC_POOL_BACKENDS):
         parser.error(
-            f"--kv-cache-dtype {config.fp8_kv} needs --attention-backend torch_native (sgl-kvc's "
-            f"FP8 pool dequantizes the rows attention reads); got {backend}"
+            f"--kv-cache-dtype {config.fp8_kv} needs --attention-backend {' or '.join(KVC_POOL_BACKENDS)} "
+            f"(sgl-kvc's FP8 pool stores codes and scales, which {backend} does not read)"
         )
 
     on_gpu = _cuda_available()
-    default = default_attention_backend(on_gpu, config.fp8_kv is not None, config.variable_budget)
+    default = default_attention_backend(on_gpu, config.fp8_kv is not None, config.variable_budget,
+                                        flashinfer_installed() if on_gpu else True)
     problem = unsupported(config, rest, default_backend=default)
-    if problem is None and on_gpu:
-        problem = torch_native_on_gpu(config, rest, explicit=False)
     if problem:
         parser.error(problem)
     return config, rest
 
 
-def torch_native_on_gpu(config: KvcConfig, argv: list[str], explicit: bool) -> str | None:
-    """On a GPU, FP8 KV storage and variable / layer budgets are served by the torch_native
-    attention backend, whose prefill runs SGLang's SDPA loop one request at a time: refused unless
-    the user asked for that backend (`explicit=False`: the refusal; `explicit=True`: the warning
-    the launcher logs when they did). None where neither applies."""
+# The attention backends that read sgl-kvc's own pools (FP8, and the unit pool of variable budgets).
+KVC_POOL_BACKENDS: tuple[str, ...] = ("torch_native", "triton")
+
+
+def torch_native_on_gpu(config: KvcConfig, argv: list[str]) -> str | None:
+    """The warning the launcher logs where a GPU serves FP8 KV storage or variable / layer budgets
+    on the torch_native backend the user asked for: its prefill runs SGLang's SDPA loop one request
+    at a time (the Triton backend, the default there, reads those pools too). None otherwise."""
     what = " and ".join(
         ([f"--kv-cache-dtype {config.fp8_kv}"] if config.fp8_kv else [])
         + ([f"--kv-head-budget {config.kv_head_budget}"] if config.variable_budget else [])
     )
-    asked = _flag_value(argv, "--attention-backend") == "torch_native"
-    if not what or asked != explicit:
+    if not what or _flag_value(argv, "--attention-backend") != "torch_native":
         return None
-    if explicit:
-        return (f"sgl-kvc: {what} runs on the torch_native attention backend: its prefill runs one "
-                "request at a time (FlashInfer does not read sgl-kvc's FP8 pool or per-head tables)")
-    return (f"{what} on a GPU needs the torch_native attention backend (FlashInfer does not read sgl-kvc's "
-            "FP8 pool or per-head tables), whose prefill runs one request at a time: pass "
-            "--attention-backend torch_native to accept that")
+    return (f"sgl-kvc: {what} on --attention-backend torch_native: its prefill runs one request at a "
+            "time (the default on a GPU, triton, reads sgl-kvc's pools too)")
 
 
 def unsupported(config: KvcConfig, argv: list[str], default_backend: str = "torch_native") -> str | None:
@@ -230,9 +243,9 @@ def unsupported(config: KvcConfig, argv: list[str], default_backend: str = "torc
                 "observes both through it); got " + ", ".join(f"{f} {v}" for f, v in split.items()))
     for flag in ("--attention-backend", "--decode-attention-backend"):
         value = _flag_value(argv, flag)
-        if config.variable_budget and value not in (None, "torch_native"):
-            return (f"--kv-head-budget {config.kv_head_budget} needs the torch_native attention backend "
-                    f"(sgl-kvc's batched kernel reads the per-head tables); got {flag} {value}")
+        if config.variable_budget and value not in (None, *KVC_POOL_BACKENDS):
+            return (f"--kv-head-budget {config.kv_head_budget} needs the {' or '.join(KVC_POOL_BACKENDS)} "
+                    f"attention backend (sgl-kvc's kernel reads the per-head tables); got {flag} {value}")
     if _flag_value(argv, "--speculative-algorithm") not in (None, "None", "none"):
         return (f"--policy {config.policy} does not support speculative decoding "
                 "(--speculative-algorithm): draft batches would see physical positions")
@@ -420,13 +433,14 @@ def main(argv: list[str] | None = None) -> None:
             problem = problem or str(e)
         if problem:
             sys.exit(f"python -m sgl_kvc.launch: error: {problem}")
-    if on_gpu and (warning := torch_native_on_gpu(config, rest, explicit=True)):
+    if on_gpu and (warning := torch_native_on_gpu(config, rest)):
         logger.warning(warning)
     native_bf16 = on_gpu or _native_bf16()
+    flashinfer = not on_gpu or flashinfer_installed()
     sglang_argv = build_sglang_argv(
         rest, on_gpu, config.compressing, fp8_kv=config.fp8_kv is not None,
         kv_memory_gb=config.kv_cache_memory_gb is not None, unit_pool=config.variable_budget,
-        native_bf16=native_bf16,
+        native_bf16=native_bf16, flashinfer=flashinfer,
     )
     config.to_env()  # read by the plugin in this process and in SGLang's worker processes
 
@@ -447,6 +461,10 @@ def main(argv: list[str] | None = None) -> None:
     from sgl_kvc.server import mount
 
     mount(app)
+    if not flashinfer and not has_flag(rest, "--attention-backend"):
+        # After prepare_server_args: SGLang configures logging there.
+        logger.info("sgl-kvc: FlashInfer is not installed: --attention-backend %s (SGLang's Triton kernels)",
+                    server_args.attention_backend)
     if not native_bf16 and not has_flag(rest, "--dtype"):
         # After prepare_server_args: SGLang configures logging there.
         if has_flag(sglang_argv, "--dtype"):

@@ -42,6 +42,29 @@ def cpu_share_env(servers: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // servers))}
 
 
+# Flags given to every `python -m sgl_kvc.launch` this module starts, each only where the command
+# does not set it: several test servers sharing one GPU each take a fixed KV budget
+# (`--kv-cache-memory-gb`) instead of profiling the free memory the others also see (`.ci/gpu`).
+DEFAULT_ARGS_ENV = "SGLKVC_SERVER_DEFAULT_ARGS"
+
+
+def with_default_args(cmd: Sequence[str], defaults: str | None = None) -> tuple[str, ...]:
+    """`cmd` plus the flags of `defaults` (`--flag value` or `--switch`, space-separated; default:
+    `$SGLKVC_SERVER_DEFAULT_ARGS`) that it does not set, where `cmd` runs sgl-kvc's launcher."""
+    defaults = os.environ.get(DEFAULT_ARGS_ENV, "") if defaults is None else defaults
+    if "sgl_kvc.launch" not in cmd or not defaults.split():
+        return tuple(cmd)
+    out, words = list(cmd), defaults.split()
+    for i, word in enumerate(words):
+        if not word.startswith("--"):
+            continue
+        value = words[i + 1:i + 2]
+        flag = word.split("=", 1)[0]
+        if not any(a == flag or a.startswith(flag + "=") for a in cmd):
+            out += [word, *(value if value and not value[0].startswith("--") and "=" not in word else [])]
+    return tuple(out)
+
+
 class PortTaken(RuntimeError):
     """The server could not bind its HTTP port; a new port is tried."""
 
@@ -212,7 +235,7 @@ class ServerProcess:
             log_path = Path(name)
         with open(log_path, log_mode) as log:
             proc = subprocess.Popen(
-                [*cmd, "--host", host, "--port", str(port)],
+                [*with_default_args(cmd), "--host", host, "--port", str(port)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(env or {})},

@@ -21,6 +21,15 @@ REASONING_PROMPT = (
 )
 
 
+def served_backend(fp8_kv: bool = False, unit_pool: bool = False) -> str:
+    """The attention backend the launcher gives a server on this machine (no `--attention-backend`):
+    torch_native on a CPU; on CUDA FlashInfer, or Triton without it or for sgl-kvc's pools."""
+    from sgl_kvc.launch import default_attention_backend, flashinfer_installed
+
+    on_gpu = torch.cuda.is_available()
+    return default_attention_backend(on_gpu, fp8_kv, unit_pool, flashinfer_installed() if on_gpu else True)
+
+
 def generate(server: ServerProcess, input_ids: list[int], n: int, **extra: Any) -> dict:
     """Greedy `/generate` of exactly n tokens with log-probs; `sampling={...}` adds params."""
     r = server.post(

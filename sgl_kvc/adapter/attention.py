@@ -14,11 +14,13 @@ statistics (H2O, Batch-Max, KV-Compress), the softmax attention of new queries.
 Decode attention on the CPU backend (`torch_native`) is sgl-kvc's batched kernel
 (`sgl_kvc.core.decode`) instead of SGLang's loop over requests, unless
 `--kv-decode-attention sglang`: it replaces only the backend's inner SDPA loop, so SGLang still
-writes the new token's KV, and it hands the attention it computed to the statistics. Other
-backends (FlashInfer on CUDA) keep their kernel; statistics are then computed beside it. An extend
-of a packed request (variable budgets, the next chunk of a prompt compacted between chunks)
-attends through its per-head tables (`KvcStore.attend_extend`); the batch's other requests keep
-SGLang's extend loop.
+writes the new token's KV, and it hands the attention it computed to the statistics. FlashInfer
+keeps its kernel; statistics are then computed beside it. SGLang's Triton backend (CUDA without
+FlashInfer, and AMD) keeps its kernels for SGLang's own pool (uniform budgets, as FlashInfer);
+over the unit pool (variable and layer budgets) and the FP8 pool, whose layouts its kernels
+cannot read, its decode kernel call is sgl-kvc's (`TritonKernelMixin`). An extend of a packed
+request (variable budgets, the next chunk of a prompt compacted between chunks) attends through
+its per-head tables (`KvcStore.attend_extend`); the batch's other requests keep SGLang's extend.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from sgl_kvc.core.reconstruction import ForwardAttention
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.kernels.attention_lse import has_fused_cpu
 from sgl_kvc.kernels.extend_attention import prefix_extend_attention, scored_extend_attention
+from sgl_kvc.kernels.fp8 import Fp8Rows
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -41,8 +44,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Backend the launcher selects per device (CPU: torch_native; CUDA: flashinfer).
-WRAPPED_BACKENDS: tuple[str, ...] = ("torch_native", "flashinfer")
+# Backends sgl-kvc runs on (the launcher's choice per device: CPU torch_native; CUDA flashinfer,
+# or triton where FlashInfer is not installed or the pool is sgl-kvc's own).
+WRAPPED_BACKENDS: tuple[str, ...] = ("torch_native", "flashinfer", "triton")
 
 
 class KvcAttentionMixin:
@@ -136,6 +140,83 @@ class TorchNativeKernelMixin:
         store = self.kvc_store
         store.attend_decode(layer.layer_id, store.decode_step, query, k_cache, v_cache, layer.scaling, output)
         return output
+
+
+class TritonKernelMixin:
+    """SGLang's Triton backend (sglang 0.5.23): its kernels read a layer's K and V buffers as
+    tensors through `kv_indices`. Over sgl-kvc's pools that is not enough: the FP8 pool's
+    buffers are `Fp8Rows` (codes and scales) and a packed request's heads hold different
+    entries. So the decode kernel call (`decode_attention_fwd`, an instance attribute SGLang sets
+    in `__init__`, replaced in `_wrap`) is sgl-kvc's kernel while the step planned it
+    (`_kvc_attend_layer`), and both calls read an FP8 pool's rows dequantized (`dense_rows`);
+    a packed request's extend output is its per-head tables' attention."""
+
+    @property
+    def kvc_attends(self) -> bool:
+        # SGLang's own pool: its kernel (statistics beside it, as on FlashInfer). sgl-kvc's
+        # pools: sgl-kvc's kernel, which reads them.
+        return _kvc_pool(self.token_to_kv_pool)
+
+    def _forward_extend_kernel(self, layer, q, k, v, o, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+                               *args, **kwargs):
+        if isinstance(k_buffer, Fp8Rows):
+            k_buffer, v_buffer, kv_indices = dense_rows(k_buffer, v_buffer, kv_indices)
+        out = self.kvc_base._forward_extend_kernel(
+            self, layer, q, k, v, o, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, *args, **kwargs
+        )
+        current = self._kvc_extend
+        if current is not None:
+            _packed_extend(self.kvc_store, current[0], current[1], q, o)
+        return out
+
+
+def _kvc_pool(pool: Any) -> bool:
+    """Whether `pool` is one of sgl-kvc's: the FP8 pool (`kvc_fp8`) or the unit pool of variable
+    and layer budgets (`unit_buffers`), in either dtype."""
+    return hasattr(pool, "kvc_fp8") or hasattr(pool, "unit_buffers")
+
+
+def dense_rows(k_rows: Any, v_rows: Any, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows `indices` of an FP8 pool's layer, dequantized, for a kernel that reads tensors:
+    (K, V, new indices into them). Only what the call reads is dequantized; an empty read keeps
+    one row so the kernel gets a real buffer."""
+    idx = indices.long()
+    if idx.numel() == 0:
+        idx = idx.new_zeros(1)
+    keys, values = k_rows[idx].as_subclass(torch.Tensor), v_rows[idx].as_subclass(torch.Tensor)
+    return keys, values, torch.arange(indices.numel(), device=indices.device, dtype=indices.dtype)
+
+
+def _packed_extend(store: KvcStore, layer: Any, fb: Any, q: torch.Tensor, o: torch.Tensor) -> None:
+    """Overwrite the packed requests' rows of an extend output with their per-head tables'
+    attention (SGLang's kernel read their rows as if every head held the same entries)."""
+    start = 0
+    for row, e in zip(store.extend_rows, fb.extend_seq_lens_cpu):
+        stop = start + e
+        if e and row in store.extend_tables:
+            o[start:stop] = store.attend_extend(
+                layer.layer_id, row, q[start:stop], fb.positions[start:stop], layer.scaling
+            )
+        start = stop
+
+
+def _triton_decode(backend: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """The Triton backend's decode kernel call, as `TritonKernelMixin` says."""
+
+    def decode(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, *args, **kwargs):
+        layer = backend._kvc_attend_layer
+        if layer is not None:
+            store = backend.kvc_store
+            store.attend_decode(layer.layer_id, store.decode_step, q, k_buffer, v_buffer, layer.scaling, o)
+            return None
+        if isinstance(k_buffer, Fp8Rows):
+            k_buffer, v_buffer, kv_indices = dense_rows(k_buffer, v_buffer, kv_indices)
+        return original(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, *args, **kwargs)
+
+    # As SGLang's own call: kept out of torch.compile's graphs (`--enable-torch-compile`).
+    disabled = torch.compiler.disable(decode)
+    disabled.__sgl_kvc__ = True  # type: ignore[attr-defined]
+    return disabled
 
 
 def _reconstruction_attention(round_: Any, store: KvcStore, layer: Any, row: int, query: torch.Tensor,
@@ -276,6 +357,8 @@ def _kvc_class(base: type, wrapped_name: str) -> type:
     if wrapped_name == "torch_native":
         members.update({k: v for k, v in vars(TorchNativeKernelMixin).items() if not k.startswith("__")})
         members["kvc_attends"] = hasattr(base, "_run_sdpa_forward_decode")
+    elif wrapped_name == "triton":
+        members.update({k: v for k, v in vars(TritonKernelMixin).items() if not k.startswith("__")})
     return type(
         f"Kvc{base.__name__}",
         (base,),
@@ -298,6 +381,9 @@ def _wrap(name: str, factory: Callable[[Any], Any]) -> Callable[[Any], Any]:
         backend = factory(runner)
         if not is_kvc_backend(backend):
             backend.__class__ = _kvc_class(type(backend), name)
+            original = getattr(backend, "decode_attention_fwd", None)
+            if name == "triton" and original is not None and not getattr(original, "__sgl_kvc__", False):
+                backend.decode_attention_fwd = _triton_decode(backend, original)
             logger.info("sgl-kvc attention backend: %s", backend.kvc_name)
         return backend
 

@@ -22,10 +22,11 @@ choice through `KvcConfig.kv_cache_dtype`; here:
   memory (`KVCacheConfigurator._profile_available_bytes`): on CPU the free memory of a shared
   machine moves from one start to the next, so capacity is only comparable at a fixed budget.
 
-Attention backends: the pool serves backends that read KV by indexing the buffer, i.e. SGLang's
-torch-native backend (CPU, and CUDA with `--attention-backend torch_native`, which the launcher
-selects for FP8). FlashInfer and the other CUDA kernels take raw paged buffers and would need a
-dequantizing kernel; the launcher refuses that combination rather than give wrong answers.
+Attention backends: the pool serves SGLang's torch-native backend, which reads KV by indexing the
+buffer (CPU, and CUDA with `--attention-backend torch_native`), and its Triton backend (the
+launcher's choice for FP8 on CUDA), whose decode kernel call is sgl-kvc's kernel and whose extend
+kernel reads the prefix rows dequantized (`adapter/attention.py`, `TritonKernelMixin`). FlashInfer
+takes raw paged buffers; the launcher refuses that combination rather than give wrong answers.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ import torch
 
 from kvc_reference import generate as _generate
 from kvc_reference import REASONING_PROMPT as LONG_PROMPT
-from kvc_reference import assert_pool_whole, fp8_attention, kept_count, reference_logprobs, trace_events
+from kvc_reference import (assert_pool_whole, fp8_attention, kept_count, reference_logprobs, served_backend,
+                           trace_events)
 from loadtest.server import ServerProcess
 from sgl_kvc.adapter.kv_memory import Reservation, fit_pool, forward_room
 from sgl_kvc.config import KvcConfig
@@ -76,7 +77,7 @@ def test_stats_name_the_dtype_and_scales(servers) -> None:
         assert s["kv_cache_dtype"] == dtype
         assert s["kv_cache_scales"] == "per (token, kv head), bfloat16"
         log = Path(servers[name].log_path).read_text(errors="replace")
-        assert "sgl-kvc attention backend: sgl_kvc(torch_native)" in log
+        assert f"sgl-kvc attention backend: sgl_kvc({served_backend(fp8_kv=True)})" in log
         assert "FP8 KV cache requires" not in log  # SGLang's CPU FP8 path (AMX only) is never entered
 
 

@@ -171,7 +171,7 @@ def test_fp8_flag_goes_to_our_config_and_sglang_keeps_the_model_dtype() -> None:
     assert config.fp8_kv == "fp8_e4m3" and rest == ["--port", "1"]
     argv = build_sglang_argv(["--model-path", "/m", *rest], on_gpu=True, fp8_kv=True)
     assert "--kv-cache-dtype" not in argv  # SGLang: auto (the model's dtype), no AMX check
-    assert argv[argv.index("--attention-backend") + 1] == "torch_native"  # also on CUDA
+    assert argv[argv.index("--attention-backend") + 1] == "triton"  # on CUDA: sgl-kvc's kernel decodes it
     config, _ = parse_args(["--kv-cache-dtype=fp8_e5m2"])
     assert config.fp8_kv == "fp8_e5m2"
 
@@ -191,9 +191,10 @@ def test_fp8_with_a_raw_buffer_backend_is_a_usage_error(capsys) -> None:
 
     with pytest.raises(SystemExit) as info:
         parse_args(["--kv-cache-dtype", "fp8_e4m3", "--attention-backend", "flashinfer"])
-    assert info.value.code == 2 and "torch_native" in capsys.readouterr().err
-    config, _ = parse_args(["--kv-cache-dtype", "fp8_e4m3", "--attention-backend=torch_native"])
-    assert config.fp8_kv == "fp8_e4m3"
+    assert info.value.code == 2 and "torch_native or triton" in capsys.readouterr().err
+    for backend in ("torch_native", "triton"):
+        config, _ = parse_args(["--kv-cache-dtype", "fp8_e4m3", f"--attention-backend={backend}"])
+        assert config.fp8_kv == "fp8_e4m3"
 
 
 def test_memory_budget_replaces_the_cpu_token_cap() -> None:

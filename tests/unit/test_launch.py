@@ -53,6 +53,12 @@ def test_gpu_defaults() -> None:
     for flag, value in GPU_DEFAULTS.items():
         assert _flag_value(argv, flag) == value
     assert "--device" not in argv
+    # without FlashInfer (an AMD GPU, the offline GPU kit): SGLang's Triton backend
+    argv = build_sglang_argv(["--model-path", "/m"], on_gpu=True, flashinfer=False)
+    assert _flag_value(argv, "--attention-backend") == "triton"
+    given = build_sglang_argv(["--model-path", "/m", "--attention-backend", "torch_native"], on_gpu=True,
+                              flashinfer=False)
+    assert _flag_value(given, "--attention-backend") == "torch_native" and given.count("--attention-backend") == 1
 
 
 def test_compressing_policies_pin_the_tree_compaction_is_written_for() -> None:
@@ -160,9 +166,9 @@ def test_flag_defaults_come_from_policy_params() -> None:
     assert config.kv_head_budget == "uniform" and not config.variable_budget
     variable = parse_args(["--policy", "rkv", "--kv-head-budget", "variable", "--model-path", "/m"])
     assert variable[0].variable_budget
-    # the unit pool is read by sgl-kvc's kernel in the torch-native backend, also on a GPU
+    # the unit pool is read by sgl-kvc's kernel: in the Triton backend on a GPU
     gpu_argv = build_sglang_argv(variable[1], on_gpu=True, compressing=True, unit_pool=True)
-    assert gpu_argv[gpu_argv.index("--attention-backend") + 1] == "torch_native"
+    assert gpu_argv[gpu_argv.index("--attention-backend") + 1] == "triton"
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,8 @@ from sgl_kvc.launch import build_sglang_argv, parse_args
     ("argv", "message"),
     [
         (["--policy", "rkv", "--attention-backend", "fa3"], "--attention-backend fa3 is not supported"),
-        (["--policy", "h2o", "--attention-backend=triton"], "--attention-backend triton"),
-        (["--policy", "snapkv", "--decode-attention-backend", "triton"], "--decode-attention-backend"),
+        (["--policy", "h2o", "--attention-backend=fa4"], "--attention-backend fa4"),
+        (["--policy", "snapkv", "--decode-attention-backend", "fa3"], "--decode-attention-backend"),
         (["--policy", "rkv", "--page-size", "16"], "needs --page-size 1"),
         (["--kv-cache-dtype", "fp8_e4m3", "--page-size", "64"], "needs --page-size 1"),
         (["--policy", "rkv", "--speculative-algorithm", "EAGLE"], "speculative decoding"),
@@ -57,6 +57,7 @@ def test_unsupported_setups_are_usage_errors(argv, message, capsys) -> None:
     [
         ["--policy", "none", "--attention-backend", "fa3", "--page-size", "16", "--enable-mixed-chunk"],
         ["--policy", "rkv", "--attention-backend", "torch_native", "--page-size", "1"],
+        ["--policy", "h2o", "--attention-backend=triton"],  # SGLang's Triton backend, wrapped
         ["--policy", "rkv", "--tp-size", "2"],  # supported: scores are all-reduced over TP
         ["--policy", "rkv", "--attn-dp-size", "1", "--disaggregation-mode", "null"],
         ["--policy", "none", "--enable-dp-attention", "--enable-lmcache", "--disaggregation-mode", "prefill"],
@@ -91,31 +92,37 @@ def test_a_gpu_the_triton_kernel_cannot_compile_for_is_refused(argv, capability,
 
 
 @pytest.mark.parametrize(
-    ("argv", "message"),
+    ("argv", "backend", "warned"),
     [
-        (["--policy", "rkv", "--kv-head-budget", "variable"], "--kv-head-budget variable on a GPU needs"),
-        (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3 on a GPU needs"),
-        (["--policy", "snapkv", "--kv-cache-dtype", "fp8_e5m2", "--kv-head-budget", "layer"],
-         "--kv-cache-dtype fp8_e5m2 and --kv-head-budget layer on a GPU needs"),
-        (["--policy", "rkv", "--kv-head-budget", "layer", "--attention-backend", "torch_native"], None),
-        (["--policy", "rkv"], None),  # FlashInfer
+        (["--policy", "rkv", "--kv-head-budget", "variable"], "triton", False),
+        (["--kv-cache-dtype", "fp8_e4m3"], "triton", False),
+        (["--policy", "snapkv", "--kv-cache-dtype", "fp8_e5m2", "--kv-head-budget", "layer"], "triton", False),
+        (["--policy", "rkv", "--kv-head-budget", "layer", "--attention-backend", "torch_native"], "torch_native", True),
+        (["--policy", "rkv"], "flashinfer", False),
     ],
 )
-def test_nothing_silently_slow_on_a_gpu(monkeypatch, capsys, argv, message) -> None:
-    """On a GPU, what only the torch_native backend serves (its prefill runs one request at a time)
-    needs that backend asked for; asked for, the launcher says it once."""
+def test_sgl_kvc_pools_take_the_triton_backend_on_a_gpu(monkeypatch, argv, backend, warned) -> None:
+    """On a GPU, FP8 KV storage and variable / layer budgets (sgl-kvc's pools, which FlashInfer does
+    not read) get SGLang's Triton backend, whose decode kernel call is sgl-kvc's; the torch_native
+    backend, asked for, serves them too, and the launcher says once that its prefill is slow."""
     from sgl_kvc import launch
 
     monkeypatch.setattr(launch, "_cuda_available", lambda: True)
-    if message is None:
-        config, rest = parse_args(argv)
-        warning = launch.torch_native_on_gpu(config, rest, explicit=True)
-        assert (warning is not None) == ("--attention-backend" in argv)
-        return
-    with pytest.raises(SystemExit):
-        parse_args(argv)
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert message in err and "--attention-backend torch_native" in err
+    monkeypatch.setattr(launch, "flashinfer_installed", lambda: True)
+    config, rest = parse_args(argv)
+    out = build_sglang_argv(rest, on_gpu=True, compressing=config.compressing, fp8_kv=config.fp8_kv is not None,
+                            unit_pool=config.variable_budget)
+    assert launch._flag_value(out, "--attention-backend") == backend
+    assert (launch.torch_native_on_gpu(config, rest) is not None) == warned
+
+
+def test_sgl_kvc_pools_refuse_flashinfer(capsys) -> None:
+    for argv in (["--policy", "rkv", "--kv-head-budget", "variable", "--attention-backend", "flashinfer"],
+                 ["--kv-cache-dtype", "fp8_e4m3", "--attention-backend", "flashinfer"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "torch_native or triton" in err and "flashinfer" in err
 
 
 def test_cuda_graphs_off_for_compressing_policies_on_gpu() -> None:

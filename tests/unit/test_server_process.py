@@ -98,3 +98,14 @@ def test_a_run_sent_sigterm_stops_its_servers(tmp_path: Path) -> None:
         return
     os.killpg(server_pid, signal.SIGKILL)
     pytest.fail("the server outlived the run that was sent SIGTERM")
+
+
+def test_default_args_fill_in_only_what_a_launcher_command_does_not_set() -> None:
+    from sgl_kvc.server_process import with_default_args
+
+    launcher = ("python", "-m", "sgl_kvc.launch", "--policy", "rkv", "--kv-cache-memory-gb=0.5")
+    defaults = "--kv-cache-memory-gb 2 --cuda-graph-max-bs 8 --enable-metrics --policy none"
+    assert with_default_args(launcher, defaults) == (*launcher, "--cuda-graph-max-bs", "8", "--enable-metrics")
+    assert with_default_args(launcher, "") == launcher
+    other = ("python", "-m", "http.server")
+    assert with_default_args(other, defaults) == other
