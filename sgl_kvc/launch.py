@@ -43,6 +43,9 @@ GPU_DEFAULTS: dict[str, str | None] = {"--attention-backend": "flashinfer"}
 # GPU kit, gpu/README.md) and for sgl-kvc's pools: SGLang's Triton kernels, with sgl-kvc's Triton
 # decode kernel over the FP8 and unit pools (adapter/attention.py, `TritonKernelMixin`).
 GPU_TRITON_BACKEND = "triton"
+# Where `sgl_kernel` is the offline GPU kit's import-only stub (gpu/README.md): SGLang's breakable
+# prefill CUDA graphs call `sgl_kernel.weak_ref_tensor`, which only the real sglang-kernel has.
+GPU_KIT_DEFAULTS: dict[str, str | None] = {"--disable-prefill-cuda-graph": None}
 # The model dtype on a CPU without native bfloat16 (no AVX512-BF16 or AMX), where a bfloat16 or
 # float16 model's matrix products are emulated: float32 serves many users and pre-fills faster
 # there, one user alone decodes slower (batch-1 decode reads the weights, twice the bytes), and
@@ -88,14 +91,18 @@ def default_attention_backend(on_gpu: bool, fp8_kv: bool = False, unit_pool: boo
 def build_sglang_argv(
     argv: list[str], on_gpu: bool, compressing: bool = False, fp8_kv: bool = False,
     kv_memory_gb: bool = False, unit_pool: bool = False, native_bf16: bool = True, flashinfer: bool = True,
+    gpu_kit: bool = False,
 ) -> list[str]:
     """SGLang's argument list: the user's flags plus the defaults they did not override.
     `native_bf16`: whether this CPU multiplies bfloat16 natively (see `EMULATED_BF16_DTYPE`);
-    `flashinfer`: whether FlashInfer is installed."""
+    `flashinfer`: whether FlashInfer is installed; `gpu_kit`: whether `sgl_kernel` is the GPU kit's
+    stub (`GPU_KIT_DEFAULTS`)."""
     from sgl_kvc.adapter import RADIX_CACHE_BACKEND
 
     out = list(argv)
     defaults = dict(GPU_DEFAULTS if on_gpu else CPU_DEFAULTS)
+    if on_gpu and gpu_kit:
+        defaults.update(GPU_KIT_DEFAULTS)
     defaults["--attention-backend"] = default_attention_backend(on_gpu, fp8_kv, unit_pool, flashinfer)
     if kv_memory_gb:
         defaults.pop("--max-total-tokens", None)  # the KV memory decides the pool's size
@@ -130,6 +137,8 @@ def build_sglang_argv(
         model_path = _flag_value(out, "--model-path") or _flag_value(out, "--model") or defaults["--model-path"]
         if float32_fits(model_path):
             defaults["--dtype"] = EMULATED_BF16_DTYPE
+    if has_flag(out, "--disable-cuda-graph"):  # both graphs off already
+        defaults.pop("--disable-prefill-cuda-graph", None)
     for flag, value in defaults.items():
         if not has_flag(out, flag):
             out += [flag] if value is None else [flag, value]
@@ -420,6 +429,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     config, rest = parse_args(argv)
     on_gpu = _cuda_available()
+    gpu_kit = False
     if not on_gpu:
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
         _set_cpu_threads_bind(rest)
@@ -428,19 +438,22 @@ def main(argv: list[str] | None = None) -> None:
 
         problem = gpu_unsupported(config, torch.cuda.get_device_capability())
         try:
-            import sgl_kernel  # noqa: F401  (stand-ins never answer on a GPU machine)
+            import sgl_kernel  # (stand-ins never answer on a GPU machine)
+
+            gpu_kit = bool(getattr(sgl_kernel, "__sgl_kvc_gpu_stub__", False))
         except ImportError as e:
             problem = problem or str(e)
         if problem:
             sys.exit(f"python -m sgl_kvc.launch: error: {problem}")
     if on_gpu and (warning := torch_native_on_gpu(config, rest)):
         logger.warning(warning)
+    gpu_kit = on_gpu and gpu_kit
     native_bf16 = on_gpu or _native_bf16()
     flashinfer = not on_gpu or flashinfer_installed()
     sglang_argv = build_sglang_argv(
         rest, on_gpu, config.compressing, fp8_kv=config.fp8_kv is not None,
         kv_memory_gb=config.kv_cache_memory_gb is not None, unit_pool=config.variable_budget,
-        native_bf16=native_bf16, flashinfer=flashinfer,
+        native_bf16=native_bf16, flashinfer=flashinfer, gpu_kit=gpu_kit,
     )
     config.to_env()  # read by the plugin in this process and in SGLang's worker processes
 

@@ -45,9 +45,10 @@ def _a_share_of_the_cores_per_worker() -> None:
     test module took 2.6x its time alone, one test 5.7x)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        # imported only here: it needs the server's packages, which `--without-sglang` runs lack
-        from sgl_kvc.server_process import cpu_share_env
-
+        try:  # imported only here: it needs the server's packages (the HTTP stack)
+            from sgl_kvc.server_process import cpu_share_env
+        except ImportError:  # a machine without them (`.ci/gpu`'s core stage) starts no server
+            return
         os.environ.update(cpu_share_env(workers))
 
 
@@ -130,6 +131,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """`SGLKVC_INSTAFAIL=1`: a failure's traceback is printed when it happens, not at the end of
+    the run: a run cut short by its time box (`.ci/gpu` on a leased GPU) still says why each test
+    that ran failed. With pytest-xdist this runs in the controller, on the workers' reports."""
+    if report.failed and os.environ.get("SGLKVC_INSTAFAIL") == "1":
+        text = report.longreprtext
+        print(f"\n!! {report.nodeid} ({report.when}) failed:\n{text[-4000:]}\n", file=sys.stderr, flush=True)
 
 
 @pytest.fixture(scope="module")

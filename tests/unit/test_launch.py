@@ -53,6 +53,9 @@ def test_gpu_defaults() -> None:
     for flag, value in GPU_DEFAULTS.items():
         assert _flag_value(argv, flag) == value
     assert "--device" not in argv
+    # the offline GPU kit's sgl_kernel stub: no breakable prefill graphs (they call sgl_kernel)
+    assert "--disable-prefill-cuda-graph" in build_sglang_argv(["--model-path", "/m"], on_gpu=True, gpu_kit=True)
+    assert "--disable-prefill-cuda-graph" not in argv
     # without FlashInfer (an AMD GPU, the offline GPU kit): SGLang's Triton backend
     argv = build_sglang_argv(["--model-path", "/m"], on_gpu=True, flashinfer=False)
     assert _flag_value(argv, "--attention-backend") == "triton"
