@@ -29,8 +29,8 @@ if (( ${#wheels[@]} )); then
 fi
 echo "gpu-kit: installed in $(elapsed) s"
 # Bytecode for SGLang, in parallel: installed without it (--no-compile, fast), every server process
-# would compile SGLang's modules from source at its first import (measured on an H100 machine:
-# 25 s for the HTTP server's imports, and the test servers start several at once).
+# would compile SGLang's modules from source at its first import (on an H100 machine the first
+# import of the HTTP server took 25 s, and the test servers start several at once).
 if "$PY" -m compileall -q -j 0 "$("$PY" -c 'import sglang, os; print(os.path.dirname(sglang.__file__))')" \
         >/dev/null 2>&1; then
     echo "gpu-kit: SGLang's bytecode compiled in $(elapsed) s"
