@@ -11,7 +11,10 @@ An ASGI middleware on `POST /v1/chat/completions`, `POST /v1/completions` and SG
   with "range() arg 3 must not be zero"; `n: -1`, `logprobs: 1000`, `best_of: 0` were accepted);
 - carrying invalid per-request compression settings (`kv_compression`, `custom_params.sgl_kvc`;
   `sgl_kvc.server.settings`), or an `extra_key` / `cache_salt` in the namespace of sgl-kvc's
-  shared documents.
+  shared documents;
+- with images, video or audio for a multimodal model, compressed by a prompt policy that cannot
+  score them (KVzip, per request or the server's; the scheduler refuses it too, on every entry
+  point).
 A good body goes on unchanged (or with `kv_compression` moved into `custom_params`); the
 response, streamed or not, is never touched here. Out-of-vocabulary token ids are checked
 later, where every entry point passes (`sgl_kvc.adapter.request_guard`).
@@ -239,11 +242,11 @@ def inspect_body(route: str, body: bytes, config: KvcConfig | None) -> bytes:
     _check_namespaces(data)
     try:
         if route == GENERATE:
-            check_generate_body(data, config)
+            check_generate_body(data, config, multimodal=_multimodal())
             _check_generate_token_ids(data.get("input_ids"))
             return body
         _validate_openai(route, data, body)
-        changed = apply_openai_settings(data, config, chat=route == CHAT)
+        changed = apply_openai_settings(data, config, chat=route == CHAT, multimodal=_multimodal())
     except RequestSettingError as e:
         raise BodyError(400, _sentence(f"Invalid '{e.param}': {e}"), e.param) from None
     return orjson.dumps(data) if changed else body
@@ -274,6 +277,16 @@ def _vocab_size() -> int | None:
         return int(http_server.get_global_state().tokenizer_manager.model_config.vocab_size)
     except Exception:  # noqa: BLE001 - not started yet, or another layout: the hook still checks
         return None
+
+
+def _multimodal() -> bool:
+    """Whether the served model has a multimodal processor (SGLang's tokenizer manager feeds
+    images, video and audio to its prompt; a text model's server ignores them)."""
+    http_server = sys.modules.get("sglang.srt.entrypoints.http_server")
+    try:
+        return http_server.get_global_state().tokenizer_manager.mm_processor is not None
+    except Exception:  # noqa: BLE001 - not started yet: the scheduler still refuses such a request
+        return False
 
 
 def _check_generate_token_ids(input_ids: Any) -> None:

@@ -20,6 +20,8 @@ from sgl_kvc.request_settings import (
     FIELD,
     RequestCompression,
     RequestSettingError,
+    from_custom_params,
+    multimodal_conflict,
     parse_kv_compression,
     server_conflict,
 )
@@ -54,26 +56,71 @@ def check_custom_params(custom: Any, prefix: str, config: KvcConfig | None) -> N
         check_settings_object(custom[CUSTOM_PARAMS_KEY], f"{field}.{CUSTOM_PARAMS_KEY}", config)
 
 
-def check_generate_body(data: dict, config: KvcConfig | None) -> None:
-    """`/generate`: `sampling_params` is one object or one per prompt of a batch."""
+# Chat content parts SGLang hands a multimodal processor (`protocol.ChatCompletionMessageContent*Part`)
+MEDIA_PARTS = ("image_url", "video_url", "audio_url", "input_audio")
+# `/generate`'s media fields (`GenerateReqInput.contains_mm_input`)
+GENERATE_MEDIA = ("image_data", "video_data", "audio_data")
+
+
+def chat_media(data: dict) -> str | None:
+    """The field of the first image, video or audio part of a chat body's messages, or None."""
+    messages = data.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") in MEDIA_PARTS:
+                return format_param(["messages", i, "content", j])
+    return None
+
+
+def _check_media(settings: RequestCompression, config: KvcConfig | None, field: str) -> None:
+    """A multimodal request whose prompt policy cannot score it (KVzip) is a 400 naming the
+    prompt policy's field (`request_settings.multimodal_conflict`)."""
+    conflict = multimodal_conflict(settings, config, field)
+    if conflict is not None:
+        raise conflict
+
+
+def check_generate_body(data: dict, config: KvcConfig | None, multimodal: bool = False) -> None:
+    """`/generate`: `sampling_params` is one object or one per prompt of a batch. `multimodal`:
+    the served model has a multimodal processor (media in the body reach its prompt)."""
     params = data.get("sampling_params")
+    media = multimodal and any(data.get(name) not in (None, [], "") for name in GENERATE_MEDIA)
     if isinstance(params, dict):
         check_custom_params(params.get("custom_params"), "sampling_params", config)
+        if media:
+            _check_media(from_custom_params(params.get("custom_params")), config,
+                         f"sampling_params.custom_params.{CUSTOM_PARAMS_KEY}")
     elif isinstance(params, list):
         for i, one in enumerate(params):
             if isinstance(one, dict):  # other shapes are left to SGLang's own validation
                 prefix = format_param(["sampling_params", i]) or "sampling_params"
                 check_custom_params(one.get("custom_params"), prefix, config)
+                if media:
+                    _check_media(from_custom_params(one.get("custom_params")), config,
+                                 f"{prefix}.custom_params.{CUSTOM_PARAMS_KEY}")
+    elif media:  # the server's own settings
+        _check_media(RequestCompression(), config, f"sampling_params.custom_params.{CUSTOM_PARAMS_KEY}")
 
 
-def apply_openai_settings(data: dict, config: KvcConfig | None, chat: bool = False) -> bool:
+def apply_openai_settings(data: dict, config: KvcConfig | None, chat: bool = False,
+                          multimodal: bool = False) -> bool:
     """Chat/completions body: validate `custom_params.sgl_kvc`, then move a `kv_compression`
     object into `custom_params` (it wins over a direct one). On the chat route a document named
-    by messages gets its token count (`server/documents.py`). True when `data` was changed."""
+    by messages gets its token count (`server/documents.py`). `multimodal`: the served model has
+    a multimodal processor (a chat message's image, video or audio parts reach its prompt). True
+    when `data` was changed."""
     check_custom_params(data.get("custom_params"), "", config)
+    media = multimodal and chat and chat_media(data) is not None
     if FIELD not in data:
+        if media:
+            custom = data.get("custom_params")
+            direct = isinstance(custom, dict) and CUSTOM_PARAMS_KEY in custom
+            _check_media(from_custom_params(custom), config, CUSTOM_FIELD if direct else FIELD)
         return False
     settings = check_settings_object(data.pop(FIELD), FIELD, config, chat)
+    if media:
+        _check_media(settings, config, FIELD)
     if chat and settings.document is not None:
         settings = replace(settings, document=count_tokens(data, settings.document, f"{FIELD}.document"))
     custom = data.get("custom_params") or {}

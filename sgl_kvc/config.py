@@ -38,6 +38,9 @@ MOMENTS: tuple[str, ...] = ("prefill", "chunk", "chunk-always", "decode", "preem
 DEFAULT_MOMENTS: tuple[str, ...] = ("prefill", "chunk", "decode", "preempt")
 FP8_KV_DTYPES: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2")  # served by sgl-kvc's FP8 pool
 DECODE_ATTENTION: tuple[str, ...] = ("batched", "sglang")
+# Seconds at most a request waits for another to publish the shared document it declares
+# (`--kv-document-wait`); a waiter that reaches it reads the document itself (adapter/documents.py).
+DEFAULT_DOCUMENT_WAIT = 10.0
 _P = PolicyParams()
 
 
@@ -172,6 +175,16 @@ class KvcConfig:
             "without --max-total-tokens the pool holds as many tokens as fit."
         ),
     )
+    # How long another tenant's request may hold one back (docs/safety.md): the publisher's
+    # prompt, hence its prefill, is of its own tenant's choosing.
+    kv_document_wait: float = field(
+        default=DEFAULT_DOCUMENT_WAIT,
+        metadata=_flag(
+            "Seconds at most a request waits for another request in flight to publish the shared "
+            "document it declares (kv_compression.document); after, it reads the document itself. "
+            "0: it never waits."
+        ),
+    )
 
     def __post_init__(self) -> None:
         # An earlier policy name (e.g. avgattn) is stored as the policy's name.
@@ -218,6 +231,9 @@ class KvcConfig:
             raise ValueError(f"--kvzip-chunk must be an integer >= 1, got {self.kvzip_chunk!r}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"--kv-cache-memory-gb must be > 0, got {self.kv_cache_memory_gb}")
+        if isinstance(self.kv_document_wait, bool) or not isinstance(self.kv_document_wait, (int, float)) \
+                or not 0.0 <= self.kv_document_wait < float("inf"):
+            raise ValueError(f"--kv-document-wait must be a number of seconds >= 0, got {self.kv_document_wait!r}")
         self.policy_params()  # validates budget, buffer, window, lambda, sinks
 
     @property
@@ -296,7 +312,7 @@ class KvcConfig:
             elif f.name == "compress_on":
                 kwargs["type"] = _moments
                 kwargs["default"] = ",".join(DEFAULT_MOMENTS)
-            elif f.name in ("kv_budget_ratio", "kv_cache_memory_gb", "kv_chunk_keep"):
+            elif f.name in ("kv_budget_ratio", "kv_cache_memory_gb", "kv_chunk_keep", "kv_document_wait"):
                 kwargs["type"] = float
             else:
                 kwargs["type"] = type(default)

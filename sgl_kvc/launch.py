@@ -411,6 +411,49 @@ def _set_cpu_threads_bind(argv: list[str]) -> None:
                 THREADS_BIND_ENV, bind, os.environ["OMP_NUM_THREADS"])
 
 
+# `SGLKVC_CPU_FORK=0`: a CPU server's scheduler and detokenizer processes are spawned, as SGLang does.
+CPU_FORK_ENV = "SGLKVC_CPU_FORK"
+
+
+def _os_threads() -> set[str]:
+    """This process's OS threads (Linux: /proc/self/task; empty elsewhere)."""
+    try:
+        return set(os.listdir("/proc/self/task"))
+    except OSError:
+        return set()
+
+
+def fork_is_safe(baseline: set[str], now: set[str], python_threads: int) -> bool:
+    """Whether this process may fork SGLang's workers: no Python thread but this one and no OS
+    thread started since `baseline` (taken before the launcher did any work but imports). A thread
+    that exists at a fork is missing in the child with whatever it held: an OpenMP pool that a
+    torch operation started (converting a model) hangs the child's first parallel region."""
+    return bool(baseline) and python_threads == 1 and now <= baseline
+
+
+def _fork_workers_on_cpu(baseline: set[str]) -> None:
+    """On a CPU, SGLang's scheduler and detokenizer are forked from this process, which has already
+    imported SGLang, instead of spawned as fresh interpreters that import it again (a demo-model
+    server was healthy after 12 s instead of 20, on a 2-core Xeon): after SGLang's own choice of `spawn`
+    (`_set_envs_and_config`), where `fork_is_safe`. Not on a GPU (CUDA does not survive a fork)."""
+    import multiprocessing
+    import threading
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def after_set_envs(result, server_args, *args, **kwargs):
+        if getattr(server_args, "device", None) == "cpu" and fork_is_safe(
+            baseline, _os_threads(), threading.active_count()
+        ):
+            multiprocessing.set_start_method("fork", force=True)
+            logger.info("sgl-kvc: SGLang's worker processes are forked from the launcher (%s=0: spawned)",
+                        CPU_FORK_ENV)
+        return result
+
+    HookRegistry.register("sglang.srt.entrypoints.engine._set_envs_and_config", after_set_envs, HookType.AFTER)
+    HookRegistry.apply_hooks()
+
+
 def _native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX) and PyTorch's kernels
     may use it (`ATEN_CPU_CAPABILITY=avx2` caps them at AVX2, as on a CPU without it); True if
@@ -450,6 +493,12 @@ def main(argv: list[str] | None = None) -> None:
     gpu_kit = on_gpu and gpu_kit
     native_bf16 = on_gpu or _native_bf16()
     flashinfer = not on_gpu or flashinfer_installed()
+    from sglang.launch_server import run_server
+    from sglang.srt.entrypoints.http_server import app
+
+    # SGLang's imports (and torch's) start idle threads of their own; what starts one after this
+    # (building the default or demo model runs torch's OpenMP pool) rules a fork out (`fork_is_safe`).
+    threads_before_work = _os_threads()
     sglang_argv = build_sglang_argv(
         rest, on_gpu, config.compressing, fp8_kv=config.fp8_kv is not None,
         kv_memory_gb=config.kv_cache_memory_gb is not None, unit_pool=config.variable_budget,
@@ -457,13 +506,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     config.to_env()  # read by the plugin in this process and in SGLang's worker processes
 
-    from sglang.launch_server import run_server
-    from sglang.srt.entrypoints.http_server import app
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
     load_plugins()
+    if not on_gpu and os.environ.get(CPU_FORK_ENV, "1") != "0":
+        _fork_workers_on_cpu(threads_before_work)
     from sgl_kvc.adapter import check
 
     problems = check(config)

@@ -233,6 +233,30 @@ def document_conflict(settings: "ResolvedCompression", config: "KvcConfig", fiel
     return None
 
 
+def multimodal_conflict(settings: RequestCompression, config: "KvcConfig | None",
+                        field: str = FIELD) -> RequestSettingError | None:
+    """Why a request with these settings and images, video or audio in its prompt cannot be
+    served here, naming the prompt policy's field; None if it can. KVzip (Kim et al. 2025,
+    §3.2) scores a prompt by having the model repeat it as text: the pad values a multimodal
+    processor puts where the media go would reach the embedding as token ids (a 500 on a CPU, a
+    device-side assert that ends the server on CUDA). The request's own prompt policy or the
+    server's (`--prompt-policy kvzip`) alike: another prompt policy sent with it is served."""
+    if config is None or not config.compressing:
+        return None
+    resolved_ = settings.resolve(config)
+    name = resolved_.prompt_policy_name
+    if not resolved_.compressing or not policy_class(name).uses_reconstruction:
+        return None
+    whose = "this request's prompt_policy" if settings.prompt_policy not in (None, AUTO) else (
+        "the server's prompt policy (--prompt-policy)")
+    return RequestSettingError(
+        f"{field}.prompt_policy",
+        f"{whose} '{name}' cannot score a prompt with images, video or audio: KVzip has the model "
+        f"repeat the prompt as text, which they are not; send another {field}.prompt_policy (e.g. "
+        "\"snapkv\") with it, or a prompt without them",
+    )
+
+
 def from_custom_params(custom_params: Any) -> RequestCompression:
     """The settings carried in SGLang's `custom_params` under `CUSTOM_PARAMS_KEY`, validated
     again (a client can send `custom_params` itself, past the HTTP layer's `kv_compression`
@@ -276,7 +300,11 @@ def _parse_request(req: Any, config: "KvcConfig | None" = None) -> tuple[Request
     custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
     try:
         settings = from_custom_params(custom)
-        conflict = None if config is None else server_conflict(settings, config, f"custom_params.{CUSTOM_PARAMS_KEY}")
+        field = f"custom_params.{CUSTOM_PARAMS_KEY}"
+        conflict = None if config is None else server_conflict(settings, config, field)
+        if conflict is None and config is not None and getattr(req, "multimodal_inputs", None) is not None:
+            # the processor's pad values are in its prompt (`adapter/reconstruction.unscorable`)
+            conflict = multimodal_conflict(settings, config, field)
         if conflict is not None:
             raise conflict
         return settings, None

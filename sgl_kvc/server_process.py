@@ -315,15 +315,24 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+# Seconds a stopped server gets to exit by itself after SIGTERM (`stop_all`). SGLang notices a
+# SIGTERM in a loop that polls every 5 s, so an idle server takes about 5 s to exit gracefully; a
+# test suite that stops dozens of idle servers sets 0 (`tests/conftest.py`): SIGKILL at once.
+STOP_GRACE_ENV = "SGLKVC_STOP_GRACE_S"
+
+
 def stop_all(
-    servers: Sequence[ServerProcess], term_wait_s: float = 20.0, remove_temp_logs: bool = True
+    servers: Sequence[ServerProcess], term_wait_s: float | None = None, remove_temp_logs: bool = True
 ) -> None:
-    """SIGTERM every server's leader at once, wait, then SIGKILL each whole process group.
+    """SIGTERM every server's leader at once, wait (`term_wait_s`, default `$SGLKVC_STOP_GRACE_S`,
+    else 20 s), then SIGKILL each whole process group.
     Stopping them together bounds the whole stop by one server's grace time, not the sum. Only
     the leader gets SIGTERM: SGLang's own shutdown then drains its requests, asks its schedulers
     to exit and reaps them, where a SIGTERM to the whole group kills a scheduler first, which
     SGLang reports as a crash and follows with a 5 s diagnostic sleep. A group whose leader has
     already exited is still killed: its children may linger."""
+    if term_wait_s is None:
+        term_wait_s = float(os.environ.get(STOP_GRACE_ENV, "20"))
     for s in servers:
         if s.proc.poll() is None:
             s.proc.send_signal(signal.SIGTERM)

@@ -180,6 +180,25 @@ def _round_need(moments: Moments, s: Sizes, now: Now) -> tuple[int, int]:
 # --- hooks ------------------------------------------------------------------------------------
 def around_add_one_req(config: KvcConfig) -> Callable[..., Any]:
     def hook(original: Callable[..., Any], adder: Any, req: Req, *args: Any, **kwargs: Any):
+        if config.kv_document_wait > 0 and documents.waits_in_round(
+                req, adder.can_run_list, documents.registry_of(adder.tree_cache)):
+            # A request this round admitted compresses its document: it waits for it, left in
+            # the queue, and the round goes on with the requests after it (SGLang's own `continue`
+            # for a request it cannot take now). Only behind an admitted one: a first request
+            # still queued, admitted or not, never holds it (`documents.held_back`).
+            from sglang.srt.managers.schedule_policy import AddReqResult
+
+            return AddReqResult.CONTINUE
+        cap = documents.chunk_cap(req)
+        align = kwargs.get("truncation_align_size")
+        if cap is not None and align and cap < align:
+            # SGLang aligns a cut chunk down to `truncation_align_size` (deterministic inference on
+            # FlashInfer: its prefill split tiles): a first chunk capped at its document's end by
+            # less than that would be aligned to nothing, in every round, so the request would
+            # never be admitted and every request behind it would wait forever. This one chunk
+            # ends at the document's end unaligned (where the document is cut, the same for every
+            # request that compresses it).
+            kwargs["truncation_align_size"] = None
         demand = admission_demand(req, config)
         if demand is None:
             return original(adder, req, *args, **kwargs)

@@ -45,7 +45,7 @@ from sgl_kvc.adapter.compaction import (
 )
 from sgl_kvc.adapter.chunk_pressure import needs_compression
 from sgl_kvc.adapter.failures import FailedOnAnotherRank, FailureLedger, failure
-from sgl_kvc.adapter.kv_memory import DECODE_BYTES_ATTR, MOMENT_SLOTS_ATTR
+from sgl_kvc.adapter.kv_memory import DECODE_BYTES_ATTR, FORWARD_ENTRIES_ATTR, MOMENT_SLOTS_ATTR
 from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.adapter.reconstruction import Reconstructor, is_reconstruction
 from sgl_kvc.adapter.requests import chunk_compressible, is_middle_chunk, on_release, publish_exact_prefix
@@ -103,8 +103,10 @@ class Compressor:
         # A request that fails on any rank fails on all of them, in the same step.
         self.failures = FailureLedger(drop=self._drop, vote=RankVote.for_sglang_tp_group())
         self.trace = CompactionTrace.from_env(self.tp_rank)
-        # KVzip's reconstruction passes, run as SGLang extend forwards before their prompt passes
-        self.reconstructor = Reconstructor(config, self.store)
+        # KVzip's reconstruction passes, run as SGLang extend forwards before their prompt passes;
+        # with tensor parallelism the ranks vote on them before each forward (the model's
+        # collectives need every rank in it)
+        self.reconstructor = Reconstructor(config, self.store, vote=self.failures.vote)
         self.scheduler: Any = None  # set by the scheduler hooks; read for the other running batch
         self._due: list[DueCompaction] = []  # per-head compactions of the current moment
         self._step_seconds = 0.0  # compression work in this step so far
@@ -113,6 +115,8 @@ class Compressor:
         # on a pool layout without one cost per token: not bounded here).
         pool_config = getattr(model_runner, "memory_pool_config", None)
         self.moment_slots: int | None = getattr(pool_config, MOMENT_SLOTS_ATTR, None)
+        # A reconstruction forward attends to at most the entries whose keys were reserved.
+        self.reconstructor.forward_entries = getattr(pool_config, FORWARD_ENTRIES_ATTR, None)
         # The fused decode plan's blocks stay within what the KV memory reserved for them.
         decode_bytes = getattr(pool_config, DECODE_BYTES_ATTR, None)
         if decode_bytes:
@@ -233,11 +237,22 @@ class Compressor:
         return self.store.offsets[req_pool_indices]
 
     # --- the moments ---------------------------------------------------------------------------
+    def before_prefill_result(self, batch: ScheduleBatch) -> None:
+        """After an extend's forward, before SGLang processes its result: the shared documents of
+        the requests whose prompt it finished reading are published from their exact entries. Here,
+        not after: SGLang releases a request that finishes at its first token (`max_tokens` 1, an
+        EOS at once, the `n` > 1 prefix warm-up of `max_new_tokens` 0) while it processes the
+        result, and its row with it, so it could no longer publish. Decided from what every
+        tensor-parallel rank holds alike (`document_pass.to_publish`)."""
+        self._step_seconds = 0.0
+        read_at = [i for i, req in enumerate(batch.reqs) if not is_middle_chunk(batch, req)]
+        document_pass.publish(self, batch, document_pass.to_publish(self, batch, read_at))
+
     def after_prefill(self, batch: ScheduleBatch) -> None:
         """After an extend: the chunk moment for requests between two chunks of their prompt,
-        the prefill moment for those whose prompt is done."""
-        self._step_seconds = 0.0
-        starts, chunks, read, read_at = [], [], [], []
+        the prefill moment for those whose prompt is done (their documents were published before
+        SGLang processed the extend's result, `before_prefill_result`)."""
+        starts, chunks, read = [], [], []
         # requests whose chunk ended at their document's end (the same on every rank)
         ends = {i: key for i, req in enumerate(batch.reqs)
                 if is_middle_chunk(batch, req) and (key := documents.ends_here(req)) is not None}
@@ -264,7 +279,6 @@ class Compressor:
                     chunks.append((i, state, keep))
                 continue
             read.append(state)
-            read_at.append(i)
             if "prefill" not in self.config.compress_on:
                 continue
             target = self._prefill_target(state, n, budget)
@@ -273,8 +287,6 @@ class Compressor:
                     starts.append((i, state, target))
                 else:
                     self._put_off(state, n)
-        # A shared document is compressed from the exact entries, before its request's own pass.
-        document_pass.publish(self, batch, document_pass.to_publish(self, batch, read_at))
         self._reconstruct(batch, chunks, starts)
         chunks = [c for c in chunks if failure(batch.reqs[c[0]]) is None]
         starts = [s for s in starts if failure(batch.reqs[s[0]]) is None]
@@ -312,7 +324,9 @@ class Compressor:
                 n = int(batch.seq_lens_cpu[i])
                 if self.policy(state.policy_name(moment), state.effective_budget(n)).uses_reconstruction:
                     due.append((i, state, moment))
-        if not due:
+        # With tensor parallelism a rank with none due still votes where another rank may have
+        # some (a request skipped on this rank alone): `Reconstructor.must_agree`.
+        if not due and not self.reconstructor.must_agree(batch):
             return
         t0 = time.perf_counter()
         self.reconstructor.run(self.scheduler, batch, due,

@@ -24,11 +24,17 @@ matched prefix, `adapter/compaction.py`).
 
 What a document request adds is checked when it enters the queue (`request_key`: a 400 if its
 prompt does not extend past the document, or if its settings cannot compress one).
+
+Concurrent first requests compress a document once: a request waits (stays in the queue) only
+behind another that is admitted and compresses the same document (`held_back`, `waits_in_round`),
+and at most `--kv-document-wait` seconds in all (`stop_waiting`): the publisher's prompt, hence how
+long it reads, is its own tenant's choice. After that the waiter reads the document itself.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,6 +50,8 @@ if TYPE_CHECKING:
 KEY_ATTR = "_sgl_kvc_document_key"  # on a Req: the DocumentKey of the document it declares
 HIT_ATTR = "_sgl_kvc_document_hit"  # on a Req: the Document its matched prefix is, else None
 SPLIT_ATTR = "_sgl_kvc_document_split"  # on a Req: its document is compressed at a chunk ending at D
+WAIT_ATTR = "_sgl_kvc_document_wait"  # on a Req: when it first waited for another's publication
+WAITED_OUT_ATTR = "_sgl_kvc_document_waited_out"  # on a Req: it waited its bound out, waits no more
 NODE_ATTR = "sgl_kvc_document"  # on a radix TreeNode: the Document it holds
 NAMESPACE = "sgl-kvc/document/"  # the extra_key prefix of a document node, reserved (`reserved_namespace`)
 
@@ -123,6 +131,7 @@ class DocumentStats:
     hits: int = 0  # requests that started from a resident document
     evictions: int = 0  # documents the tree evicted (LRU) or dropped
     not_published: int = 0  # compressed documents not published: no free slots, or a failure
+    waited_out: int = 0  # requests that waited --kv-document-wait for a publisher, then read it themselves
     seconds: float = 0.0  # spent scoring and copying documents
 
 
@@ -254,19 +263,74 @@ def may_start_from(req: Any) -> bool:
 
 def held_back(waiting: list[Any], registry: DocumentRegistry) -> list[Any]:
     """The waiting requests that wait for their document to be published rather than compress it
-    themselves: another request in flight compresses it, or an earlier one in the queue declares it
-    (the first of them is admitted; the others start from its document once it is published).
-    A request that may not start from it (`may_start_from`) never waits for it."""
-    held, first = [], set()
+    themselves: another request in flight (admitted, `compressing`) compresses it. Never behind one
+    that is only queued (it may not be admitted for a long time, or ever: the first of them that
+    is admitted compresses it, and the others wait for it from then on, `waits_in_round`), never
+    past the server's bound (`stop_waiting`), and never one that may not start from it
+    (`may_start_from`)."""
+    held = []
     for req in waiting:
         key = declared(req)
-        if key is None or registry.get(key) is not None or not may_start_from(req):
+        if key is None or registry.get(key) is not None or not may_start_from(req) or waited_out(req):
             continue
         by = registry.compressed_by(key)
-        if (by is not None and by is not req) or (by is None and key.digest in first):
+        if by is not None and by is not req:
+            _waits(req)
             held.append(req)
-        first.add(key.digest)
     return held
+
+
+def waits_in_round(req: Any, admitted: list[Any], registry: DocumentRegistry | None) -> bool:
+    """Whether `req`, about to be admitted in a prefill round, waits instead: a request this round
+    already admitted (`admitted`, SGLang's `can_run_list`) compresses the same document, and will
+    be registered as compressing it (`compressing`)."""
+    key = declared(req)
+    if (key is None or registry is None or registry.get(key) is not None or not may_start_from(req)
+            or waited_out(req)):
+        return False
+    for other in admitted:
+        k = declared(other)
+        if other is not req and k is not None and k.digest == key.digest and _compresses(other):
+            _waits(req)
+            return True
+    return False
+
+
+def overdue(held: list[Any], bound: float, now: float | None = None) -> list[bool]:
+    """Which of the held requests have waited `bound` seconds (each since it first waited),
+    by this process's clock: tensor-parallel ranks vote on it before acting (`stop_waiting`)."""
+    now = time.monotonic() if now is None else now
+    return [now - (getattr(req, WAIT_ATTR, None) or now) >= bound for req in held]
+
+
+def stop_waiting(held: list[Any], late: list[bool], registry: DocumentRegistry) -> list[Any]:
+    """The held requests that go on waiting. Those `late` (past `--kv-document-wait`, as every
+    rank agreed) wait no more for this document: they read it themselves, whatever the publisher
+    they waited for still reads (its prompt is of its own tenant's choosing), and are counted in
+    `documents.waited_out`."""
+    still = []
+    for req, done in zip(held, late):
+        if done:
+            setattr(req, WAITED_OUT_ATTR, True)
+            registry.stats.waited_out += 1
+        else:
+            still.append(req)
+    return still
+
+
+def waited_out(req: Any) -> bool:
+    return bool(getattr(req, WAITED_OUT_ATTR, False))
+
+
+def _waits(req: Any) -> None:
+    if getattr(req, WAIT_ATTR, None) is None:
+        setattr(req, WAIT_ATTR, time.monotonic())
+
+
+def _compresses(req: Any) -> bool:
+    """Whether admitted `req`, which declares a document not resident, compresses it (is
+    registered as compressing it by `compressing`, unless another in flight already is)."""
+    return hit(req) is None and not req.output_ids
 
 
 def compressing(admitted: list[Any], registry: DocumentRegistry) -> None:
@@ -275,7 +339,7 @@ def compressing(admitted: list[Any], registry: DocumentRegistry) -> None:
     registry.forget_gone()
     for req in admitted:
         key = declared(req)
-        if (key is not None and hit(req) is None and not req.output_ids and registry.get(key) is None
+        if (key is not None and _compresses(req) and registry.get(key) is None
                 and registry.compressed_by(key) is None):
             registry.compressing[key.digest] = req
 

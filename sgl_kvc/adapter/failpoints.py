@@ -17,6 +17,9 @@ on. `name@R` plants the fault on tensor-parallel rank R only (a fault one rank s
 - `reconstruct_raise`: scoring the reconstruction pass (KVzip) of a request whose id starts with
   `failpoint-reconstruct` raises in the first layer of the rank, while SGLang runs the pass's
   forward with the other requests due in the same moment.
+- `kvzip_plan_raise`: planning the reconstruction pass (KVzip) of a request whose id starts with
+  `failpoint-kvzip` raises, before any of its forwards (`kvzip_plan_raise@R`: on rank R only, so
+  that the ranks must agree on the forwards they run without it).
 - `document_raise`: publishing the shared document of a request whose id starts with
   `failpoint-document` raises after its pass, before its entries are copied into the node's slots
   or its cut row becomes the node (`document_raise@R`: on rank R only, so that the ranks must agree
@@ -41,6 +44,7 @@ ENV = "SGLKVC_FAILPOINTS"
 # What a raising fault says it was doing, per name.
 _DOING = {"compress_raise": "compressing", "rewrite_raise": "rewriting the row of",
           "reconstruct_raise": "scoring the context reconstruction of",
+          "kvzip_plan_raise": "planning the context reconstruction of",
           "document_raise": "publishing the shared document of"}
 # On the observation store: the rows of the batch being run that `observe_raise` is planted
 # for (set by `observing`; the store itself knows nothing of it).
@@ -66,7 +70,7 @@ def hits(name: str, req: object) -> bool:
 
 def check(name: str, req: object) -> None:
     """A site where a planted fault raises (`compress_raise`, `rewrite_raise`, `reconstruct_raise`,
-    `document_raise`)."""
+    `kvzip_plan_raise`, `document_raise`)."""
     if hits(name, req):
         raise PlantedFault(f"planted fault {_DOING[name]} {getattr(req, 'rid', '')}")
 

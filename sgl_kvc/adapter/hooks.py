@@ -3,9 +3,9 @@
 | target (sglang 0.5.23)                          | kind   | what for                               |
 | ----------------------------------------------- | ------ | -------------------------------------- |
 | ForwardBatch.init_new                           | after  | request state at first prefill; logical RoPE positions for compacted requests |
-| Scheduler.process_batch_result                  | after  | moments `prefill` and `chunk`          |
+| Scheduler.process_batch_result                  | around | documents published (before); moments `prefill`, `chunk` |
 | Scheduler.update_running_batch                  | around | moments `decode` and `preempt`; counts SGLang's retractions |
-| PrefillAdder.add_one_req / running-token offset | around | admission by footprint (`adapter/admission.py`) |
+| PrefillAdder.add_one_req / running-token offset | around | admission by footprint (`adapter/admission.py`); a document's waiters |
 | PrefillAdder._check_prefill_budget              | around | a chunk-compressed prompt: one chunk + what its passes copy and keep |
 | PrefillAdder.add_chunked_req                    | around | a prompt's next chunk: what its passes copy and keep, its reconstruction forward (KVzip) |
 | Scheduler.handle_generate_request               | around | prompts longer than the pool, compressed between chunks |
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Any, Callable
+
+import torch
 
 from sgl_kvc.adapter import admission, documents
 from sgl_kvc.adapter.admission import CHUNKED_ATTR
@@ -71,8 +73,8 @@ def hook_table(config: KvcConfig) -> list[Hook]:
         hooks += [
             Hook(f"{_FORWARD_BATCH}.init_new", _after_forward_batch(config), "AFTER",
                  ("batch", "model_runner"), "request state; logical positions"),
-            Hook(f"{_SCHEDULER}.process_batch_result", _after_batch_result(config), "AFTER", ("batch",),
-                 "prefill moment"),
+            Hook(f"{_SCHEDULER}.process_batch_result", _around_batch_result(config), "AROUND", ("batch",),
+                 "shared documents published; prefill moment"),
             Hook(f"{_REQ}._compute_max_prefix_len", _around_max_prefix(config), "AROUND", ("input_len",),
                  "the observation window is recomputed on a prefix hit"),
             Hook(f"{_SCHEDULER}._add_request_to_queue", _around_add_to_queue(config), "AROUND", ("req",),
@@ -89,7 +91,7 @@ def hook_table(config: KvcConfig) -> list[Hook]:
                  "the next tokens after a compaction between chunks or a shared document"),
             Hook(f"{_REQ}.init_next_round_input", _around_init_next_round, "AROUND", (),
                  "a prefix matched on a shared document: the tokens after it"),
-            Hook(f"{_SCHEDULER}.get_new_batch_prefill", _around_new_prefill, "AROUND", (),
+            Hook(f"{_SCHEDULER}.get_new_batch_prefill", _around_new_prefill(config), "AROUND", (),
                  "a request waits while another compresses its document"),
         ]
     if config.chunk_moment is not None:
@@ -149,11 +151,15 @@ def _before_free(pool: Any, req: Req, *args: Any, **kwargs: Any) -> None:
     released(pool, req)
 
 
-def _after_batch_result(config: KvcConfig):
-    def hook(result: Any, scheduler: Scheduler, batch: ScheduleBatch, *args: Any, **kwargs: Any) -> Any:
+def _around_batch_result(config: KvcConfig):
+    def hook(original: Callable[..., Any], scheduler: Scheduler, batch: ScheduleBatch, *args: Any, **kwargs: Any):
         compressor = compressor_of(scheduler.tp_worker.model_runner, config)
         compressor.scheduler = scheduler
-        if batch.forward_mode.is_extend():  # the prompt moments, and publishing shared documents
+        extend = batch.forward_mode.is_extend()
+        if extend:  # shared documents, while every request of the batch still holds its row
+            compressor.before_prefill_result(batch)
+        result = original(scheduler, batch, *args, **kwargs)
+        if extend:  # the prompt moments
             compressor.after_prefill(batch)
         return result
 
@@ -244,24 +250,37 @@ def _around_handle_generate(config: KvcConfig):
     return hook
 
 
-def _around_new_prefill(original: Callable[..., Any], scheduler: Scheduler, *args: Any, **kwargs: Any):
-    # Concurrent first requests for one document: one compresses it, the others stay in the
-    # queue meanwhile (left out of this round's admission, then put back in front, in order) and
-    # start from it once it is published (`documents.held_back`).
-    registry = documents.registry_of(getattr(scheduler, "tree_cache", None))
-    if registry is None:
-        return original(scheduler, *args, **kwargs)
-    held = documents.held_back(scheduler.waiting_queue, registry)
-    if held:
-        ids = {id(r) for r in held}
-        scheduler.waiting_queue = [r for r in scheduler.waiting_queue if id(r) not in ids]
-    try:
-        plan = original(scheduler, *args, **kwargs)
-    finally:
+def _around_new_prefill(config: KvcConfig):
+    def hook(original: Callable[..., Any], scheduler: Scheduler, *args: Any, **kwargs: Any):
+        # Concurrent first requests for one document: one compresses it, the others stay in the
+        # queue meanwhile (left out of this round's admission, then put back in front, in order)
+        # and start from it once it is published (`documents.held_back`), or, once they have
+        # waited --kv-document-wait, read it themselves (`documents.stop_waiting`).
+        registry = documents.registry_of(getattr(scheduler, "tree_cache", None))
+        if registry is None:
+            return original(scheduler, *args, **kwargs)
+        held = documents.held_back(scheduler.waiting_queue, registry)
         if held:
-            scheduler.waiting_queue = held + scheduler.waiting_queue
-    documents.compressing(getattr(getattr(plan, "batch_to_run", None), "reqs", None) or [], registry)
-    return plan
+            late = documents.overdue(held, config.kv_document_wait)
+            vote = compressor_of(scheduler.tp_worker.model_runner, config).failures.vote
+            if vote is not None:
+                # Each rank's clock decides alone; the ranks' schedulers must admit the same
+                # requests, so one that is late on any rank stops waiting on every rank (every
+                # rank holds the same requests here: the vote is taken by all or by none).
+                late = (vote(torch.tensor(late, dtype=torch.int64)) > 0).tolist()
+            held = documents.stop_waiting(held, late, registry)
+        if held:
+            ids = {id(r) for r in held}
+            scheduler.waiting_queue = [r for r in scheduler.waiting_queue if id(r) not in ids]
+        try:
+            plan = original(scheduler, *args, **kwargs)
+        finally:
+            if held:
+                scheduler.waiting_queue = held + scheduler.waiting_queue
+        documents.compressing(getattr(getattr(plan, "batch_to_run", None), "reqs", None) or [], registry)
+        return plan
+
+    return hook
 
 
 def _around_init_next_round(original: Callable[..., Any], req: Req, *args: Any, **kwargs: Any):

@@ -22,7 +22,13 @@ A compressing server keeps, besides SGLang's KV pool:
   reconstruction forward, which writes its chunk past the request's prompt: SGLang sizes a row to
   the context length, and where that is shorter than the model's positions a prompt near it would
   leave a forward a few tokens (`forward_room`). Any tenant can switch KVzip on (`prompt_policy`),
-  so every compressing server widens its rows.
+  so every compressing server widens its rows;
+* the keys a reconstruction forward holds beyond SGLang's own prefill: on a CPU its attention
+  hands each row's gathered keys to the layer's fold, so one layer's keys of every row of the
+  forward are alive at once (its prefixes may be far longer than its tokens: 32 requests over a
+  cached 16K prefix attend to 512K entries). A forward attends to at most `forward_entries` (the
+  widest row: the context and a forward's room; `adapter/reconstruction.forward_groups` cuts a
+  round's requests to fit), whose keys are reserved once (`FORWARD_ENTRIES_ATTR`).
 
 SGLang sizes its pool from a number of bytes, its KV memory (`KVCacheConfigurator._profile_available_bytes`:
 free memory after weights, minus the activation slack of `--mem-fraction-static`; or
@@ -35,7 +41,8 @@ when that is fewer than SGLang chose; the request slots are capped so the querie
 whole), and the moment slots so the moments take at most `MAX_MOMENT_SHARE`.
 
 Transient work of a pass (one layer's keys while it scores it) is activation memory, like
-SGLang's own, and stays in its slack.
+SGLang's own, and stays in its slack; so do a reconstruction forward's activations, which it keeps
+within SGLang's tokens per prefill forward (`reconstruction.forward_limit`).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ STATS_BYTES = 4  # float32 statistic per (token, layer, KV head)
 MAX_DECODE_SHARE = 0.02  # of the KV memory, at most, for one decode call's allocations (CUDA)
 MOMENT_SLOTS_ATTR = "kvc_moment_slots"  # on SGLang's MemoryPoolConfig: read by the compressor
 DECODE_BYTES_ATTR = "kvc_decode_block_bytes"  # the same: the fused plan's block bound
+FORWARD_ENTRIES_ATTR = "kvc_forward_entries"  # the same: entries a reconstruction forward attends to
 ROW_ENTRY_BYTES = 4  # an int32 slot index of SGLang's req_to_token
 
 
@@ -72,7 +80,7 @@ class Reservation:
     @classmethod
     def for_model(
         cls, window: int, num_layers: int, q_heads: int, kv_heads: int, head_dim: int, q_bytes: int,
-        unit_tables: bool = False, decode_bytes: int = 0, row_room: int = 0,
+        unit_tables: bool = False, decode_bytes: int = 0, row_room: int = 0, forward_entries: int = 0,
     ) -> "Reservation":
         # a statistic twice (two steps' slabs); on the unit pool a step's tables, twice
         per_token = num_layers * kv_heads * (2 * STATS_BYTES + (2 * 8 if unit_tables else 0))
@@ -81,7 +89,8 @@ class Reservation:
             per_request=window * num_layers * q_heads * head_dim * q_bytes + row_room * ROW_ENTRY_BYTES,
             per_token=per_token,
             per_moment=num_layers * layer_moments + 2 * layer_moments,  # + one layer's merge
-            fixed=decode_bytes,
+            # a decode call; one layer's keys of a reconstruction forward's rows (model dtype)
+            fixed=decode_bytes + forward_entries * kv_heads * head_dim * q_bytes,
         )
 
 
@@ -162,6 +171,7 @@ def _around_resolve(config: KvcConfig, probe: _MemoryProbe) -> Callable[..., Any
             unit_tables=config.variable_budget,
             decode_bytes=decode_bytes,
             row_room=forward_room(config),
+            forward_entries=forward_entries(config, int(mc.context_len)),
         )
         cell = getattr(configurator, "_cell_size", None)  # SGLang's bytes per token (FP8 included)
         if not cell:  # a pool layout without one cost per token (hybrid, MLA...)
@@ -181,10 +191,11 @@ def _around_resolve(config: KvcConfig, probe: _MemoryProbe) -> Callable[..., Any
         setattr(pool, RESERVED_ATTR, fit.reserved_bytes)  # read by /v1/kvc/stats
         setattr(pool, MOMENT_SLOTS_ATTR, fit.moment_slots)
         setattr(pool, DECODE_BYTES_ATTR, decode_bytes)
+        setattr(pool, FORWARD_ENTRIES_ATTR, forward_entries(config, int(mc.context_len)))
         logger.info(
             "sgl-kvc: %.1f MB of the %.1f MB KV memory reserved for observation queries (%d request "
-            "slots x %d B), attention statistics and decode tables (%d B per token), a decode call "
-            "(%d B) and prompt moments (%d slots x %d B): pool %d tokens, %d requests",
+            "slots x %d B), attention statistics and decode tables (%d B per token), a decode call and "
+            "a reconstruction forward's keys (%d B) and prompt moments (%d slots x %d B): pool %d tokens, %d requests",
             fit.reserved_bytes / 1e6, memory / 1e6, pool.max_running_requests, r.per_request,
             r.per_token, r.fixed, fit.moment_slots, r.per_moment, pool.max_total_num_tokens,
             pool.max_running_requests,
@@ -200,6 +211,13 @@ def forward_room(config: KvcConfig) -> int:
     from sgl_kvc.adapter.reconstruction import RESERVE_HEAD
 
     return config.kvzip_chunk + RESERVE_HEAD if config.compressing else 0
+
+
+def forward_entries(config: KvcConfig, context_len: int) -> int:
+    """Entries one reconstruction forward attends to at most, its rows' prefixes and chunks in
+    all (0 without compression): the widest row, a context and a forward's room. A row alone
+    never exceeds it, so every forward can run; more rows share a forward while they fit."""
+    return context_len + forward_room(config) if config.compressing else 0
 
 
 def widen_rows(pool: Any, room: int) -> None:

@@ -30,6 +30,8 @@ from sgl_kvc.adapter.documents import DocumentRegistry, declared, match_limit, m
 
 logger = logging.getLogger(__name__)
 
+_USED_ATTR = "_sgl_kvc_document_use"  # on a Req: the document node its use was counted for
+
 
 def create(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     unsupported = {
@@ -69,6 +71,13 @@ class KvcRadixCache(RadixCache):
         if doc is not None and len(params.key.token_ids) > doc.key.tokens and may_start_from(req):
             node = doc.node
             node.last_access_time = time.monotonic()  # LRU: a hit is a use
+            if getattr(req, _USED_ATTR, None) is not node:
+                # LFU (and SLRU's protected segment) read `hit_count`, which SGLang counts when a
+                # request inserts its KV through a node, once per request: a request starting
+                # from a document never inserts (`skip_radix_cache_insert`), so its use is counted
+                # here, once per request too (a waiting request is matched in every round).
+                self._inc_hit_count(node)
+                setattr(req, _USED_ATTR, node)
             return MatchResult(device_prefix_len=len(node.value), last_device_node=node,
                                last_host_node=node, best_match_node=node)
         limit = None if req is None or self.disable else match_limit(req, resident=doc is not None)

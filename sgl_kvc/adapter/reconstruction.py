@@ -8,15 +8,25 @@ builds and runs a prefill: a short-lived `Req` per request, prefilled by SGLang'
 `ScheduleBatch.prepare_for_extend` (its row is the request's own, its prefix the request's cached
 entries up to the context's end, so nothing is copied; its chunk gets new slots from SGLang's
 allocator), turned into a `ForwardBatch` and run by the model runner; the passes due in one moment
-share each forward. While it runs, the attention observer folds each layer's queries into the
-request's scores (`core/reconstruction.py`) and records nothing else. Afterwards the chunk's slots
-go back to the allocator and the row is as it was: the pass leaves nothing allocated.
+share the forwards of each round. While it runs, the attention observer folds each layer's queries
+into the request's scores (`core/reconstruction.py`) and records nothing else. Afterwards the
+chunk's slots go back to the allocator and the row is as it was: the pass leaves nothing allocated.
 
 Memory: a forward holds, per request, one chunk of the context and its instruction: at most
-`forward_slots`, which admission counts in the request's footprint (`sgl_kvc/footprint.py`).
+`forward_slots`, which admission counts in the request's footprint (`sgl_kvc/footprint.py`). A
+round's requests are cut into forwards (`forward_groups`) of at most SGLang's tokens per prefill
+forward (`forward_limit`: the activations its memory slack is sized for; one forward of every due
+request read sum(chunk + instruction) tokens, 32 requests over a cached 16K prefix far past the
+chunked-prefill size) and of at most the entries whose keys `adapter/kv_memory.py` reserves
+(`forward_entries`: per layer, a CPU forward hands its fold every row's gathered keys).
 
-Failures: an exception while a request's queries are folded fails that request; one in a forward
-fails the requests of that forward; the others of the moment, and every other request, go on.
+Failures: an exception while a request's queries are folded fails that request; one while a
+forward is prepared fails the requests of that forward; the others of the moment, and every other
+request, go on. With tensor parallelism every rank must run the same forwards, whose model runs
+collectives: the ranks vote on what they planned before the first forward and on what they
+prepared before each (`RankVote`), so a request planned or prepared on one rank only fails on all
+of them; an exception inside a forward's model run is never caught there (a rank that left the
+forward would leave the others waiting in its collectives: the ranks fail together instead).
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from sgl_kvc.adapter import failpoints
+from sgl_kvc.adapter.failures import FailedOnAnotherRank
+from sgl_kvc.adapter.tp import RankVote
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.reconstruction import (
     OVERLAP,
@@ -88,6 +100,45 @@ def is_reconstruction(batch: Any) -> bool:
     return bool(getattr(batch, SHADOW_ATTR, False))
 
 
+def unscorable(req: Any) -> str | None:
+    """Why a reconstruction cannot score `req` (one of SGLang's requests), or None. A multimodal
+    prompt holds the processor's pad values where its images or audio go (the encoder's
+    embeddings replace them in a prefill): repeated as text, they reach the embedding as token
+    ids outside the vocabulary (an IndexError on a CPU, a device-side assert that ends the process
+    on CUDA). Admission refuses such a request first (`request_settings.multimodal_conflict`)."""
+    if getattr(req, "multimodal_inputs", None) is not None:
+        return "a multimodal prompt cannot be repeated as text (KVzip's reconstruction)"
+    return None
+
+
+def forward_limit(scheduler: Any) -> int | None:
+    """The most tokens SGLang reads in one prefill forward: its chunk (`--chunked-prefill-size`)
+    and its cap on a prefill round (`--max-prefill-tokens`), the smaller; None where it has
+    neither. Its memory slack holds the activations of such a forward, not of a larger one."""
+    limits = [int(v) for v in (getattr(scheduler, "chunked_prefill_size", None),
+                               getattr(scheduler, "max_prefill_tokens", None))
+              if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    return min(limits) if limits else None
+
+
+def forward_groups(sizes: Sequence[tuple[int, int]], max_tokens: int, max_entries: int) -> list[list[int]]:
+    """The parts of one round ((tokens read, entries attended) of each request's chunk, in the
+    round's order) cut, in that order, into forwards of at most `max_tokens` tokens and
+    `max_entries` entries. A part over either bound alone is a forward of its own (its plan keeps
+    its tokens within `max_tokens`; one row's keys are one request's transient work). Every
+    tensor-parallel rank cuts the same sizes alike: they come from host data the ranks share."""
+    groups: list[list[int]] = []
+    tokens = entries = 0
+    for j, (t, e) in enumerate(sizes):
+        if groups and tokens + t <= max_tokens and entries + e <= max_entries:
+            groups[-1].append(j)
+            tokens, entries = tokens + t, entries + e
+        else:
+            groups.append([j])
+            tokens, entries = t, e
+    return groups
+
+
 def prompt_from_tokenizer(tokenizer: Any) -> ReconstructionPrompt:
     """The instruction ids and the chat template's text around a user's message, as kvpress
     `KVzipPress` takes them: a dummy message rendered with the template, split at it."""
@@ -120,7 +171,7 @@ class ReconstructionStats:
     seconds: float = 0.0  # spent in them, folding the scores included
     score_seconds: float = 0.0  # of which folding the queries into the scores
     forward_normalizers: int = 0  # folds (request x layer) whose softmax normalizer the forward computed
-    max_held_slots: int = 0  # the most slots one forward held (the memory admission reserves)
+    max_held_slots: int = 0  # the most slots one forward held (its tokens; the memory admission reserves)
 
 
 @dataclass
@@ -133,6 +184,7 @@ class _Item:
     prefix: int  # physical entries of the row the forward attends to
     scores: list[torch.Tensor]
     error: BaseException | None = None
+    dropped: bool = False  # its forward was not run (on every rank alike): it reads no later chunk
 
 
 @dataclass
@@ -142,6 +194,11 @@ class Reconstructor:
     config: KvcConfig
     store: KvcStore
     stats: ReconstructionStats = field(default_factory=ReconstructionStats)
+    # The tensor-parallel group's vote (None: one rank), the compressor's `FailureLedger.vote`.
+    vote: RankVote | None = None
+    # Entries one forward may attend to in all (its rows' prefixes and chunks): the keys
+    # `adapter/kv_memory.py` reserved for them (None: no reservation ran; the widest row).
+    forward_entries: int | None = None
     _prompt: ReconstructionPrompt | None = None
     _positions: int | None = None
 
@@ -176,28 +233,49 @@ class Reconstructor:
                 f"after the context; this prompt leaves {max(0, limit - end)} of the model's {limit}: shorten "
                 f"it by at least {over} token{'s' if over > 1 else ''}, or use another prompt_policy")
 
+    def must_agree(self, batch: ScheduleBatch) -> bool:
+        """Whether the ranks vote on this batch's reconstructions even where a rank has none due:
+        with tensor parallelism, whenever a request of the batch asks for one (its settings,
+        which every rank reads alike). A rank on which such a request was skipped (its state
+        failed to start, say) still takes part, so that the others do not wait for it."""
+        if self.vote is None:
+            return False
+        for req in batch.reqs:
+            try:
+                if reserve_tokens(self.config, req):
+                    return True
+            except Exception:  # noqa: BLE001 - the same on every rank: vote
+                return True
+        return False
+
     def run(
         self, scheduler: Scheduler, batch: ScheduleBatch, due: list[tuple[Any, ...]],
         fail: Callable[[Any, BaseException], None],
     ) -> None:
         """Repeat the context of each request `due` ((index in `batch`, state, moment: prefill or
         chunk[, n: the first n entries of its row only, a shared document])); its scores go to
-        `state.reconstruction` for the moment's pass. A request that fails is handed to `fail`."""
-        if not due:
+        `state.reconstruction` for the moment's pass. A request that fails is handed to `fail`.
+        With tensor parallelism every rank calls it where `must_agree` (or with the same `due`)."""
+        if not due and not self.must_agree(batch):
             return
         t0 = time.perf_counter()
-        items = []
+        planned: dict[int, _Item] = {}
         for i, state, moment, *length in due:
             req = batch.reqs[i]
             try:
-                items.append(self._plan(scheduler, batch, i, state, moment, *length))
+                planned[i] = self._plan(scheduler, batch, i, state, moment, *length)
             except Exception as e:  # noqa: BLE001 - that request fails, alone
                 fail(req, e)
+        items = self._agreed(batch, [d[0] for d in due], planned, fail)
+        tokens, entries = self._forward_bounds(scheduler)
         rounds = max((len(item.plan.chunks) for item in items), default=0)
         for k in range(rounds):
-            # Every request with a k-th chunk, in one forward (TP ranks run the same ones: the
-            # plans come from host data every rank shares).
-            self._forward(scheduler, [item for item in items if k < len(item.plan.chunks)], k)
+            # Every request with a k-th chunk, in forwards within the bounds (TP ranks run the
+            # same ones: the plans come from host data every rank shares, and were voted on).
+            part = [item for item in items if k < len(item.plan.chunks) and not item.dropped]
+            sizes = [(len(item.plan.chunks[k].ids), item.prefix + len(item.plan.chunks[k].ids)) for item in part]
+            for group in forward_groups(sizes, tokens, entries):
+                self._forward(scheduler, [part[j] for j in group], k)
         for item in items:
             if item.error is not None:
                 fail(item.req, item.error)
@@ -207,10 +285,51 @@ class Reconstructor:
             self.stats.context_tokens += sum(c.end - c.start for c in item.plan.chunks)
         self.stats.seconds += time.perf_counter() - t0
 
+    def _agreed(self, batch: ScheduleBatch, due: list[int], planned: dict[int, _Item],
+                fail: Callable[[Any, BaseException], None]) -> list[_Item]:
+        """The planned items every rank planned, in `due`'s order; one planned here but not on
+        another rank (its plan failed there, or it was skipped there) fails here too. One vote
+        (a small all-reduce over the TP group's CPU group) before any forward; none on one rank."""
+        if self.vote is None:
+            return [planned[i] for i in due if i in planned]
+        mine = torch.zeros(len(batch.reqs), dtype=torch.int64, device="cpu")
+        for i in planned:
+            mine[i] = 1
+        everywhere = (self.vote(mine) == self.vote.world_size).tolist()
+        items = []
+        for i in due:
+            if i not in planned:
+                continue
+            if everywhere[i]:
+                items.append(planned[i])
+            else:
+                fail(batch.reqs[i], FailedOnAnotherRank("its reconstruction was not planned on another rank"))
+        return items
+
+    def _everywhere(self, ok: bool) -> bool:
+        """Whether `ok` holds on every rank (one vote; `ok` itself on one rank)."""
+        if self.vote is None:
+            return ok
+        return int(self.vote(torch.tensor([int(ok)], dtype=torch.int64, device="cpu"))[0]) == self.vote.world_size
+
+    def _forward_bounds(self, scheduler: Scheduler) -> tuple[int, int]:
+        """(tokens, entries) one forward may read and attend to: SGLang's tokens per prefill
+        forward (no fewer than the smallest forward: an instruction and one context token), and
+        the entries whose keys were reserved."""
+        limit = forward_limit(scheduler)
+        smallest = instruction_tokens(self.prompt(scheduler), OVERLAP) + 1
+        tokens = max(limit, smallest) if limit is not None else 1 << 62
+        entries = self.forward_entries or int(self.store.req_to_token.shape[1])
+        return tokens, entries
+
     # --- planning -----------------------------------------------------------------------------
     def _plan(self, scheduler: Scheduler, batch: ScheduleBatch, i: int, state: ReqKvState, moment: str,
               n: int | None = None) -> _Item:
         req = batch.reqs[i]
+        why = unscorable(req)
+        if why is not None:  # never fed to a forward (refused at admission first)
+            raise ValueError(why)
+        failpoints.check("kvzip_plan_raise", req)
         row = req.kv.req_pool_idx
         n = int(batch.seq_lens_cpu[i]) if n is None else n
         length = state.logical_len(n)
@@ -224,9 +343,10 @@ class Reconstructor:
             end = length
         prefix = end - state.offset
         carried: CarriedScores | None = state.reconstructed
-        # a forward's room: what admission reserved, its row's end, and the model's positions
+        # a forward's room: what admission reserved, its row's end, the model's positions and
+        # SGLang's tokens per prefill forward (its chunk shrinks to fit)
         room = min(reserve_tokens(self.config, req), self.store.req_to_token.shape[1] - prefix,
-                   self.positions(scheduler) - end)
+                   self.positions(scheduler) - end, self._forward_bounds(scheduler)[0])
         plan = plan_reconstruction(ids, start, end, prompt, resume=None if carried is None else carried.end,
                                    chunk=self.config.kvzip_chunk, overlap=OVERLAP, sink_tokens=sink,
                                    max_tokens=room)  # fmt: skip
@@ -265,51 +385,61 @@ class Reconstructor:
     # --- one forward ----------------------------------------------------------------------------
     def _forward(self, scheduler: Scheduler, items: list[_Item], k: int) -> None:
         """Chunk k of each of `items` in one extend forward that SGLang prepares and runs."""
-        from sglang.srt.managers.schedule_batch import Req, ReqKvInfo, ScheduleBatch
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
         # A request whose scoring failed in an earlier chunk still reads its chunk here (its
         # scores are no longer folded): with tensor parallelism every rank runs the same forwards,
         # whose collectives would otherwise wait for a rank that left it out.
-        shadows, saved = [], []
-        rows: dict[int, RowReconstruction] = {}
-        for item in items:
-            chunk = item.plan.chunks[k]
-            fill = array("q", [0] * item.prefix)
-            fill.extend(chunk.ids)
-            shadow = Req(rid=f"{item.req.rid}:reconstruction", origin_input_text="", origin_input_ids=fill,
-                         sampling_params=item.req.sampling_params, vocab_size=scheduler.model_config.vocab_size)
-            shadow.full_untruncated_fill_ids = fill
-            shadow.prefix_len, shadow.extend_end = item.prefix, len(fill)
-            shadow.logprob_start_len = -1
-            # The request's own row: its first `prefix` entries are the forward's prefix, as a
-            # chunked prefill's earlier chunks are; SGLang writes the chunk's new slots after them.
-            shadow.kv = ReqKvInfo(req_pool_idx=item.row, cache_protected_len=item.prefix,
-                                  kv_committed_len=item.prefix, kv_allocated_len=max(item.prefix, 1))
-            setattr(shadow, SHADOW_ATTR, True)
-            shadows.append(shadow)
-            end = item.prefix + len(chunk.ids)
-            saved.append(self.store.req_to_token[item.row, item.prefix : end].clone())
-            rows[item.row] = RowReconstruction(item.state, item.scores, chunk, item.plan.sink, item.prefix, item)
-        new = ScheduleBatch.init_new(
-            shadows, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, scheduler.tree_cache,
-            scheduler.model_config, False, scheduler.spec_algorithm,
-        )
-        setattr(new, SHADOW_ATTR, True)
-        allocated = None
-        self.store.reconstruction = round_ = ReconstructionRound(rows)
+        saved: list[torch.Tensor] = []
+        allocated = error = fb = None
+        round_ = ReconstructionRound({})
         try:
-            new.prepare_for_extend()
-            allocated = new.out_cache_loc
-            if new.input_ids is None:
-                new.input_ids = new.prefill_input_ids_cpu.to(new.device)
-                new.prefill_input_ids_cpu = None
-            fb = ForwardBatch.init_new(new, scheduler.tp_worker.model_runner, return_hidden_states_before_norm=False)
-            scheduler.tp_worker.model_runner.forward(fb)
-        except Exception as e:  # noqa: BLE001 - the forward's requests fail, the others go on
-            logger.exception("sgl-kvc: a reconstruction forward failed")
-            for item in items:
-                item.error = item.error or e
+            try:
+                shadows = []
+                for item in items:
+                    chunk = item.plan.chunks[k]
+                    shadows.append(shadow_request(item.req, item.row, item.prefix, chunk.ids,
+                                                  scheduler.model_config.vocab_size))
+                    saved.append(self.store.req_to_token[item.row, item.prefix : item.prefix + len(chunk.ids)].clone())
+                    round_.rows[item.row] = RowReconstruction(item.state, item.scores, chunk, item.plan.sink,
+                                                              item.prefix, item)
+                new = ScheduleBatch.init_new(
+                    shadows, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, scheduler.tree_cache,
+                    scheduler.model_config, False, scheduler.spec_algorithm,
+                )
+                setattr(new, SHADOW_ATTR, True)
+                self.store.reconstruction = round_
+                new.prepare_for_extend()
+                allocated = new.out_cache_loc
+                if new.input_ids is None:
+                    new.input_ids = new.prefill_input_ids_cpu.to(new.device)
+                    new.prefill_input_ids_cpu = None
+                fb = ForwardBatch.init_new(new, scheduler.tp_worker.model_runner,
+                                           return_hidden_states_before_norm=False)
+            except Exception as e:  # noqa: BLE001 - before the model runs: voted on below
+                logger.exception("sgl-kvc: a reconstruction forward could not be prepared")
+                error = e
+            # Every rank prepared it, or none runs it (the model's collectives need all of them).
+            if not self._everywhere(error is None):
+                for item in items:
+                    item.error = item.error or error or FailedOnAnotherRank(
+                        "its reconstruction forward could not be prepared on another rank")
+                    item.dropped = True
+                return
+            if self.vote is not None:
+                # The model runs collectives: an exception here is never swallowed. The rank
+                # that raises stops (SGLang's scheduler ends the server), where going on would
+                # leave the other ranks waiting for it in a collective, or run different forwards.
+                scheduler.tp_worker.model_runner.forward(fb)
+            else:
+                try:
+                    scheduler.tp_worker.model_runner.forward(fb)
+                except Exception as e:  # noqa: BLE001 - one rank: the forward's requests fail, the others go on
+                    logger.exception("sgl-kvc: a reconstruction forward failed")
+                    for item in items:
+                        item.error = item.error or e
+                        item.dropped = True
         finally:
             self.store.reconstruction = None
             self.stats.score_seconds += round_.score_seconds
@@ -321,6 +451,29 @@ class Reconstructor:
                 self.stats.max_held_slots = max(self.stats.max_held_slots, int(allocated.numel()))
         self.stats.forwards += 1
         self.stats.tokens += sum(len(item.plan.chunks[k].ids) for item in items)
+
+
+def shadow_request(req: Any, row: int, prefix: int, ids: Sequence[int], vocab_size: int) -> Req:
+    """The short-lived SGLang `Req` that reads `ids` in `req`'s row after its first `prefix`
+    entries (a reconstruction forward's part for `req`). It runs with `req`'s LoRA adapter
+    (`lora_id`, which `ForwardBatch.init_new` hands the LoRA manager per request): KVzip scores a
+    request by the model that answers it, base weights and adapter both."""
+    from sglang.srt.managers.schedule_batch import Req, ReqKvInfo
+
+    fill = array("q", [0] * prefix)
+    fill.extend(ids)
+    shadow = Req(rid=f"{req.rid}:reconstruction", origin_input_text="", origin_input_ids=fill,
+                 sampling_params=req.sampling_params, vocab_size=vocab_size,
+                 lora_id=getattr(req, "lora_id", None))
+    shadow.full_untruncated_fill_ids = fill
+    shadow.prefix_len, shadow.extend_end = prefix, len(fill)
+    shadow.logprob_start_len = -1
+    # The request's own row: its first `prefix` entries are the forward's prefix, as a chunked
+    # prefill's earlier chunks are; SGLang writes the chunk's new slots after them.
+    shadow.kv = ReqKvInfo(req_pool_idx=row, cache_protected_len=prefix, kv_committed_len=prefix,
+                          kv_allocated_len=max(prefix, 1))
+    setattr(shadow, SHADOW_ATTR, True)
+    return shadow
 
 
 def observe_reconstruction(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> None:

@@ -163,6 +163,44 @@ def test_a_document_longer_than_the_pool(documents_server, trace: Path) -> None:
     assert_pool_whole(documents_server.stats())
 
 
+def test_a_first_request_that_ends_at_its_first_token_publishes(servers) -> None:
+    """Read whole, the first request of a document publishes it even when it ends at its first
+    token: `max_tokens` 1, a stop token at once, and SGLang's prefix warm-up for `n` > 1 (the
+    prompt alone with `max_new_tokens` 0, before the n samples). SGLang releases such a request,
+    and its row, while it processes the prefill's result: the document is published before that.
+    Before, none of them published it (nor counted it in `not_published`), and both samples of
+    `n` = 2 found no document (one compressed it, the other waited for it)."""
+    server = servers["whole"]
+
+    def first_token(seed: int, sampling: dict) -> None:
+        doc = _tokens(seed, DOC)
+        before = _documents(server)
+        document = {"custom_params": {"sgl_kvc": {"document": {"tokens": DOC, "ratio": 0.3}}}}
+        out = generate(server, doc + _tokens(seed + 1, QUESTION), 1, sampling={**document, **sampling})
+        assert len(out["output_ids"]) == 1, out
+        mid = _documents(server)
+        assert mid["compressions"] == before["compressions"] + 1, (sampling, mid)
+        assert mid["not_published"] == before["not_published"], mid
+        later = _ask(server, doc, _tokens(seed + 2, QUESTION))
+        assert later["meta_info"]["cached_tokens"] == DOC and _documents(server)["hits"] == mid["hits"] + 1
+
+    first_token(1300, {})  # max_tokens 1
+    stop = generate(server, _tokens(1310, DOC) + _tokens(1311, QUESTION), 1)["output_ids"][0]
+    first_token(1310, {"ignore_eos": False, "stop_token_ids": [stop]})  # its first token stops it
+
+    doc, question = _tokens(1320, DOC), _tokens(1321, QUESTION)
+    before = _documents(server)
+    r = server.post("/generate", json={"input_ids": doc + question, "sampling_params": {
+        "n": 2, "max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True,
+        "custom_params": {"sgl_kvc": {"document": {"tokens": DOC, "ratio": 0.3}}}}})
+    assert r.status_code == 200, r.text
+    samples = r.json()
+    assert len(samples) == 2 and all(s["meta_info"]["cached_tokens"] == DOC for s in samples), samples
+    after = _documents(server)
+    assert after["compressions"] == before["compressions"] + 1 and after["hits"] == before["hits"] + 2, after
+    assert_pool_whole(server.wait_idle())
+
+
 def test_a_request_aborted_while_it_compresses_its_document(documents_server) -> None:
     """The first request of a long document is aborted while it reads it (SGLang's
     `/abort_request`, as for a client gone): the requests that waited for it go on, one of them

@@ -10,6 +10,7 @@ same fixed KV memory budget (`--kv-cache-memory-gb`, no token cap):
 
 from __future__ import annotations
 
+import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -23,7 +24,7 @@ from kvc_reference import REASONING_PROMPT as LONG_PROMPT
 from kvc_reference import (assert_pool_whole, fp8_attention, kept_count, reference_logprobs, served_backend,
                            trace_events)
 from loadtest.server import ServerProcess
-from sgl_kvc.adapter.kv_memory import Reservation, fit_pool, forward_room
+from sgl_kvc.adapter.kv_memory import Reservation, fit_pool, forward_entries, forward_room
 from sgl_kvc.config import KvcConfig
 
 pytestmark = pytest.mark.e2e
@@ -81,7 +82,7 @@ def test_stats_name_the_dtype_and_scales(servers) -> None:
         assert "FP8 KV cache requires" not in log  # SGLang's CPU FP8 path (AMX only) is never entered
 
 
-def test_capacity_at_the_same_memory_budget(servers) -> None:
+def test_capacity_at_the_same_memory_budget(servers, demo_model_path: str) -> None:
     """Same budget, no token cap: the FP8 pool holds 512/272 = 1.88x the tokens of bf16 (the
     scales cost 16 of 272 bytes per token of this small-headed model; 1.97x at head_dim 128);
     a compressing server's own buffers come out of the same budget."""
@@ -101,8 +102,11 @@ def test_capacity_at_the_same_memory_budget(servers) -> None:
     # (adapter/kv_memory.py): its pool is that much smaller, and both fit together.
     stats = servers["e4m3_rkv"].stats()
     pool = stats["pool"]
+    context = json.loads((Path(demo_model_path) / "config.json").read_text())["max_position_embeddings"]
+    config = KvcConfig(policy="rkv")
     reserve = Reservation.for_model(window=WINDOW, num_layers=2, q_heads=4, kv_heads=2, head_dim=32, q_bytes=2,
-                                    row_room=forward_room(KvcConfig(policy="rkv")))  # its rows' room for KVzip
+                                    row_room=forward_room(config),  # its rows' room for KVzip
+                                    forward_entries=forward_entries(config, context))  # a KVzip forward's keys
     fit = fit_pool(budget, FP8_BYTES_PER_TOKEN, budget // FP8_BYTES_PER_TOKEN, 2048, reserve)
     assert (pool["total_tokens"], stats["requests"]["max_running_limit"]) == (fit.tokens, fit.requests)
     assert pool["reserved_bytes"] == fit.reserved_bytes > 0

@@ -152,9 +152,15 @@ MATRIX: list[tuple[str, str, str, Any, int, str | None]] = [
 ]
 
 
+# Prompts read in chunks of 256; a request waits at most 50 ms for another to publish the shared
+# document it declares (`test_no_request_waits_behind_another_tenants_document_past_the_bound`).
+CHUNK, DOCUMENT_WAIT = 256, 0.05
+
+
 @pytest.fixture(scope="module")
 def rkv_server():
-    cmd = [sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv"]
+    cmd = [sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--policy", "rkv",
+           "--chunked-prefill-size", str(CHUNK), "--kv-document-wait", str(DOCUMENT_WAIT)]
     with ServerProcess.launch(cmd) as server:
         yield server
 
@@ -260,6 +266,43 @@ def test_policy_none_server_refuses_oov_and_compression_settings(kvc_server) -> 
     # per-request "none" is what such a server does anyway
     assert send(kvc_server, "POST", COMP, comp(**kvc({"policy": "none"}))).status_code == 200
     assert send(kvc_server, "GET", "/health", None).status_code == 200
+
+
+def test_no_request_waits_behind_another_tenants_document_past_the_bound(rkv_server) -> None:
+    """One tenant publishes a document with a prompt of its own choosing: 40 chunks past it, read
+    whole (it asks for its last prompt token's log-probability), so it publishes only once all are
+    read. Another tenant's request of the same document, in the same batch, waits for it at most
+    --kv-document-wait (50 ms here), then reads the document itself: SGLang admits it beside the
+    publisher's last chunk, before the document is published. Before, it waited until the
+    publisher had read its whole prompt and published, whatever its length. A third request
+    starts from the published document, and the pool adds up."""
+    import random
+
+    rng = random.Random(60)
+    doc = [rng.randrange(10, 2000) for _ in range(128)]
+    long = doc + [rng.randrange(10, 2000) for _ in range(40 * CHUNK + 60 - len(doc))]
+    question = [rng.randrange(10, 2000) for _ in range(16)]
+    document = {"prompt_policy": "streamingllm", "document": {"tokens": len(doc), "ratio": 0.3}}
+
+    def sampling(n: int) -> dict:
+        return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True, **kvc(document)}
+
+    before = rkv_server.stats()["documents"]
+    r = send(rkv_server, "POST", GEN, {
+        "input_ids": [long, doc + question], "sampling_params": [sampling(2), sampling(4)],
+        "return_logprob": [True, False], "logprob_start_len": [len(long) - 1, -1],
+    })
+    assert r.status_code == 200, r.text[:300]
+    publisher, waiter = r.json()
+    assert len(publisher["meta_info"]["input_token_logprobs"]) == 1 and len(waiter["output_ids"]) == 4
+    assert waiter["meta_info"]["cached_tokens"] == 0, waiter["meta_info"]  # its own copy, not the published one
+    after = rkv_server.stats()["documents"]
+    assert after["waited_out"] == before["waited_out"] + 1, after
+    assert after["compressions"] == before["compressions"] + 1 and after["hits"] == before["hits"], after
+    r = send(rkv_server, "POST", GEN, {"input_ids": doc + question[::-1], "sampling_params": sampling(2)})
+    assert r.status_code == 200 and r.json()["meta_info"]["cached_tokens"] == len(doc), r.text[:300]
+    stats = rkv_server.wait_idle()
+    assert stats["pool"]["free_tokens"] + stats["pool"]["cached_tokens"] == stats["pool"]["total_tokens"], stats
 
 
 def test_server_still_serves_after_the_matrix(rkv_server) -> None:

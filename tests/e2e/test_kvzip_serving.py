@@ -165,3 +165,33 @@ def test_kvzip_per_request_and_only_for_prompts(kvzip_server, trace: Path, demo_
     assert [e["policy"] for e in trace_events(trace, r.json()["id"])] == ["kvzip"]
     r = kvzip_server.post("/v1/completions", json={**body, "kv_compression": {"policy": "kvzip"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_compression.policy", r.text
+
+
+def test_many_requests_over_one_cached_prefix_never_make_a_forward_above_the_prefill_size(
+        kvzip_server, demo_model_path: str) -> None:
+    """Sixteen KVzip requests sharing one cached prompt, sent at once: each extends only its last
+    few tokens, so SGLang reads many of them in one prefill round, and every one of them repeats
+    the whole context. Their reconstruction forwards are cut so that none reads more tokens than
+    SGLang's `--chunked-prefill-size` (the activations SGLang's memory slack is sized for): one
+    forward of all of them held 16 x (chunk + instruction) slots at once. All complete, with
+    SGLKVC_CHECK on, and nothing is left allocated."""
+    prompt = _chat_prompt(demo_model_path, 90, seed=21)
+    generate(kvzip_server, prompt, 1)  # the prompt, cached in the radix tree
+    before = kvzip_server.wait_idle()["compression"]["reconstruction"]
+    # each differs from the cached prompt in its last content token only
+    prompts = [prompt[:-5] + [1000 + k] + prompt[-4:] for k in range(16)]
+    r = kvzip_server.post("/generate", json={
+        "input_ids": prompts,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+    })
+    assert r.status_code == 200, r.text[:300]
+    assert [len(o["output_ids"]) for o in r.json()] == [4] * len(prompts)
+    stats = kvzip_server.wait_idle()
+    assert_pool_whole(stats)
+    assert stats["pool"]["request_state_bytes"] == 0, stats["pool"]
+    rec = stats["compression"]["reconstruction"]
+    assert rec["passes"] - before["passes"] >= len(prompts), rec
+    # several requests read their context in the same rounds, and no forward went past the chunk
+    per_pass = -(-(len(prompt) - 3 - 4) // RECON_CHUNK)  # forwards of one request alone
+    assert rec["forwards"] - before["forwards"] < len(prompts) * per_pass, (rec, before)
+    assert 0 < rec["max_held_slots"] <= CHUNK, rec

@@ -37,7 +37,8 @@ CMD = [
 ]
 # SGLang's CPU engine wants one NUMA node per rank unless cores are bound explicitly.
 ENV = {"SGLKVC_CHECK": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
-       "SGLKVC_FAILPOINTS": "tp_local_scores,compress_raise@1,rewrite_raise@1,reconstruct_raise@1,document_raise@1"}
+       "SGLKVC_FAILPOINTS": "tp_local_scores,compress_raise@1,rewrite_raise@1,reconstruct_raise@1,document_raise@1,"
+                            "kvzip_plan_raise@1"}
 POLICIES = ("rkv", "snapkv", "h2o", "kvcompress")
 
 
@@ -178,6 +179,36 @@ def test_kvzip_reconstruction_runs_on_both_ranks_in_step(tp_server, trace: Path)
     assert_pool_whole(stats)
 
 
+def test_a_reconstruction_planned_on_one_rank_only_runs_on_neither(tp_server) -> None:
+    """Planning one request's KVzip reconstruction fails on rank 1 alone: the ranks vote on their
+    plans before the first forward, so both leave it out of the forwards they share with the
+    others of its moment, and it fails on both. Without the vote rank 0's forwards held one more
+    request than rank 1's and the model's collectives waited forever (here: a bounded wait).
+    The same moment's other requests complete, and the server keeps serving."""
+    before = tp_server.wait_idle()["compression"]
+
+    def one(rid: str, k: int) -> requests.Response:
+        return requests.post(tp_server.url + "/generate", timeout=150, json={
+            "rid": rid, "input_ids": [(41 * i + k) % 1900 + 10 for i in range(48)],
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+                                "custom_params": {"sgl_kvc": {"prompt_policy": "kvzip", "budget": 16}}},
+        })
+
+    rids = ["failpoint-kvzip-plan", "kvzip-plan-0", "kvzip-plan-1"]
+    with ThreadPoolExecutor(len(rids)) as pool:
+        answers = dict(zip(rids, pool.map(one, rids, range(len(rids)))))
+    planted = answers.pop("failpoint-kvzip-plan")
+    assert planted.status_code >= 400 or planted.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "sgl-kvc could not compress" in planted.text, planted.text[:300]
+    for rid, r in answers.items():
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 8, (rid, r.text[:300])
+    stats = tp_server.wait_idle()
+    assert stats["compression"]["failed_requests"] == before["failed_requests"] + 1
+    assert stats["compression"]["reconstruction"]["passes"] >= before["reconstruction"]["passes"] + 2
+    assert_pool_whole(stats)
+    assert one("kvzip-plan-after", 9).status_code == 200
+
+
 def test_a_document_is_published_on_both_ranks_or_on_neither(tp_server) -> None:
     """A shared document (`kv_compression.document`) whose compression fails on rank 1 alone is
     published on neither rank (the ranks vote before it enters their trees): the next request
@@ -201,6 +232,33 @@ def test_a_document_is_published_on_both_ranks_or_on_neither(tp_server) -> None:
     assert docs["not_published"] == before["not_published"] + 1, docs
     assert docs["compressions"] == before["compressions"] + 1, docs
     assert docs["hits"] == before["hits"] + 1, docs
+    assert_pool_whole(after)
+
+
+def test_requests_wait_for_a_document_alike_on_both_ranks(tp_server) -> None:
+    """Requests of one document sent at once, its 150 tokens read in three chunks: one compresses
+    it, the others wait for it, held back alike on both ranks (whether each waited past
+    --kv-document-wait is voted, as each rank's clock says), and start from it. Had the ranks held
+    different requests, their batches and collectives would no longer match."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    doc = [(37 * i + 11) % 1900 + 10 for i in range(150)]
+
+    def ask(k: int) -> requests.Response:
+        return tp_server.post("/generate", json={
+            "input_ids": doc + [(17 * i + k) % 1900 + 10 for i in range(8)],
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True, "custom_params": {
+                "sgl_kvc": {"prompt_policy": "streamingllm", "document": {"tokens": len(doc)}}}},
+        })
+
+    before = tp_server.wait_idle()["documents"]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(4)))
+    assert all(r.status_code == 200 and len(r.json()["output_ids"]) == 4 for r in answers), answers
+    after = tp_server.wait_idle()
+    docs = after["documents"]
+    assert docs["compressions"] == before["compressions"] + 1 and docs["hits"] == before["hits"] + 3, docs
+    assert docs["waited_out"] == before["waited_out"], docs
     assert_pool_whole(after)
 
 

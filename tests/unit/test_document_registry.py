@@ -1,6 +1,8 @@
 """Shared documents without a server: the `kv_compression.document` field, a document's key, and
 its node in sgl-kvc's prefix cache (SGLang's RadixCache with a registry): matched in place of the
-request's tokens, locked and evicted like any node, and dropped from the registry when evicted."""
+request's tokens, locked and evicted like any node (LRU and LFU), and dropped from the registry when
+evicted; which requests wait for another's publication, and for how long; and a document's first
+chunk in SGLang's own `PrefillAdder`."""
 
 from __future__ import annotations
 
@@ -198,9 +200,12 @@ def test_a_request_compressing_its_document_between_chunks_stops_a_chunk_at_its_
 
 
 def test_concurrent_first_requests_wait_for_the_one_compressing_their_document() -> None:
-    """Of the waiting requests declaring a document not resident, the first is admitted and
-    registered as compressing it; the others are held back while it runs, and go once it
-    published it, or once it finished or gave its row back without publishing."""
+    """Of the waiting requests declaring a document not resident, the first one admitted is
+    registered as compressing it; the others wait while it runs (held back before a round, or
+    passed over in the round that admitted it), and go once it published it, or once it finished
+    or gave its row back without publishing. A request only queued holds no one back: it may not
+    be admitted for a long time (before, the first in queue order held the others, admitted or
+    not)."""
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
     tree, _ = _tree()
@@ -213,12 +218,16 @@ def test_concurrent_first_requests_wait_for_the_one_compressing_their_document()
 
     a, b, c, plain = req(key), req(key), req(other), req(None)
     registry = tree.documents
-    assert documents.held_back([plain, a, b, c], registry) == [b]
+    assert documents.held_back([plain, a, b, c], registry) == []  # a is only queued
+    assert not documents.waits_in_round(b, [], registry)  # a was not admitted: b may be
+    assert documents.waits_in_round(b, [plain, a], registry)  # a was: b waits for it
+    assert not documents.waits_in_round(c, [plain, a], registry)
     documents.compressing([a, c], registry)  # admitted
     d = req(key)
     assert documents.held_back([b, d, c], registry) == [b, d]  # c is compressing its own
-    a.kv.holds_kv = False  # a gave its row back without publishing: b goes and compresses it
-    assert documents.held_back([b, d], registry) == [d]
+    a.kv.holds_kv = False  # a gave its row back without publishing: b and d may go
+    assert documents.held_back([b, d], registry) == []
+    assert documents.waits_in_round(d, [b], registry)  # b, admitted, compresses it
     documents.compressing([b], registry)
     registry.settle(key, b)  # b will not publish it after all
     assert documents.held_back([d], registry) == []
@@ -226,7 +235,39 @@ def test_concurrent_first_requests_wait_for_the_one_compressing_their_document()
     node = tree.insert(InsertParams(key=node_key(key, 30), value=torch.arange(30))).last_device_node
     registry.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64), slots=30))
     assert documents.held_back([req(key), req(key)], registry) == []  # resident: every one starts from it
+    assert not documents.waits_in_round(req(key), [req(key)], registry)
     assert key.digest not in registry.compressing
+
+
+def test_no_request_waits_past_the_servers_bound() -> None:
+    """A request waits for another's publication at most `--kv-document-wait` seconds in all,
+    counted from when it first waited (behind one publisher or the next): then it waits no more
+    for that document, whatever the publisher still reads, and reads it itself."""
+    tree, _ = _tree()
+    registry = tree.documents
+    key = DocumentKey(digest="5e" * 32, tokens=100, entries=30, policy="kvzip")
+
+    def req() -> SimpleNamespace:
+        return SimpleNamespace(output_ids=[], kv=SimpleNamespace(holds_kv=True), finished=lambda: False,
+                               **{documents.KEY_ATTR: key, documents.HIT_ATTR: None})
+
+    publisher, early, late = req(), req(), req()
+    documents.compressing([publisher], registry)
+    held = documents.held_back([early], registry)
+    assert held == [early]
+    t0 = getattr(early, documents.WAIT_ATTR)
+    assert documents.held_back([early, late], registry) == [early, late]
+    assert getattr(early, documents.WAIT_ATTR) == t0  # its wait is counted from its first
+    setattr(late, documents.WAIT_ATTR, t0 + 4.0)
+    assert documents.overdue([early, late], 5.0, now=t0 + 4.9) == [False, False]
+    late_flags = documents.overdue([early, late], 5.0, now=t0 + 5.0)
+    assert late_flags == [True, False]
+    assert documents.stop_waiting([early, late], late_flags, registry) == [late]
+    assert registry.stats.waited_out == 1 and registry.snapshot()["waited_out"] == 1
+    # it waits no more: neither before a round nor in one that admits another compressing it
+    assert documents.held_back([early, late], registry) == [late]
+    assert not documents.waits_in_round(early, [publisher], registry)
+    assert documents.waits_in_round(late, [publisher], registry)
 
 
 def test_no_client_extra_key_reaches_a_documents_node() -> None:
@@ -300,3 +341,150 @@ def test_publishers_that_ended_without_publishing_are_forgotten() -> None:
         r.kv.holds_kv = False
     documents.compressing([], registry)  # the next prefill round
     assert list(registry.compressing.values()) == [reqs[99]]
+
+
+def test_a_document_hit_is_a_use_for_lfu_eviction() -> None:
+    """`--radix-eviction-policy lfu` (SGLang's `hit_count`): a document many requests started from
+    outlives one published later that none did; a request matched again (it waits in the queue,
+    matched in every round) counts once. Before, a hit set only the LRU's access time, every
+    document kept the count of its publication (1), and LFU evicted the older, used one."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    allocator = _Allocator()
+    tree = KvcRadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
+                                         page_size=1, eviction_policy="lfu"))
+
+    def publish(digest: str, slots: torch.Tensor) -> DocumentKey:
+        key = DocumentKey(digest=digest * 32, tokens=100, entries=30, policy="kvzip")
+        node = tree.insert(InsertParams(key=node_key(key, 30), value=slots)).last_device_node
+        tree.documents.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64),
+                                    slots=30))
+        return key
+
+    used = publish("a1", torch.arange(100, 130))
+    prompt = RadixKey(array("q", range(10, 115)))
+    for _ in range(2):
+        req = SimpleNamespace(**{documents.KEY_ATTR: used})
+        for _ in range(3):  # matched in three rounds before it is admitted: one use
+            assert tree.match_prefix(MatchPrefixParams(key=prompt, req=req)).device_prefix_len == 30
+    assert tree.documents.get(used).node.hit_count == 3  # its publication and two requests
+    fresh = publish("b2", torch.arange(200, 230))  # newer, never used
+    tree.evict(EvictParams(num_tokens=30))
+    assert allocator.freed == list(range(200, 230))
+    assert tree.documents.get(fresh) is None and tree.documents.get(used) is not None
+
+
+class _RealAdder:
+    """SGLang's own `PrefillAdder` over its token allocator, a KV pool and sgl-kvc's tree, on the
+    CPU, with sgl-kvc's admission hooks applied as the plugin applies them."""
+
+    def __init__(self, monkeypatch, config: KvcConfig, chunk: int) -> None:
+        from sglang.srt.managers.schedule_policy import PrefillAdder
+        from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+        from sgl_kvc.adapter import admission
+
+        self.config = config
+        pool = MHATokenToKVPool(4000, page_size=1, dtype=torch.float32, head_num=1, head_dim=4, v_head_dim=4,
+                                layer_num=1, device="cpu", enable_memory_saver=False, start_layer=0, end_layer=0,
+                                enable_alt_stream=False, enable_kv_cache_copy=False)
+        self.allocator = TokenToKVPoolAllocator(4000, dtype=torch.float32, device="cpu", kvcache=pool, need_sort=False)
+        self.tree = KvcRadixCache(CacheInitParams(disable=False, req_to_token_pool=None,
+                                                  token_to_kv_pool_allocator=self.allocator, page_size=1))
+        budget = admission.around_check_prefill_budget(config)
+        original = PrefillAdder._check_prefill_budget
+        monkeypatch.setattr(PrefillAdder, "_check_prefill_budget",
+                            lambda adder, req, **kw: budget(original, adder, req, **kw))
+        self._add = admission.around_add_one_req(config)
+        self.adder = PrefillAdder(1, self.tree, self.allocator, SimpleNamespace(reqs=[], batch_size=lambda: 0),
+                                  0.5, 8192, chunk)
+
+    def req(self, rid: str, prompt: list[int], document: int | None, split: bool):
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        from sgl_kvc.adapter import admission
+
+        kv = {"prompt_policy": "kvzip"}
+        if document is not None:
+            kv["document"] = {"tokens": document, "ratio": 0.3}
+        req = Req(rid=rid, origin_input_text="", origin_input_ids=array("q", prompt), vocab_size=4000,
+                  sampling_params=SamplingParams(max_new_tokens=4, custom_params={CUSTOM_PARAMS_KEY: kv}))
+        req.finished = lambda: False
+        scheduler = SimpleNamespace(chunked_prefill_size=self.adder.rem_chunk_tokens if split else None,
+                                    tree_cache=self.tree)
+        documents.admit(req, self.config, self.tree, split=split)
+        admission.remember(req, self.config, scheduler)  # as `_add_request_to_queue` does
+        req.init_next_round_input(self.tree)
+        return req
+
+    def add(self, req, align: int | None = None):
+        from sglang.srt.managers.schedule_policy import PrefillAdder
+
+        return self._add(PrefillAdder.add_one_req, self.adder, req, has_chunked_req=False,
+                         truncation_align_size=align)
+
+
+@pytest.fixture
+def sglang_config():
+    from sglang.srt.runtime_context import get_context
+
+    override = get_context().override_server_args(device="cpu")
+    override.install()
+    yield
+    override.restore()
+
+
+def test_a_waiter_is_held_only_behind_an_admitted_publisher(monkeypatch, sglang_config) -> None:
+    """SGLang's prefill round, with its own classes. The first request of a document in arrival
+    order (`big`, its whole prompt of 3500 tokens read at once: no room for it now) holds no one
+    back before the round: SGLang orders the round by its own policy after sgl-kvc's hold (client
+    priorities, longest prefix; here `small` and `again` come first), and may never admit it.
+    Before, it held every later request of its document whether it was admitted or not. In the
+    round, the first request of the document SGLang admits compresses it; the others of the
+    document wait for it, and the round goes on with the requests behind them."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    real = _RealAdder(monkeypatch, KVZIP, chunk=1024)
+    doc = list(range(10, 110))
+    big = real.req("big", doc + list(range(500, 3900)), 100, split=False)
+    small = real.req("small", doc + [7, 8, 9], 100, split=False)
+    again = real.req("again", doc + [4, 5, 6], 100, split=False)
+    plain = real.req("plain", list(range(300, 340)), None, split=False)
+    registry = real.tree.documents
+    assert documents.held_back([big, small, again, plain], registry) == []  # none of them is admitted yet
+    # the round, in SGLang's order
+    assert real.add(small) == AddReqResult.CONTINUE and real.adder.can_run_list == [small]
+    assert real.add(again) == AddReqResult.CONTINUE and real.adder.can_run_list == [small]  # waits for small
+    assert real.add(plain) == AddReqResult.CONTINUE and real.adder.can_run_list == [small, plain]
+    assert real.add(big) == AddReqResult.CONTINUE and real.adder.can_run_list == [small, plain]  # waits too
+    for r in real.adder.can_run_list:  # its row, as SGLang's `prepare_for_extend` gives it
+        r.kv.req_pool_idx = 1
+    documents.compressing(real.adder.can_run_list, registry)
+    assert documents.held_back([big, again], registry) == [big, again]  # small is in flight
+    alone = _RealAdder(monkeypatch, KVZIP, chunk=1024)
+    assert alone.add(alone.req("big", doc + list(range(500, 3900)), 100, split=False)) == AddReqResult.NO_TOKEN
+
+
+def test_a_chunk_capped_at_a_documents_end_is_never_aligned_to_nothing(monkeypatch, sglang_config) -> None:
+    """SGLang aligns a cut chunk down to `truncation_align_size` (deterministic inference on
+    FlashInfer: 4096). A request compressing its document between chunks cuts its first chunk at
+    the document's end (100 tokens here): aligned, that chunk was empty in every round, the request
+    never admitted, and every request behind it waited forever. It is admitted, its chunk ending
+    at the document's end; a request without a document is aligned as SGLang aligns it."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    real = _RealAdder(monkeypatch, KVZIP, chunk=8192)
+    doc = list(range(10, 110))
+    req = real.req("doc", doc + list(range(600, 900)), 100, split=True)
+    assert documents.chunk_cap(req) == 100
+    assert real.add(req, align=4096) == AddReqResult.CONTINUE
+    assert real.adder.can_run_list == [req] and real.adder.new_chunked_req is req and req.extend_end == 100
+
+    other = _RealAdder(monkeypatch, KvcConfig(policy="snapkv", prompt_policy="kvzip"), chunk=1024)
+    long = other.req("long", list(range(10, 3010)), None, split=True)
+    assert other.add(long, align=4096) == AddReqResult.OTHER and other.adder.can_run_list == []

@@ -233,3 +233,14 @@ def test_float32_only_where_the_doubled_weights_fit(tmp_path, monkeypatch) -> No
     monkeypatch.setattr(launch, "float32_fits", lambda path: seen.append(path) or False)
     argv = build_sglang_argv(["--model-path", str(tmp_path)], on_gpu=False, native_bf16=False)
     assert "--dtype" not in argv and seen == [str(tmp_path)]
+
+
+def test_workers_are_forked_only_from_a_launcher_that_started_no_thread() -> None:
+    """A fork copies only the forking thread: a thread started since the baseline (an OpenMP pool
+    that converting a model started) would be missing in the child with whatever it held."""
+    from sgl_kvc.launch import fork_is_safe
+
+    assert fork_is_safe({"1", "2"}, {"1", "2"}, python_threads=1)
+    assert not fork_is_safe({"1", "2"}, {"1", "2", "3"}, python_threads=1)  # an OS thread started
+    assert not fork_is_safe({"1", "2"}, {"1", "2"}, python_threads=2)  # a Python thread runs
+    assert not fork_is_safe(set(), set(), python_threads=1)  # no /proc: unknown, spawn
