@@ -41,6 +41,7 @@ INTERNAL_ERROR_MESSAGE = (
 # The prefix of SGLang's OpenAI handlers' catch-all message (`serving_base.handle_request`).
 SGLANG_CATCH_ALL = "Internal server error:"
 _MAX_MESSAGE = 500
+_SGL_KVC_PARAM = re.compile(r"Invalid '(kv_compression(?:\.[A-Za-z_]+)+)': ")
 _NO_BODY = object()
 
 
@@ -288,7 +289,12 @@ def _envelope(data: Any, status: int) -> Any:
         message = json.dumps(message) if message else "The request failed."
     # SGLang's types are free-form ("BadRequest", "400", "Bad Request"): OpenAI's set instead.
     param = err.get("param")
-    return error_body(status, message, param=param if isinstance(param, str) else None)
+    if not isinstance(param, str):
+        # A refusal of sgl-kvc's raised inside SGLang's handler (which passes on the message of a
+        # ValueError only, `adapter/chat_documents.py`) names its field as the message's start.
+        named = _SGL_KVC_PARAM.match(message) if status == 400 else None
+        param = named.group(1) if named else None
+    return error_body(status, message, param=param)
 
 
 async def _send_rewritten(send: Callable, start: dict, body: bytes) -> None:

@@ -26,7 +26,7 @@ from sgl_kvc.request_settings import (
     server_conflict,
 )
 from sgl_kvc.request_settings import json_type_name
-from sgl_kvc.server.documents import count_tokens
+from sgl_kvc.server.documents import name_messages
 from sgl_kvc.server.errors import format_param
 
 CUSTOM_FIELD = f"custom_params.{CUSTOM_PARAMS_KEY}"
@@ -107,7 +107,8 @@ def apply_openai_settings(data: dict, config: KvcConfig | None, chat: bool = Fal
                           multimodal: bool = False) -> bool:
     """Chat/completions body: validate `custom_params.sgl_kvc`, then move a `kv_compression`
     object into `custom_params` (it wins over a direct one). On the chat route a document named
-    by messages gets its token count (`server/documents.py`). `multimodal`: the served model has
+    by messages gets its message count (`server/documents.py`; its tokens are counted from SGLang's
+    own prompt of the request, `adapter/chat_documents.py`). `multimodal`: the served model has
     a multimodal processor (a chat message's image, video or audio parts reach its prompt). True
     when `data` was changed."""
     check_custom_params(data.get("custom_params"), "", config)
@@ -122,7 +123,7 @@ def apply_openai_settings(data: dict, config: KvcConfig | None, chat: bool = Fal
     if media:
         _check_media(settings, config, FIELD)
     if chat and settings.document is not None:
-        settings = replace(settings, document=count_tokens(data, settings.document, f"{FIELD}.document"))
+        settings = replace(settings, document=name_messages(data, settings.document, f"{FIELD}.document"))
     custom = data.get("custom_params") or {}
     data["custom_params"] = {**custom, CUSTOM_PARAMS_KEY: settings.to_custom_params()}
     return True

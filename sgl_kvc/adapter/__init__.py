@@ -25,7 +25,7 @@ class HookTargetMissing(RuntimeError):
 def hook_table(config: KvcConfig) -> list[Hook]:
     """Every hook sgl-kvc registers for `config`, in registration order (the FP8 pool's fixed
     size before the KV memory's probe of it)."""
-    from sgl_kvc.adapter import fp8_pool, hooks, kv_memory, refusals, request_guard, unit_pool
+    from sgl_kvc.adapter import chat_documents, fp8_pool, hooks, kv_memory, refusals, request_guard, unit_pool
 
     return [
         *refusals.hook_table(config),  # scheduler start-up: models and backends compaction cannot serve
@@ -34,6 +34,8 @@ def hook_table(config: KvcConfig) -> list[Hook]:
         *unit_pool.hook_table(config),  # --kv-head-budget variable / layer
         *kv_memory.hook_table(config),
         *request_guard.hook_table(),  # HTTP process: out-of-vocabulary prompt token ids are a 400
+        # HTTP process: a chat document's tokens, from SGLang's own prompt of the request
+        *(chat_documents.hook_table() if config.compressing else []),
     ]
 
 

@@ -60,13 +60,22 @@ def _radix(scheduler: Scheduler) -> bool:
     return not getattr(scheduler.tree_cache, "disable", True)
 
 
+def server_chunk(scheduler: Scheduler, config: KvcConfig) -> int | None:
+    """The chunk size prompts are read in where this server compresses them between chunks (the
+    chunk moment, chunked prefill, the radix cache), else None."""
+    chunk = getattr(scheduler, "chunked_prefill_size", None)
+    if config.chunk_moment is None or not chunk or chunk <= 0 or not _radix(scheduler):
+        return None
+    return int(chunk)
+
+
 def scheduler_chunk(scheduler: Scheduler, req: Any, config: KvcConfig) -> int | None:
     """The chunk size `req`'s prompt is read in when it is compressed between chunks, else None
     (without the radix cache SGLang admits some requests by their whole prompt)."""
-    chunk = getattr(scheduler, "chunked_prefill_size", None)
-    if not chunk or chunk <= 0 or not _radix(scheduler) or not chunk_compressible(req, config):
+    chunk = server_chunk(scheduler, config)
+    if chunk is None or not chunk_compressible(req, config):
         return None
-    return int(chunk)
+    return chunk
 
 
 def remember(req: Req, config: KvcConfig, scheduler: Scheduler) -> None:
@@ -165,15 +174,18 @@ def chunk_need(req: Req, config: KvcConfig, held: int, read: int, compacted: boo
     return _round_need(Moments.of(config), s, now)[0]
 
 
-def _round_need(moments: Moments, s: Sizes, now: Now) -> tuple[int, int]:
+def _round_need(moments: Moments, s: Sizes, now: Now, cut: int | None = None) -> tuple[int, int]:
     """(slots the next round takes for a prompt read in chunks, of them those of the pass after a
-    middle chunk: its copies, or its reconstruction forward's, which is freed before it copies)."""
+    middle chunk: its copies, or its reconstruction forward's, which is freed before it copies).
+    `cut`: the entries its shared document's key cuts its row to where that chunk ends
+    (`documents.next_cut`), whatever its own budget keeps."""
     if s.chunk is None or now.prompt_left <= s.chunk:
         return most_held(moments, s, now) - now.held, 0
     after = now.held + s.chunk
+    keep = cut or s.keep
     publishing = s.published and now.tree >= now.held
-    copies = compaction_copies(after, after if publishing else now.tree, s.keep) if after > s.keep else 0
-    extra = max(copies, s.reconstruction) if after > s.keep else 0
+    copies = compaction_copies(after, after if publishing else now.tree, keep) if after > keep else 0
+    extra = max(copies, s.reconstruction) if after > keep else 0
     return s.chunk + extra, extra
 
 
@@ -264,7 +276,7 @@ def _add_chunked(config: KvcConfig, original: Callable[..., Any], adder: Any, re
         return original(adder, req, *args, **kwargs)
     s, _ = _document_adjusted(req, s, config)
     now = _chunked_now(req)
-    need, copies = _round_need(Moments.of(config), s, now)
+    need, copies = _round_need(Moments.of(config), s, now, documents.next_cut(req))
     sp = req.sampling_params
     saved = sp.max_new_tokens
     # With its last chunk SGLang reserves the chunk + max_new_tokens: make that the rest of the
@@ -362,10 +374,11 @@ def _chunk_copies(req: Req, config: KvcConfig) -> int:
     if s is None or s.chunk is None:
         return 0
     after = int(req.extend_end)  # the first chunk's end
-    if after >= len(req.origin_input_ids) + len(req.output_ids) or after <= s.keep:
+    keep = documents.cut_at(req, after) or s.keep  # a cut of its document's key there keeps that many
+    if after >= len(req.origin_input_ids) + len(req.output_ids) or after <= keep:
         return 0  # its last chunk (the pass after prefill is in its footprint), or no pass yet
     # its reconstruction forward (KVzip) is freed before the pass copies
-    return max(compaction_copies(after, after, s.keep), s.reconstruction)
+    return max(compaction_copies(after, after, keep), s.reconstruction)
 
 
 def _end_round_if_capped(adder: Any, req: Req) -> None:

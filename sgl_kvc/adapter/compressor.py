@@ -45,7 +45,7 @@ from sgl_kvc.adapter.compaction import (
 )
 from sgl_kvc.adapter.chunk_pressure import needs_compression
 from sgl_kvc.adapter.failures import FailedOnAnotherRank, FailureLedger, failure
-from sgl_kvc.adapter.kv_memory import DECODE_BYTES_ATTR, FORWARD_ENTRIES_ATTR, MOMENT_SLOTS_ATTR
+from sgl_kvc.adapter.kv_memory import DECODE_BYTES_ATTR, DOCUMENT_BYTES_ATTR, FORWARD_ENTRIES_ATTR, MOMENT_SLOTS_ATTR
 from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.adapter.reconstruction import Reconstructor, is_reconstruction
 from sgl_kvc.adapter.requests import chunk_compressible, is_middle_chunk, on_release, publish_exact_prefix
@@ -115,6 +115,9 @@ class Compressor:
         # on a pool layout without one cost per token: not bounded here).
         pool_config = getattr(model_runner, "memory_pool_config", None)
         self.moment_slots: int | None = getattr(pool_config, MOMENT_SLOTS_ATTR, None)
+        # The shared documents' metadata stays within what the KV memory reserved for it (None:
+        # nothing was reserved, not bounded here), `KvcRadixCache.make_document_room`.
+        self.document_bytes: int | None = getattr(pool_config, DOCUMENT_BYTES_ATTR, None)
         # A reconstruction forward attends to at most the entries whose keys were reserved.
         self.reconstructor.forward_entries = getattr(pool_config, FORWARD_ENTRIES_ATTR, None)
         # The fused decode plan's blocks stay within what the KV memory reserved for them.
@@ -188,11 +191,17 @@ class Compressor:
         if doc is not None:
             # Its row starts with the document's k slots, which hold the entries the document
             # kept; what it reads next sits at logical positions D, D+1, ...
-            state.kept_positions = doc.kept_positions
-            if doc.units is not None:  # packed, as a request compacted on the unit pool is
-                state.units, state.unit_lens, state.packed = doc.units, doc.unit_lens, doc.slots
+            kept, units, lens = doc.tables()  # packed: its own tables, from the document's
+            state.kept_positions = kept
+            if units is not None:  # packed, as a request compacted on the unit pool is
+                state.units, state.unit_lens, state.packed = units, lens, doc.slots
             state.offset = doc.shift
             state.fill_shift = True
+            # A decode policy that keeps attention statistics (H2O, Batch-Max) has none for the
+            # document's entries: their queries were read once, by the request that compressed
+            # it. They start at 0 here, at the document's end, as each later entry does at its
+            # own position; Batch-Max averages them over the queries since (`stats_since`).
+            state.stats_since = doc.key.tokens
             self.store.set_offset(req.kv.req_pool_idx, state.offset)
             if not getattr(req, "retracted_stain", False):
                 # SGLang counted the node's slots as cached prompt tokens: the client's usage
@@ -203,10 +212,13 @@ class Compressor:
                 registry.metrics = self.metrics
                 registry.hit()
         # A document request's own budget applies beyond its document: the document's k entries
-        # (a hit), or its D tokens (the request that compresses it keeps its own copy whole).
+        # (a hit), or its D tokens (the request that compresses it keeps its own copy whole). A
+        # ratio (`--kv-budget-ratio`) is of the tokens after the document: of all of them, a
+        # hit's first pass cut the document's entries below what the document keeps.
         document_part = documents.held_for_document(req)
-        if document_part and state.budget.ratio is None:
-            state.budget = replace(state.budget, tokens=state.budget.tokens + document_part)
+        if document_part:
+            covers = doc.key.tokens if doc is not None else documents.declared(req).tokens
+            state.budget = state.budget.beyond(document_part, covers)
         setattr(req, STATE_ATTR, state)
 
     def _released(self, req: Req) -> None:
@@ -272,6 +284,18 @@ class Compressor:
                     chunks.append((i, state, doc.entries))
                     passes_before[i] = state.passes
                     continue
+                inside = documents.cut_inside(req)
+                if inside is not None:
+                    # Inside its document the row is cut only where the document's key says (at
+                    # fixed chunk boundaries, to fixed sizes), whatever the pool's pressure or this
+                    # request's own budget: what the document keeps is then the same whoever
+                    # publishes it (`documents.cut_at`).
+                    if inside and n > inside and self.failures.guarded(
+                        req, "compress", self._chunk_due, batch, req, state, n, inside, True
+                    ):
+                        chunks.append((i, state, inside))
+                        documents.cut(req)
+                    continue
                 keep = self.config.chunk_target(budget)
                 if n > keep and chunk_compressible(req, self.config) and self.failures.guarded(
                     req, "compress", self._chunk_due, batch, req, state, n, keep
@@ -333,13 +357,15 @@ class Compressor:
                                lambda req, e: self.failures.fail(req, "compress", e))
         self._account(time.perf_counter() - t0)
 
-    def _chunk_due(self, batch: ScheduleBatch, req: Req, state: ReqKvState, n: int, keep: int) -> bool:
+    def _chunk_due(self, batch: ScheduleBatch, req: Req, state: ReqKvState, n: int, keep: int,
+                   always: bool = False) -> bool:
         """Whether a prompt over its budget is compressed before its next chunk: after every
-        chunk (`chunk-always`), or when what its next chunk takes would not fit (`chunk`). Before
+        chunk (`chunk-always`, or `always`: a cut its document's key asks for), or when what its
+        next chunk takes would not fit (`chunk`). Before
         its first such compaction, what it computed so far is published to the tree (still exact).
         One that is due but finds no free slots for the entries it keeps fails alone now: its
         next chunk would not fit uncompressed (SGLang's prefill would run out of memory)."""
-        if self.config.chunk_moment != "always":
+        if self.config.chunk_moment != "always" and not always:
             from sgl_kvc.adapter.admission import chunk_need
 
             need = None if self.scheduler is None else chunk_need(

@@ -32,7 +32,10 @@ import torch
 from torch import Tensor
 
 from sgl_kvc.adapter import failpoints, invariants
-from sgl_kvc.adapter.documents import Document, DocumentKey, declared, hit, node_key, registry_of, started_from
+from sgl_kvc.adapter.documents import (
+    Document, DocumentKey, cuts, declared, node_key, publishes_whole, registry_of, started_from,
+)
+from sgl_kvc.adapter.documents import compact_bytes
 from sgl_kvc.adapter.failures import failure
 from sgl_kvc.core.moves import move_unit_entries, move_units_many, packed_slots, unit_moves
 from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
@@ -59,7 +62,9 @@ def to_publish(compressor: Compressor, batch: ScheduleBatch, read: list[int]) ->
     for i in read:
         req = batch.reqs[i]
         key = declared(req)
-        if key is None or req.finished() or hit(req) is not None or key.digest in seen:
+        # Only where documents are never cut between chunks (`publishes_whole`): there a request
+        # that reads its prompt whole would publish other entries than those its key's cuts keep.
+        if key is None or req.finished() or not publishes_whole(req) or key.digest in seen:
             continue
         state = compressor.state(req)
         if state is not None and state.passes:
@@ -89,6 +94,7 @@ def publish(compressor: Compressor, batch: ScheduleBatch, items: list[tuple[int,
     t0 = time.perf_counter()
     registry = registry_of(batch.tree_cache)
     registry.metrics = compressor.metrics
+    registry.metadata_budget = compressor.document_bytes
     store = compressor.store
     states = {}
     for i, key in items:
@@ -172,6 +178,9 @@ def _prepare(compressor: Compressor, batch: ScheduleBatch, i: int, key: Document
         raise RuntimeError("an unlimited document pass did not finish")
     g = packed_slots(due.selection) if packed else k
     tree, allocator = batch.tree_cache, batch.token_to_kv_pool_allocator
+    entries = due.selection.total if packed else int(due.kept_positions.numel())
+    if not tree.make_document_room(compact_bytes(entries, due.selection.lengths.numel(), packed)):
+        return None  # its metadata would not fit its reservation: not published
     _make_room_in_tree(tree, g)  # the request's own path is locked: never evicted here
     if allocator.available_size() < g:
         return None
@@ -196,8 +205,7 @@ def _insert(compressor: Compressor, batch: ScheduleBatch, r: _Ready, registry: A
     result = batch.tree_cache.insert(InsertParams(key=node_key(r.key, slots), value=r.dest))
     if result.prefix_len:  # cannot happen: a node under this key is registered, hence never re-published
         raise RuntimeError(f"a document node under key {r.key.digest[:12]} exists unregistered")
-    doc = Document(key=r.key, node=result.last_device_node, kept_positions=r.kept_positions, slots=slots,
-                   units=r.units, unit_lens=r.unit_lens)
+    doc = Document.compact(r.key, result.last_device_node, r.kept_positions, slots, r.unit_lens)
     registry.add(doc)
     _trace(compressor, batch.reqs[r.i], doc)
 
@@ -219,6 +227,7 @@ def publish_rows(compressor: Compressor, batch: ScheduleBatch, ends: list[tuple[
         return  # (of several in one batch declaring one document, the first publishes it)
     t0 = time.perf_counter()
     registry.metrics = compressor.metrics
+    registry.metadata_budget = compressor.document_bytes
     voted = _voted(compressor, batch, items,
                    lambda i, key: _row_ready(compressor, batch, i, key, passes_before.get(i)))
     for (i, key), (slots, absent) in zip(items, voted):
@@ -251,6 +260,14 @@ def _row_ready(compressor: Compressor, batch: ScheduleBatch, i: int, key: Docume
     if kept != expected or state.logical_len(kept) != key.tokens or int(req.kv.cache_protected_len):
         raise RuntimeError(f"its row holds {kept} slots (cut to {expected} expected) covering "
                            f"{state.logical_len(kept)} tokens, {int(req.kv.cache_protected_len)} of them the tree's")
+    if passes_before != cuts(req):  # never: only the key's cuts (`documents.cut_at`) cut a document
+        raise RuntimeError(f"its row was cut {passes_before} times before the document's end, "
+                           f"{cuts(req)} of them where its key says")
+    packed = state.units is not None
+    entries = int(state.unit_lens.sum()) if packed else int(state.kept_positions.numel())
+    heads = int(state.unit_lens.numel()) if packed else 0
+    if not batch.tree_cache.make_document_room(compact_bytes(entries, heads, packed)):
+        return None  # its metadata would not fit its reservation: it goes on with its own row
     return compressor.store.req_to_token[req.kv.req_pool_idx, :kept].to(torch.int64, copy=True)
 
 
@@ -270,14 +287,17 @@ def _adopt(compressor: Compressor, batch: ScheduleBatch, i: int, key: DocumentKe
     tree.unlock(req.lock)  # the root's, or nothing: the cut already dropped a matched prefix's
     req.lock, req.last_node = tree.lock(node), node
     req.kv.cache_protected_len = n
-    doc = Document(key=key, node=node, kept_positions=state.kept_positions, slots=n, units=state.units,
-                   unit_lens=state.unit_lens)
+    doc = Document.compact(key, node, state.kept_positions, n, state.unit_lens)
     registry.add(doc)
     started_from(req, doc)
     # As a request that started from it: its next pass scores the document's entries afresh (no
-    # reconstruction scores carried) and counts as its first.
+    # reconstruction scores carried) and counts as its first; its decode policy's statistics of
+    # them (H2O, Batch-Max: its own reading of the document; KV-Compress: seeded by the cut) are
+    # dropped, since no hit has them (`Compressor._begin`): they start at the document's end.
     state.reconstructed = None
     state.passes = 0
+    state.stats = [None] * compressor.store.num_layers
+    state.stats_since = key.tokens
     _trace(compressor, req, doc)
 
 
@@ -286,8 +306,9 @@ def _trace(compressor: Compressor, req: Any, doc: Document) -> None:
         return
     try:
         key = doc.key
+        kept, units, lens = doc.tables()
         trace_state = ReqKvState(policy=compressor.policy(key.policy, key.entries), budget=Budget(key.entries),
-                                 kept_positions=doc.kept_positions, units=doc.units, unit_lens=doc.unit_lens)
+                                 kept_positions=kept, units=units, unit_lens=lens)
         compressor.trace.write(req.rid, "document", key.policy, key.tokens, key.tokens, trace_state, doc.slots,
                                key.tokens)
     except Exception:  # noqa: BLE001

@@ -8,9 +8,16 @@ the radix tree as one node (`adapter/document_pass.py`):
   the document in chunks, one of which ends exactly at D (`chunk_cap`), and compresses its row to k
   entries there, before any of its question is read; its row's k slots become the node, and it goes
   on as a request that started from it (it answers as every later one does, and it holds the
-  document whole only where memory allows: a document longer than the pool is served);
+  document whole only if it is at most one chunk, `cut_at`: a document longer than the pool is
+  served);
 - otherwise it reads its prompt whole, as SGLang does; right after, before its own pass, the
   document's entries [0, D) are scored and the k kept are copied into k fresh slots, the node.
+What a document keeps is decided by its key alone, never by the request that happens to publish
+it: on a server that compresses between chunks only requests cut between chunks publish (one that
+reads its prompt whole there, asking for prompt log-probabilities, never does), and the document's
+part of their rows is cut only where its key says (`cut_at`): at D, and for a document longer than
+one chunk (`--chunked-prefill-size`, C) at every multiple of C, to `DocumentKey.between` entries,
+whatever the pool's pressure, the publisher's own budget or SGLang's chunk sizes in its rounds.
 Every later request that begins with the same D tokens (and the same namespace and settings, the
 document's *key*) matches that node instead of the tokens: its row starts with the node's k slots,
 locked as any matched prefix is, and it prefills only its own suffix, at logical positions D, D+1, ...
@@ -39,6 +46,7 @@ from array import array
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
 from sgl_kvc.config import KvcConfig
@@ -52,6 +60,8 @@ HIT_ATTR = "_sgl_kvc_document_hit"  # on a Req: the Document its matched prefix 
 SPLIT_ATTR = "_sgl_kvc_document_split"  # on a Req: its document is compressed at a chunk ending at D
 WAIT_ATTR = "_sgl_kvc_document_wait"  # on a Req: when it first waited for another's publication
 WAITED_OUT_ATTR = "_sgl_kvc_document_waited_out"  # on a Req: it waited its bound out, waits no more
+ABSTAINS_ATTR = "_sgl_kvc_document_abstains"  # on a Req: it reads whole where documents are cut between chunks
+CUTS_ATTR = "_sgl_kvc_document_cuts"  # on a Req: its row's cuts inside its document so far (`cut_inside`)
 NODE_ATTR = "sgl_kvc_document"  # on a radix TreeNode: the Document it holds
 NAMESPACE = "sgl-kvc/document/"  # the extra_key prefix of a document node, reserved (`reserved_namespace`)
 
@@ -91,12 +101,19 @@ def reserved_namespace(field_name: str, value: Any) -> str | None:
 @dataclass(frozen=True)
 class DocumentKey:
     """What identifies a compressed document: a hash of its tokens, the request's namespace
-    (`extra_key`, `cache_salt`) and how it is compressed (prompt policy, entries, selection)."""
+    (`extra_key`, `cache_salt`) and how it is compressed (prompt policy, entries, selection, and
+    the cuts before its end). The key alone decides what the document keeps: two tenants that
+    name the same document with the same settings get the same entries, whoever published it."""
 
     digest: str
     tokens: int  # D: prompt tokens the document covers
     entries: int  # k: entries each (layer, KV head) keeps
     policy: str  # the prompt policy that compresses it
+    # Cut between chunks, a document longer than one chunk: its row is cut at every multiple of
+    # `every` (C, the server's chunk size) before D, to `between` entries (the chunk target of k,
+    # `--kv-chunk-keep`); 0: it is scored once, from its D exact entries.
+    every: int = 0
+    between: int = 0
 
 
 @dataclass(eq=False)
@@ -104,15 +121,57 @@ class Document:
     """A resident compressed document. Uniform head budgets: its node's k slots hold, in (layer
     l, KV head h), the entry of the token at logical position `kept_positions[l, h, j]` in slot j.
     Variable / layer budgets (the unit pool): its G slots are packed, head (l, h) keeping
-    `unit_lens[l, h]` entries in units `units[l, h, :unit_lens[l, h]]`, at `kept_positions[l, h, :]`
-    (a request starting from it is packed so, `core/request_state.py`)."""
+    `unit_lens[l, h]` entries (at most `width`, K) at the positions `kept_positions` lists, every
+    head's in (layer, head, column) order, filling the units of its slots in that order (a request
+    starting from it is packed so, `tables`, `core/request_state.py`).
+
+    Its metadata (`compact`) stays resident beside its KV as long as the document: an int32 per
+    kept entry, each head's length, nothing padded: at most 4 bytes per (slot, layer, KV head),
+    what the KV memory reserves per pool token for documents (`adapter/kv_memory.py`)."""
 
     key: DocumentKey
     node: Any  # the radix TreeNode (value: its slots)
-    kept_positions: Tensor  # [L, H_kv, k or K] int64, never written
+    kept_positions: Tensor  # int32, never written: [L, H_kv, k]; packed, [sum(unit_lens)]
     slots: int  # k, or G when packed
-    units: Tensor | None = None  # [L, H_kv, K] when packed, never written
-    unit_lens: Tensor | None = None  # [L, H_kv]
+    unit_lens: Tensor | None = None  # [L, H_kv] int32 when packed
+    width: int = 0  # packed: K, the most entries a head keeps
+
+    @classmethod
+    def compact(cls, key: DocumentKey, node: Any, kept_positions: Tensor, slots: int,
+                unit_lens: Tensor | None = None) -> "Document":
+        """A document from the tables of the pass that chose it (int64 [L, H_kv, k or K], and a
+        packed one's lengths), as int32 (a position is below the context length) and, packed,
+        each head's entries only: padded to the widest head, a packed document's tables held 3x
+        its slots' share on SmolLM2 (some heads keep far more than others). A packed document's
+        units are not kept: they follow from its slots and lengths (`tables`)."""
+        if unit_lens is None:
+            return cls(key=key, node=node, kept_positions=kept_positions.to(torch.int32), slots=slots)
+        width = int(kept_positions.shape[-1])
+        valid = torch.arange(width, device=kept_positions.device) < unit_lens[..., None]
+        return cls(key=key, node=node, kept_positions=kept_positions[valid].to(torch.int32), slots=slots,
+                   unit_lens=unit_lens.to(torch.int32), width=width)
+
+    def tables(self) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """What a request starting from it holds as its compacted state (`ReqKvState`): its kept
+        positions, [L, H_kv, k] (uniform, read as they are) or [L, H_kv, K]; packed, its units
+        [L, H_kv, K] and lengths [L, H_kv] (else None), int32, 0 past each head's length. Entry e
+        of the (layer, head, column) order is in unit e of its slots, slot e // (L x H_kv) first
+        (`core/moves.unit_moves`, which packed it)."""
+        if self.unit_lens is None:
+            return self.kept_positions, None, None
+        lens = self.unit_lens.long()
+        layers, heads = lens.shape
+        cols = torch.arange(self.width, device=lens.device)
+        valid = cols < lens[..., None]
+        flat = lens.reshape(-1)
+        starts = (torch.cumsum(flat, 0) - flat).reshape(layers, heads)
+        rel = torch.where(valid, starts[..., None] + cols, 0)  # entry e of each (layer, head, column)
+        per_slot = layers * heads
+        slots = self.node.value.to(device=lens.device, dtype=torch.int64)
+        units = (slots[rel // per_slot] * per_slot + rel % per_slot) * valid
+        # int32: a unit pool of 2^31 units would hold 512 GB of K and V at head_dim 64 (256 GB in
+        # FP8), on one device (variable budgets run without tensor parallelism)
+        return self.kept_positions[rel] * valid, units.to(torch.int32), self.unit_lens
 
     @property
     def shift(self) -> int:
@@ -121,8 +180,14 @@ class Document:
 
     @property
     def metadata_bytes(self) -> int:
-        tensors = (self.kept_positions, self.units, self.unit_lens)
+        tensors = (self.kept_positions, self.unit_lens)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def compact_bytes(entries: int, heads: int, packed: bool) -> int:
+    """What `Document.compact` keeps of a document of `entries` kept entries in all over its
+    `heads` (layer, KV head) pairs: an int32 each, and packed, each head's int32 length."""
+    return 4 * entries + (4 * heads if packed else 0)
 
 
 @dataclass
@@ -130,7 +195,8 @@ class DocumentStats:
     compressions: int = 0  # documents compressed and published
     hits: int = 0  # requests that started from a resident document
     evictions: int = 0  # documents the tree evicted (LRU) or dropped
-    not_published: int = 0  # compressed documents not published: no free slots, or a failure
+    not_published: int = 0  # compressed documents not published: no free slots, no room for its metadata, or a failure
+    evicted_for_metadata: int = 0  # of the evictions: documents evicted to keep the metadata within its reservation
     waited_out: int = 0  # requests that waited --kv-document-wait for a publisher, then read it themselves
     seconds: float = 0.0  # spent scoring and copying documents
 
@@ -144,6 +210,13 @@ class DocumentRegistry:
     metrics: Any = None  # the scheduler's CompressionMetrics (`/metrics`), once it has some
     # documents being compressed: key digest -> the request (SGLang's Req) compressing it
     compressing: dict[str, Any] = field(default_factory=dict)
+    # bytes the KV memory reserved for the resident documents' metadata (`adapter/kv_memory.py`);
+    # None: nothing reserved (a pool layout without one cost per token), not bounded
+    metadata_budget: int | None = None
+
+    @property
+    def metadata_bytes(self) -> int:
+        return sum(doc.metadata_bytes for doc in self.by_key.values())
 
     def get(self, key: DocumentKey | None) -> Document | None:
         return None if key is None else self.by_key.get(key.digest)
@@ -207,9 +280,9 @@ class DocumentRegistry:
             "resident": len(self.by_key),
             "entries": sum(doc.key.entries for doc in self.by_key.values()),  # per (layer, KV head)
             "tokens": sum(doc.key.tokens for doc in self.by_key.values()),  # what they cover
-            # which token each entry holds (and a packed document's tables), on the KV's device:
-            # not part of the KV memory's reservation yet
-            "metadata_bytes": sum(doc.metadata_bytes for doc in self.by_key.values()),
+            # which token each entry holds (and a packed document's tables), on the KV's device,
+            # within what the KV memory reserved for it (`metadata_budget`)
+            "metadata_bytes": self.metadata_bytes,
             **asdict(self.stats),
         }
 
@@ -224,9 +297,11 @@ def registry_of(tree_cache: Any) -> DocumentRegistry | None:
     return getattr(tree_cache, "documents", None)
 
 
-def request_key(req: Req, config: KvcConfig) -> DocumentKey | None:
+def request_key(req: Req, config: KvcConfig, chunk: int | None = None) -> DocumentKey | None:
     """The document a request declares, or None. Raises `RequestSettingError` (its 400) when the
-    document cannot be served for it."""
+    document cannot be served for it. `chunk`: the server's chunk size where it compresses prompts
+    between chunks (`admission.server_chunk`), None where it reads them whole: a document longer
+    than a chunk is cut at every chunk boundary there, the same cuts for every request."""
     spec = of_request(req).document
     if spec is None:
         return None
@@ -244,10 +319,15 @@ def request_key(req: Req, config: KvcConfig) -> DocumentKey | None:
         raise RequestSettingError(f"{field_name}.ratio", f"the document ({spec.tokens} tokens) would keep "
                                                          f"{entries} entries per head: nothing to compress")
     policy = settings.prompt_policy_name
+    # Everything that decides what the document keeps is in its key; the publisher's own budget,
+    # the pool's pressure and the chunks SGLang's rounds give it are not, so they decide nothing.
+    every = chunk if chunk and spec.tokens > chunk else 0
+    between = config.chunk_target(entries) if every else 0
     h = hashlib.sha256(array("q", prompt[: spec.tokens]).tobytes())
     h.update(repr((getattr(req, "extra_key", None), getattr(req, "cache_salt", None), policy, entries,
-                   settings.selection, config.kv_head_budget)).encode())
-    return DocumentKey(digest=h.hexdigest(), tokens=spec.tokens, entries=entries, policy=policy)
+                   settings.selection, config.kv_head_budget, every, between)).encode())
+    return DocumentKey(digest=h.hexdigest(), tokens=spec.tokens, entries=entries, policy=policy, every=every,
+                       between=between)
 
 
 def may_start_from(req: Any) -> bool:
@@ -329,8 +409,9 @@ def _waits(req: Any) -> None:
 
 def _compresses(req: Any) -> bool:
     """Whether admitted `req`, which declares a document not resident, compresses it (is
-    registered as compressing it by `compressing`, unless another in flight already is)."""
-    return hit(req) is None and not req.output_ids
+    registered as compressing it by `compressing`, unless another in flight already is): not one
+    that reads its prompt whole where documents are cut between chunks (it never publishes)."""
+    return hit(req) is None and not req.output_ids and (splits(req) or publishes_whole(req))
 
 
 def compressing(admitted: list[Any], registry: DocumentRegistry) -> None:
@@ -397,12 +478,69 @@ def _skipped(req: Any) -> int:
 
 
 def chunk_cap(req: Any) -> int | None:
-    """The most tokens `req`'s next chunk may read so that one chunk ends at its document's end,
-    or None: it compresses its document between chunks and has not read all of it."""
+    """The most tokens `req`'s next chunk may read so that one chunk ends at its document's end
+    (and, a document longer than a chunk, one at each of its cuts, `cut_at`), or None: it
+    compresses its document between chunks and has not read all of it."""
     if not splits(req):
         return None
-    left = declared(req).tokens - prompt_read(req)
+    key, read = declared(req), prompt_read(req)
+    left = key.tokens - read
+    if left > 0 and key.every:
+        left = min(left, key.every - read % key.every)
     return left if left > 0 else None
+
+
+def cut_at(req: Any, end: int) -> int | None:
+    """The entries the row of `req` is cut to where a chunk of it ends at prompt position `end`,
+    as its document's key says: k at the document's end, `between` at a multiple of `every` before
+    it, 0 elsewhere before it (not cut: neither the pool's pressure nor the request's own budget
+    cuts a document, whose kept entries would then depend on its publisher); None where the
+    document decides nothing (the request does not compress one between chunks, or `end` is
+    past it)."""
+    if not splits(req):
+        return None
+    key = declared(req)
+    if end > key.tokens:
+        return None
+    if end == key.tokens:
+        return key.entries
+    return key.between if key.every and end % key.every == 0 else 0
+
+
+def cut_inside(req: Any) -> int | None:
+    """`cut_at` where the chunk of `req` that just ran ended, before its document's end (which
+    `ends_here` finds), else None."""
+    if not splits(req):
+        return None
+    end = _skipped(req) + int(req.extend_end)
+    return cut_at(req, end) if end < declared(req).tokens else None
+
+
+def next_cut(req: Any) -> int | None:
+    """`cut_at` where the next chunk of `req` ends at the latest (`chunk_cap`), or None: what its
+    admission counts that cut's copies and reconstruction forward by."""
+    cap = chunk_cap(req)
+    return None if cap is None else cut_at(req, prompt_read(req) + cap)
+
+
+def cut(req: Any) -> None:
+    """`req`'s row was cut inside its document (`cut_inside`)."""
+    setattr(req, CUTS_ATTR, cuts(req) + 1)
+
+
+def cuts(req: Any) -> int:
+    """The cuts of `req`'s row inside its document: its passes before the one at the document's
+    end, if it followed its key's procedure (`document_pass.publish_rows` checks it)."""
+    return int(getattr(req, CUTS_ATTR, 0))
+
+
+def publishes_whole(req: Any) -> bool:
+    """Whether `req` publishes its document read whole (`document_pass.publish`): on a server that
+    never cuts documents between chunks. Where they are cut between chunks, a request that reads
+    its prompt whole (asking for prompt log-probabilities) publishes nothing (`ABSTAINS_ATTR`):
+    its document would keep other entries than those of the key's cuts."""
+    return (declared(req) is not None and hit(req) is None and not getattr(req, SPLIT_ATTR, False)
+            and not getattr(req, ABSTAINS_ATTR, False))
 
 
 def ends_here(req: Any) -> DocumentKey | None:
@@ -417,10 +555,12 @@ def ends_here(req: Any) -> DocumentKey | None:
 
 def match_limit(req: Any, resident: bool) -> int | None:
     """The most prompt tokens `req` may match in the tree, or None (no limit): one that compresses
-    its document between chunks matches fewer than D, so that a chunk of it ends at D."""
+    its document between chunks matches fewer than D, so that a chunk of it ends at D, and fewer
+    than its first cut (`every`), so that its row is cut there as its key says."""
     if resident or not splits(req):
         return None
-    return declared(req).tokens - 1
+    key = declared(req)
+    return min(key.tokens, key.every or key.tokens) - 1
 
 
 def fill_shift(req: Any) -> int:
@@ -438,17 +578,21 @@ def node_key(key: DocumentKey, slots: int) -> Any:
     return RadixKey(array("q", bytes(8 * slots)), extra_key=DocumentNamespace(NAMESPACE + key.digest))
 
 
-def admit(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False) -> None:
+def admit(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False, chunk: int | None = None) -> None:
     """When a request enters the queue: the document it declares, or its 400 (SGLang's
     `set_finish_with_abort`) when that document cannot be served for it. `split`: the request is
-    compressed between chunks of its prompt (`adapter/admission.scheduler_chunk`)."""
+    compressed between chunks of its prompt (`adapter/admission.scheduler_chunk`); `chunk`: the
+    server's chunk size where it compresses prompts between chunks (`admission.server_chunk`),
+    else None (every request reads its prompt whole, and publishes its document so)."""
     setattr(req, HIT_ATTR, None)
     setattr(req, SPLIT_ATTR, split)
+    setattr(req, ABSTAINS_ATTR, not split and chunk is not None)
+    setattr(req, CUTS_ATTR, 0)
     if req.finished():
         setattr(req, KEY_ATTR, None)
         return
     try:
-        key = request_key(req, config)
+        key = request_key(req, config, chunk)
         if key is not None and registry_of(tree_cache) is None:
             raise RequestSettingError("kv_compression.document", "shared documents live in sgl-kvc's prefix cache: "
                                       "this server runs without it (--disable-radix-cache or the hierarchical cache)")

@@ -198,7 +198,8 @@ def _around_add_to_queue(config: KvcConfig):
         # or unservable one is a 400 for that request and is never read again by the hooks below.
         if not admit(req, config):
             split = admission.scheduler_chunk(scheduler, req, config) is not None
-            documents.admit(req, config, getattr(scheduler, "tree_cache", None), split=split)
+            documents.admit(req, config, getattr(scheduler, "tree_cache", None), split=split,
+                            chunk=admission.server_chunk(scheduler, config))
         admission.remember(req, config, scheduler)
         return original(scheduler, req, *a, **kw)
 

@@ -6,7 +6,8 @@ violation raises inside the scheduler, which stops the server and fails the test
 - a compacted request holds no tree-owned slot (it copied the ones it kept);
 - accounting: free + tree + slots owned by running requests == pool size;
 - shared documents (`check_documents`): each registered document is its node, in the tree, with
-  one slot per kept entry and the positions of its D tokens.
+  one slot per kept entry and the positions of its D tokens, and their metadata is within what
+  the KV memory reserved for it.
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ def check_documents(tree: Any) -> None:
     registry = getattr(tree, "documents", None)
     if registry is None:
         return
+    budget = registry.metadata_budget
+    if budget is not None and registry.metadata_bytes > budget:
+        raise InvariantViolation(f"documents' metadata {registry.metadata_bytes} B over the {budget} B "
+                                 "the KV memory reserved for it")
     for digest, doc in registry.by_key.items():
         node, k = doc.node, doc.key.entries
         if getattr(node, "sgl_kvc_document", None) is not doc or doc.key.digest != digest:
@@ -88,11 +93,10 @@ def check_documents(tree: Any) -> None:
             raise InvariantViolation(f"document {digest[:12]}: {doc.slots} slots, node of {len(node.key)} keys "
                                      f"and {None if node.value is None else len(node.value)} values")
         kept = doc.kept_positions
-        if doc.units is None and int(kept.shape[-1]) != k:
+        if doc.unit_lens is None and int(kept.shape[-1]) != k:
             raise InvariantViolation(f"document {digest[:12]}: {kept.shape[-1]} kept positions per head, not {k}")
-        if doc.units is not None:  # packed: each head's own entries only
-            import torch
-
-            kept = kept[torch.arange(kept.shape[-1], device=kept.device) < doc.unit_lens[..., None]]
+        if doc.unit_lens is not None and int(doc.unit_lens.sum()) != kept.numel():  # packed: each head's own
+            raise InvariantViolation(f"document {digest[:12]}: {kept.numel()} kept positions for "
+                                     f"{int(doc.unit_lens.sum())} entries")
         if kept.numel() and (int(kept.max()) >= doc.key.tokens or int(kept.min()) < 0):
             raise InvariantViolation(f"document {digest[:12]}: kept positions outside its {doc.key.tokens} tokens")

@@ -28,7 +28,16 @@ A compressing server keeps, besides SGLang's KV pool:
   forward are alive at once (its prefixes may be far longer than its tokens: 32 requests over a
   cached 16K prefix attend to 512K entries). A forward attends to at most `forward_entries` (the
   widest row: the context and a forward's room; `adapter/reconstruction.forward_groups` cuts a
-  round's requests to fit), whose keys are reserved once (`FORWARD_ENTRIES_ATTR`).
+  round's requests to fit), whose keys are reserved once (`FORWARD_ENTRIES_ATTR`);
+* the metadata of the shared documents resident in the prefix cache (`adapter/documents.py`,
+  `Document.compact`: which token each kept entry holds, an int32 per entry, at most one per
+  (slot, layer, KV head) of the document; packed, each head's int32 length too), charged per pool
+  token: a document's slots are pool tokens, so documents that fill the pool fit their
+  reservation (`per_document_token`, `DOCUMENT_BYTES_ATTR`). Any tenant can declare a document
+  on a server with sgl-kvc's prefix cache. The registry keeps the documents' metadata within it
+  whatever they are (a packed document's lengths are one slot's share more): before it publishes
+  a document that would not fit, it evicts documents by the tree's eviction policy
+  (`KvcRadixCache.make_document_room`), or does not publish it.
 
 SGLang sizes its pool from a number of bytes, its KV memory (`KVCacheConfigurator._profile_available_bytes`:
 free memory after weights, minus the activation slack of `--mem-fraction-static`; or
@@ -66,24 +75,32 @@ MOMENT_SLOTS_ATTR = "kvc_moment_slots"  # on SGLang's MemoryPoolConfig: read by 
 DECODE_BYTES_ATTR = "kvc_decode_block_bytes"  # the same: the fused plan's block bound
 FORWARD_ENTRIES_ATTR = "kvc_forward_entries"  # the same: entries a reconstruction forward attends to
 ROW_ENTRY_BYTES = 4  # an int32 slot index of SGLang's req_to_token
+DOCUMENT_ENTRY_BYTES = 4  # a shared document's int32 position per (slot, layer, KV head)
+DOCUMENT_BYTES_ATTR = "kvc_document_bytes"  # on SGLang's MemoryPoolConfig: the documents' metadata budget
 
 
 @dataclass(frozen=True)
 class Reservation:
-    """Bytes sgl-kvc keeps per request slot, per pool token, per moment slot and in all."""
+    """Bytes sgl-kvc keeps per request slot, per pool token, per moment slot and in all;
+    `per_document_token` of each pool token are the shared documents' metadata's."""
 
     per_request: int
     per_token: int
     per_moment: int = 0
     fixed: int = 0
+    per_document_token: int = 0
 
     @classmethod
     def for_model(
         cls, window: int, num_layers: int, q_heads: int, kv_heads: int, head_dim: int, q_bytes: int,
         unit_tables: bool = False, decode_bytes: int = 0, row_room: int = 0, forward_entries: int = 0,
+        documents: bool = False,
     ) -> "Reservation":
         # a statistic twice (two steps' slabs); on the unit pool a step's tables, twice
         per_token = num_layers * kv_heads * (2 * STATS_BYTES + (2 * 8 if unit_tables else 0))
+        # a document's position per entry (a packed one's lengths: within the registry's budget,
+        # `KvcRadixCache.make_document_room`)
+        per_document_token = num_layers * kv_heads * DOCUMENT_ENTRY_BYTES
         layer_moments = q_heads * head_dim * (head_dim + 1) * 4  # float32 mean and scatter
         return cls(
             per_request=window * num_layers * q_heads * head_dim * q_bytes + row_room * ROW_ENTRY_BYTES,
@@ -91,6 +108,7 @@ class Reservation:
             per_moment=num_layers * layer_moments + 2 * layer_moments,  # + one layer's merge
             # a decode call; one layer's keys of a reconstruction forward's rows (model dtype)
             fixed=decode_bytes + forward_entries * kv_heads * head_dim * q_bytes,
+            per_document_token=per_document_token if documents else 0,
         )
 
 
@@ -100,6 +118,7 @@ class PoolFit:
     requests: int
     reserved_bytes: int
     moment_slots: int = 0
+    document_bytes: int = 0  # of reserved_bytes: the shared documents' metadata
 
 
 def fit_pool(memory: int, cell: int, tokens: int, requests: int, r: Reservation) -> PoolFit:
@@ -112,9 +131,10 @@ def fit_pool(memory: int, cell: int, tokens: int, requests: int, r: Reservation)
         requests = min(requests, max(1, int(MAX_QUERY_SHARE * memory) // r.per_request))
     moments = min(requests, int(MAX_MOMENT_SHARE * memory) // r.per_moment) if r.per_moment else 0
     held = r.fixed + requests * r.per_request + moments * r.per_moment
-    fit = (memory - held) // (cell + r.per_token)
+    fit = (memory - held) // (cell + r.per_token + r.per_document_token)
     tokens = max(1, min(tokens, fit))
-    return PoolFit(tokens, requests, held + tokens * r.per_token, moments)
+    documents = tokens * r.per_document_token
+    return PoolFit(tokens, requests, held + tokens * r.per_token + documents, moments, documents)
 
 
 def hook_table(config: KvcConfig) -> list[Hook]:
@@ -172,6 +192,7 @@ def _around_resolve(config: KvcConfig, probe: _MemoryProbe) -> Callable[..., Any
             decode_bytes=decode_bytes,
             row_room=forward_room(config),
             forward_entries=forward_entries(config, int(mc.context_len)),
+            documents=documents_possible(kvc),
         )
         cell = getattr(configurator, "_cell_size", None)  # SGLang's bytes per token (FP8 included)
         if not cell:  # a pool layout without one cost per token (hybrid, MLA...)
@@ -192,13 +213,16 @@ def _around_resolve(config: KvcConfig, probe: _MemoryProbe) -> Callable[..., Any
         setattr(pool, MOMENT_SLOTS_ATTR, fit.moment_slots)
         setattr(pool, DECODE_BYTES_ATTR, decode_bytes)
         setattr(pool, FORWARD_ENTRIES_ATTR, forward_entries(config, int(mc.context_len)))
+        # the documents' metadata, for the tokens the pool got (`KvcRadixCache.make_document_room`)
+        setattr(pool, DOCUMENT_BYTES_ATTR, int(pool.max_total_num_tokens) * r.per_document_token)
         logger.info(
             "sgl-kvc: %.1f MB of the %.1f MB KV memory reserved for observation queries (%d request "
-            "slots x %d B), attention statistics and decode tables (%d B per token), a decode call and "
-            "a reconstruction forward's keys (%d B) and prompt moments (%d slots x %d B): pool %d tokens, %d requests",
+            "slots x %d B), attention statistics and decode tables (%d B per token), shared documents' "
+            "metadata (%d B per token), a decode call and a reconstruction forward's keys (%d B) and "
+            "prompt moments (%d slots x %d B): pool %d tokens, %d requests",
             fit.reserved_bytes / 1e6, memory / 1e6, pool.max_running_requests, r.per_request,
-            r.per_token, r.fixed, fit.moment_slots, r.per_moment, pool.max_total_num_tokens,
-            pool.max_running_requests,
+            r.per_token, r.per_document_token, r.fixed, fit.moment_slots, r.per_moment,
+            pool.max_total_num_tokens, pool.max_running_requests,
         )
         return pool
 
@@ -238,6 +262,13 @@ def _after_req_pool(config: KvcConfig) -> Callable[..., Any]:
         return pool
 
     return hook
+
+
+def documents_possible(kvc: Any) -> bool:
+    """Whether the server may hold shared documents: they live in sgl-kvc's prefix cache, which
+    SGLang's radix cache must be on for, and not the hierarchical cache (`radix_cache.create`)."""
+    args = getattr(kvc, "server_args", None)
+    return not (getattr(args, "disable_radix_cache", False) or getattr(args, "enable_hierarchical_cache", False))
 
 
 def _on_cuda(kvc: Any) -> bool:

@@ -89,6 +89,41 @@ class KvcRadixCache(RadixCache):
         super()._delete_leaf(node)
         self.documents.removed(node)
 
+    def make_document_room(self, nbytes: int) -> bool:
+        """Whether a document whose metadata is `nbytes` may be published: the resident documents'
+        metadata and its own fit the bytes the KV memory reserved for them
+        (`DocumentRegistry.metadata_budget`), after evicting unlocked documents, in the order of
+        the tree's eviction policy (`--radix-eviction-policy`, LRU by default), as many as that
+        takes. A document's slots are charged to the pool as any node's; its metadata is charged
+        here, so that it never grows past what was reserved, however many documents tenants
+        declare (`adapter/kv_memory.py`: a slot's share is a position per (layer, KV head), and a
+        packed document's lengths are one slot's share more)."""
+        registry = self.documents
+        budget = registry.metadata_budget
+        if budget is None:
+            return True
+        held = registry.metadata_bytes
+        if held + nbytes <= budget:
+            return True
+        # a document's node is a leaf under the root (nothing is inserted under its key), locked
+        # while a request starts from it
+        candidates = sorted((doc for doc in registry.by_key.values()
+                             if doc.node.lock_ref == 0 and not doc.node.children),
+                            key=lambda doc: self.eviction_strategy.get_priority(doc.node))
+        if held - sum(doc.metadata_bytes for doc in candidates) + nbytes > budget:
+            return False  # the locked ones alone leave no room: evict nothing for nothing
+        for doc in candidates:
+            if held + nbytes <= budget:
+                break
+            held -= doc.metadata_bytes
+            node = doc.node
+            # as SGLang's own `evict` removes a leaf
+            self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
+            self._delete_leaf(node)  # and from the registry
+            self.kv_events.record_remove(node)
+            registry.stats.evicted_for_metadata += 1
+        return held + nbytes <= budget
+
 
 def register(name: str) -> None:
     if get_radix_cache_factory(name) is None:

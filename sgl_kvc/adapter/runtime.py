@@ -14,7 +14,7 @@ from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 from sgl_kvc.adapter.compressor import Compressor
 from sgl_kvc.adapter.documents import DocumentRegistry, registry_of
 from sgl_kvc.adapter.fp8_pool import pool_bytes
-from sgl_kvc.adapter.kv_memory import RESERVED_ATTR
+from sgl_kvc.adapter.kv_memory import DOCUMENT_BYTES_ATTR, RESERVED_ATTR
 from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.adapter.reconstruction import ReconstructionStats
 from sgl_kvc.adapter.requests import on_release
@@ -158,7 +158,7 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
         },
         "compression": compression,
         # compressed documents shared through the prefix cache (adapter/documents.py)
-        "documents": _documents(tree),
+        "documents": _documents(tree, model_runner),
         # per-head budgets: uniform, or variable / layer (packed in the unit pool)
         "head_budget": runtime.config.kv_head_budget if store is not None and store.unit_pools is not None else "uniform",
         # who computes decode attention: sgl-kvc's batched kernel (CPU, compressing servers) or
@@ -175,6 +175,9 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
     }
 
 
-def _documents(tree: Any) -> dict[str, Any]:
+def _documents(tree: Any, model_runner: Any) -> dict[str, Any]:
     registry = registry_of(tree)
-    return (registry or DocumentRegistry()).snapshot()
+    # the bytes the KV memory reserved for their metadata (adapter/kv_memory.py), which
+    # `metadata_bytes` stays within; 0: nothing reserved
+    budget = getattr(model_runner.memory_pool_config, DOCUMENT_BYTES_ATTR, None)
+    return {**(registry or DocumentRegistry()).snapshot(), "metadata_budget": int(budget or 0)}

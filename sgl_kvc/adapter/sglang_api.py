@@ -187,6 +187,11 @@ INTERNALS: tuple[Internal, ...] = (
                                                     "hit_count"),
              why="a document's node; its uses for the LRU and LFU eviction policies"),
     Internal(f"{_MM}.radix_cache.RadixCache._inc_hit_count", ("node",), why="a document hit is a use for LFU"),
+    Internal(f"{_MM}.radix_cache.RadixCache", attrs=("eviction_strategy", "token_to_kv_pool_allocator", "kv_events"),
+             why="a document evicted to keep the documents' metadata within its reservation"),
+    Internal(f"{_MM}.evict_policy.EvictionStrategy.get_priority", ("node",), why="which document is evicted first"),
+    Internal(f"{_MM}.allocator.BaseTokenToKVPoolAllocator.free_segment", ("free_index", "start_pos"),
+             why="a document's slots freed as SGLang's evict frees a leaf's"),
     Internal(f"{_MM}.base_prefix_cache.MatchPrefixParams", ("key", "cow_mamba", "req"), why="the matching request"),
     Internal(f"{_MM}.base_prefix_cache.MatchResult",
              ("device_prefix_len", "last_device_node", "last_host_node", "best_match_node"), why="a document hit"),
@@ -223,8 +228,8 @@ INTERNALS: tuple[Internal, ...] = (
              why="resize the pool after charging sgl-kvc's buffers"),
     Internal(f"{_MM}.kv_cache_configurator.KVCacheConfigurator", attrs=(
         "model", "model_config", "is_draft_worker", "use_mla_backend", "is_hybrid_swa", "mambaish_config",
-        "kv_cache_dtype",
-    ), why="pool class, sizing and model checks"),
+        "kv_cache_dtype", "server_args",
+    ), why="pool class, sizing and model checks; whether documents may be held (the radix cache)"),
     # --- attention --------------------------------------------------------------------------------
     Internal("sglang.srt.layers.attention.attention_registry.ATTENTION_BACKENDS",
              why="the torch_native, flashinfer and triton backends are wrapped"),

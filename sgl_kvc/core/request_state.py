@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Sequence
 
@@ -35,17 +35,30 @@ def unit_index(slots: Tensor, num_layers: int, num_heads: int) -> Tensor:
 class Budget:
     """A request's budget: the entries each (layer, KV head) keeps after a pass. `tokens` fixed,
     or with `ratio` (`--kv-budget-ratio`) that fraction of the tokens it has processed, never
-    fewer than `floor` (the window a policy always keeps, + 1)."""
+    fewer than `floor` (the window a policy always keeps, + 1).
+
+    `held` entries more are a shared document's part of the row (`beyond`), standing for its
+    first `covers` tokens: a ratio applies to the tokens after them only."""
 
     tokens: int
     ratio: float | None = None
     floor: int = 1
+    held: int = 0
+    covers: int = 0
 
     def at(self, length: int) -> int:
         """The budget of a request that has processed `length` tokens."""
         if self.ratio is None:
-            return self.tokens
-        return max(self.floor, math.ceil(self.ratio * length))
+            return self.held + self.tokens
+        return self.held + max(self.floor, math.ceil(self.ratio * max(0, length - self.covers)))
+
+    def beyond(self, held: int, covers: int) -> "Budget":
+        """This budget applied beyond a shared document's part of the row: `held` entries (k
+        after a hit, D for the request that reads it whole) standing for its `covers` = D tokens.
+        A ratio of every token processed would count the document's D tokens, already cut to
+        its k: a hit of D = 1000 kept at 30%, its suffix of 50, at a ratio of 0.25, would be cut
+        to 263 entries, below the document's own 300."""
+        return replace(self, held=held, covers=covers)
 
 
 @dataclass(frozen=True)
@@ -92,7 +105,8 @@ def block_tables(
         own = [states[j] for j in tables]
         widths = [int(state.units.shape[-1]) for state in own]
         k_max = max(widths)
-        joined = torch.cat([state.units for state in own], dim=-1)  # [L, H_kv, sum(widths)]
+        # [L, H_kv, sum(widths)], int64 (a shared document's tables are int32, `Document`)
+        joined = torch.cat([state.units for state in own], dim=-1).long()
         starts = torch.tensor(list(itertools.accumulate([0] + widths[:-1])), dtype=torch.int64, device="cpu")
         cols = torch.arange(k_max, dtype=torch.int64, device="cpu")
         inside = cols[None, :] < torch.tensor(widths, dtype=torch.int64, device="cpu")[:, None]  # [p, k_max]
@@ -101,7 +115,7 @@ def block_tables(
         picked = picked.transpose(1, 2) * to_device(inside, device)[None, :, None, :]  # [L, p, H_kv, k_max]
         at = host_tensor(tables, device)
         units[:, at, :, :k_max] = picked
-        head_lens[:, at] = torch.stack([state.unit_lens for state in own], dim=1)
+        head_lens[:, at] = torch.stack([state.unit_lens for state in own], dim=1).long()
     tails = [n - g for n, g in zip(row_lens, packed)]
     t_max = max(tails, default=0)
     if t_max:
@@ -146,6 +160,10 @@ class ReqKvState:
     kept_positions: Tensor | None = None
     offset: int = 0
     stats: list[Tensor | None] = field(default_factory=list)
+    # The logical position of the first query its statistic accumulated (`LayerView.stats_since`):
+    # D after it started from a shared document of D tokens, whose entries it has no statistic of
+    # before (they start at 0 there, as every entry appended since does at its own position).
+    stats_since: int = 0
     passes: int = 0
     pending: Any = None  # the compressor's PendingPass while a staged pass is under way
     units: Tensor | None = None  # [L, H_kv, K] once packed (0 past unit_lens)
@@ -188,7 +206,7 @@ class ReqKvState:
         """Logical positions of the n cached entries: [n], or [L, H_kv, n] once per-head."""
         if self.kept_positions is None:
             return torch.arange(n, dtype=torch.int64, device=self.device) + self.offset
-        kept = self.kept_positions[..., :n]
+        kept = self.kept_positions[..., :n].long()  # a shared document's are int32 (`Document`)
         k = kept.shape[-1]
         tail = torch.arange(k, n, dtype=torch.int64, device=kept.device) + self.offset
         if kept.dim() > 1:

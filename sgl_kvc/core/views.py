@@ -69,7 +69,8 @@ def request_view(
         reconstruction = reconstruction[head : head + 1] if head is not None else reconstruction
         reconstruction = reconstruction[:, : keys.shape[0]]
     return LayerView(keys=keys, queries=queries, positions=positions, stats=stats, values=v,
-                     query_mean=mean, query_cov=cov, reconstruction=reconstruction)
+                     query_mean=mean, query_cov=cov, reconstruction=reconstruction,
+                     stats_since=state.stats_since)
 
 
 def layer_views(

@@ -169,6 +169,11 @@ class LayerView:
     reconstruction: [H_kv, n] or None: the scores a reconstruction pass gave the entries
                (``Policy.uses_reconstruction``; `sgl_kvc.core.reconstruction`), +inf where it
                scored nothing (always kept).
+    stats_since: the logical position of the first query ``stats`` accumulated: an entry at an
+               earlier position was seen by the queries from there on only. 0 for a request that
+               read its whole prompt; D for one that started from a shared document of D tokens
+               (`adapter/documents.py`: the document's own queries were read once, by whoever
+               compressed it, and never by this request).
     """
 
     keys: Tensor
@@ -180,6 +185,7 @@ class LayerView:
     query_mean: Tensor | None = None
     query_cov: Tensor | None = None
     reconstruction: Tensor | None = None
+    stats_since: int = 0
 
     def __post_init__(self) -> None:
         if self.keys.dim() != 3:
@@ -253,6 +259,7 @@ class LayerView:
             query_mean=mean,
             query_cov=cov,
             reconstruction=None if self.reconstruction is None else self.reconstruction[h : h + 1],
+            stats_since=self.stats_since,
         )
 
 

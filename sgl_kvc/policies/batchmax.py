@@ -45,7 +45,11 @@ class BatchMaxPolicy(Policy):
         sums = pad_stats(view.stats, view.n)
         pos = view.positions.to(torch.float64)
         # positions are [n] or, per head, [H_kv, n]: curr_id is the newest token any head holds
-        seen_by = (pos.max() + 1.0 - pos).clamp_min(1.0)  # Batch-Max §3.2: curr_id + 1 - kv_ids
+        # Batch-Max §3.2: curr_id + 1 - kv_ids, the queries each entry was seen by. An entry older
+        # than the statistic's first query (a shared document's, `LayerView.stats_since`) was seen
+        # by the queries since then only: divided by all the queries since its own position, a
+        # document's entries would all rank below the request's own, the oldest lowest.
+        seen_by = (pos.max() + 1.0 - pos.clamp_min(float(view.stats_since))).clamp_min(1.0)
         return (sums.double() / seen_by).float()  # Batch-Max §3.2: ave_weights
 
     def contribution(self, grouped: Tensor) -> Tensor:

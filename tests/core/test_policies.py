@@ -915,6 +915,31 @@ def test_amortised_target_length(device: torch.device, name: str) -> None:
     assert pol0.target_length(17) == 16
 
 
+def test_batchmax_averages_a_shared_documents_entries_over_the_queries_that_saw_them(device: torch.device) -> None:
+    """A request that started from a shared document of D = 50 tokens (`adapter/documents.py`)
+    holds 6 of its entries (positions < 50) and its own 10 tokens from position 50; its statistic
+    has only its own queries, from position 50 on (`LayerView.stats_since`). Every query attends 1
+    to every entry it sees, so each entry's average is 1: a document's entry was seen by the 10
+    queries since 50, not by the 60 - position since its own. Without `stats_since` (the average
+    over all the queries since its own position) the document's entries scored 10 / (60 - p) and
+    all ranked below the request's own, the oldest lowest."""
+    pol = get_policy("batchmax", PolicyParams(budget=8))
+    doc, own = [0, 5, 9, 20, 33, 40], list(range(50, 60))
+    positions = torch.tensor(doc + own, device=device)
+    n, h_kv = positions.numel(), 2
+    seen = torch.arange(n, device=device)[None, :] <= (len(doc) + torch.arange(len(own), device=device))[:, None]
+    probs = seen.float()[None].expand(2 * h_kv, -1, -1)  # [H_q, 10 queries, 16 entries], causal
+    stats = pol.accumulate(None, probs, h_kv)
+    view = LayerView(keys=torch.randn(n, h_kv, 4, device=device), positions=positions, stats=stats, stats_since=50)
+    torch.testing.assert_close(pol.score(view), torch.full((h_kv, n), 2.0, device=device))  # the group of 2
+    wrong = pol.score(dataclasses.replace(view, stats_since=0))
+    assert (wrong[:, : len(doc)] < wrong[:, len(doc) :].min()).all()
+    # a request that read its whole prompt (stats_since 0) is scored as before
+    whole = LayerView(keys=view.keys, positions=torch.arange(n, device=device), stats=stats)
+    expect = stats.double() / (n - torch.arange(n, device=device)).double()  # curr_id + 1 - kv_ids
+    torch.testing.assert_close(pol.score(whole), expect.float())
+
+
 def test_batchmax_target_length_evicts_chunks(device: torch.device) -> None:
     pol = get_policy("batchmax", PolicyParams(budget=128, evict_chunk=64))
     assert pol.target_length(127) is None

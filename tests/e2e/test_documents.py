@@ -43,12 +43,27 @@ CONTEXT = 192
 READ_WHOLE = ["--compress-on", "prefill,decode,preempt", "--kv-head-budget", "layer", "--context-length", str(CONTEXT)]
 
 
+# The demo model's template, reading also a message's `name` and a `greeting` chat template argument
+# (the variable server's `--chat-template`; SGLang reads `\n` in the file as a newline).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if greeting is defined %}{{ '<|system|>\\n' + greeting + '</s>\\n' }}{% endif %}"
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['name'] is defined %}{{ message['name'] + ': ' }}{% endif %}"
+    "{{ message['content'] + '</s>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
 def servers(trace: Path):
     """Three servers started at once: uniform head budgets, variable ones, and layer ones without
-    the chunk moment."""
+    the chunk moment. The variable one renders chats with `CHAT_TEMPLATE` (a Jinja file), the
+    layer one with SGLang's conversation template `chatml` (the others: the demo model's own)."""
     env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1", "SGLKVC_FAILPOINTS": "document_raise"}
-    cmds = [CMD, [*CMD, "--kv-head-budget", "variable"], [*CMD, *READ_WHOLE]]
+    template = trace.parent / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    cmds = [CMD, [*CMD, "--kv-head-budget", "variable", "--chat-template", str(template)],
+            [*CMD, *READ_WHOLE, "--chat-template", "chatml"]]
     with ServerProcess.launch_all(cmds, env=env) as (uniform, variable, whole):
         yield {"uniform": uniform, "variable": variable, "whole": whole}
 
@@ -161,6 +176,55 @@ def test_a_document_longer_than_the_pool(documents_server, trace: Path) -> None:
     served = [[lp[0] for lp in out["meta_info"]["output_token_logprobs"]] for out in (first, second)]
     assert max(abs(a - b) for a, b in zip(*served)) < TOLERANCE, served
     assert_pool_whole(documents_server.stats())
+
+
+def test_what_a_document_keeps_is_decided_by_its_key_not_its_publisher(documents_server, trace: Path) -> None:
+    """The same document of 2400 tokens (longer than the pool: the pool's pressure would cut it)
+    published by two tenants (two `extra_key`s, so that both copies are resident) whose requests
+    differ in all a publisher decides: the second has its own budget of 8 instead of the server's
+    64, and 100 of the document's tokens already in the tree (another of its requests read them),
+    so SGLang's chunks of it start elsewhere. Both rows are cut only where the key says (every
+    256 tokens, to the document's 240 entries, then at its end), and both documents keep the same
+    entries. Before, each was cut where the pool ran short, to its publisher's own budget + k
+    (304 or 248 entries), from wherever its chunks ended: the two kept different tokens."""
+    doc = _tokens(1400, LONG)
+    spec = {"tokens": LONG, "ratio": 0.1}
+
+    def publish(tenant: str, cached: int, **kv) -> tuple[list, list]:
+        out = generate(documents_server, doc + _tokens(1401, QUESTION), 2, extra_key=tenant,
+                       sampling={"custom_params": {"sgl_kvc": {**kv, "document": spec}}})
+        assert out["meta_info"]["cached_tokens"] == cached
+        events = trace_events(trace, out["meta_info"]["id"])
+        [published] = [e for e in events if e["moment"] == "document"]
+        return published["kept_positions"], [e["logical_len"] for e in events if e["moment"] == "chunk"]
+
+    before = _documents(documents_server)
+    first, cuts = publish("tenant-a", 0)
+    # the second tenant's tree holds the document's first 100 tokens (a request without a document)
+    generate(documents_server, doc[:100] + _tokens(1402, 4), 1, extra_key="tenant-b")
+    second, cuts_b = publish("tenant-b", 100, budget=8)
+    assert _documents(documents_server)["compressions"] == before["compressions"] + 2
+    assert first == second
+    assert cuts == cuts_b == [*range(256, LONG, 256), LONG]
+    assert_pool_whole(documents_server.wait_idle())
+
+
+def test_a_request_reading_its_prompt_whole_publishes_nothing_where_documents_are_cut_between_chunks(
+        documents_server) -> None:
+    """On a server that cuts documents between chunks, a request that reads its prompt whole (it
+    asks for its prompt's log-probabilities) and declares a document not resident publishes
+    nothing (it would keep other entries than the key's cuts do: all D scored at once), and holds
+    no one back; the next request of the document publishes it, cut between chunks."""
+    doc, question = _tokens(1410, DOC), _tokens(1411, QUESTION)
+    before = _documents(documents_server)
+    out = generate(documents_server, doc + question, 2, logprob_start_len=0,
+                   sampling={"custom_params": {"sgl_kvc": {"document": {"tokens": DOC, "ratio": 0.3}}}})
+    assert len(out["meta_info"]["input_token_logprobs"]) == DOC + QUESTION
+    mid = _documents(documents_server)
+    assert mid["compressions"] == before["compressions"] and mid["not_published"] == before["not_published"], mid
+    _ask(documents_server, doc, _tokens(1412, QUESTION))
+    assert _documents(documents_server)["compressions"] == before["compressions"] + 1
+    assert_pool_whole(documents_server.wait_idle())
 
 
 def test_a_first_request_that_ends_at_its_first_token_publishes(servers) -> None:
@@ -317,6 +381,74 @@ def test_a_chat_document_is_its_messages(documents_server) -> None:
     assert "kv_compression.document" in str(e.value)
 
 
+# Two text parts whose join matters to the demo tokenizer ("itsinstruments" is 2 tokens more)
+_PARTS = [{"type": "text", "text": "Fact 1: the river is 7, the lamp is 1. The orchestra tuned its"},
+          {"type": "text", "text": "instruments while the audience found their seats."}]
+
+
+@pytest.mark.parametrize("case, name", [("parts", "uniform"), ("name", "variable"), ("template_kwargs", "variable"),
+                                        ("chat_template", "whole")])
+def test_a_chat_documents_tokens_are_those_of_sglangs_own_prompt(servers, trace: Path, case: str, name: str) -> None:
+    """A chat document's D is the tokens SGLang's own prompt of the request starts with for its
+    messages, counted where SGLang renders and tokenizes the request: its text parts joined as
+    SGLang joins them (" " for the demo template); on the variable server (a `--chat-template`
+    file) an assistant message's `name`, or a system message and a `chat_template_kwargs` argument
+    the template reads; on the layer server SGLang's conversation template `chatml` (`--chat-template
+    chatml`: its system prompt, parts joined with ""). D is what SGLang's /v1/tokenize gives the
+    document's messages alone (`add_generation_prompt: false`), or, there being no such option for
+    a conversation template, the tokens of chatml's text of them. The next conversation with the
+    same first messages starts from the document. Before, D was counted from sgl-kvc's own
+    rendering: parts joined with "", `name`, template arguments and `--chat-template` ignored."""
+    server = servers[name]
+    first = {"role": "user", "content": _PARTS}
+    document, kwargs = [first], {}
+    if case in ("name", "template_kwargs"):  # each alone: the message's text as one string
+        first = {"role": "user", "content": " ".join(p["text"] for p in _PARTS)}
+        document = [first]
+    if case == "name":  # SGLang drops a user message's `name`, not an assistant's
+        document = [first, {"role": "assistant", "name": "Bob", "content": "Noted."}]
+    elif case == "template_kwargs":
+        document = [{"role": "system", "content": "Answer from the facts."}, first]
+        kwargs = {"chat_template_kwargs": {"greeting": "Hello, reader."}}
+    if case == "chat_template":
+        text = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+                + "".join(p["text"] for p in _PARTS) + "<|im_end|>\n")
+        expected = server.post("/v1/tokenize", json={"model": "demo", "prompt": text}).json()["count"]
+    else:
+        r = server.post("/v1/tokenize", json={"model": "demo", "messages": document, "add_generation_prompt": False,
+                                              **kwargs})
+        expected = r.json()["count"]
+    before = _documents(server)
+
+    def ask(rid: str, question: str) -> None:
+        r = server.post("/v1/chat/completions", json={
+            "model": "demo", "max_tokens": 2, "temperature": 0, "rid": rid,
+            "messages": [*document, {"role": "user", "content": question}],
+            "kv_compression": {"document": {"ratio": 0.3}}, **kwargs})
+        assert r.status_code == 200, r.text
+
+    ask(f"chat-document-{case}", "What is the seed?")
+    [published] = [e for e in trace_events(trace, f"chat-document-{case}") if e["moment"] == "document"]
+    assert published["logical_len"] == expected
+    ask(f"chat-document-{case}-2", "What is the lamp?")
+    after = _documents(server)
+    assert after["compressions"] == before["compressions"] + 1 and after["hits"] == before["hits"] + 1, after
+    assert_pool_whole(server.wait_idle())
+
+
+def test_a_chat_document_whose_messages_are_not_the_prompt_is_a_400(documents_server) -> None:
+    """A chat request that gives its prompt's `input_ids` (SGLang's extension) and names its
+    document by messages: the messages are not what SGLang reads, so no D can be counted from
+    them, a 400 naming the field. Before, D was counted from the messages and applied to the
+    input ids: a document of whatever tokens they held."""
+    r = documents_server.post("/v1/chat/completions", json={
+        "model": "demo", "max_tokens": 2, "input_ids": _tokens(1420, 60),
+        "messages": [{"role": "user", "content": _PARTS}, {"role": "user", "content": "What is the seed?"}],
+        "kv_compression": {"document": {"ratio": 0.3}}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "kv_compression.document.messages", r.text
+
+
 def test_prometheus_metrics(documents_server) -> None:
     doc = _tokens(500, DOC)
     _ask(documents_server, doc, _tokens(501, QUESTION))
@@ -454,3 +586,57 @@ def test_a_client_cannot_plant_a_node_in_a_documents_namespace(servers) -> None:
     assert after["compressions"] == before["compressions"] + 1 and after["hits"] == before["hits"] + 1, after
     assert_pool_whole(server.wait_idle())
     assert generate(server, tenant, 8)["output_ids"] == quiet
+
+
+@pytest.mark.parametrize("policy", ["h2o", "batchmax", "kvcompress"])
+def test_a_statistics_policy_answers_alike_from_the_document_it_published_and_from_a_hit(
+        documents_server, trace: Path, policy: str) -> None:
+    """A decode policy that keeps attention statistics (H2O, Batch-Max; KV-Compress seeds its own
+    at its first pass) on a document's first request, which compresses it between chunks and goes
+    on from its node, and on a later request with the same question, which starts from the node:
+    neither has statistics of the document's own queries for its entries (a hit never read them),
+    so both count them from the document's end, and they answer alike, token for token, through
+    every decode pass. Before, the first request carried the statistics of its own reading of the
+    document and chose differently."""
+    doc, question = _tokens(1500 + 10 * len(policy), DOC), _tokens(1501 + 10 * len(policy), QUESTION)
+    spec = {"tokens": DOC, "ratio": 0.3}
+    sampling = {"custom_params": {"sgl_kvc": {"policy": policy, "prompt_policy": "kvzip", "budget": 8,
+                                              "document": spec}}}
+    before = documents_server.stats()
+    first = generate(documents_server, doc + question, 200, sampling=sampling)
+    second = generate(documents_server, doc + question, 200, sampling=sampling)
+    after = documents_server.stats()
+    assert after["documents"]["compressions"] == before["documents"]["compressions"] + 1
+    assert after["documents"]["hits"] == before["documents"]["hits"] + 1
+    assert second["meta_info"]["cached_tokens"] == DOC != first["meta_info"]["cached_tokens"]
+    assert after["compression"]["decode_passes"] >= before["compression"]["decode_passes"] + 2, policy
+    assert after["compression"]["failed_requests"] == before["compression"]["failed_requests"]
+    # the first request's passes after its document's cut, and the hit's, keep the same entries
+    kept = [[e["kept_positions"] for e in trace_events(trace, out["meta_info"]["id"])
+             if e["moment"] in ("prefill", "decode")] for out in (first, second)]
+    assert kept[0] == kept[1], policy
+    assert first["output_ids"] == second["output_ids"], policy
+    served = [[lp[0] for lp in out["meta_info"]["output_token_logprobs"]] for out in (first, second)]
+    assert max(abs(a - b) for a, b in zip(*served)) < TOLERANCE, served
+    assert_pool_whole(documents_server.stats())
+
+
+@pytest.mark.parametrize("name", ["uniform", "variable"])
+def test_a_documents_metadata_is_int32_and_within_its_reservation(servers, name: str) -> None:
+    """What a resident document keeps beside its KV (the position each entry holds; packed, each
+    head's units and length) is int32: 4 bytes per (layer, KV head) and entry of the demo model's
+    2 x 2, for a uniform document exactly 4 x 2 x 2 x k. Every resident document's metadata is
+    within the bytes the KV memory reserved for it (`documents.metadata_budget`, charged to the
+    pool where SGLang's KV memory is sized, `adapter/kv_memory.py`), after more documents than the
+    pool holds. Before, the positions and units were int64 and reserved nowhere."""
+    server = servers[name]
+    assert _documents(server)["metadata_budget"] > 0
+    for i in range(MANY):
+        _ask(server, _tokens(1700 + i, DOC), _tokens(1800 + i, QUESTION), ratio=LARGE if i else 0.3)
+        docs = _documents(server)
+        if name == "uniform":  # [2, 2, k] positions per document, k its entries per head
+            assert docs["metadata_bytes"] == 4 * 2 * 2 * docs["entries"], docs
+        else:  # positions and units [2, 2, K] and lengths [2, 2], K its widest head's entries
+            assert docs["metadata_bytes"] % 16 == 0, docs
+        assert docs["metadata_bytes"] <= docs["metadata_budget"], docs
+    assert_pool_whole(server.wait_idle())

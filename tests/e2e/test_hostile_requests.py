@@ -269,38 +269,53 @@ def test_policy_none_server_refuses_oov_and_compression_settings(kvc_server) -> 
 
 
 def test_no_request_waits_behind_another_tenants_document_past_the_bound(rkv_server) -> None:
-    """One tenant publishes a document with a prompt of its own choosing: 40 chunks past it, read
-    whole (it asks for its last prompt token's log-probability), so it publishes only once all are
-    read. Another tenant's request of the same document, in the same batch, waits for it at most
-    --kv-document-wait (50 ms here), then reads the document itself: SGLang admits it beside the
-    publisher's last chunk, before the document is published. Before, it waited until the
-    publisher had read its whole prompt and published, whatever its length. A third request
-    starts from the published document, and the pool adds up."""
+    """A request waits for another's publication of its document at most --kv-document-wait (50 ms
+    here). On this server documents are cut between chunks: a first request with a prompt of its
+    own choosing (40 chunks past the document) read whole, as it asks for its last prompt token's
+    log-probability, publishes nothing (`documents.publishes_whole`: it would keep other entries
+    than the key's cuts), so it holds no one back: another tenant's request of the same document,
+    in the same batch, publishes it itself, at once. Where the publisher reads the document itself
+    in 40 chunks (a document that long), the waiter stops waiting after 50 ms (`waited_out`); SGLang,
+    reading one prompt in chunks at a time, admits it beside the publisher's last chunk, by when the
+    document is out: it starts from it. Before, a waiter waited until the publisher had read its
+    whole prompt, whatever its length. A later request starts from each document; the pool adds up."""
     import random
 
     rng = random.Random(60)
     doc = [rng.randrange(10, 2000) for _ in range(128)]
     long = doc + [rng.randrange(10, 2000) for _ in range(40 * CHUNK + 60 - len(doc))]
     question = [rng.randrange(10, 2000) for _ in range(16)]
-    document = {"prompt_policy": "streamingllm", "document": {"tokens": len(doc), "ratio": 0.3}}
 
-    def sampling(n: int) -> dict:
+    def sampling(n: int, tokens: int) -> dict:
+        document = {"prompt_policy": "streamingllm", "document": {"tokens": tokens, "ratio": 0.3}}
         return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True, **kvc(document)}
 
     before = rkv_server.stats()["documents"]
     r = send(rkv_server, "POST", GEN, {
-        "input_ids": [long, doc + question], "sampling_params": [sampling(2), sampling(4)],
+        "input_ids": [long, doc + question], "sampling_params": [sampling(2, len(doc)), sampling(4, len(doc))],
         "return_logprob": [True, False], "logprob_start_len": [len(long) - 1, -1],
     })
     assert r.status_code == 200, r.text[:300]
-    publisher, waiter = r.json()
-    assert len(publisher["meta_info"]["input_token_logprobs"]) == 1 and len(waiter["output_ids"]) == 4
-    assert waiter["meta_info"]["cached_tokens"] == 0, waiter["meta_info"]  # its own copy, not the published one
+    reader, other = r.json()
+    assert len(reader["meta_info"]["input_token_logprobs"]) == 1 and len(other["output_ids"]) == 4
+    after = rkv_server.stats()["documents"]
+    assert after["waited_out"] == before["waited_out"], after  # no one waited behind the reader
+    assert after["compressions"] == before["compressions"] + 1 and after["hits"] == before["hits"], after
+    r = send(rkv_server, "POST", GEN, {"input_ids": doc + question[::-1], "sampling_params": sampling(2, len(doc))})
+    assert r.status_code == 200 and r.json()["meta_info"]["cached_tokens"] == len(doc), r.text[:300]
+
+    # a document of 40 chunks, read by its publisher in as many rounds
+    before = rkv_server.stats()["documents"]
+    r = send(rkv_server, "POST", GEN, {
+        "input_ids": [long + question, long + question[::-1]],
+        "sampling_params": [sampling(2, len(long)), sampling(2, len(long))],
+    })
+    assert r.status_code == 200, r.text[:300]
+    # one publishes it, the other (whichever SGLang admits second) finds it out by its admission
+    assert sorted(out["meta_info"]["cached_tokens"] for out in r.json()) == [0, len(long)], r.text[-300:]
     after = rkv_server.stats()["documents"]
     assert after["waited_out"] == before["waited_out"] + 1, after
-    assert after["compressions"] == before["compressions"] + 1 and after["hits"] == before["hits"], after
-    r = send(rkv_server, "POST", GEN, {"input_ids": doc + question[::-1], "sampling_params": sampling(2)})
-    assert r.status_code == 200 and r.json()["meta_info"]["cached_tokens"] == len(doc), r.text[:300]
+    assert after["compressions"] == before["compressions"] + 1 and after["hits"] == before["hits"] + 1, after
     stats = rkv_server.wait_idle()
     assert stats["pool"]["free_tokens"] + stats["pool"]["cached_tokens"] == stats["pool"]["total_tokens"], stats
 

@@ -488,3 +488,50 @@ def test_a_chunk_capped_at_a_documents_end_is_never_aligned_to_nothing(monkeypat
     other = _RealAdder(monkeypatch, KvcConfig(policy="snapkv", prompt_policy="kvzip"), chunk=1024)
     long = other.req("long", list(range(10, 3010)), None, split=True)
     assert other.add(long, align=4096) == AddReqResult.OTHER and other.adder.can_run_list == []
+
+
+def test_where_a_document_is_cut_is_decided_by_its_key() -> None:
+    """What a document keeps depends on its key alone: on a server that cuts prompts between
+    chunks of C = 256, a document of 600 tokens is cut at 256 and 512 to `between` entries (the
+    chunk target of its k), then at 600 to k, and nowhere else; its chunks end there, and its
+    match in the tree stops before the first cut, wherever SGLang's rounds would end them and
+    whatever the request's own budget. A document of one chunk at most is cut at its end only, and
+    a request there that reads its prompt whole (prompt log-probabilities) never publishes one."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    config = KvcConfig(policy="snapkv", prompt_policy="kvzip", kv_chunk_keep=1.5)
+    prompt = list(range(10, 710))
+    tree, _ = _tree()
+
+    def req(document: int, split: bool = True, **kv) -> SimpleNamespace:
+        r = _req(prompt, **kv)
+        r.sampling_params.custom_params[CUSTOM_PARAMS_KEY]["document"] = {"tokens": document, "ratio": 0.1}
+        r.finished, r.output_ids, r.full_untruncated_fill_ids, r.prefix_len, r.extend_end = \
+            (lambda: False), [], prompt, 0, 0
+        documents.admit(r, config, tree, split=split, chunk=256)
+        return r
+
+    long = req(600)
+    key = documents.declared(long)
+    assert (key.entries, key.every, key.between) == (60, 256, 90)
+    assert documents.declared(req(600, budget=8)) == key  # the request's own budget is no part of it
+    assert request_key(long, config).digest != key.digest  # cut at 256 and 512: not the document read at once
+    assert documents.chunk_cap(long) == 256 and documents.match_limit(long, resident=False) == 255
+    long.prefix_len = 100  # its first 100 tokens were matched in the tree
+    assert documents.chunk_cap(long) == 156  # its first chunk still ends at 256
+    assert [documents.cut_at(long, end) for end in (200, 256, 300, 512, 599, 600, 601)] == [0, 90, 0, 90, 0, 60, None]
+    long.prefix_len = long.extend_end = 90  # cut at 256 to 90 entries: its fill ids skip 166
+    long.full_untruncated_fill_ids = prompt[166:]
+    assert documents.chunk_cap(long) == 256 and documents.cut_inside(long) == 90
+    tree.insert(InsertParams(key=RadixKey(array("q", prompt)), value=torch.arange(700)))
+    fresh = req(600)
+    assert tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=fresh)).device_prefix_len == 255
+
+    short = req(200)
+    assert documents.declared(short).every == 0 and documents.match_limit(short, resident=False) == 199
+    assert [documents.cut_at(short, end) for end in (100, 200)] == [0, 20]
+    whole = req(200, split=False)  # reads its prompt whole: never registered as compressing it
+    assert not documents.publishes_whole(whole) and not documents.publishes_whole(short)  # short: between chunks
+    documents.compressing([whole], tree.documents)
+    assert tree.documents.compressing == {}
