@@ -36,6 +36,19 @@ class FakeAllocator:
         return self.pool
 
 
+class SegmentFreeRecorder:
+    """The one allocator call SGLang's radix tree makes when it evicts a node (`free_segment`),
+    recording the slots it gave back."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.freed: list[int] = []
+
+    def free_segment(self, slots: torch.Tensor, start_pos: int = 0) -> None:
+        self.freed += slots.tolist()
+
+
 class LayeredKvPool:
     """SGLang's KV pool surface (`get_key_buffer` / `get_value_buffer` / `get_kv_buffer`,
     `start_layer`, `layer_num`, `head_num`, `head_dim`), in the layouts the serving pools have:

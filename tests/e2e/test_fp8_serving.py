@@ -106,7 +106,8 @@ def test_capacity_at_the_same_memory_budget(servers, demo_model_path: str) -> No
     config = KvcConfig(policy="rkv")
     reserve = Reservation.for_model(window=WINDOW, num_layers=2, q_heads=4, kv_heads=2, head_dim=32, q_bytes=2,
                                     row_room=forward_room(config),  # its rows' room for KVzip
-                                    forward_entries=forward_entries(config, context))  # a KVzip forward's keys
+                                    forward_entries=forward_entries(config, context),  # a KVzip forward's keys
+                                    documents=True)  # shared documents' metadata (radix cache on)
     fit = fit_pool(budget, FP8_BYTES_PER_TOKEN, budget // FP8_BYTES_PER_TOKEN, 2048, reserve)
     assert (pool["total_tokens"], stats["requests"]["max_running_limit"]) == (fit.tokens, fit.requests)
     assert pool["reserved_bytes"] == fit.reserved_bytes > 0

@@ -16,6 +16,7 @@ from sgl_kvc.adapter.admission import _with_document, sizes_of
 from sgl_kvc.adapter.documents import Document, DocumentKey, DocumentRegistry
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY, resolved
+from fakes import SegmentFreeRecorder
 
 LAYERS, H_KV, D = 2, 2, 16
 DOC, ENTRIES, SUFFIX = 120, 36, 12  # ENTRIES = ceil(0.3 x DOC)
@@ -159,16 +160,6 @@ def test_a_packed_documents_tables_follow_from_its_positions_lengths_and_slots()
     assert torch.equal(lens.long(), lengths)
 
 
-class _Allocator:
-    device = "cpu"
-
-    def __init__(self) -> None:
-        self.freed: list[int] = []
-
-    def free_segment(self, slots: torch.Tensor, start_pos: int = 0) -> None:
-        self.freed += slots.tolist()
-
-
 def _tree_with_documents(count: int, slots: int = 30):
     """SGLang's RadixCache (sgl-kvc's) holding `count` uniform documents of `slots` slots each
     (2 layers x 2 KV heads: 16 bytes of metadata per slot), published one after the other."""
@@ -180,7 +171,7 @@ def _tree_with_documents(count: int, slots: int = 30):
     from sgl_kvc.adapter.documents import node_key
     from sgl_kvc.adapter.radix_cache import KvcRadixCache
 
-    allocator = _Allocator()
+    allocator = SegmentFreeRecorder()
     tree = KvcRadixCache(CacheInitParams(disable=False, req_to_token_pool=None,
                                          token_to_kv_pool_allocator=allocator, page_size=1))
     docs = []

@@ -17,6 +17,7 @@ from sgl_kvc.adapter.documents import Document, DocumentKey, node_key, request_k
 from sgl_kvc.adapter.radix_cache import KvcRadixCache
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY, DocumentSpec, RequestSettingError, parse_kv_compression
+from fakes import SegmentFreeRecorder
 
 KVZIP = KvcConfig(policy="snapkv", prompt_policy="kvzip")
 
@@ -80,20 +81,10 @@ def test_a_document_the_server_cannot_compress_is_refused(prompt, kv, words: str
     assert words in str(e.value)
 
 
-class _Allocator:
-    device = "cpu"
-
-    def __init__(self) -> None:
-        self.freed: list[int] = []
-
-    def free_segment(self, slots: torch.Tensor, start_pos: int = 0) -> None:
-        self.freed += slots.tolist()
-
-
-def _tree() -> tuple[KvcRadixCache, _Allocator]:
+def _tree() -> tuple[KvcRadixCache, SegmentFreeRecorder]:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-    allocator = _Allocator()
+    allocator = SegmentFreeRecorder()
     return KvcRadixCache(CacheInitParams(disable=False, req_to_token_pool=None,
                                          token_to_kv_pool_allocator=allocator, page_size=1)), allocator
 
@@ -352,7 +343,7 @@ def test_a_document_hit_is_a_use_for_lfu_eviction() -> None:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    allocator = _Allocator()
+    allocator = SegmentFreeRecorder()
     tree = KvcRadixCache(CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
                                          page_size=1, eviction_policy="lfu"))
 
