@@ -12,6 +12,8 @@ An ASGI middleware on `POST /v1/chat/completions`, `POST /v1/completions` and SG
 - carrying invalid per-request compression settings (`kv_compression`, `custom_params.sgl_kvc`;
   `sgl_kvc.server.settings`), or an `extra_key` / `cache_salt` in the namespace of sgl-kvc's
   shared documents;
+- asking a server without LoRA for an adapter (`lora_path`, `model` as `base:adapter`), or, on
+  `/generate`, for prompt log-probabilities from a `logprob_start_len` below -1;
 - with images, video or audio for a multimodal model, compressed by a prompt policy that cannot
   score them (KVzip, per request or the server's; the scheduler refuses it too, on every entry
   point).
@@ -32,7 +34,7 @@ import orjson
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.request_settings import RequestSettingError
 from sgl_kvc.request_settings import json_type_name
-from sgl_kvc.server.errors import describe_validation_errors, openai_error
+from sgl_kvc.server.errors import FIELDS_SCOPE_KEY, describe_validation_errors, openai_error
 from sgl_kvc.server.settings import apply_openai_settings, check_generate_body
 
 CHAT = "/v1/chat/completions"
@@ -223,8 +225,9 @@ def _validate_openai(route: str, data: dict, body: bytes) -> None:
     check_ranges(vars(parsed), ranges, route)
 
 
-def inspect_body(route: str, body: bytes, config: KvcConfig | None) -> bytes:
-    """The body to forward (possibly rewritten), or `BodyError` for the client."""
+def inspect_body(route: str, body: bytes, config: KvcConfig | None, fields: dict | None = None) -> bytes:
+    """The body to forward (possibly rewritten), or `BodyError` for the client. `fields`, when
+    given, gets the names the client gave the prompt and its output length (`client_fields`)."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as e:
@@ -240,10 +243,14 @@ def inspect_body(route: str, body: bytes, config: KvcConfig | None) -> bytes:
             400, f"The request body must be a JSON object, got {json_type_name(data)}."
         )
     _check_namespaces(data)
+    _check_lora(route, data)
+    if fields is not None:
+        fields.update(client_fields(route, data))
     try:
         if route == GENERATE:
             check_generate_body(data, config, multimodal=_multimodal())
             _check_generate_token_ids(data.get("input_ids"))
+            _check_logprob_start(data)
             return body
         _validate_openai(route, data, body)
         changed = apply_openai_settings(data, config, chat=route == CHAT, multimodal=_multimodal())
@@ -267,6 +274,72 @@ def _check_namespaces(data: dict) -> None:
             message = reserved_namespace(param, one)
             if message is not None:
                 raise BodyError(400, message, param)
+
+
+def client_fields(route: str, data: dict) -> dict[str, str]:
+    """What the client named its prompt and its output length in this body: SGLang's own refusals
+    of them name no field, `sgl_kvc.server.errors` names it from these (`FIELDS_SCOPE_KEY`)."""
+    if route == CHAT:
+        return {"prompt": "messages",
+                "max_tokens": "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"}
+    if route == COMPLETIONS:
+        return {"prompt": "prompt", "max_tokens": "max_tokens"}
+    return {"prompt": "input_ids" if data.get("input_ids") is not None else "text",
+            "max_tokens": "sampling_params.max_new_tokens"}
+
+
+def _check_logprob_start(data: dict) -> None:
+    """`/generate`: a `logprob_start_len` below -1 with `return_logprob` (one value, or one per
+    prompt of a batch) is a 400 naming it. SGLang took it, and its scheduler loop asserted when it
+    processed the prefill's log-probabilities: the server exited, plain SGLang's too (found by
+    `tests/hostile_documents.py`). `adapter/request_guard.py` refuses it on every other entry point."""
+    from sgl_kvc.adapter.request_guard import logprob_start_message
+
+    starts, asks = data.get("logprob_start_len"), data.get("return_logprob")
+    values = starts if isinstance(starts, list) else [starts]
+    for i, start in enumerate(values):
+        if isinstance(asks, list):
+            ask = (asks[i] if i < len(asks) else None) if values is starts else any(a is True for a in asks)
+        else:
+            ask = asks
+        param = f"logprob_start_len[{i}]" if values is starts else "logprob_start_len"
+        message = logprob_start_message(ask, start, param)
+        if message is not None:
+            raise BodyError(400, message, param)
+
+
+def _check_lora(route: str, data: dict) -> None:
+    """A LoRA adapter (`lora_path`, one or one per prompt of a batch; on the OpenAI routes also
+    `model` as `base:adapter`) asked of a server started without `--enable-lora`: a 400 naming the
+    field. SGLang refuses it too, without naming one (and on a streamed `/generate`, as an error
+    event inside a 200 stream) (found by `tests/hostile_documents.py`)."""
+    manager = _tokenizer_manager()
+    if manager is None or getattr(manager, "enable_lora", True):
+        return
+    model = data.get("model") if route != GENERATE else None
+    if isinstance(model, str) and ":" in model:
+        served = str(getattr(manager, "served_model_name", ""))
+        adapter = None if model == served else (model[len(served) + 1:] if model.startswith(served + ":")
+                                                else model.split(":", 1)[1]).strip() or None
+        if adapter is not None:
+            raise BodyError(400, f"Invalid 'model': it names the LoRA adapter {_shown(adapter)}, but this "
+                                 "server serves no LoRA adapters (it was started without --enable-lora).", "model")
+    paths = data.get("lora_path")
+    values = paths if isinstance(paths, list) else [paths]
+    for i, path in enumerate(values):
+        if isinstance(path, str) and path:
+            param = f"lora_path[{i}]" if values is paths else "lora_path"
+            raise BodyError(400, f"Invalid '{param}': this server serves no LoRA adapters (it was started "
+                                 f"without --enable-lora), got {_shown(path)}.", param)
+
+
+def _tokenizer_manager() -> Any:
+    """SGLang's tokenizer manager, once it is up (None before, or outside a server)."""
+    http_server = sys.modules.get("sglang.srt.entrypoints.http_server")
+    try:
+        return http_server.get_global_state().tokenizer_manager
+    except Exception:  # noqa: BLE001 - not started yet, or another layout: SGLang still checks
+        return None
 
 
 def _vocab_size() -> int | None:
@@ -353,11 +426,13 @@ class RequestBodyGuard:
                 break
         body = b"".join(chunks)
         del chunks
+        fields: dict[str, str] = {}
         try:
-            new_body = inspect_body(route, body, self.config)
+            new_body = inspect_body(route, body, self.config, fields)
         except BodyError as e:
             await _reject(scope, receive, send, e)
             return
+        scope = {**scope, FIELDS_SCOPE_KEY: fields}
         if new_body is not body:
             headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(new_body)).encode()))

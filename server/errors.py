@@ -10,8 +10,9 @@ module:
   OpenAI routes and on SGLang's native `/generate`;
 - answers 404/405 with the envelope on every path, and any uncaught exception with a JSON 500
   that carries no Python text (the traceback still goes to the server log);
-- wraps SGLang's flat error bodies on the OpenAI routes into the envelope (an ASGI middleware,
-  so streamed responses pass through untouched).
+- wraps SGLang's flat error bodies on the OpenAI routes and `/generate` into the envelope (an ASGI
+  middleware, so streamed responses pass through untouched), naming the field of a refusal where
+  its message says which (`refusal_param`).
 SGLang's other native routes, `/v1/messages` (Anthropic format) and `/v1/responses` keep their
 formats for validation errors.
 """
@@ -41,7 +42,34 @@ INTERNAL_ERROR_MESSAGE = (
 # The prefix of SGLang's OpenAI handlers' catch-all message (`serving_base.handle_request`).
 SGLANG_CATCH_ALL = "Internal server error:"
 _MAX_MESSAGE = 500
-_SGL_KVC_PARAM = re.compile(r"Invalid '(kv_compression(?:\.[A-Za-z_]+)+)': ")
+# A refusal of sgl-kvc's raised inside SGLang's handlers (which pass on a ValueError's message only:
+# `adapter/request_guard.py`, `adapter/chat_documents.py`) or in its scheduler (unquoted there)
+# names its field as the message's start.
+_NAMED_PARAM = re.compile(r"Invalid '([A-Za-z_][\w.\[\]]*)': |Invalid ((?:kv_compression|custom_params\.sgl_kvc)[\w.]*): ")
+# SGLang's own refusals that name no field (OpenAI's clients read `param`), and the field each is
+# about: `prompt` and `max_tokens` as the request's client named them (`body_guard.client_fields`).
+_SGLANG_REFUSALS = (
+    (re.compile(r"The input \(\d+ tokens\) is longer than the model's context length"), "prompt"),
+    (re.compile(r"Input length \(\d+ tokens\) exceeds the maximum allowed length"), "prompt"),
+    (re.compile(r"Requested token count exceeds the model's maximum context length"), "max_tokens"),
+    (re.compile(r"logprob_start_len=-?\d+ is higher than the number of input tokens"), "logprob_start_len"),
+    (re.compile(r"LoRA adapter .* was requested, but LoRA is not enabled"), "lora_path"),
+    (re.compile(r"^The system message should be a single text"), "prompt"),  # a conversation template's
+    # `/generate`'s shapes (`GenerateReqInput.normalize_batch_and_arguments`): the field is named
+    (re.compile(r"^(?:Every |The )?(text|input_ids|input_embeds|lora_path|rid|extra_key|cache_salt) should be",
+                re.IGNORECASE), None),
+    (re.compile(r"^Cannot use list (\w+) with parallel_sample_num"), None),
+)
+# The scope key under which `body_guard` leaves the names the client gave its prompt and output
+# length (`client_fields`).
+FIELDS_SCOPE_KEY = "sgl_kvc.fields"
+_DEFAULT_FIELDS = {
+    "/v1/chat/completions": {"prompt": "messages", "max_tokens": "max_tokens"},
+    "/v1/completions": {"prompt": "prompt", "max_tokens": "max_tokens"},
+    "/generate": {"prompt": "text", "max_tokens": "sampling_params.max_new_tokens"},
+}
+# On SGLang's native `/generate` a client sends sgl-kvc's settings in its sampling parameters.
+_GENERATE_SETTINGS = "sampling_params.custom_params.sgl_kvc"
 _NO_BODY = object()
 
 
@@ -237,16 +265,40 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
 # ------------------------------------------------------------------- envelope for flat errors
 
 
+def refusal_param(message: str, path: str, fields: Mapping[str, str] | None = None) -> str | None:
+    """The field a 400's `message` is about, as the client of `path` named it, or None: sgl-kvc's
+    refusals name it at their start; SGLang's own, found by `tests/hostile_documents.py` without
+    one (a prompt past the context or the longest input, an output past the context, a
+    `logprob_start_len` past the prompt, a LoRA adapter on a server without LoRA), by the table."""
+    named = _NAMED_PARAM.match(message)
+    if named:
+        param = named.group(1) or named.group(2)
+        if path in NATIVE_ROUTES:  # sgl-kvc's settings as a `/generate` client sends them
+            for prefix in ("kv_compression", "custom_params.sgl_kvc"):
+                if param == prefix or param.startswith(prefix + "."):
+                    return _GENERATE_SETTINGS + param[len(prefix):]
+        return param
+    names = {**_DEFAULT_FIELDS.get(path, {}), **(fields or {})}
+    for pattern, what in _SGLANG_REFUSALS:
+        found = pattern.search(message)
+        if found:
+            return found.group(1).lower() if what is None else names.get(what, what)
+    return None
+
+
 class OpenAIErrorEnvelope:
-    """Rewrite flat SGLang JSON error bodies on OpenAI routes into `{"error": {...}}`."""
+    """Rewrite flat SGLang JSON error bodies on OpenAI routes and `/generate` into
+    `{"error": {...}}`, naming the field of a refusal where the message says it."""
 
     def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
         self.app = app
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or not is_openai_path(scope["path"]):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (is_openai_path(path) or path in NATIVE_ROUTES):
             await self.app(scope, receive, send)
             return
+        fields = scope.get(FIELDS_SCOPE_KEY)
         held: dict[str, Any] = {}
         body = bytearray()
 
@@ -263,14 +315,14 @@ class OpenAIErrorEnvelope:
                 body.extend(message.get("body", b""))
                 if message.get("more_body"):
                     return
-                await _send_rewritten(send, held["start"], bytes(body))
+                await _send_rewritten(send, held["start"], bytes(body), path, fields)
                 return
             await send(message)
 
         await self.app(scope, receive, send_wrapper)
 
 
-def _envelope(data: Any, status: int) -> Any:
+def _envelope(data: Any, status: int, path: str = "", fields: Mapping[str, str] | None = None) -> Any:
     if not isinstance(data, dict):
         return data
     if isinstance(data.get("error"), dict):
@@ -290,19 +342,17 @@ def _envelope(data: Any, status: int) -> Any:
     # SGLang's types are free-form ("BadRequest", "400", "Bad Request"): OpenAI's set instead.
     param = err.get("param")
     if not isinstance(param, str):
-        # A refusal of sgl-kvc's raised inside SGLang's handler (which passes on the message of a
-        # ValueError only, `adapter/chat_documents.py`) names its field as the message's start.
-        named = _SGL_KVC_PARAM.match(message) if status == 400 else None
-        param = named.group(1) if named else None
+        param = refusal_param(message, path, fields) if status == 400 else None
     return error_body(status, message, param=param)
 
 
-async def _send_rewritten(send: Callable, start: dict, body: bytes) -> None:
+async def _send_rewritten(send: Callable, start: dict, body: bytes, path: str = "",
+                          fields: Mapping[str, str] | None = None) -> None:
     try:
         data = json.loads(body)
     except ValueError:
         data = None
-    new = _envelope(data, start["status"])
+    new = _envelope(data, start["status"], path, fields)
     if new is not data:
         body = json.dumps(new).encode()
     headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]

@@ -233,6 +233,40 @@ def document_conflict(settings: "ResolvedCompression", config: "KvcConfig", fiel
     return None
 
 
+def document_floor(config: "KvcConfig") -> int:
+    """Entries a compressed document always keeps: what its prompt policy always keeps (its sinks
+    and window), + 1."""
+    params = config.policy_params()
+    return params.recent_kept + params.sink_tokens + 1
+
+
+def document_prompt_conflict(spec: DocumentSpec, prompt_len: int, config: "KvcConfig",
+                             field: str = f"{FIELD}.document", tokens_field: str | None = None
+                             ) -> RequestSettingError | None:
+    """Why the document `spec` (its `tokens` counted) cannot be compressed at the start of a
+    prompt of `prompt_len` tokens, naming the field that decides it (`tokens_field`: the one that
+    gives its tokens, `.messages` on the chat route), or None. Checked where the prompt is first
+    tokenized, in the HTTP process (`adapter/request_guard.py`, `adapter/chat_documents.py`: a
+    streamed request's refusal is a 4xx before its stream starts), and again when the request
+    enters the scheduler's queue (`adapter/documents.request_key`)."""
+    tokens_field = tokens_field or f"{field}.tokens"
+    if spec.tokens >= prompt_len:
+        return RequestSettingError(tokens_field, f"the document ({spec.tokens} tokens) must end before the "
+                                                 f"prompt does ({prompt_len} tokens)")
+    floor = document_floor(config)
+    entries = spec.entries(floor)
+    if entries < spec.tokens:
+        return None
+    # Name what would have to change: a document at most the floor long is too short whatever its
+    # budget (before, every such refusal named `ratio`, which the client may not have sent).
+    if floor >= spec.tokens:
+        return RequestSettingError(tokens_field, f"the document ({spec.tokens} tokens) is too short to compress: "
+                                                 f"a document keeps at least {floor} entries per head")
+    name = "budget" if spec.budget is not None else "ratio"
+    return RequestSettingError(f"{field}.{name}", f"the document ({spec.tokens} tokens) would keep {entries} "
+                                                  "entries per head: nothing to compress")
+
+
 def multimodal_conflict(settings: RequestCompression, config: "KvcConfig | None",
                         field: str = FIELD) -> RequestSettingError | None:
     """Why a request with these settings and images, video or audio in its prompt cannot be
@@ -337,6 +371,15 @@ def resolved(req: Any, config: "KvcConfig") -> ResolvedCompression:
     return settings
 
 
+def refused_by_sglang(req: Any) -> bool:
+    """`req` (SGLang's `Req`) is finished, or SGLang refused it already as it entered the queue
+    (its `to_finish`: a prompt past the longest input, a `logprob_start_len` past the prompt).
+    SGLang's abort also cuts its prompt to one token: checked again, it drew a wrong refusal of
+    sgl-kvc's ("the document (120 tokens) must end before the prompt does (1 tokens)") in place of
+    SGLang's own, naming the wrong field (found by `tests/hostile_documents.py`)."""
+    return req.finished() or getattr(req, "to_finish", None) is not None
+
+
 def admit(req: Any, config: "KvcConfig") -> bool:
     """When a request enters the scheduler's queue: parse its settings and check them against the
     server's `config` once; a bad or unservable one aborts it with a 400 (SGLang's
@@ -345,7 +388,7 @@ def admit(req: Any, config: "KvcConfig") -> bool:
     settings, error = _parse_request(req, config)
     setattr(req, _SETTINGS_ATTR, settings)
     setattr(req, _RESOLVED_ATTR, None)
-    if error is None or req.finished():
+    if error is None or refused_by_sglang(req):
         return False
     req.set_finish_with_abort(error, status_code=HTTPStatus.BAD_REQUEST)
     return True

@@ -101,11 +101,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     parser.addoption(
         "--fuzz-seed", type=int, default=None,
-        help="the request-mix fuzz test's first seed (default: each server's own CI seed)",
+        help="the first seed of the request-mix fuzz test and of the hostile-client suite (default: each "
+             "server's own CI seed)",
     )
     parser.addoption(
-        "--fuzz-bursts", type=int, default=3,
-        help="bursts of concurrent requests the request-mix fuzz test sends to each server (a longer run: more)",
+        "--fuzz-bursts", type=int, default=None,
+        help="bursts of concurrent requests the request-mix fuzz test (default 3) and the hostile-client "
+             "suite (default 1) send to each server (a longer run: more)",
     )
 
 
@@ -168,8 +170,33 @@ def request_mix(request: pytest.FixtureRequest):
     seed, bursts = request.config.getoption("--fuzz-seed"), request.config.getoption("--fuzz-bursts")
 
     def run(server: ServerProcess, ci_seed: int, **kw) -> dict[str, int]:
-        counts = run_bursts(server, ci_seed if seed is None else seed, bursts, per_burst=12, **kw)
+        counts = run_bursts(server, ci_seed if seed is None else seed, 3 if bursts is None else bursts,
+                            per_burst=12, **kw)
         print(f"request mix: {counts}")
+        return counts
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def hostile_documents(request: pytest.FixtureRequest):
+    """`run(server, ci_seed, flags, long)`: the hostile-client suite for shared documents and KVzip
+    (`tests/hostile_documents.py`) against a live server: bursts of about 16 hostile requests and 6
+    of the request mix at once, `--fuzz-bursts` of them (default 1) from seed `--fuzz-seed` (else
+    `ci_seed`). `flags`: the server's command line (what a document always keeps on it follows);
+    `long`: the tokens of a document its clients hang up on while it is compressed. Returns what
+    it sent."""
+    from hostile_documents import Target, document_floor_of, run_bursts
+
+    seed, bursts = request.config.getoption("--fuzz-seed"), request.config.getoption("--fuzz-bursts")
+
+    def run(server: ServerProcess, ci_seed: int, flags: list[str], long: int) -> dict[str, int]:
+        info = server.get("/server_info").json()
+        target = Target(model=server.get("/v1/models").json()["data"][0]["id"], floor=document_floor_of(flags),
+                        max_prompt=int(info["max_req_input_len"]) - 1, long=long)
+        counts = run_bursts(server, target, ci_seed if seed is None else seed, 1 if bursts is None else bursts,
+                            hostile=16, ordinary=6)
+        print(f"hostile clients: {counts}")
         return counts
 
     return run

@@ -65,7 +65,24 @@ def _around_convert(original: Any, serving: Any, request: Any, *args: Any, **kwa
         raise RequestSettingError(PARAM, _refusal(f"this server's chat template does not render the first {m} "
                                                   f"message(s) as the start of the prompt"))
     _set_tokens(adapted, len(document))
+    _check_prompt(adapted, len(whole))
     return adapted, processed
+
+
+def _check_prompt(adapted: Any, prompt_len: int) -> None:
+    """A document its prompt cannot compress (it keeps every token, or the prompt ends with it) is
+    a 400 naming its messages, here, before a streamed request's stream starts. Found only in the
+    scheduler, it was an error event inside a 200 stream, its field unnamed (`tests/hostile_documents.py`)."""
+    from sgl_kvc.config import KvcConfig
+    from sgl_kvc.request_settings import document_prompt_conflict, from_custom_params
+
+    config = KvcConfig.from_env()
+    spec = from_custom_params(adapted.sampling_params.get("custom_params")).document
+    if config is None or spec is None:
+        return
+    conflict = document_prompt_conflict(spec, prompt_len, config, f"{FIELD}.document", tokens_field=PARAM)
+    if conflict is not None:
+        raise RequestSettingError(conflict.param, f"Invalid '{conflict.param}': {conflict}.")
 
 
 def _render_prefix(serving: Any, prefix: Any, m: int, original: Any, *args: Any, **kwargs: Any) -> list[int]:

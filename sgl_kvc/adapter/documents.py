@@ -50,7 +50,10 @@ import torch
 from torch import Tensor
 
 from sgl_kvc.config import KvcConfig
-from sgl_kvc.request_settings import DocumentSpec, RequestSettingError, document_conflict, of_request, resolved
+from sgl_kvc.request_settings import (
+    DocumentSpec, RequestSettingError, document_conflict, document_floor, document_prompt_conflict, of_request,
+    refused_by_sglang, resolved,
+)
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -311,13 +314,10 @@ def request_key(req: Req, config: KvcConfig, chunk: int | None = None) -> Docume
     if conflict is not None:
         raise conflict
     prompt = req.origin_input_ids
-    if spec.tokens >= len(prompt):
-        raise RequestSettingError(f"{field_name}.tokens", f"the document ({spec.tokens} tokens) must end before the "
-                                                          f"prompt does ({len(prompt)} tokens)")
+    conflict = document_prompt_conflict(spec, len(prompt), config, field_name)
+    if conflict is not None:
+        raise conflict
     entries = _entries(spec, config)
-    if entries >= spec.tokens:
-        raise RequestSettingError(f"{field_name}.ratio", f"the document ({spec.tokens} tokens) would keep "
-                                                         f"{entries} entries per head: nothing to compress")
     policy = settings.prompt_policy_name
     # Everything that decides what the document keeps is in its key; the publisher's own budget,
     # the pool's pressure and the chunks SGLang's rounds give it are not, so they decide nothing.
@@ -462,8 +462,7 @@ def declared_part(req: Any, config: KvcConfig, split: bool) -> int:
 
 def _entries(spec: DocumentSpec, config: KvcConfig) -> int:
     """k: never fewer than what the prompt policy always keeps (its sinks and window), + 1."""
-    params = config.policy_params()
-    return spec.entries(params.recent_kept + params.sink_tokens + 1)
+    return spec.entries(document_floor(config))
 
 
 def prompt_read(req: Any) -> int:
@@ -588,7 +587,7 @@ def admit(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False, chu
     setattr(req, SPLIT_ATTR, split)
     setattr(req, ABSTAINS_ATTR, not split and chunk is not None)
     setattr(req, CUTS_ATTR, 0)
-    if req.finished():
+    if refused_by_sglang(req):  # SGLang's own refusal stands (its prompt is cut to one token)
         setattr(req, KEY_ATTR, None)
         return
     try:

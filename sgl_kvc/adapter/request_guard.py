@@ -1,5 +1,6 @@
 """Refuse prompts with out-of-vocabulary token ids (and `extra_key` / `cache_salt` values in the
-namespace of sgl-kvc's shared documents) before they reach the scheduler.
+namespace of sgl-kvc's shared documents, a `logprob_start_len` below -1, a shared document its
+prompt cannot compress) before they reach the scheduler.
 
 SGLang 0.5.23 does not range-check prompt token ids: `"prompt": [999999]` (or `[-1]`) on
 `/v1/completions`, `input_ids` on `/v1/chat/completions` or the native `/generate`, reaches the
@@ -25,7 +26,8 @@ def hook_table() -> list[Hook]:
     """Installed in every SGLang process; the hook only ever runs in the process that owns the
     TokenizerManager (the HTTP server)."""
     return [Hook(TARGET, _before_validate_one_request, "BEFORE", ("obj", "input_ids"),
-                 "out-of-vocabulary prompt token ids, a reserved extra_key or cache_salt are a 400")]
+                 "out-of-vocabulary prompt token ids, a reserved extra_key or cache_salt, a logprob_start_len "
+                 "below -1, a document its prompt cannot compress are a 400")]
 
 
 def out_of_vocab_message(input_ids: Sequence[Any] | None, vocab_size: int) -> str | None:
@@ -71,9 +73,48 @@ def _before_validate_one_request(
         message = reserved_namespace(name, getattr(obj, name, None))
         if message is not None:
             raise ValueError(message)
+    message = logprob_start_message(getattr(obj, "return_logprob", None), getattr(obj, "logprob_start_len", None))
+    if message is not None:
+        raise ValueError(message)
     if input_ids is None or _has_multimodal_input(manager, obj):
         return None
     message = out_of_vocab_message(input_ids, manager.model_config.vocab_size)
     if message is not None:
         raise ValueError(message)
+    _check_document(obj, len(input_ids))
     return None
+
+
+def logprob_start_message(return_logprob: Any, start: Any, param: str = "logprob_start_len") -> str | None:
+    """Why a `logprob_start_len` cannot be served, or None. -1 means the output's log-probabilities
+    only; below it, SGLang (plain SGLang too) asserts in its scheduler loop when it processes the
+    prefill's log-probabilities, and the server exits (found by `tests/hostile_documents.py`). Without
+    `return_logprob` SGLang ignores the field."""
+    if return_logprob is not True or not isinstance(start, int) or isinstance(start, bool) or start >= -1:
+        return None
+    return (f"Invalid '{param}': expected -1 (the output's log-probabilities only) or the prompt position "
+            f"of the first log-probability to return (0 or more), but got {start} instead.")
+
+
+def _check_document(obj: Any, prompt_len: int) -> None:
+    """A document its prompt cannot compress is a 400 here, where the prompt is first tokenized,
+    before a streamed request's stream starts (`request_settings.document_prompt_conflict`); the
+    scheduler checks it again. Found there only, it was an error event inside a 200 stream, and a
+    400 whose field was not named."""
+    from sgl_kvc.config import KvcConfig
+    from sgl_kvc.request_settings import RequestSettingError, document_prompt_conflict, from_custom_params
+
+    sampling = getattr(obj, "sampling_params", None)
+    custom = sampling.get("custom_params") if isinstance(sampling, dict) else None
+    config = KvcConfig.from_env()
+    if custom is None or config is None or not config.compressing:
+        return
+    try:
+        spec = from_custom_params(custom).document
+    except RequestSettingError:
+        return  # the HTTP layer names it; the scheduler refuses it on every other entry point
+    if spec is None or spec.tokens is None:
+        return
+    conflict = document_prompt_conflict(spec, prompt_len, config)
+    if conflict is not None:
+        raise ValueError(f"Invalid '{conflict.param}': {conflict}.")

@@ -640,3 +640,26 @@ def test_a_documents_metadata_is_int32_and_within_its_reservation(servers, name:
             assert docs["metadata_bytes"] % 16 == 0, docs
         assert docs["metadata_bytes"] <= docs["metadata_budget"], docs
     assert_pool_whole(server.wait_idle())
+
+
+# The hostile-client suite's CI seed on each server (`--fuzz-seed S` runs another, `--fuzz-bursts N`
+# more bursts); a document of 1000 tokens (four chunks) is compressed while its clients hang up,
+# of 160 on the server whose context is 192.
+HOSTILE = {"uniform": (6000, 1000), "variable": (6100, 1000), "whole": (6200, 160)}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_clients(servers, name: str, hostile_documents) -> None:
+    """The hostile-client suite for shared documents and KVzip (`tests/hostile_documents.py`), on
+    each server: a burst of everything a client controls about them (reserved and near `extra_key`
+    and `cache_salt` values, LoRA adapters on a server without LoRA, prompt log-probabilities and
+    `echo` on documents, `n`, `max_tokens` 0 and 1, stop strings, clients hanging up while a
+    document is compressed or waited for, budgets of 1, ratios near 0 and 1, documents of one
+    token and at the context length, chat documents of content parts, `messages` at its edges),
+    mixed with the request mix's ordinary tenants. After it the server serves, its pool is whole
+    (SGLKVC_CHECK), another tenant's greedy answers are those of the quiet server, every served
+    request got what it asked for and every refusal is an OpenAI-style 4xx naming its field."""
+    flags = {"uniform": CMD, "variable": [*CMD, "--kv-head-budget", "variable"], "whole": [*CMD, *READ_WHOLE]}
+    seed, long = HOSTILE[name]
+    counts = hostile_documents(servers[name], ci_seed=seed, flags=flags[name], long=long)
+    assert counts["refused"] and counts["served"], counts

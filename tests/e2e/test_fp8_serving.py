@@ -255,3 +255,10 @@ def test_a_shared_document_matches_a_dense_fp8_reference(servers, trace, tokeniz
 def test_request_mix(servers, request_mix) -> None:
     """The request-mix fuzz test (tests/request_mix.py) on the FP8 pool (e4m3, uniform per-head budgets)."""
     request_mix(servers["e4m3_rkv"], ci_seed=4000)
+
+
+def test_hostile_clients(servers, hostile_documents) -> None:
+    """The hostile-client suite for shared documents and KVzip (`tests/hostile_documents.py`) on the
+    FP8 (e4m3) pool: documents and their hits stored as FP8 codes and scales, the pool whole after."""
+    counts = hostile_documents(servers["e4m3_rkv"], ci_seed=6400, flags=list(servers["e4m3_rkv"].cmd), long=600)
+    assert counts["refused"] and counts["served"], counts

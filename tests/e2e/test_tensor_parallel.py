@@ -265,3 +265,11 @@ def test_requests_wait_for_a_document_alike_on_both_ranks(tp_server) -> None:
 def test_request_mix(tp_server, request_mix) -> None:
     """The request-mix fuzz test (tests/request_mix.py) on two ranks, the chunk moment on."""
     request_mix(tp_server, ci_seed=3000)
+
+
+def test_hostile_clients(tp_server: ServerProcess, hostile_documents) -> None:
+    """The hostile-client suite for shared documents and KVzip (`tests/hostile_documents.py`) with
+    two tensor-parallel ranks: every rank serves, refuses and hangs up the same requests, the pool
+    is whole on each, another tenant's answers are unchanged."""
+    counts = hostile_documents(tp_server, ci_seed=6300, flags=CMD, long=300)
+    assert counts["refused"] and counts["served"], counts
