@@ -197,6 +197,10 @@ class Compressor:
                 state.units, state.unit_lens, state.packed = units, lens, doc.slots
             state.offset = doc.shift
             state.fill_shift = True
+            # KVzip: its next pass repeats only its context after the document, whose entries
+            # carry the scores the document's pass gave them (as its publisher's do after its
+            # cut). Before, every hit repeated the whole document in its own pass.
+            state.reconstructed = doc.carried(self.store.device)
             # A decode policy that keeps attention statistics (H2O, Batch-Max) has none for the
             # document's entries: their queries were read once, by the request that compressed
             # it. They start at 0 here, at the document's end, as each later entry does at its

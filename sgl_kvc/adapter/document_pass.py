@@ -39,6 +39,7 @@ from sgl_kvc.adapter.documents import compact_bytes
 from sgl_kvc.adapter.failures import failure
 from sgl_kvc.core.moves import move_unit_entries, move_units_many, packed_slots, unit_moves
 from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
+from sgl_kvc.core.reconstruction import CarriedScores, carry_scores
 from sgl_kvc.core.request_state import Budget, ReqKvState
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ class _Ready:
     kept_positions: Tensor
     units: Tensor | None = None  # packed: the document's tables and each head's entries
     unit_lens: Tensor | None = None
+    carried: CarriedScores | None = None  # KVzip: the kept entries' reconstruction scores
 
 
 def publish(compressor: Compressor, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]]) -> None:
@@ -170,6 +172,7 @@ def _prepare(compressor: Compressor, batch: ScheduleBatch, i: int, key: Document
     packed = store.unit_layout is not None  # variable / layer budgets: one sort over every head
     tables = state.tables(slots, *store.unit_layout) if packed else None
     state.pending = start_pass(store, row, state, state.policy, d, k, "prefill", tables)
+    scores = state.pending.reconstruction  # KVzip's, kept with the document (`Document.carried`)
     if packed:
         due = advance_variable(store, row, state, d, StepWork.unlimited(), compressor.config.kv_head_budget, i)
     else:
@@ -179,7 +182,8 @@ def _prepare(compressor: Compressor, batch: ScheduleBatch, i: int, key: Document
     g = packed_slots(due.selection) if packed else k
     tree, allocator = batch.tree_cache, batch.token_to_kv_pool_allocator
     entries = due.selection.total if packed else int(due.kept_positions.numel())
-    if not tree.make_document_room(compact_bytes(entries, due.selection.lengths.numel(), packed)):
+    carried = None if scores is None else carry_scores(scores, due.selection, per_head_lengths=packed)
+    if not tree.make_document_room(compact_bytes(entries, due.selection.lengths.numel(), packed, carried is not None)):
         return None  # its metadata would not fit its reservation: not published
     _make_room_in_tree(tree, g)  # the request's own path is locked: never evicted here
     if allocator.available_size() < g:
@@ -189,12 +193,12 @@ def _prepare(compressor: Compressor, batch: ScheduleBatch, i: int, key: Document
         if packed:
             moves = unit_moves(due.selection, due.units, dest)
             move_unit_entries(store.unit_pools, [moves])
-            return _Ready(i, key, dest, due.kept_positions, moves.table, due.selection.lengths)
+            return _Ready(i, key, dest, due.kept_positions, moves.table, due.selection.lengths, carried)
         move_units_many(allocator.get_kvcache(), [(slots, due.selection.indices.to(slots.device), dest)])
     except BaseException:
         allocator.free(dest)
         raise
-    return _Ready(i, key, dest, due.kept_positions)
+    return _Ready(i, key, dest, due.kept_positions, carried=carried)
 
 
 def _insert(compressor: Compressor, batch: ScheduleBatch, r: _Ready, registry: Any) -> None:
@@ -205,7 +209,7 @@ def _insert(compressor: Compressor, batch: ScheduleBatch, r: _Ready, registry: A
     result = batch.tree_cache.insert(InsertParams(key=node_key(r.key, slots), value=r.dest))
     if result.prefix_len:  # cannot happen: a node under this key is registered, hence never re-published
         raise RuntimeError(f"a document node under key {r.key.digest[:12]} exists unregistered")
-    doc = Document.compact(r.key, result.last_device_node, r.kept_positions, slots, r.unit_lens)
+    doc = Document.compact(r.key, result.last_device_node, r.kept_positions, slots, r.unit_lens, r.carried)
     registry.add(doc)
     _trace(compressor, batch.reqs[r.i], doc)
 
@@ -266,7 +270,8 @@ def _row_ready(compressor: Compressor, batch: ScheduleBatch, i: int, key: Docume
     packed = state.units is not None
     entries = int(state.unit_lens.sum()) if packed else int(state.kept_positions.numel())
     heads = int(state.unit_lens.numel()) if packed else 0
-    if not batch.tree_cache.make_document_room(compact_bytes(entries, heads, packed)):
+    scored = state.reconstructed is not None  # KVzip: the scores its cut carried
+    if not batch.tree_cache.make_document_room(compact_bytes(entries, heads, packed, scored)):
         return None  # its metadata would not fit its reservation: it goes on with its own row
     return compressor.store.req_to_token[req.kv.req_pool_idx, :kept].to(torch.int64, copy=True)
 
@@ -287,14 +292,15 @@ def _adopt(compressor: Compressor, batch: ScheduleBatch, i: int, key: DocumentKe
     tree.unlock(req.lock)  # the root's, or nothing: the cut already dropped a matched prefix's
     req.lock, req.last_node = tree.lock(node), node
     req.kv.cache_protected_len = n
-    doc = Document.compact(key, node, state.kept_positions, n, state.unit_lens)
+    doc = Document.compact(key, node, state.kept_positions, n, state.unit_lens, state.reconstructed)
     registry.add(doc)
     started_from(req, doc)
-    # As a request that started from it: its next pass scores the document's entries afresh (no
-    # reconstruction scores carried) and counts as its first; its decode policy's statistics of
-    # them (H2O, Batch-Max: its own reading of the document; KV-Compress: seeded by the cut) are
-    # dropped, since no hit has them (`Compressor._begin`): they start at the document's end.
-    state.reconstructed = None
+    # As a request that started from it: its next pass counts as its first, and KVzip's repeats
+    # only what it read after the document, the document's entries scored as its cut scored them
+    # (the scores it carries, kept with the document for every hit: `Document.carried`); its
+    # decode policy's statistics of them (H2O, Batch-Max: its own reading of the document;
+    # KV-Compress: seeded by the cut) are dropped, since no hit has them (`Compressor._begin`):
+    # they start at the document's end.
     state.passes = 0
     state.stats = [None] * compressor.store.num_layers
     state.stats_since = key.tokens

@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from sgl_kvc.config import KvcConfig
+from sgl_kvc.core.reconstruction import CarriedScores
 from sgl_kvc.request_settings import (
     DocumentSpec, RequestSettingError, document_conflict, document_floor, document_prompt_conflict, of_request,
     refused_by_sglang, resolved,
@@ -129,8 +130,9 @@ class Document:
     starting from it is packed so, `tables`, `core/request_state.py`).
 
     Its metadata (`compact`) stays resident beside its KV as long as the document: an int32 per
-    kept entry, each head's length, nothing padded: at most 4 bytes per (slot, layer, KV head),
-    what the KV memory reserves per pool token for documents (`adapter/kv_memory.py`)."""
+    kept entry, each head's length, nothing padded, and, compressed by a reconstruction (KVzip), a
+    float32 score per kept entry: at most 8 bytes per (slot, layer, KV head), what the KV memory
+    reserves per pool token for documents (`adapter/kv_memory.py`)."""
 
     key: DocumentKey
     node: Any  # the radix TreeNode (value: its slots)
@@ -138,21 +140,34 @@ class Document:
     slots: int  # k, or G when packed
     unit_lens: Tensor | None = None  # [L, H_kv] int32 when packed
     width: int = 0  # packed: K, the most entries a head keeps
+    # KVzip: each kept entry's reconstruction score (float32, laid out as `kept_positions`) and
+    # the end of the context they cover: a request that starts from the document repeats only
+    # its context after it (`carried`), as its publisher does after its cut
+    scores: Tensor | None = None
+    scored_to: int = 0
 
     @classmethod
     def compact(cls, key: DocumentKey, node: Any, kept_positions: Tensor, slots: int,
-                unit_lens: Tensor | None = None) -> "Document":
+                unit_lens: Tensor | None = None, carried: CarriedScores | None = None) -> "Document":
         """A document from the tables of the pass that chose it (int64 [L, H_kv, k or K], and a
         packed one's lengths), as int32 (a position is below the context length) and, packed,
         each head's entries only: padded to the widest head, a packed document's tables held 3x
         its slots' share on SmolLM2 (some heads keep far more than others). A packed document's
-        units are not kept: they follow from its slots and lengths (`tables`)."""
+        units are not kept: they follow from its slots and lengths (`tables`). `carried`: the
+        pass's reconstruction scores of the kept entries, in the same columns (KVzip)."""
+        scores = None
+        if carried is not None:
+            width = int(kept_positions.shape[-1])
+            scores = torch.stack([layer[:, :width] for layer in carried.layers]).to(torch.float32)
         if unit_lens is None:
-            return cls(key=key, node=node, kept_positions=kept_positions.to(torch.int32), slots=slots)
+            return cls(key=key, node=node, kept_positions=kept_positions.to(torch.int32), slots=slots,
+                       scores=scores, scored_to=carried.end if carried is not None else 0)
         width = int(kept_positions.shape[-1])
         valid = torch.arange(width, device=kept_positions.device) < unit_lens[..., None]
         return cls(key=key, node=node, kept_positions=kept_positions[valid].to(torch.int32), slots=slots,
-                   unit_lens=unit_lens.to(torch.int32), width=width)
+                   unit_lens=unit_lens.to(torch.int32), width=width,
+                   scores=None if scores is None else scores.to(valid.device)[valid],
+                   scored_to=carried.end if carried is not None else 0)
 
     def tables(self) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """What a request starting from it holds as its compacted state (`ReqKvState`): its kept
@@ -176,6 +191,21 @@ class Document:
         # FP8), on one device (variable budgets run without tensor parallelism)
         return self.kept_positions[rel] * valid, units.to(torch.int32), self.unit_lens
 
+    def carried(self, device: torch.device | str | None = None) -> CarriedScores | None:
+        """KVzip: the reconstruction scores of its entries as a request that starts from it
+        carries them (`ReqKvState.reconstructed`, in its tables' columns: each head's first
+        entries), or None (no reconstruction compressed it)."""
+        if self.scores is None:
+            return None
+        device = device if device is not None else self.scores.device
+        if self.unit_lens is None:
+            return CarriedScores(self.scored_to, list(self.scores.to(device).unbind(0)))
+        lens = self.unit_lens.long()
+        valid = torch.arange(self.width, device=lens.device) < lens[..., None]
+        wide = torch.zeros(valid.shape, dtype=torch.float32, device=lens.device)
+        wide[valid] = self.scores.to(lens.device)
+        return CarriedScores(self.scored_to, list(wide.to(device).unbind(0)), list(lens.to(device).unbind(0)))
+
     @property
     def shift(self) -> int:
         """Tokens a request starting from it has read beyond what its row holds: D - slots."""
@@ -183,14 +213,15 @@ class Document:
 
     @property
     def metadata_bytes(self) -> int:
-        tensors = (self.kept_positions, self.unit_lens)
+        tensors = (self.kept_positions, self.unit_lens, self.scores)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def compact_bytes(entries: int, heads: int, packed: bool) -> int:
+def compact_bytes(entries: int, heads: int, packed: bool, scored: bool = False) -> int:
     """What `Document.compact` keeps of a document of `entries` kept entries in all over its
-    `heads` (layer, KV head) pairs: an int32 each, and packed, each head's int32 length."""
-    return 4 * entries + (4 * heads if packed else 0)
+    `heads` (layer, KV head) pairs: an int32 each (and its float32 score, `scored`: KVzip), and
+    packed, each head's int32 length."""
+    return (8 if scored else 4) * entries + (4 * heads if packed else 0)
 
 
 @dataclass

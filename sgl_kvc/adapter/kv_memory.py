@@ -30,8 +30,9 @@ A compressing server keeps, besides SGLang's KV pool:
   widest row: the context and a forward's room; `adapter/reconstruction.forward_groups` cuts a
   round's requests to fit), whose keys are reserved once (`FORWARD_ENTRIES_ATTR`);
 * the metadata of the shared documents resident in the prefix cache (`adapter/documents.py`,
-  `Document.compact`: which token each kept entry holds, an int32 per entry, at most one per
-  (slot, layer, KV head) of the document; packed, each head's int32 length too), charged per pool
+  `Document.compact`: which token each kept entry holds, an int32 per entry, and compressed by
+  KVzip its reconstruction score, a float32, at most one entry per (slot, layer, KV head) of the
+  document; packed, each head's int32 length too), charged per pool
   token: a document's slots are pool tokens, so documents that fill the pool fit their
   reservation (`per_document_token`, `DOCUMENT_BYTES_ATTR`). Any tenant can declare a document
   on a server with sgl-kvc's prefix cache. The registry keeps the documents' metadata within it
@@ -75,7 +76,7 @@ MOMENT_SLOTS_ATTR = "kvc_moment_slots"  # on SGLang's MemoryPoolConfig: read by 
 DECODE_BYTES_ATTR = "kvc_decode_block_bytes"  # the same: the fused plan's block bound
 FORWARD_ENTRIES_ATTR = "kvc_forward_entries"  # the same: entries a reconstruction forward attends to
 ROW_ENTRY_BYTES = 4  # an int32 slot index of SGLang's req_to_token
-DOCUMENT_ENTRY_BYTES = 4  # a shared document's int32 position per (slot, layer, KV head)
+DOCUMENT_ENTRY_BYTES = 8  # a shared document's int32 position and float32 KVzip score per (slot, layer, KV head)
 DOCUMENT_BYTES_ATTR = "kvc_document_bytes"  # on SGLang's MemoryPoolConfig: the documents' metadata budget
 
 
@@ -98,7 +99,7 @@ class Reservation:
     ) -> "Reservation":
         # a statistic twice (two steps' slabs); on the unit pool a step's tables, twice
         per_token = num_layers * kv_heads * (2 * STATS_BYTES + (2 * 8 if unit_tables else 0))
-        # a document's position per entry (a packed one's lengths: within the registry's budget,
+        # a document's position and KVzip score per entry (a packed one's lengths: within the registry's budget,
         # `KvcRadixCache.make_document_room`)
         per_document_token = num_layers * kv_heads * DOCUMENT_ENTRY_BYTES
         layer_moments = q_heads * head_dim * (head_dim + 1) * 4  # float32 mean and scatter

@@ -624,8 +624,8 @@ def test_a_statistics_policy_answers_alike_from_the_document_it_published_and_fr
 @pytest.mark.parametrize("name", ["uniform", "variable"])
 def test_a_documents_metadata_is_int32_and_within_its_reservation(servers, name: str) -> None:
     """What a resident document keeps beside its KV (the position each entry holds; packed, each
-    head's units and length) is int32: 4 bytes per (layer, KV head) and entry of the demo model's
-    2 x 2, for a uniform document exactly 4 x 2 x 2 x k. Every resident document's metadata is
+    head's length; KVzip's float32 score of each entry) is 8 bytes per (layer, KV head) and entry
+    of the demo model's 2 x 2, for a uniform KVzip document exactly 8 x 2 x 2 x k. Every resident document's metadata is
     within the bytes the KV memory reserved for it (`documents.metadata_budget`, charged to the
     pool where SGLang's KV memory is sized, `adapter/kv_memory.py`), after more documents than the
     pool holds. Before, the positions and units were int64 and reserved nowhere."""
@@ -635,9 +635,9 @@ def test_a_documents_metadata_is_int32_and_within_its_reservation(servers, name:
         _ask(server, _tokens(1700 + i, DOC), _tokens(1800 + i, QUESTION), ratio=LARGE if i else 0.3)
         docs = _documents(server)
         if name == "uniform":  # [2, 2, k] positions per document, k its entries per head
-            assert docs["metadata_bytes"] == 4 * 2 * 2 * docs["entries"], docs
-        else:  # positions and units [2, 2, K] and lengths [2, 2], K its widest head's entries
-            assert docs["metadata_bytes"] % 16 == 0, docs
+            assert docs["metadata_bytes"] == 8 * 2 * 2 * docs["entries"], docs
+        else:  # each head's positions and scores, and lengths [2, 2]
+            assert docs["metadata_bytes"] % 4 == 0, docs
         assert docs["metadata_bytes"] <= docs["metadata_budget"], docs
     assert_pool_whole(server.wait_idle())
 
@@ -663,3 +663,40 @@ def test_hostile_clients(servers, name: str, hostile_documents) -> None:
     seed, long = HOSTILE[name]
     counts = hostile_documents(servers[name], ci_seed=seed, flags=flags[name], long=long)
     assert counts["refused"] and counts["served"], counts
+
+
+# (document tokens, suffix tokens) per server: the suffix is more than the request's own budget of 64
+# beyond its document, so its prompt pass (KVzip) compresses it; on "whole" the context is 192.
+SUFFIX_PAST_BUDGET = {"uniform": (DOC, 150), "variable": (DOC, 150), "whole": (60, 100)}
+
+
+@pytest.mark.parametrize("name", list(SUFFIX_PAST_BUDGET))
+def test_a_hit_whose_suffix_exceeds_its_budget_repeats_only_its_suffix(servers, name: str) -> None:
+    """A request that starts from a document and reads more than its own budget after it: its
+    KVzip pass repeats only its context after the document, the document's entries scored as the
+    document's own pass scored them (kept with the document, `Document.carried`); so does the
+    request that published the document between chunks, after its cut, and the two answer alike.
+    Before, each repeated the whole document again in its own pass: a hit paid for the document."""
+    server = servers[name]
+    d, suffix = SUFFIX_PAST_BUDGET[name]
+    doc, question = _tokens(4100 + d, d), _tokens(4200 + d, suffix)
+    sinks = 4  # the demo model has no template: a context starts after kvpress's sinks
+
+    def repeated() -> tuple[int, dict]:
+        was = server.wait_idle()["compression"]["reconstruction"]["context_tokens"]
+        out = _ask(server, doc, question, n=6)
+        now = server.wait_idle()["compression"]["reconstruction"]["context_tokens"]
+        return now - was, out
+
+    before = _documents(server)
+    first_tokens, first = repeated()
+    assert _documents(server)["compressions"] == before["compressions"] + 1
+    hit_tokens, hit = repeated()
+    assert _documents(server)["hits"] == before["hits"] + 1
+    assert hit_tokens == suffix, f"a hit repeated {hit_tokens} tokens, its suffix is {suffix}"
+    if name == "whole":  # the publisher's pass over its document, then its own copy whole
+        assert first_tokens == (d - sinks) + (d + suffix - sinks), first_tokens
+    else:  # its cut at the document's end, then its suffix only
+        assert first_tokens == (d - sinks) + suffix, first_tokens
+        assert hit["output_ids"] == first["output_ids"]
+    assert_pool_whole(server.wait_idle())

@@ -15,6 +15,7 @@ from sgl_kvc.adapter import documents
 from sgl_kvc.adapter.admission import _with_document, sizes_of
 from sgl_kvc.adapter.documents import Document, DocumentKey, DocumentRegistry
 from sgl_kvc.config import KvcConfig
+from sgl_kvc.core.reconstruction import CarriedScores
 from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY, resolved
 from fakes import SegmentFreeRecorder
 
@@ -106,26 +107,30 @@ def test_a_fixed_budget_still_applies_beyond_the_document(monkeypatch) -> None:
 
 def test_a_documents_metadata_is_int32_and_charged_per_pool_token() -> None:
     """A document keeps an int32 position per kept entry (a packed one, each head's entries only,
-    and its lengths): a uniform document of k slots holds exactly k x the bytes the KV memory
-    reserves per pool token for documents (4 per layer and KV head: 360 B for SmolLM2, 1.6% of its
-    23,040 B of bf16 K and V per token), so documents filling the pool fit their reservation. The
-    pool and every buffer still fit the memory. Before, positions were int64 and a packed
-    document's positions and units were padded to its widest head (3x its slots on SmolLM2)."""
+    and its lengths) and, compressed by KVzip, a float32 score: a uniform KVzip document of k slots
+    holds exactly k x the bytes the KV memory reserves per pool token for documents (8 per layer
+    and KV head: 720 B for SmolLM2, 3.1% of its 23,040 B of bf16 K and V per token), another
+    policy's half, so documents filling the pool fit their reservation. The pool and every buffer
+    still fit the memory. Before, positions were int64 and a packed document's positions and units
+    were padded to its widest head (3x its slots on SmolLM2)."""
     from sgl_kvc.adapter.kv_memory import Reservation, fit_pool
 
     smollm2 = dict(window=8, num_layers=30, q_heads=9, kv_heads=3, head_dim=64, q_bytes=2)
     cell = 30 * 3 * 64 * 2 * 2
     plain, reserved = Reservation.for_model(**smollm2), Reservation.for_model(**smollm2, documents=True)
     packed = Reservation.for_model(**smollm2, unit_tables=True, documents=True)
-    assert (plain.per_document_token, reserved.per_document_token, packed.per_document_token) == (0, 360, 360)
+    assert (plain.per_document_token, reserved.per_document_token, packed.per_document_token) == (0, 720, 720)
     key = DocumentKey(digest="cd" * 32, tokens=1000, entries=300, policy="kvzip")
     positions = torch.randint(0, 1000, (30, 3, 300))  # what a pass gives: int64
-    doc = Document.compact(key, None, positions, 300)
+    scores = CarriedScores(1000, list(torch.rand(30, 3, 300).unbind(0)))
+    doc = Document.compact(key, None, positions, 300, carried=scores)
     assert doc.kept_positions.dtype == torch.int32 and torch.equal(doc.kept_positions.long(), positions)
-    assert doc.metadata_bytes == 300 * reserved.per_document_token == documents.compact_bytes(positions.numel(), 90, False)
+    assert doc.metadata_bytes == 300 * reserved.per_document_token == documents.compact_bytes(positions.numel(), 90, False, True)
+    unscored = Document.compact(key, None, positions, 300)
+    assert unscored.metadata_bytes == doc.metadata_bytes // 2 == documents.compact_bytes(positions.numel(), 90, False)
     memory = 1 << 30
     fit = fit_pool(memory, cell, tokens=memory // cell, requests=64, r=reserved)
-    assert fit.document_bytes == fit.tokens * 360 and fit.tokens * cell + fit.reserved_bytes <= memory
+    assert fit.document_bytes == fit.tokens * 720 and fit.tokens * cell + fit.reserved_bytes <= memory
     assert fit.tokens < fit_pool(memory, cell, tokens=memory // cell, requests=64, r=plain).tokens
 
 
@@ -222,3 +227,39 @@ def test_documents_metadata_over_its_reservation_is_a_violation() -> None:
     tree.documents.metadata_budget = docs[0].metadata_bytes
     with pytest.raises(invariants.InvariantViolation, match="reserved"):
         invariants.check_documents(tree)
+
+
+def test_a_kvzip_documents_scores_are_what_a_request_starting_from_it_carries() -> None:
+    """A KVzip document keeps its pass's scores of the entries it kept (uniform: [L, H_kv, k];
+    packed: each head's entries only, in its tables' columns); a request that starts from it
+    carries them (`Document.carried`), so its own pass repeats only its context after the
+    document's end, as its publisher's does after its cut."""
+    from sgl_kvc.core.moves import packed_slots, unit_moves
+    from sgl_kvc.policies.per_head import HeadSelection
+
+    key = DocumentKey(digest="ab" * 32, tokens=90, entries=12, policy="kvzip")
+    positions = torch.randint(0, 90, (3, 2, 12))
+    layers = [torch.rand(2, 12) for _ in range(3)]
+    carried = Document.compact(key, None, positions, 12, carried=CarriedScores(86, layers)).carried()
+    assert carried.end == 86 and carried.lengths is None
+    assert all(torch.equal(a, b) for a, b in zip(carried.layers, layers))
+
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 20, (3, 2), generator=g)
+    width = int(lengths.max())
+    indices = torch.stack([torch.randperm(20, generator=g)[:width].sort().values
+                           for _ in range(6)]).reshape(3, 2, width)
+    selection = HeadSelection(indices=indices, lengths=lengths, n=20)
+    dest = torch.randperm(100, generator=g)[: packed_slots(selection)]
+    unit_moves(selection, torch.randint(0, 1 << 10, (3, 2, 20), generator=g), dest)
+    valid = selection.valid()
+    wide = [torch.rand(2, width, generator=g) for _ in range(3)]
+    doc = Document.compact(key, SimpleNamespace(value=dest), torch.randint(0, 90, (3, 2, width)) * valid,
+                           int(dest.numel()), lengths, CarriedScores(86, wide, list(lengths.unbind(0))))
+    assert doc.metadata_bytes == 8 * selection.total + 4 * 6
+    carried = doc.carried()
+    for layer in range(3):
+        assert torch.equal(carried.lengths[layer], lengths[layer])
+        for h in range(2):
+            n = int(lengths[layer, h])
+            assert torch.equal(carried.layers[layer][h, :n], wide[layer][h, :n])
