@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sgl_kvc.kernels.per_head_attention import SPLIT_COLUMNS, DecodeLogits, HeadTables, LogitRows, SplitPlan
+from sgl_kvc.kernels.per_head_tables import SPLIT_COLUMNS, DecodeLogits, HeadTables, LogitRows, SplitPlan
 
 BLOCK_N = 64  # units per block of the table walk
 # FP8 rows are half as wide: twice the units per block keep as many bytes in flight; 3 pipeline

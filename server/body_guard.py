@@ -19,7 +19,7 @@ An ASGI middleware on `POST /v1/chat/completions`, `POST /v1/completions` and SG
   point).
 A good body goes on unchanged (or with `kv_compression` moved into `custom_params`); the
 response, streamed or not, is never touched here. Out-of-vocabulary token ids are checked
-later, where every entry point passes (`sgl_kvc.adapter.request_guard`).
+later, where every entry point passes (`sgl_kvc.adapter.scheduling.request_guard`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from typing import Any, Callable
 import orjson
 
 from sgl_kvc.config import KvcConfig
-from sgl_kvc.request_settings import RequestSettingError
-from sgl_kvc.request_settings import json_type_name
+from sgl_kvc.request_settings import RequestSettingError, json_type_name
 from sgl_kvc.server.errors import FIELDS_SCOPE_KEY, describe_validation_errors, openai_error
 from sgl_kvc.server.settings import apply_openai_settings, check_generate_body
 
@@ -263,7 +262,7 @@ def _check_namespaces(data: dict) -> None:
     """`extra_key` and `cache_salt` (one value, or one per prompt of a batch) outside the namespace
     sgl-kvc's shared documents keep their tree nodes in: a 400 naming the field. (The node's key
     cannot be forged anyway, `adapter/documents.DocumentNamespace`; every other entry point is
-    refused in `adapter/request_guard.py`, without a `param`.)"""
+    refused in `adapter/scheduling/request_guard.py`, without a `param`.)"""
     from sgl_kvc.adapter.documents import reserved_namespace
 
     for name in ("extra_key", "cache_salt"):
@@ -292,8 +291,8 @@ def _check_logprob_start(data: dict) -> None:
     """`/generate`: a `logprob_start_len` below -1 with `return_logprob` (one value, or one per
     prompt of a batch) is a 400 naming it. SGLang took it, and its scheduler loop asserted when it
     processed the prefill's log-probabilities: the server exited, plain SGLang's too (found by
-    `tests/hostile_documents.py`). `adapter/request_guard.py` refuses it on every other entry point."""
-    from sgl_kvc.adapter.request_guard import logprob_start_message
+    `tests/hostile_documents.py`). `adapter/scheduling/request_guard.py` refuses it on every other entry point."""
+    from sgl_kvc.adapter.scheduling.request_guard import logprob_start_message
 
     starts, asks = data.get("logprob_start_len"), data.get("return_logprob")
     values = starts if isinstance(starts, list) else [starts]
@@ -364,14 +363,14 @@ def _multimodal() -> bool:
 
 def _check_generate_token_ids(input_ids: Any) -> None:
     """`/generate` with `input_ids`: refuse out-of-vocabulary ids with a 400 here, because a
-    streamed `/generate` reports the later check (`sgl_kvc.adapter.request_guard`, which
+    streamed `/generate` reports the later check (`sgl_kvc.adapter.scheduling.request_guard`, which
     covers every entry point) as an error event inside a 200 stream."""
     if not isinstance(input_ids, list) or not input_ids:
         return
     vocab = _vocab_size()
     if vocab is None:
         return
-    from sgl_kvc.adapter.request_guard import out_of_vocab_message
+    from sgl_kvc.adapter.scheduling.request_guard import out_of_vocab_message
 
     batch = input_ids if isinstance(input_ids[0], list) else [input_ids]
     for i, ids in enumerate(batch):

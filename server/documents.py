@@ -1,11 +1,11 @@
 """A shared document named by chat messages (`kv_compression.document` on the chat route).
 
 The scheduler knows a document by its prompt tokens (`document.tokens`, see
-`sgl_kvc/adapter/documents.py`); a chat client knows it by its messages: by default every message
+`sgl_kvc/adapter/documents/__init__.py`); a chat client knows it by its messages: by default every message
 but the last (`document.messages` to say how many). Here, before the body reaches SGLang, only the
 count is checked and resolved (`document.messages` is written into the request's `custom_params`).
 Nothing is rendered here: the tokens are counted from SGLang's own rendering and tokenization of
-the request, off the event loop (`sgl_kvc/adapter/chat_documents.py`), so that they are exactly the
+the request, off the event loop (`sgl_kvc/adapter/documents/chat_documents.py`), so that they are exactly the
 tokens SGLang's prompt starts with for those messages, whatever its template, content parts, names,
 tool calls or template arguments make of them.
 """

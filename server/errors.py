@@ -43,7 +43,7 @@ INTERNAL_ERROR_MESSAGE = (
 SGLANG_CATCH_ALL = "Internal server error:"
 _MAX_MESSAGE = 500
 # A refusal of sgl-kvc's raised inside SGLang's handlers (which pass on a ValueError's message only:
-# `adapter/request_guard.py`, `adapter/chat_documents.py`) or in its scheduler (unquoted there)
+# `adapter/scheduling/request_guard.py`, `adapter/documents/chat_documents.py`) or in its scheduler (unquoted there)
 # names its field as the message's start.
 _NAMED_PARAM = re.compile(r"Invalid '([A-Za-z_][\w.\[\]]*)': |Invalid ((?:kv_compression|custom_params\.sgl_kvc)[\w.]*): ")
 # SGLang's own refusals that name no field (OpenAI's clients read `param`), and the field each is

@@ -108,7 +108,7 @@ def apply_openai_settings(data: dict, config: KvcConfig | None, chat: bool = Fal
     """Chat/completions body: validate `custom_params.sgl_kvc`, then move a `kv_compression`
     object into `custom_params` (it wins over a direct one). On the chat route a document named
     by messages gets its message count (`server/documents.py`; its tokens are counted from SGLang's
-    own prompt of the request, `adapter/chat_documents.py`). `multimodal`: the served model has
+    own prompt of the request, `adapter/documents/chat_documents.py`). `multimodal`: the served model has
     a multimodal processor (a chat message's image, video or audio parts reach its prompt). True
     when `data` was changed."""
     check_custom_params(data.get("custom_params"), "", config)

@@ -33,13 +33,13 @@ ENV_VAR = "SGLKVC_CONFIG"
 MOMENTS: tuple[str, ...] = ("prefill", "chunk", "chunk-always", "decode", "preempt")
 # Between two chunks a prompt is cut back before its end (the question) is read, which costs
 # answers (docs/quality.md, "Prompts compressed between chunks"): `chunk` does it only when the
-# next chunk would not otherwise fit (`adapter/chunk_pressure.py`), `chunk-always` after every
+# next chunk would not otherwise fit (`adapter/scheduling/chunk_pressure.py`), `chunk-always` after every
 # chunk over the budget.
 DEFAULT_MOMENTS: tuple[str, ...] = ("prefill", "chunk", "decode", "preempt")
 FP8_KV_DTYPES: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2")  # served by sgl-kvc's FP8 pool
 DECODE_ATTENTION: tuple[str, ...] = ("batched", "sglang")
 # Seconds at most a request waits for another to publish the shared document it declares
-# (`--kv-document-wait`); a waiter that reaches it reads the document itself (adapter/documents.py).
+# (`--kv-document-wait`); a waiter that reaches it reads the document itself (adapter/documents/__init__.py).
 DEFAULT_DOCUMENT_WAIT = 10.0
 _P = PolicyParams()
 

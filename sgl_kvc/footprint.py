@@ -10,11 +10,11 @@ all ask this one function, so they agree. It counts, in slots:
   read to the radix tree, so until a request's first compaction every entry it holds is the
   tree's, which is never written, and a compaction to `target` entries that holds `tree` of the
   tree's entries peaks at `max(held, target + tree)`
-  (`adapter/compaction.py`);
+  (`adapter/moments/compaction.py`);
 - the generated tokens: with the decode or the preempt moment on, what a pass brings back to the
   budget (budget + buffer + 1 at most); with neither, every token it may still generate.
 
-Plain integers; no SGLang. `adapter/admission.py` reads them from SGLang's requests.
+Plain integers; no SGLang. `adapter/scheduling/admission.py` reads them from SGLang's requests.
 """
 
 from __future__ import annotations

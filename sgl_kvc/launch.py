@@ -117,7 +117,7 @@ def build_sglang_argv(
                        "compressing policy: observation runs in Python each step")
         out.append("--disable-cuda-graph")
     if compressing and not has_flag(out, "--disable-radix-cache"):
-        # The tree compaction's radix rule is written against (adapter/radix_cache.py);
+        # The tree compaction's radix rule is written against (adapter/documents/radix_cache.py);
         # --policy none keeps SGLang's own choice.
         defaults["--radix-cache-backend"] = RADIX_CACHE_BACKEND
     model = _flag_value(out, "--model-path") or _flag_value(out, "--model")

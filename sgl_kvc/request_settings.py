@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
+from sgl_kvc import req_state
 from sgl_kvc.core.request_state import Budget
 from sgl_kvc.policies import (
     AUTO, SELECTIONS, available_policies, canonical_policy, decode_policies, policy_class, prompt_policy_error,
@@ -49,7 +50,7 @@ class RequestSettingError(ValueError):
 class DocumentSpec:
     """`kv_compression.document`: the prompt's first `tokens` tokens are a document, compressed
     once without any question to `budget` entries per (layer, KV head), or to `ratio` of its
-    tokens, and shared by every later request that begins with it (`adapter/documents.py`). On
+    tokens, and shared by every later request that begins with it (`adapter/documents/__init__.py`). On
     the chat route the document is named by messages instead (`messages`, by default all but the
     last): the HTTP layer counts their tokens (`server/documents.py`)."""
 
@@ -246,7 +247,7 @@ def document_prompt_conflict(spec: DocumentSpec, prompt_len: int, config: "KvcCo
     """Why the document `spec` (its `tokens` counted) cannot be compressed at the start of a
     prompt of `prompt_len` tokens, naming the field that decides it (`tokens_field`: the one that
     gives its tokens, `.messages` on the chat route), or None. Checked where the prompt is first
-    tokenized, in the HTTP process (`adapter/request_guard.py`, `adapter/chat_documents.py`: a
+    tokenized, in the HTTP process (`adapter/scheduling/request_guard.py`, `adapter/documents/chat_documents.py`: a
     streamed request's refusal is a 4xx before its stream starts), and again when the request
     enters the scheduler's queue (`adapter/documents.request_key`)."""
     tokens_field = tokens_field or f"{field}.tokens"
@@ -322,8 +323,6 @@ def json_type_name(value: Any) -> str:
 
 
 # --- read back from a scheduler request ------------------------------------------------------
-_SETTINGS_ATTR = "_sgl_kvc_settings"
-_RESOLVED_ATTR = "_sgl_kvc_resolved"
 # What an invalid request runs with until its abort completes: nothing to compress.
 _INERT = RequestCompression(policy="none")
 
@@ -352,22 +351,24 @@ def of_request(req: Any, cache: bool = True) -> RequestCompression:
     """The settings of a scheduler request (SGLang's `Req`; with `cache=False` also the tokenized
     input it is made from, left untouched), validated; cached on the request when it entered the
     queue (`admit`). Never raises."""
-    settings = getattr(req, _SETTINGS_ATTR, None)
+    fields = req_state.peek(req)
+    settings = fields.settings if fields is not None else None
     if settings is None:
         settings, _ = _parse_request(req)
         if cache:
-            setattr(req, _SETTINGS_ATTR, settings)
+            req_state.of(req).settings = settings
     return settings
 
 
 def resolved(req: Any, config: "KvcConfig") -> ResolvedCompression:
     """What a scheduler request runs with on this server (resolved once: the admission hooks ask
     for it several times per request per step)."""
-    cached = getattr(req, _RESOLVED_ATTR, None)
+    fields = req_state.peek(req)
+    cached = fields.resolved if fields is not None else None
     if cached is not None and cached[0] is config:
         return cached[1]
     settings = of_request(req).resolve(config)
-    setattr(req, _RESOLVED_ATTR, (config, settings))
+    req_state.of(req).resolved = (config, settings)
     return settings
 
 
@@ -386,8 +387,8 @@ def admit(req: Any, config: "KvcConfig") -> bool:
     `set_finish_with_abort`) before it is scheduled, and it runs with no compression until then.
     True when it was refused. Nothing a client sends can raise later inside the scheduler loop."""
     settings, error = _parse_request(req, config)
-    setattr(req, _SETTINGS_ATTR, settings)
-    setattr(req, _RESOLVED_ATTR, None)
+    req_state.of(req).settings = settings
+    req_state.of(req).resolved = None
     if error is None or refused_by_sglang(req):
         return False
     req.set_finish_with_abort(error, status_code=HTTPStatus.BAD_REQUEST)

@@ -55,9 +55,9 @@ class LayeredKvPool:
 
     * `units=False`: SGLang's `MHATokenToKVPool`, one contiguous [slots, H_kv, d] K and V buffer
       per layer;
-    * `units=True`: sgl-kvc's unit pool (`adapter/unit_pool.py`), one [slots, L, H_kv, d]
+    * `units=True`: sgl-kvc's unit pool (`adapter/memory/unit_pool.py`), one [slots, L, H_kv, d]
       allocation per K and V, each layer a strided view of it, and `unit_buffers()` its flat form;
-    * `fp8` ("fp8_e4m3" / "fp8_e5m2"): the FP8 pools (`adapter/fp8_pool.py`), whose buffers are
+    * `fp8` ("fp8_e4m3" / "fp8_e5m2"): the FP8 pools (`adapter/memory/fp8_pool.py`), whose buffers are
       `Fp8Rows` (uint8 codes and a bfloat16 scale per (slot, head)) of either layout.
 
     Random values from the CPU generator `g`, on `device`. `k` / `v` are the dense float values

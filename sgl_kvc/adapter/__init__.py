@@ -25,7 +25,11 @@ class HookTargetMissing(RuntimeError):
 def hook_table(config: KvcConfig) -> list[Hook]:
     """Every hook sgl-kvc registers for `config`, in registration order (the FP8 pool's fixed
     size before the KV memory's probe of it)."""
-    from sgl_kvc.adapter import chat_documents, fp8_pool, hooks, kv_memory, refusals, request_guard, unit_pool
+    from sgl_kvc.adapter import hooks
+    from sgl_kvc.adapter.documents import chat_documents
+    from sgl_kvc.adapter.memory import fp8_pool, kv_memory, unit_pool
+    from sgl_kvc.adapter.safety import refusals
+    from sgl_kvc.adapter.scheduling import request_guard
 
     return [
         *refusals.hook_table(config),  # scheduler start-up: models and backends compaction cannot serve
@@ -48,7 +52,8 @@ def install(config: KvcConfig) -> None:
     if sglang.__version__ != SGLANG_VERSION:
         logger.warning("sgl-kvc is written for sglang==%s but found %s; the launcher checks what it "
                        "relies on", SGLANG_VERSION, sglang.__version__)
-    from sgl_kvc.adapter import attention, radix_cache
+    from sgl_kvc.adapter import attention
+    from sgl_kvc.adapter.documents import radix_cache
     from sgl_kvc.adapter.sglang_api import resolve
 
     table = hook_table(config)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from sgl_kvc.adapter import failpoints
+from sgl_kvc.adapter.safety import failpoints
 from sgl_kvc.core.reconstruction import ForwardAttention
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.kernels.attention_lse import has_fused_cpu
@@ -301,7 +301,7 @@ def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: ForwardBat
 
 def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: ForwardBatch) -> None:
     if store.reconstruction is not None:  # a reconstruction forward (KVzip): its scores only
-        from sgl_kvc.adapter.reconstruction import observe_reconstruction
+        from sgl_kvc.adapter.kvzip.reconstruction import observe_reconstruction
 
         observe_reconstruction(store, q, layer, fb)
         return

@@ -5,13 +5,13 @@
 | ForwardBatch.init_new                           | after  | request state at first prefill; logical RoPE positions for compacted requests |
 | Scheduler.process_batch_result                  | around | documents published (before); moments `prefill`, `chunk` |
 | Scheduler.update_running_batch                  | around | moments `decode` and `preempt`; counts SGLang's retractions |
-| PrefillAdder.add_one_req / running-token offset | around | admission by footprint (`adapter/admission.py`); a document's waiters |
+| PrefillAdder.add_one_req / running-token offset | around | admission by footprint (`adapter/scheduling/admission.py`); a document's waiters |
 | PrefillAdder._check_prefill_budget              | around | a chunk-compressed prompt: one chunk + what its passes copy and keep |
 | PrefillAdder.add_chunked_req                    | around | a prompt's next chunk: what its passes copy and keep, its reconstruction forward (KVzip) |
 | Scheduler.handle_generate_request               | around | prompts longer than the pool, compressed between chunks |
 | Scheduler.init_req_max_new_tokens               | around | a compressing request's output is bounded by the context; one that cannot fit even compressed is a 400 |
 | Req.refresh_fill_ids                            | around | the next tokens of a prompt compressed between chunks or started from a shared document |
-| Req.init_next_round_input                       | around | a prefix matched on a shared document: the tokens after it (`adapter/documents.py`) |
+| Req.init_next_round_input                       | around | a prefix matched on a shared document: the tokens after it (`adapter/documents/__init__.py`) |
 | Req._compute_max_prefix_len                     | around | recompute the observation window on a prefix hit |
 | Scheduler.get_next_batch_to_run                 | after  | peak number of requests in flight      |
 | Scheduler.get_new_batch_prefill                 | around | a request waits while another compresses its document |
@@ -25,15 +25,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-
-from sgl_kvc.adapter import admission, documents
-from sgl_kvc.adapter.admission import CHUNKED_ATTR
-from sgl_kvc.adapter.requests import chunk_compressible, released, shifted_fill_ids
-from sgl_kvc.adapter.compressor import STATE_ATTR
+from sgl_kvc import req_state
+from sgl_kvc.adapter import documents
 from sgl_kvc.adapter.runtime import KvcRuntime, collect_stats, compressor_of
+from sgl_kvc.adapter.safety.tp import anywhere, dp_rank
+from sgl_kvc.adapter.scheduling import admission
+from sgl_kvc.adapter.scheduling.admission import CHUNKED_ATTR
+from sgl_kvc.adapter.scheduling.requests import chunk_compressible, released, shifted_fill_ids
 from sgl_kvc.adapter.sglang_api import Hook
-from sgl_kvc.adapter.tp import dp_rank
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.policies import policy_class
 from sgl_kvc.request_settings import admit, resolved
@@ -83,7 +82,8 @@ def hook_table(config: KvcConfig) -> list[Hook]:
                  "admission by footprint"),
             Hook(f"{_ADDER}._get_running_request_total_token_offset", admission.around_running_offset(config),
                  "AROUND", ("req",), "admission by footprint"),
-            Hook(f"{_SCHEDULER}.init_req_max_new_tokens", admission.around_max_new_tokens(config), "AROUND",
+            Hook(f"{_SCHEDULER}.init_req_max_new_tokens",
+                 admission.around_max_new_tokens(config, _reconstructor_of(config)), "AROUND",
                  ("req",), "output bounded by the context; a request that cannot fit even compressed is a 400"),
             Hook(f"{_ADDER}.add_chunked_req", admission.around_add_chunked_req(config), "AROUND",
                  ("req",), "the next chunk and the slots of the pass after it"),
@@ -110,6 +110,11 @@ def _after_next_batch(config: KvcConfig):
         return plan
 
     return hook
+
+
+def _reconstructor_of(config: KvcConfig) -> Callable[[Any], Any]:
+    """The process's KVzip reconstruction pass, looked up from a scheduler."""
+    return lambda scheduler: compressor_of(scheduler.tp_worker.model_runner, config).reconstructor
 
 
 def _after_internal_state(config: KvcConfig):
@@ -263,12 +268,10 @@ def _around_new_prefill(config: KvcConfig):
         held = documents.held_back(scheduler.waiting_queue, registry)
         if held:
             late = documents.overdue(held, config.kv_document_wait)
-            vote = compressor_of(scheduler.tp_worker.model_runner, config).failures.vote
-            if vote is not None:
-                # Each rank's clock decides alone; the ranks' schedulers must admit the same
-                # requests, so one that is late on any rank stops waiting on every rank (every
-                # rank holds the same requests here: the vote is taken by all or by none).
-                late = (vote(torch.tensor(late, dtype=torch.int64)) > 0).tolist()
+            # Each rank's clock decides alone; the ranks' schedulers must admit the same requests,
+            # so one that is late on any rank stops waiting on every rank (every rank holds the
+            # same requests here: the vote is taken by all or by none).
+            late = anywhere(compressor_of(scheduler.tp_worker.model_runner, config).failures.vote, late)
             held = documents.stop_waiting(held, late, registry)
         if held:
             ids = {id(r) for r in held}
@@ -297,7 +300,7 @@ def _around_init_next_round(original: Callable[..., Any], req: Req, *args: Any, 
 
 def _around_refresh_fill_ids(original: Callable[..., Any], req: Req, *args: Any, **kwargs: Any):
     out = original(req, *args, **kwargs)
-    state = getattr(req, STATE_ATTR, None)
+    state = req_state.of(req).state
     shift = documents.fill_shift(req) if state is None else state.offset if state.fill_shift else 0
     if shift:
         shifted_fill_ids(req, shift)

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 
-from sgl_kvc.adapter.compressor import Compressor
 from sgl_kvc.adapter.documents import DocumentRegistry, registry_of
-from sgl_kvc.adapter.fp8_pool import pool_bytes
-from sgl_kvc.adapter.kv_memory import DOCUMENT_BYTES_ATTR, RESERVED_ATTR
-from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
-from sgl_kvc.adapter.reconstruction import ReconstructionStats
-from sgl_kvc.adapter.requests import on_release
+from sgl_kvc.adapter.kvzip.reconstruction import ReconstructionStats
+from sgl_kvc.adapter.memory.fp8_pool import pool_bytes
+from sgl_kvc.adapter.memory.kv_memory import DOCUMENT_BYTES_ATTR, RESERVED_ATTR
+from sgl_kvc.adapter.moments.compressor import Compressor
+from sgl_kvc.adapter.scheduling.requests import on_release
+from sgl_kvc.adapter.telemetry.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.config import KvcConfig
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
             "free_tokens": int(scheduler.token_to_kv_pool_allocator.available_size()),
             "cached_tokens": int(tree.evictable_size()),
             # sgl-kvc's own buffer (observation queries) in use, and what the KV budget
-            # reserves for its queries and statistics (adapter/kv_memory.py)
+            # reserves for its queries and statistics (adapter/memory/kv_memory.py)
             "observation_bytes": store.query_buffer_bytes if store is not None else 0,
             # what the live requests' states hold (statistics, staged passes, tables): 0 when idle
             "request_state_bytes": store.state_bytes if store is not None else 0,
@@ -157,7 +157,7 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
             "prefilled_tokens": prefix.prefilled_tokens,
         },
         "compression": compression,
-        # compressed documents shared through the prefix cache (adapter/documents.py)
+        # compressed documents shared through the prefix cache (adapter/documents/__init__.py)
         "documents": _documents(tree, model_runner),
         # per-head budgets: uniform, or variable / layer (packed in the unit pool)
         "head_budget": runtime.config.kv_head_budget if store is not None and store.unit_pools is not None else "uniform",
@@ -177,7 +177,7 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
 
 def _documents(tree: Any, model_runner: Any) -> dict[str, Any]:
     registry = registry_of(tree)
-    # the bytes the KV memory reserved for their metadata (adapter/kv_memory.py), which
+    # the bytes the KV memory reserved for their metadata (adapter/memory/kv_memory.py), which
     # `metadata_bytes` stays within; 0: nothing reserved
     budget = getattr(model_runner.memory_pool_config, DOCUMENT_BYTES_ATTR, None)
     return {**(registry or DocumentRegistry()).snapshot(), "metadata_budget": int(budget or 0)}

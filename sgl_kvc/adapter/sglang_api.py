@@ -79,7 +79,7 @@ INTERNALS: tuple[Internal, ...] = (
     ), why="compaction rewrites rows and lengths; admission reopens"),
     Internal(f"{_MGR}.schedule_batch.ScheduleBatch.check_decode_mem", (),
              why="compress before a retraction when the next decode step does not fit"),
-    # --- a reconstruction pass (KVzip) is an extend SGLang prepares and runs (adapter/reconstruction.py)
+    # --- a reconstruction pass (KVzip) is an extend SGLang prepares and runs (adapter/kvzip/reconstruction.py)
     Internal(f"{_MGR}.schedule_batch.Req.__init__",
              ("rid", "origin_input_text", "origin_input_ids", "sampling_params"),
              why="a reconstruction forward's short-lived request"),
@@ -173,7 +173,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_MM}.radix_cache.RadixCache.unlock", ("lock",), why="a compacted request drops its lock"),
     Internal(f"{_MM}.radix_cache.RadixCache.all_values_flatten", (), why="SGLKVC_CHECK invariants"),
     Internal(f"{_MM}.radix_cache.RadixCache.evictable_size", (), why="cached tokens in /v1/kvc/stats"),
-    # --- shared documents (adapter/documents.py, document_pass.py, radix_cache.KvcRadixCache) ------
+    # --- shared documents (adapter/documents/__init__.py, document_pass.py, radix_cache.KvcRadixCache) ------
     Internal(f"{_MM}.radix_cache.RadixCache.match_prefix", ("params",), why="a document's node matched in place of tokens"),
     Internal(f"{_MM}.radix_cache.RadixCache.reset", (), why="documents dropped with the tree"),
     Internal(f"{_MM}.radix_cache.RadixCache._delete_leaf", ("node",), why="an evicted document leaves the registry"),

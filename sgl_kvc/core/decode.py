@@ -84,7 +84,7 @@ def decode_step_bound(entries: int, keeping: int, shape: DecodeShape, layers: in
     (`keeping` of them in requests that keep statistics) in `layers` layers: one layer call's
     block (`FUSED_BLOCK_BYTES`), every block's tables (each at most twice its entries, or one
     block within the bound) and the step's statistics slab (`core/stat_slab.py`: float32 per
-    layer, KV head and entry). What `adapter/kv_memory.py` reserves, per pool token and in all."""
+    layer, KV head and entry). What `adapter/memory/kv_memory.py` reserves, per pool token and in all."""
     tables = max(FUSED_BLOCK_BYTES, 2 * entries * shape.table_bytes_per_column) if shape.table_layers else 0
     slab = keeping * layers * shape.kv_heads * 4
     return FUSED_BLOCK_BYTES + tables + slab

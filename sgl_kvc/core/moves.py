@@ -1,5 +1,5 @@
 """Moving kept KV entries inside a pool (plain torch; the SGLang side that allocates, frees and
-rewrites rows is `sgl_kvc.adapter.compaction`).
+rewrites rows is `sgl_kvc.adapter.moments.compaction`).
 
 A pool here is anything with `get_kv_buffer(layer_id) -> (K, V)` of [slots, H_kv, d] (SGLang's
 MHA pools, the FP8 pool's `Fp8Rows`) and `start_layer` / `layer_num`; the unit pool is also

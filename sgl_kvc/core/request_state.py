@@ -23,7 +23,7 @@ from sgl_kvc.policies import DEFAULT_SELECTION, Policy
 
 def unit_index(slots: Tensor, num_layers: int, num_heads: int) -> Tensor:
     """Units of token slots [n] in every (layer, KV head) of the unit pool
-    (`adapter/unit_pool.py`): slot t, layer l, head h is unit (t x L + l) x H_kv + h.
+    (`adapter/memory/unit_pool.py`): slot t, layer l, head h is unit (t x L + l) x H_kv + h.
     Returns [L, H_kv, n] int64 on the slots' device."""
     device = slots.device
     layer = torch.arange(num_layers, device=device)[:, None, None]

@@ -14,7 +14,7 @@ operations), the others (first decode step after prefill, a compaction's carried
 layer written on its own) layer by layer. Each layer's attention then adds to its own
 columns in place (`add_attention`: the Triton kernel of `kernels/triton_stats.py` on CUDA, the
 torch version here elsewhere), so a layer whose update does not run keeps its previous values.
-What the slab costs is counted where the KV memory is sized (`adapter/kv_memory.py`): the
+What the slab costs is counted where the KV memory is sized (`adapter/memory/kv_memory.py`): the
 previous and the current step's slab are alive together.
 """
 

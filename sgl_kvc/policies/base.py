@@ -172,7 +172,7 @@ class LayerView:
     stats_since: the logical position of the first query ``stats`` accumulated: an entry at an
                earlier position was seen by the queries from there on only. 0 for a request that
                read its whole prompt; D for one that started from a shared document of D tokens
-               (`adapter/documents.py`: the document's own queries were read once, by whoever
+               (`adapter/documents/__init__.py`: the document's own queries were read once, by whoever
                compressed it, and never by this request).
     """
 

@@ -203,7 +203,7 @@ def test_a_failed_batched_move_gives_back_the_slots_it_allocated(device: torch.d
     request's outcome (its caller fails it), not an exception for the whole step."""
     from types import SimpleNamespace
 
-    from sgl_kvc.adapter import compaction
+    from sgl_kvc.adapter.moments import compaction
     from sgl_kvc.policies import HeadSelection
 
     layers, heads, n, k = 2, 2, 10, 6
@@ -214,7 +214,7 @@ def test_a_failed_batched_move_gives_back_the_slots_it_allocated(device: torch.d
     r2t = torch.zeros(1, 32, dtype=torch.int32, device=device)
     r2t[0, :n] = row.to(torch.int32)
     kv = SimpleNamespace(req_pool_idx=0, cache_protected_len=n - 2)  # owns only 2 slots
-    monkeypatch.setattr(compaction, "_make_room_in_tree", lambda tree, need: None)  # a fake tree: nothing to evict
+    monkeypatch.setattr(compaction, "make_room_in_tree", lambda tree, need: None)  # a fake tree: nothing to evict
     batch = SimpleNamespace(
         reqs=[SimpleNamespace(kv=kv)], seq_lens_cpu=torch.tensor([n]), tree_cache=None,
         req_to_token_pool=SimpleNamespace(req_to_token=r2t), token_to_kv_pool_allocator=allocator,

@@ -916,7 +916,7 @@ def test_amortised_target_length(device: torch.device, name: str) -> None:
 
 
 def test_batchmax_averages_a_shared_documents_entries_over_the_queries_that_saw_them(device: torch.device) -> None:
-    """A request that started from a shared document of D = 50 tokens (`adapter/documents.py`)
+    """A request that started from a shared document of D = 50 tokens (`adapter/documents/__init__.py`)
     holds 6 of its entries (positions < 50) and its own 10 tokens from position 50; its statistic
     has only its own queries, from position 50 on (`LayerView.stats_since`). Every query attends 1
     to every entry it sees, so each entry's average is 1: a document's entry was seen by the 10

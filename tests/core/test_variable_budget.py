@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from fakes import FakeAllocator
 
-from sgl_kvc.adapter.compaction import compact_requests_units
+from sgl_kvc.adapter.moments.compaction import compact_requests_units
 from sgl_kvc.core.decode import DecodeStep
 from sgl_kvc.core.request_state import Budget, ReqKvState, unit_index
 from sgl_kvc.core.store import KvcStore
@@ -240,14 +240,14 @@ def test_a_failed_variable_compaction_gives_back_the_slots_it_allocated(
     """A long prefix hit owns fewer slots than its packed entries need, so the compaction
     allocates new ones first; a failure after that (in the batched move, or while its tables are
     built) gives them back and leaves the request's row as it was."""
-    from sgl_kvc.adapter import compaction
+    from sgl_kvc.adapter.moments import compaction
 
     layers, heads, n = 2, 2, 12
     pool, allocator = UnitPool(64, layers, heads, 1, device), FakeAllocator(64, seed=1, device=device)
     state = ReqKvState(policy=get_policy("snapkv"), budget=Budget(4), device=device)
     batch = _batch(allocator, n, state)
     batch.reqs[0].kv.cache_protected_len = n - 1  # owns one slot; 4 x L x H kept need 4
-    monkeypatch.setattr(compaction, "_make_room_in_tree", lambda tree, need: None)  # a fake tree: nothing to evict
+    monkeypatch.setattr(compaction, "make_room_in_tree", lambda tree, need: None)  # a fake tree: nothing to evict
     row = batch.req_to_token_pool.req_to_token[0, :n].clone()
     tables = state.tables(row, layers, heads)
     scores = torch.rand(layers, heads, n, generator=torch.Generator().manual_seed(2)).to(device)

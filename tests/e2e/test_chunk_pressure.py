@@ -1,5 +1,5 @@
 """The default chunk moment: a prompt read in chunks is compressed between them only when its next
-chunk would not fit the memory left (`adapter/chunk_pressure.py`).
+chunk would not fit the memory left (`adapter/scheduling/chunk_pressure.py`).
 
 `make serve`'s server (`--policy rkv`, the default moments) with a 2048-slot pool and chunks of 256,
 `SGLKVC_CHECK=1` so a broken pool or tree stops it: a prompt of 4x the pool is served, compressed

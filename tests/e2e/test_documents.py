@@ -627,7 +627,7 @@ def test_a_documents_metadata_is_int32_and_within_its_reservation(servers, name:
     head's length; KVzip's float32 score of each entry) is 8 bytes per (layer, KV head) and entry
     of the demo model's 2 x 2, for a uniform KVzip document exactly 8 x 2 x 2 x k. Every resident document's metadata is
     within the bytes the KV memory reserved for it (`documents.metadata_budget`, charged to the
-    pool where SGLang's KV memory is sized, `adapter/kv_memory.py`), after more documents than the
+    pool where SGLang's KV memory is sized, `adapter/memory/kv_memory.py`), after more documents than the
     pool holds. Before, the positions and units were int64 and reserved nowhere."""
     server = servers[name]
     assert _documents(server)["metadata_budget"] > 0

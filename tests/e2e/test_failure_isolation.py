@@ -1,7 +1,7 @@
 """Nothing one request does, or sgl-kvc does for it, stops the other requests; and the invariant
 checker really stops a server whose pool accounting is broken.
 
-Faults are planted with `SGLKVC_FAILPOINTS` (see `sgl_kvc.adapter.failpoints`). The server
+Faults are planted with `SGLKVC_FAILPOINTS` (see `sgl_kvc.adapter.safety.failpoints`). The server
 compresses between the chunks of a prompt (chunks of 64 tokens) and its pool is small, so a
 request that fails between two chunks must be released before its next chunk: a prompt longer
 than the pool cannot go on uncompressed.

@@ -24,7 +24,7 @@ from kvc_reference import REASONING_PROMPT as LONG_PROMPT
 from kvc_reference import (assert_pool_whole, fp8_attention, kept_count, reference_logprobs, served_backend,
                            trace_events)
 from loadtest.server import ServerProcess
-from sgl_kvc.adapter.kv_memory import Reservation, fit_pool, forward_entries, forward_room
+from sgl_kvc.adapter.memory.kv_memory import Reservation, fit_pool, forward_entries, forward_room
 from sgl_kvc.config import KvcConfig
 
 pytestmark = pytest.mark.e2e
@@ -99,7 +99,7 @@ def test_capacity_at_the_same_memory_budget(servers, demo_model_path: str) -> No
     assert ratio == pytest.approx(BF16_BYTES_PER_TOKEN / FP8_BYTES_PER_TOKEN, rel=1e-3)
     assert ratio > 1.85
     # A compressing server charges its observation queries and statistics to the same budget
-    # (adapter/kv_memory.py): its pool is that much smaller, and both fit together.
+    # (adapter/memory/kv_memory.py): its pool is that much smaller, and both fit together.
     stats = servers["e4m3_rkv"].stats()
     pool = stats["pool"]
     context = json.loads((Path(demo_model_path) / "config.json").read_text())["max_position_embeddings"]

@@ -2,7 +2,7 @@
 
 Each rank runs its own scheduler and compresses with the scores of its own KV heads. With the
 shared selection both ranks must keep the same tokens: the scores are averaged over the TP group
-before choosing (`sgl_kvc.adapter.tp`); the planted fault `tp_local_scores` turns the averaging
+before choosing (`sgl_kvc.adapter.safety.tp`); the planted fault `tp_local_scores` turns the averaging
 off for requests named `failpoint-tp-...`, to show that this test can fail. One server serves both
 tests. Per head, each rank chooses for its own heads alone (no
 all-reduce): the ranks keep different tokens but the same number of entries, so their slot

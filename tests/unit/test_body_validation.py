@@ -11,7 +11,7 @@ from typing import Any, List, Literal, Optional, Union
 import pytest
 from pydantic import BaseModel, ValidationError, field_validator
 
-from sgl_kvc.adapter.request_guard import out_of_vocab_message
+from sgl_kvc.adapter.scheduling.request_guard import out_of_vocab_message
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.server import body_guard
 from sgl_kvc.server.body_guard import (
@@ -243,8 +243,8 @@ def test_the_documents_namespace_is_reserved() -> None:
     """An `extra_key` or `cache_salt` in the namespace of sgl-kvc's shared documents' nodes is a
     400 naming the field, on every route, one value or one per prompt; any other passes unchanged.
     Every other entry point is refused by the tokenizer manager's hook (`request_guard`)."""
-    from sgl_kvc.adapter import request_guard
     from sgl_kvc.adapter.documents import NAMESPACE
+    from sgl_kvc.adapter.scheduling import request_guard
 
     planted = NAMESPACE + "ab" * 32
     for field in ("extra_key", "cache_salt"):

@@ -1,4 +1,4 @@
-"""The chunk moment's trigger (`adapter/chunk_pressure.py`) on stand-ins for SGLang's scheduler:
+"""The chunk moment's trigger (`adapter/scheduling/chunk_pressure.py`) on stand-ins for SGLang's scheduler:
 a prompt is compressed before its next chunk exactly when the room SGLang's next prefill round
 has (free + evictable - what the running requests, and those admitted beside the chunk, reserve)
 cannot hold what that chunk takes: the chunk and the fresh slots of the pass after it
@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from sgl_kvc.adapter.chunk_pressure import needs_compression, next_chunk_room
+from sgl_kvc.adapter.scheduling.chunk_pressure import needs_compression, next_chunk_room
 from sgl_kvc.config import KvcConfig
+from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY
 
 CHUNK = 256
 
@@ -44,12 +45,12 @@ KEEP = 64  # slots the compaction may copy the kept entries into
 
 def _chunked(prompt: int, max_new: int = 16) -> SimpleNamespace:
     """A prompt compressed between chunks of CHUNK, with what admission fixed for it."""
-    from sgl_kvc.adapter.admission import _SIZES_ATTR
+    from sgl_kvc import req_state
     from sgl_kvc.footprint import Sizes
 
     req = _req(prompt, max_new=max_new)
     req.sampling_params.custom_params = None
-    setattr(req, _SIZES_ATTR, Sizes(budget=KEEP, buffer=32, keep=KEEP, chunk=CHUNK))
+    req_state.of(req).sizes = Sizes(budget=KEEP, buffer=32, keep=KEEP, chunk=CHUNK)
     return req
 
 
@@ -66,7 +67,7 @@ def _chunked(prompt: int, max_new: int = 16) -> SimpleNamespace:
 def test_compressed_only_when_what_the_next_chunk_takes_does_not_fit(
     free: int, processed: int, prompt: int, compacted: bool, due: bool
 ) -> None:
-    from sgl_kvc.adapter.admission import chunk_need
+    from sgl_kvc.adapter.scheduling.admission import chunk_need
 
     config = KvcConfig(policy="snapkv", kv_budget=KEEP, kv_buffer=32)
     req = _chunked(prompt, max_new=0)
@@ -98,7 +99,7 @@ def test_requests_admitted_beside_the_chunk_count() -> None:
 def test_a_pass_between_chunks_may_keep_a_multiple_of_the_budget() -> None:
     """`--kv-chunk-keep`: what a pass between chunks keeps (the pass after the last chunk cuts to
     the budget), and what admission counts a request compressed between chunks to hold."""
-    from sgl_kvc.adapter.admission import sizes_of
+    from sgl_kvc.adapter.scheduling.admission import sizes_of
     from sgl_kvc.request_settings import RequestCompression
 
     config = KvcConfig(policy="snapkv", kv_budget=256, kv_buffer=128, kv_chunk_keep=2.0)
@@ -108,3 +109,27 @@ def test_a_pass_between_chunks_may_keep_a_multiple_of_the_budget() -> None:
     for bad in (0.5, True, "2"):
         with pytest.raises(ValueError, match="--kv-chunk-keep"):
             KvcConfig(policy="snapkv", kv_chunk_keep=bad)
+
+
+def test_the_tokenized_input_is_read_and_never_written() -> None:
+    """SGLang's `TokenizedGenerateReqInput` (a msgspec Struct, no room for another attribute),
+    read before its `Req` exists (`chunk_compressible`, the long-prompt hook): its settings are
+    read from it and nothing of sgl-kvc's is attached (`req_state.peek`). Attaching raised inside
+    SGLang's scheduler and took every server down."""
+    import inspect
+    from array import array
+
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sgl_kvc import req_state
+    from sgl_kvc.adapter.scheduling.requests import chunk_compressible
+
+    fields = {name: None for name, p in inspect.signature(TokenizedGenerateReqInput).parameters.items()
+              if p.default is inspect.Parameter.empty}
+    fields.update(input_ids=array("q", range(5000)), return_logprob=False, logprob_start_len=-1,
+                  top_logprobs_num=0, stream=False,
+                  sampling_params=SamplingParams(max_new_tokens=8, custom_params={CUSTOM_PARAMS_KEY: {"budget": 64}}))
+    tokenized = TokenizedGenerateReqInput(**fields)
+    assert chunk_compressible(tokenized, KvcConfig(policy="snapkv"))
+    assert req_state.peek(tokenized) is None

@@ -1,4 +1,4 @@
-"""The kept entries of a step's compactions move in bounded groups (`adapter/compaction.py`): a
+"""The kept entries of a step's compactions move in bounded groups (`adapter/moments/compaction.py`): a
 move that raises fails the requests of its group, not every request of the step."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fakes import FakeAllocator
-from sgl_kvc.adapter import compaction
-from sgl_kvc.adapter.compaction import Prepared, move_groups, prepare_per_head
+from sgl_kvc.adapter.moments import compaction
+from sgl_kvc.adapter.moments.compaction import Prepared, move_groups, prepare_per_head
 from sgl_kvc.policies import HeadSelection
 from test_compressor_moments import SlotPool, Tree
 

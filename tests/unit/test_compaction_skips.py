@@ -2,7 +2,7 @@
 in process on the stand-ins of `test_compressor_moments.py` (SGLang's batch, pools and tree).
 
 `SGLKVC_FAILPOINTS=skip_compaction` makes the compaction of a request whose id starts with
-`failpoint-skip-<moment>` find no free slots (`adapter/failpoints.py`): between two chunks the
+`failpoint-skip-<moment>` find no free slots (`adapter/safety/failpoints.py`): between two chunks the
 request fails alone (its next chunk would not fit uncompressed); at the other moments its pass is
 put off, with a back-off, and it is compressed once slots are there."""
 
@@ -15,9 +15,9 @@ import torch
 
 from fakes import FakeAllocator
 from sgl_kvc.adapter import attention
-from sgl_kvc.adapter import compressor as compressor_module
-from sgl_kvc.adapter import failures as failures_module
-from sgl_kvc.adapter.failures import failure
+from sgl_kvc.adapter.moments import compressor as compressor_module
+from sgl_kvc.adapter.safety import failures as failures_module
+from sgl_kvc.adapter.safety.failures import failure
 from sgl_kvc.config import KvcConfig
 from test_compressor_moments import D, H_Q, LAYERS, SLOTS, SlotPool, Tree, _layer, _req
 

@@ -19,7 +19,7 @@ import torch
 
 from fakes import FakeAllocator
 from sgl_kvc.adapter import attention
-from sgl_kvc.adapter import compressor as compressor_module
+from sgl_kvc.adapter.moments import compressor as compressor_module
 from sgl_kvc.config import KvcConfig
 
 LAYERS, H_KV, H_Q, D, SLOTS = 2, 2, 4, 16, 256  # head dim 16: the Triton kernel serves it on CUDA

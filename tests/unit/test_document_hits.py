@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from fakes import FakeAllocator, LayeredKvPool
-from sgl_kvc.adapter import compressor as compressor_module
 from sgl_kvc.adapter import documents
-from sgl_kvc.adapter.admission import _with_document, sizes_of
 from sgl_kvc.adapter.documents import Document, DocumentKey, DocumentRegistry
+from sgl_kvc.adapter.moments import compressor as compressor_module
+from sgl_kvc.adapter.scheduling.admission import _with_document, sizes_of
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.reconstruction import CarriedScores
 from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY, resolved
@@ -113,7 +113,7 @@ def test_a_documents_metadata_is_int32_and_charged_per_pool_token() -> None:
     policy's half, so documents filling the pool fit their reservation. The pool and every buffer
     still fit the memory. Before, positions were int64 and a packed document's positions and units
     were padded to its widest head (3x its slots on SmolLM2)."""
-    from sgl_kvc.adapter.kv_memory import Reservation, fit_pool
+    from sgl_kvc.adapter.memory.kv_memory import Reservation, fit_pool
 
     smollm2 = dict(window=8, num_layers=30, q_heads=9, kv_heads=3, head_dim=64, q_bytes=2)
     cell = 30 * 3 * 64 * 2 * 2
@@ -174,7 +174,7 @@ def _tree_with_documents(count: int, slots: int = 30):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
     from sgl_kvc.adapter.documents import node_key
-    from sgl_kvc.adapter.radix_cache import KvcRadixCache
+    from sgl_kvc.adapter.documents.radix_cache import KvcRadixCache
 
     allocator = SegmentFreeRecorder()
     tree = KvcRadixCache(CacheInitParams(disable=False, req_to_token_pool=None,
@@ -197,7 +197,7 @@ def test_documents_are_evicted_to_keep_their_metadata_within_its_reservation() -
     evicted for it; and a document that could not fit even with every unlocked one gone evicts
     nothing and is not published. Before, the metadata was reserved nowhere and grew with the
     documents tenants declared."""
-    from sgl_kvc.adapter import invariants
+    from sgl_kvc.adapter.safety import invariants
 
     tree, allocator, docs = _tree_with_documents(3)
     one = docs[0].metadata_bytes
@@ -221,7 +221,7 @@ def test_documents_are_evicted_to_keep_their_metadata_within_its_reservation() -
 
 
 def test_documents_metadata_over_its_reservation_is_a_violation() -> None:
-    from sgl_kvc.adapter import invariants
+    from sgl_kvc.adapter.safety import invariants
 
     tree, _, docs = _tree_with_documents(2)
     tree.documents.metadata_budget = docs[0].metadata_bytes

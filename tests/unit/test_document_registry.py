@@ -12,14 +12,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_kvc.adapter import documents, invariants
+from sgl_kvc import req_state
+from sgl_kvc.adapter import documents
 from sgl_kvc.adapter.documents import Document, DocumentKey, node_key, request_key
-from sgl_kvc.adapter.radix_cache import KvcRadixCache
+from sgl_kvc.adapter.documents.radix_cache import KvcRadixCache
+from sgl_kvc.adapter.safety import invariants
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY, DocumentSpec, RequestSettingError, parse_kv_compression
 from fakes import SegmentFreeRecorder
 
 KVZIP = KvcConfig(policy="snapkv", prompt_policy="kvzip")
+
+
+def _declaring(req: SimpleNamespace, key: DocumentKey | None) -> SimpleNamespace:
+    """`req`, declaring the document `key` (as `documents.admit` records it)."""
+    req_state.of(req).document = key
+    return req
 
 
 @pytest.mark.parametrize("document, field, words", [
@@ -102,7 +110,7 @@ def test_a_resident_document_is_matched_locked_and_evicted_like_a_node() -> None
     assert tree.evictable_size() == 30 and tree.documents.snapshot()["resident"] == 1
 
     tokens = array("q", range(10, 115))
-    req = SimpleNamespace(**{documents.KEY_ATTR: key})
+    req = _declaring(SimpleNamespace(), key)
     match = tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens, limit=60), req=req))
     assert match.device_prefix_len == 30 and match.last_device_node is node
     assert torch.equal(tree.path_device_indices(node), slots)
@@ -177,7 +185,7 @@ def test_a_request_compressing_its_document_between_chunks_stops_a_chunk_at_its_
     tree.insert(InsertParams(key=RadixKey(array("q", prompt)), value=torch.arange(120)))
     match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=req))
     assert match.device_prefix_len == 99
-    whole = SimpleNamespace(**{documents.KEY_ATTR: documents.declared(req)})  # reads it whole: no limit
+    whole = _declaring(SimpleNamespace(), documents.declared(req))  # reads it whole: no limit
     assert tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=whole)).device_prefix_len == 120
 
     key = documents.declared(req)
@@ -204,8 +212,7 @@ def test_concurrent_first_requests_wait_for_the_one_compressing_their_document()
     other = DocumentKey(digest="01" * 32, tokens=100, entries=30, policy="kvzip")
 
     def req(k: DocumentKey | None) -> SimpleNamespace:
-        return SimpleNamespace(output_ids=[], kv=SimpleNamespace(holds_kv=True), finished=lambda: False,
-                               **{documents.KEY_ATTR: k, documents.HIT_ATTR: None})
+        return _declaring(SimpleNamespace(output_ids=[], kv=SimpleNamespace(holds_kv=True), finished=lambda: False), k)
 
     a, b, c, plain = req(key), req(key), req(other), req(None)
     registry = tree.documents
@@ -239,17 +246,17 @@ def test_no_request_waits_past_the_servers_bound() -> None:
     key = DocumentKey(digest="5e" * 32, tokens=100, entries=30, policy="kvzip")
 
     def req() -> SimpleNamespace:
-        return SimpleNamespace(output_ids=[], kv=SimpleNamespace(holds_kv=True), finished=lambda: False,
-                               **{documents.KEY_ATTR: key, documents.HIT_ATTR: None})
+        return _declaring(SimpleNamespace(output_ids=[], kv=SimpleNamespace(holds_kv=True), finished=lambda: False),
+                          key)
 
     publisher, early, late = req(), req(), req()
     documents.compressing([publisher], registry)
     held = documents.held_back([early], registry)
     assert held == [early]
-    t0 = getattr(early, documents.WAIT_ATTR)
+    t0 = req_state.of(early).wait_since
     assert documents.held_back([early, late], registry) == [early, late]
-    assert getattr(early, documents.WAIT_ATTR) == t0  # its wait is counted from its first
-    setattr(late, documents.WAIT_ATTR, t0 + 4.0)
+    assert req_state.of(early).wait_since == t0  # its wait is counted from its first
+    req_state.of(late).wait_since = t0 + 4.0
     assert documents.overdue([early, late], 5.0, now=t0 + 4.9) == [False, False]
     late_flags = documents.overdue([early, late], 5.0, now=t0 + 5.0)
     assert late_flags == [True, False]
@@ -296,8 +303,8 @@ def test_a_request_asking_for_prompt_logprobs_never_starts_from_a_document() -> 
     tree.documents.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64), slots=30))
 
     def req(return_logprob: bool, start: int) -> SimpleNamespace:
-        return SimpleNamespace(origin_input_ids=prompt, return_logprob=return_logprob, logprob_start_len=start,
-                               **{documents.KEY_ATTR: key})
+        return _declaring(SimpleNamespace(origin_input_ids=prompt, return_logprob=return_logprob,
+                                          logprob_start_len=start), key)
 
     for start in (0, 99, 100, 119):  # before, at and after the document's end
         limited = RadixKey(array("q", prompt), limit=start)  # SGLang's cap for them
@@ -319,8 +326,7 @@ def test_publishers_that_ended_without_publishing_are_forgotten() -> None:
 
     def publisher(i: int) -> tuple[DocumentKey, SimpleNamespace]:
         key = DocumentKey(digest=f"{i:064x}", tokens=100, entries=30, policy="kvzip")
-        req = SimpleNamespace(output_ids=[], kv=SimpleNamespace(holds_kv=True), finished=lambda: False,
-                              **{documents.KEY_ATTR: key, documents.HIT_ATTR: None})
+        req = _declaring(SimpleNamespace(output_ids=[], kv=SimpleNamespace(holds_kv=True), finished=lambda: False), key)
         return key, req
 
     reqs = [publisher(i)[1] for i in range(100)]
@@ -357,7 +363,7 @@ def test_a_document_hit_is_a_use_for_lfu_eviction() -> None:
     used = publish("a1", torch.arange(100, 130))
     prompt = RadixKey(array("q", range(10, 115)))
     for _ in range(2):
-        req = SimpleNamespace(**{documents.KEY_ATTR: used})
+        req = _declaring(SimpleNamespace(), used)
         for _ in range(3):  # matched in three rounds before it is admitted: one use
             assert tree.match_prefix(MatchPrefixParams(key=prompt, req=req)).device_prefix_len == 30
     assert tree.documents.get(used).node.hit_count == 3  # its publication and two requests
@@ -377,7 +383,7 @@ class _RealAdder:
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-        from sgl_kvc.adapter import admission
+        from sgl_kvc.adapter.scheduling import admission
 
         self.config = config
         pool = MHATokenToKVPool(4000, page_size=1, dtype=torch.float32, head_num=1, head_dim=4, v_head_dim=4,
@@ -398,7 +404,7 @@ class _RealAdder:
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        from sgl_kvc.adapter import admission
+        from sgl_kvc.adapter.scheduling import admission
 
         kv = {"prompt_policy": "kvzip"}
         if document is not None:

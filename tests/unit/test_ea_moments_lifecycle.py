@@ -12,7 +12,7 @@ import torch
 
 from fakes import FakeAllocator
 from sgl_kvc.adapter import attention
-from sgl_kvc.adapter import compressor as compressor_module
+from sgl_kvc.adapter.moments import compressor as compressor_module
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.query_moments import QueryMoments
 from sgl_kvc.core.views import prompt_moments
@@ -32,7 +32,7 @@ def _setup(monkeypatch, policy: str, prompt_policy: str = "auto", prompts=(40, 3
     allocator = FakeAllocator(SLOTS, pool, seed=1, device=device)
     runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=r2t),
                              attn_backend=SimpleNamespace(kvc_store=None, kvc_attends=True), server_args=None)
-    if moment_slots is not None:  # what the KV-memory hook reserved (`adapter/kv_memory.py`)
+    if moment_slots is not None:  # what the KV-memory hook reserved (`adapter/memory/kv_memory.py`)
         runner.memory_pool_config = SimpleNamespace(kvc_moment_slots=moment_slots)
     config = KvcConfig(policy=policy, prompt_policy=prompt_policy, kv_budget=12, kv_buffer=4, kv_window=4,
                        compress_on=("prefill", "decode", "preempt"))

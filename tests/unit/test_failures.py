@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import torch
 
-from sgl_kvc.adapter.failures import FailedOnAnotherRank, FailureLedger, failure
-from sgl_kvc.adapter.tp import RankVote
+from sgl_kvc.adapter.safety.failures import FailedOnAnotherRank, FailureLedger, failure
+from sgl_kvc.adapter.safety.tp import RankVote
 
 
 def _req(rid: str) -> SimpleNamespace:

@@ -19,8 +19,8 @@ def _real(units: bool, fp8: str | None):
     standins.install()
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from sgl_kvc.adapter.fp8_pool import fp8_pool_class
-    from sgl_kvc.adapter.unit_pool import KvcFp8UnitTokenToKVPool, KvcUnitTokenToKVPool
+    from sgl_kvc.adapter.memory.fp8_pool import fp8_pool_class
+    from sgl_kvc.adapter.memory.unit_pool import KvcFp8UnitTokenToKVPool, KvcUnitTokenToKVPool
 
     if fp8 is not None:
         cls = fp8_pool_class(fp8, base=KvcFp8UnitTokenToKVPool if units else None)

@@ -104,8 +104,8 @@ def test_a_running_request_counts_what_it_may_still_take() -> None:
 
 
 def test_the_running_reservation_adds_a_pending_compactions_copies_to_sglangs_estimate() -> None:
-    from sgl_kvc.adapter.admission import around_running_offset
-    from sgl_kvc.adapter.compressor import STATE_ATTR
+    from sgl_kvc import req_state
+    from sgl_kvc.adapter.scheduling.admission import around_running_offset
 
     config = KvcConfig(policy="snapkv", kv_budget=B, kv_buffer=BUF)
     hook = around_running_offset(config)
@@ -116,7 +116,7 @@ def test_the_running_reservation_adds_a_pending_compactions_copies_to_sglangs_es
             kv=SimpleNamespace(kv_committed_len=held, cache_protected_len=tree),
             sampling_params=SimpleNamespace(max_new_tokens=400, custom_params=None),
         )
-        setattr(r, STATE_ATTR, SimpleNamespace(compressed=compressed))
+        req_state.of(r).state = SimpleNamespace(compressed=compressed)
         return r
 
     def sglang(ratio: float):  # SGLang's estimate of the tokens a running request still writes
@@ -132,7 +132,7 @@ def test_the_running_reservation_adds_a_pending_compactions_copies_to_sglangs_es
 
 
 def test_the_ratio_budget_is_read_at_the_length_a_request_may_reach() -> None:
-    from sgl_kvc.adapter.admission import sizes_of
+    from sgl_kvc.adapter.scheduling.admission import sizes_of
     from sgl_kvc.request_settings import RequestCompression
 
     config = KvcConfig(policy="rkv", kv_budget_ratio=0.25, kv_buffer=128, kv_window=8)
@@ -162,7 +162,7 @@ class _Req(SimpleNamespace):
 def test_a_request_that_cannot_fit_even_compressed_is_refused_or_cut_as_sglang_does(
     monkeypatch, compress_on: str, max_tokens: int, truncate: bool, expected: int | None
 ) -> None:
-    from sgl_kvc.adapter import admission
+    from sgl_kvc.adapter.scheduling import admission
 
     monkeypatch.setattr(admission, "_allow_auto_truncate", lambda: truncate)
     config = KvcConfig(policy="snapkv", kv_budget=B, kv_buffer=BUF, compress_on=tuple(compress_on.split(",")))
@@ -171,7 +171,8 @@ def test_a_request_that_cannot_fit_even_compressed_is_refused_or_cut_as_sglang_d
                                 tree_cache=SimpleNamespace(disable=False))
     req = _Req(rid="r", origin_input_ids=[1] * 300, output_ids=[], abort=None,
                sampling_params=SimpleNamespace(max_new_tokens=max_tokens, min_new_tokens=0, custom_params=None))
-    admission.around_max_new_tokens(config)(lambda *a: pytest.fail("SGLang's own cut"), scheduler, req)
+    admission.around_max_new_tokens(config, lambda s: pytest.fail("no reconstruction"))(
+        lambda *a: pytest.fail("SGLang's own cut"), scheduler, req)
     if expected is None:
         status, message = req.abort
         assert status == 400 and "cannot hold this request even compressed" in message
@@ -199,8 +200,8 @@ def test_a_reconstruction_forward_is_held_at_each_prompt_moment_whose_pass_reads
 
 
 def test_admission_counts_a_kvzip_requests_forward_and_the_400_names_kvzip_chunk(monkeypatch) -> None:
-    from sgl_kvc.adapter import admission
-    from sgl_kvc.adapter.reconstruction import RESERVE_HEAD
+    from sgl_kvc.adapter.kvzip.reconstruction import RESERVE_HEAD
+    from sgl_kvc.adapter.scheduling import admission
     from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY
 
     monkeypatch.setattr(admission, "_allow_auto_truncate", lambda: False)
@@ -218,17 +219,17 @@ def test_admission_counts_a_kvzip_requests_forward_and_the_400_names_kvzip_chunk
                                 tree_cache=SimpleNamespace(disable=False), tp_worker=SimpleNamespace(model_runner=None))
     # the model's positions leave the reconstruction room (`Reconstructor.refusal`, tested apart)
     refusal = SimpleNamespace(message=None)
-    compressor = SimpleNamespace(reconstructor=SimpleNamespace(refusal=lambda s, ids: refusal.message))
-    monkeypatch.setattr(admission, "compressor_of", lambda model_runner, config: compressor)
+    reconstructor = SimpleNamespace(refusal=lambda s, ids: refusal.message)
+    hook = admission.around_max_new_tokens(config, lambda scheduler: reconstructor)
     kvzip = req("kvzip")
-    admission.around_max_new_tokens(config)(lambda *a: pytest.fail("SGLang's own cut"), scheduler, kvzip)
+    hook(lambda *a: pytest.fail("SGLang's own cut"), scheduler, kvzip)
     status, message = kvzip.abort
     assert status == 400 and "--kvzip-chunk" in message
     snapkv = req("snapkv")
-    admission.around_max_new_tokens(config)(lambda *a: pytest.fail("SGLang's own cut"), scheduler, snapkv)
+    hook(lambda *a: pytest.fail("SGLang's own cut"), scheduler, snapkv)
     assert snapkv.abort is None
     # where they do not, the refusal is the 400 (before any pool arithmetic)
     refusal.message = "prompt_policy 'kvzip' repeats the prompt's context after it"
     short = req("kvzip")
-    admission.around_max_new_tokens(config)(lambda *a: pytest.fail("SGLang's own cut"), scheduler, short)
+    hook(lambda *a: pytest.fail("SGLang's own cut"), scheduler, short)
     assert short.abort == (400, refusal.message)

@@ -17,8 +17,8 @@ def _pool(fp8: str, size: int = 64, device: str = "cpu", units: bool = False):
     from sgl_kvc.compat import standins
 
     standins.install()
-    from sgl_kvc.adapter.fp8_pool import fp8_pool_class
-    from sgl_kvc.adapter.unit_pool import KvcFp8UnitTokenToKVPool
+    from sgl_kvc.adapter.memory.fp8_pool import fp8_pool_class
+    from sgl_kvc.adapter.memory.unit_pool import KvcFp8UnitTokenToKVPool
 
     cls = fp8_pool_class(fp8, base=KvcFp8UnitTokenToKVPool if units else None)
     return cls(size, page_size=1, dtype=torch.bfloat16, head_num=2, head_dim=32, v_head_dim=32,
@@ -35,8 +35,8 @@ class _Layer:
 @pytest.mark.parametrize("fp8", FORMATS)
 def test_pool_stores_fp8_and_reads_dequantized_rows(fp8: str, units: bool) -> None:
     pool = _pool(fp8, units=units)
+    from sgl_kvc.adapter.memory.fp8_pool import pool_bytes
     from sgl_kvc.core.moves import move_units_many
-    from sgl_kvc.adapter.fp8_pool import pool_bytes
 
     # memory: codes + scales, as SGLang counts it (get_kv_size_bytes), per slot
     assert pool_bytes(pool) == (64 + 1) * pool.kvc_bytes_per_token
@@ -75,11 +75,10 @@ def test_fp8_unit_pool_units_are_the_layers_rows_and_move_exactly() -> None:
     from types import SimpleNamespace
 
     from fakes import FakeAllocator
-    from sgl_kvc.adapter.compaction import compact_requests_units
+    from sgl_kvc.adapter.moments.compaction import compact_requests_units
     from sgl_kvc.core.request_state import Budget, ReqKvState, unit_index
-    from sgl_kvc.policies import get_policy
     from sgl_kvc.kernels.per_head_attention import HeadTables, per_head_decode
-    from sgl_kvc.policies import select_from_scores
+    from sgl_kvc.policies import get_policy, select_from_scores
 
     pool = _pool("fp8_e4m3", units=True)
     layers, heads, n = 2, 2, 10

@@ -1,4 +1,4 @@
-"""sgl-kvc's buffers are charged to SGLang's KV memory (`adapter/kv_memory.py`)."""
+"""sgl-kvc's buffers are charged to SGLang's KV memory (`adapter/memory/kv_memory.py`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sgl_kvc.adapter.kv_memory import MAX_QUERY_SHARE, ROW_ENTRY_BYTES, Reservation, fit_pool, forward_room, widen_rows
+from sgl_kvc.adapter.memory.kv_memory import MAX_QUERY_SHARE, ROW_ENTRY_BYTES, Reservation, fit_pool, forward_room, widen_rows
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore
@@ -88,7 +88,7 @@ def test_the_moment_reservation_is_what_a_prompts_moments_hold() -> None:
 
 
 def test_moment_slots_take_at_most_their_share_and_the_pool_still_fits() -> None:
-    from sgl_kvc.adapter.kv_memory import MAX_MOMENT_SHARE
+    from sgl_kvc.adapter.memory.kv_memory import MAX_MOMENT_SHARE
 
     budget = 400 << 20
     fit = fit_pool(budget, SMOLLM2_CELL, tokens=budget // SMOLLM2_CELL, requests=2048, r=SMOLLM2)

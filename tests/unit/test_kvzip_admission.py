@@ -1,5 +1,5 @@
 """What a KVzip request reserves for its reconstruction forward, and the ids it is asked with
-(`sgl_kvc/adapter/reconstruction.py`), without a server."""
+(`sgl_kvc/adapter/kvzip/reconstruction.py`), without a server."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sgl_kvc.adapter import reconstruction
+from sgl_kvc.adapter.kvzip import reconstruction
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY, RequestSettingError, parse_kv_compression
 

@@ -183,7 +183,7 @@ class _Attention(torch.nn.Module):
 )
 def test_the_unit_pool_refuses_layers_its_kernel_does_not_serve(layer, encoder_decoder, message) -> None:
     """Checked when SGLang configures the KV pool (the model is loaded, nothing served yet)."""
-    from sgl_kvc.adapter.unit_pool import unsupported_model
+    from sgl_kvc.adapter.memory.unit_pool import unsupported_model
 
     model = torch.nn.ModuleList([_Attention(0), layer])
     problem = unsupported_model(model, encoder_decoder, "--kv-head-budget variable")
@@ -204,7 +204,7 @@ def test_the_unit_pool_refuses_layers_its_kernel_does_not_serve(layer, encoder_d
 )
 def test_models_whose_kv_compaction_does_not_model_are_refused(layout, message) -> None:
     """Checked when SGLang configures the KV pool, under every compressing policy."""
-    from sgl_kvc.adapter.refusals import unsupported_layout
+    from sgl_kvc.adapter.safety.refusals import unsupported_layout
 
     problem = unsupported_layout(*layout, policy="rkv")
     if message is None:
@@ -217,7 +217,7 @@ def test_models_whose_kv_compaction_does_not_model_are_refused(layout, message) 
 def test_an_attention_backend_sgl_kvc_does_not_wrap_is_refused() -> None:
     """SGLang's hybrid backend (a split prefill / decode pair) would leave the store unattached."""
     from sgl_kvc.adapter.attention import _kvc_class
-    from sgl_kvc.adapter.refusals import unattached_backend
+    from sgl_kvc.adapter.safety.refusals import unattached_backend
 
     class HybridAttnBackend:
         pass

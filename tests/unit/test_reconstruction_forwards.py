@@ -1,5 +1,5 @@
 """How KVzip's reconstruction passes are cut into forwards, and how tensor-parallel ranks agree on
-them (`sgl_kvc/adapter/reconstruction.py`), without a server: real plans over a real `KvcStore`,
+them (`sgl_kvc/adapter/kvzip/reconstruction.py`), without a server: real plans over a real `KvcStore`,
 SGLang's own `Req` for each forward's requests; the forwards themselves are recorded, not run.
 
 Tensor parallelism is played by threads, one per rank, whose `RankVote` sums over a barrier with
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from fakes import FakeAllocator, LayeredKvPool
-from sgl_kvc.adapter import reconstruction
-from sgl_kvc.adapter.failures import FailedOnAnotherRank
-from sgl_kvc.adapter.kv_memory import Reservation, forward_entries, forward_room
-from sgl_kvc.adapter.reconstruction import Reconstructor, forward_groups, forward_limit
-from sgl_kvc.adapter.tp import RankVote
+from sgl_kvc.adapter.kvzip import reconstruction
+from sgl_kvc.adapter.kvzip.reconstruction import Reconstructor, forward_groups, forward_limit
+from sgl_kvc.adapter.memory.kv_memory import Reservation, forward_entries, forward_room
+from sgl_kvc.adapter.safety.failures import FailedOnAnotherRank
+from sgl_kvc.adapter.safety.tp import RankVote
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore

@@ -1,4 +1,4 @@
-"""The served model's RoPE, as the policies see it (`sgl_kvc.adapter.rope`), and Expected
+"""The served model's RoPE, as the policies see it (`sgl_kvc.adapter.moments.rope`), and Expected
 Attention's query advance against transformers' Llama RoPE (the layout SmolLM2 and Llama use)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_kvc.adapter.compressor import Compressor
-from sgl_kvc.adapter.rope import rope_params
+from sgl_kvc.adapter.moments.compressor import Compressor
+from sgl_kvc.adapter.moments.rope import rope_params
 from sgl_kvc.policies import PolicyParams
 from sgl_kvc.policies.expected_attention import mean_future_phasor, rotate_pairs
 
@@ -54,7 +54,7 @@ def test_rope_params_read_the_models_rotary_embedding(caplog: pytest.LogCaptureF
 def test_the_compressors_policies_get_the_models_rope(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 
-    from sgl_kvc.adapter import compressor as compressor_module
+    from sgl_kvc.adapter.moments import compressor as compressor_module
     from sgl_kvc.config import KvcConfig
 
     monkeypatch.setattr(compressor_module.ScoreReducer, "for_sglang_tp_group", classmethod(lambda cls: None))

@@ -17,7 +17,7 @@ Memory: a forward holds, per request, one chunk of the context and its instructi
 round's requests are cut into forwards (`forward_groups`) of at most SGLang's tokens per prefill
 forward (`forward_limit`: the activations its memory slack is sized for; one forward of every due
 request read sum(chunk + instruction) tokens, 32 requests over a cached 16K prefix far past the
-chunked-prefill size) and of at most the entries whose keys `adapter/kv_memory.py` reserves
+chunked-prefill size) and of at most the entries whose keys `adapter/memory/kv_memory.py` reserves
 (`forward_entries`: per layer, a CPU forward hands its fold every row's gathered keys).
 
 Failures: an exception while a request's queries are folded fails that request; one while a
@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from sgl_kvc.adapter import failpoints
-from sgl_kvc.adapter.failures import FailedOnAnotherRank
-from sgl_kvc.adapter.tp import RankVote
+from sgl_kvc.adapter.safety import failpoints
+from sgl_kvc.adapter.safety.failures import FailedOnAnotherRank
+from sgl_kvc.adapter.safety.tp import RankVote, everywhere
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.reconstruction import (
     OVERLAP,
@@ -197,7 +197,7 @@ class Reconstructor:
     # The tensor-parallel group's vote (None: one rank), the compressor's `FailureLedger.vote`.
     vote: RankVote | None = None
     # Entries one forward may attend to in all (its rows' prefixes and chunks): the keys
-    # `adapter/kv_memory.py` reserved for them (None: no reservation ran; the widest row).
+    # `adapter/memory/kv_memory.py` reserved for them (None: no reservation ran; the widest row).
     forward_entries: int | None = None
     _prompt: ReconstructionPrompt | None = None
     _positions: int | None = None
@@ -292,15 +292,12 @@ class Reconstructor:
         (a small all-reduce over the TP group's CPU group) before any forward; none on one rank."""
         if self.vote is None:
             return [planned[i] for i in due if i in planned]
-        mine = torch.zeros(len(batch.reqs), dtype=torch.int64, device="cpu")
-        for i in planned:
-            mine[i] = 1
-        everywhere = (self.vote(mine) == self.vote.world_size).tolist()
+        planned_everywhere = everywhere(self.vote, [i in planned for i in range(len(batch.reqs))])
         items = []
         for i in due:
             if i not in planned:
                 continue
-            if everywhere[i]:
+            if planned_everywhere[i]:
                 items.append(planned[i])
             else:
                 fail(batch.reqs[i], FailedOnAnotherRank("its reconstruction was not planned on another rank"))
@@ -308,9 +305,7 @@ class Reconstructor:
 
     def _everywhere(self, ok: bool) -> bool:
         """Whether `ok` holds on every rank (one vote; `ok` itself on one rank)."""
-        if self.vote is None:
-            return ok
-        return int(self.vote(torch.tensor([int(ok)], dtype=torch.int64, device="cpu"))[0]) == self.vote.world_size
+        return everywhere(self.vote, [ok])[0]
 
     def _forward_bounds(self, scheduler: Scheduler) -> tuple[int, int]:
         """(tokens, entries) one forward may read and attend to: SGLang's tokens per prefill

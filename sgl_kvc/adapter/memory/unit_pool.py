@@ -30,7 +30,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from torch import Tensor
 
-from sgl_kvc.adapter.fp8_pool import KvcFp8TokenToKVPool, after_configure, after_resolve, fp8_pool_class, write_target
+from sgl_kvc.adapter.memory.fp8_pool import KvcFp8TokenToKVPool, after_configure, after_resolve, fp8_pool_class, write_target
 from sgl_kvc.adapter.sglang_api import Hook
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.kernels.fp8 import Fp8Rows

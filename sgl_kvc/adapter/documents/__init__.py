@@ -3,7 +3,7 @@
 A request says that its prompt's first D tokens are a document to keep compressed
 (`kv_compression.document`). The first such request compresses it, by its question-free prompt
 policy (KVzip repeats the document alone), to k entries per (layer, KV head), and publishes them to
-the radix tree as one node (`adapter/document_pass.py`):
+the radix tree as one node (`adapter/documents/document_pass.py`):
 - on a server that compresses between chunks (`--compress-on chunk` or `chunk-always`), it reads
   the document in chunks, one of which ends exactly at D (`chunk_cap`), and compresses its row to k
   entries there, before any of its question is read; its row's k slots become the node, and it goes
@@ -27,7 +27,7 @@ The node is an ordinary tree node under a key of its own (k placeholder tokens i
 LRU eviction and size accounting hold for it as written; this module keeps the side registry that
 maps a document's key to its node and to which token each of its entries holds. A request's own
 compaction never writes the node's slots (they are tree-owned: it copies what it keeps, as for any
-matched prefix, `adapter/compaction.py`).
+matched prefix, `adapter/moments/compaction.py`).
 
 What a document request adds is checked when it enters the queue (`request_key`: a 400 if its
 prompt does not extend past the document, or if its settings cannot compress one).
@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from sgl_kvc import req_state
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.reconstruction import CarriedScores
 from sgl_kvc.request_settings import (
@@ -59,13 +60,6 @@ from sgl_kvc.request_settings import (
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
 
-KEY_ATTR = "_sgl_kvc_document_key"  # on a Req: the DocumentKey of the document it declares
-HIT_ATTR = "_sgl_kvc_document_hit"  # on a Req: the Document its matched prefix is, else None
-SPLIT_ATTR = "_sgl_kvc_document_split"  # on a Req: its document is compressed at a chunk ending at D
-WAIT_ATTR = "_sgl_kvc_document_wait"  # on a Req: when it first waited for another's publication
-WAITED_OUT_ATTR = "_sgl_kvc_document_waited_out"  # on a Req: it waited its bound out, waits no more
-ABSTAINS_ATTR = "_sgl_kvc_document_abstains"  # on a Req: it reads whole where documents are cut between chunks
-CUTS_ATTR = "_sgl_kvc_document_cuts"  # on a Req: its row's cuts inside its document so far (`cut_inside`)
 NODE_ATTR = "sgl_kvc_document"  # on a radix TreeNode: the Document it holds
 NAMESPACE = "sgl-kvc/document/"  # the extra_key prefix of a document node, reserved (`reserved_namespace`)
 
@@ -95,7 +89,7 @@ class DocumentNamespace(str):
 def reserved_namespace(field_name: str, value: Any) -> str | None:
     """Why a client's `extra_key` or `cache_salt` (`field_name`) cannot be served, or None: the
     document namespace is sgl-kvc's own (refused where requests enter, `server/body_guard.py` and
-    `adapter/request_guard.py`; the node's key cannot be forged anyway, `DocumentNamespace`)."""
+    `adapter/scheduling/request_guard.py`; the node's key cannot be forged anyway, `DocumentNamespace`)."""
     if isinstance(value, str) and value.startswith(NAMESPACE):
         return (f"Invalid '{field_name}': values starting with '{NAMESPACE}' are reserved for "
                 "sgl-kvc's shared documents.")
@@ -132,7 +126,7 @@ class Document:
     Its metadata (`compact`) stays resident beside its KV as long as the document: an int32 per
     kept entry, each head's length, nothing padded, and, compressed by a reconstruction (KVzip), a
     float32 score per kept entry: at most 8 bytes per (slot, layer, KV head), what the KV memory
-    reserves per pool token for documents (`adapter/kv_memory.py`)."""
+    reserves per pool token for documents (`adapter/memory/kv_memory.py`)."""
 
     key: DocumentKey
     node: Any  # the radix TreeNode (value: its slots)
@@ -244,7 +238,7 @@ class DocumentRegistry:
     metrics: Any = None  # the scheduler's CompressionMetrics (`/metrics`), once it has some
     # documents being compressed: key digest -> the request (SGLang's Req) compressing it
     compressing: dict[str, Any] = field(default_factory=dict)
-    # bytes the KV memory reserved for the resident documents' metadata (`adapter/kv_memory.py`);
+    # bytes the KV memory reserved for the resident documents' metadata (`adapter/memory/kv_memory.py`);
     # None: nothing reserved (a pool layout without one cost per token), not bounded
     metadata_budget: int | None = None
 
@@ -367,7 +361,7 @@ def may_start_from(req: Any) -> bool:
     expect log-probabilities of tokens it never reads and count the rest from k, not D (its assert
     in the scheduler loop took the server down); such a request reads its prompt itself, exact,
     as on a server without documents (and may publish the document from it, read whole)."""
-    from sgl_kvc.adapter.requests import asks_prompt_logprobs
+    from sgl_kvc.adapter.scheduling.requests import asks_prompt_logprobs
 
     return not asks_prompt_logprobs(req, len(getattr(req, "origin_input_ids", ())))
 
@@ -411,7 +405,7 @@ def overdue(held: list[Any], bound: float, now: float | None = None) -> list[boo
     """Which of the held requests have waited `bound` seconds (each since it first waited),
     by this process's clock: tensor-parallel ranks vote on it before acting (`stop_waiting`)."""
     now = time.monotonic() if now is None else now
-    return [now - (getattr(req, WAIT_ATTR, None) or now) >= bound for req in held]
+    return [now - (req_state.of(req).wait_since or now) >= bound for req in held]
 
 
 def stop_waiting(held: list[Any], late: list[bool], registry: DocumentRegistry) -> list[Any]:
@@ -422,7 +416,7 @@ def stop_waiting(held: list[Any], late: list[bool], registry: DocumentRegistry) 
     still = []
     for req, done in zip(held, late):
         if done:
-            setattr(req, WAITED_OUT_ATTR, True)
+            req_state.of(req).waited_out = True
             registry.stats.waited_out += 1
         else:
             still.append(req)
@@ -430,12 +424,13 @@ def stop_waiting(held: list[Any], late: list[bool], registry: DocumentRegistry) 
 
 
 def waited_out(req: Any) -> bool:
-    return bool(getattr(req, WAITED_OUT_ATTR, False))
+    return req_state.of(req).waited_out
 
 
 def _waits(req: Any) -> None:
-    if getattr(req, WAIT_ATTR, None) is None:
-        setattr(req, WAIT_ATTR, time.monotonic())
+    fields = req_state.of(req)
+    if fields.wait_since is None:
+        fields.wait_since = time.monotonic()
 
 
 def _compresses(req: Any) -> bool:
@@ -457,18 +452,18 @@ def compressing(admitted: list[Any], registry: DocumentRegistry) -> None:
 
 
 def declared(req: Any) -> DocumentKey | None:
-    return getattr(req, KEY_ATTR, None)
+    return req_state.of(req).document
 
 
 def hit(req: Any) -> Document | None:
     """The document a request's matched prefix is (set at each match), or None."""
-    return getattr(req, HIT_ATTR, None)
+    return req_state.of(req).hit
 
 
 def splits(req: Any) -> bool:
     """Whether `req` compresses its document itself, at a chunk that ends at the document's end
     (it declares one, did not start from it, and is compressed between chunks)."""
-    return bool(getattr(req, SPLIT_ATTR, False)) and declared(req) is not None and hit(req) is None
+    return req_state.of(req).split and declared(req) is not None and hit(req) is None
 
 
 def held_for_document(req: Any) -> int:
@@ -555,22 +550,22 @@ def next_cut(req: Any) -> int | None:
 
 def cut(req: Any) -> None:
     """`req`'s row was cut inside its document (`cut_inside`)."""
-    setattr(req, CUTS_ATTR, cuts(req) + 1)
+    req_state.of(req).cuts += 1
 
 
 def cuts(req: Any) -> int:
     """The cuts of `req`'s row inside its document: its passes before the one at the document's
     end, if it followed its key's procedure (`document_pass.publish_rows` checks it)."""
-    return int(getattr(req, CUTS_ATTR, 0))
+    return req_state.of(req).cuts
 
 
 def publishes_whole(req: Any) -> bool:
     """Whether `req` publishes its document read whole (`document_pass.publish`): on a server that
     never cuts documents between chunks. Where they are cut between chunks, a request that reads
-    its prompt whole (asking for prompt log-probabilities) publishes nothing (`ABSTAINS_ATTR`):
+    its prompt whole (asking for prompt log-probabilities) publishes nothing (`KvcReq.abstains`):
     its document would keep other entries than those of the key's cuts."""
-    return (declared(req) is not None and hit(req) is None and not getattr(req, SPLIT_ATTR, False)
-            and not getattr(req, ABSTAINS_ATTR, False))
+    return (declared(req) is not None and hit(req) is None and not req_state.of(req).split
+            and not req_state.of(req).abstains)
 
 
 def ends_here(req: Any) -> DocumentKey | None:
@@ -614,19 +609,17 @@ def admit(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False, chu
     compressed between chunks of its prompt (`adapter/admission.scheduler_chunk`); `chunk`: the
     server's chunk size where it compresses prompts between chunks (`admission.server_chunk`),
     else None (every request reads its prompt whole, and publishes its document so)."""
-    setattr(req, HIT_ATTR, None)
-    setattr(req, SPLIT_ATTR, split)
-    setattr(req, ABSTAINS_ATTR, not split and chunk is not None)
-    setattr(req, CUTS_ATTR, 0)
+    fields = req_state.of(req)
+    fields.hit, fields.split, fields.abstains, fields.cuts = None, split, not split and chunk is not None, 0
     if refused_by_sglang(req):  # SGLang's own refusal stands (its prompt is cut to one token)
-        setattr(req, KEY_ATTR, None)
+        req_state.of(req).document = None
         return
     try:
         key = request_key(req, config, chunk)
         if key is not None and registry_of(tree_cache) is None:
             raise RequestSettingError("kv_compression.document", "shared documents live in sgl-kvc's prefix cache: "
                                       "this server runs without it (--disable-radix-cache or the hierarchical cache)")
-        setattr(req, KEY_ATTR, key)
+        req_state.of(req).document = key
         if key is not None:
             # Its exact KV never enters the tree: the document's compressed node is what later
             # requests start from, and its whole prompt and answer (several times the node's
@@ -635,17 +628,17 @@ def admit(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False, chu
     except RequestSettingError as e:
         from http import HTTPStatus
 
-        setattr(req, KEY_ATTR, None)
+        req_state.of(req).document = None
         req.set_finish_with_abort(f"Invalid {e.param}: {e}", status_code=HTTPStatus.BAD_REQUEST)
 
 
 def unmatched(req: Any) -> None:
-    setattr(req, HIT_ATTR, None)
+    req_state.of(req).hit = None
 
 
 def started_from(req: Any, doc: Document) -> None:
     """`req` published `doc` from its own row, which now starts with the document's node."""
-    setattr(req, HIT_ATTR, doc)
+    req_state.of(req).hit = doc
 
 
 def matched(req: Any) -> None:
@@ -654,10 +647,10 @@ def matched(req: Any) -> None:
     `prefix_len`, the node's k slots, in them) and nothing of it is ever inserted into the tree
     under its tokens (its row does not hold their KV)."""
     doc = getattr(getattr(req, "last_node", None), NODE_ATTR, None)
-    setattr(req, HIT_ATTR, doc)
+    req_state.of(req).hit = doc
     if doc is None:
         return
-    from sgl_kvc.adapter.requests import shifted_fill_ids
+    from sgl_kvc.adapter.scheduling.requests import shifted_fill_ids
 
     shifted_fill_ids(req, doc.shift)
     req.skip_radix_cache_insert = True

@@ -25,11 +25,10 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from sgl_kvc import req_state
 from sgl_kvc.adapter import documents
-from sgl_kvc.adapter.compressor import STATE_ATTR
-from sgl_kvc.adapter.reconstruction import forward_slots
-from sgl_kvc.adapter.requests import chunk_compressible
-from sgl_kvc.adapter.runtime import compressor_of
+from sgl_kvc.adapter.kvzip.reconstruction import forward_slots
+from sgl_kvc.adapter.scheduling.requests import chunk_compressible
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.footprint import Moments, Now, Sizes, compaction_copies, most_held
 from sgl_kvc.request_settings import ResolvedCompression, resolved
@@ -40,7 +39,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SIZES_ATTR = "_sgl_kvc_sizes"  # on SGLang's Req: its `Sizes`, set when it enters the queue
 # On the Scheduler while it admits a new request that is compressed between chunks
 # (`hooks._around_handle_generate`).
 CHUNKED_ATTR = "_sgl_kvc_admitting_chunked"
@@ -82,16 +80,16 @@ def remember(req: Req, config: KvcConfig, scheduler: Scheduler) -> None:
     """When `req` enters the scheduler's queue (new, or retracted): its sizes, read once."""
     settings = resolved(req, config)
     if not settings.compressing or req.sampling_params.max_new_tokens is None:
-        setattr(req, _SIZES_ATTR, None)
+        req_state.of(req).sizes = None
         return
-    setattr(req, _SIZES_ATTR, sizes_of(config, settings, len(req.origin_input_ids),
+    req_state.of(req).sizes = (sizes_of(config, settings, len(req.origin_input_ids),
                                        int(req.sampling_params.max_new_tokens),
                                        scheduler_chunk(scheduler, req, config), _radix(scheduler)))
 
 
 def sizes(req: Req, config: KvcConfig) -> Sizes | None:
     """`req`'s sizes, or None if it does not compress."""
-    cached = getattr(req, _SIZES_ATTR, None)
+    cached = req_state.of(req).sizes
     if cached is not None:
         return cached
     settings = resolved(req, config)
@@ -106,12 +104,12 @@ def _out_left(req: Req) -> int:
 
 
 def _compacted(req: Req) -> bool:
-    state = getattr(req, STATE_ATTR, None)
+    state = req_state.of(req).state
     return state is not None and state.compressed
 
 
 def _document_adjusted(req: Req, s: Sizes, config: KvcConfig) -> tuple[Sizes, int]:
-    """A request with a shared document (`adapter/documents.py`): its sizes with its budget
+    """A request with a shared document (`adapter/documents/__init__.py`): its sizes with its budget
     beyond the document's part of its row (`documents.held_for_document`), and the tokens a hit
     reads beyond its row's slots (D - k; 0 otherwise)."""
     return _with_document(s, documents.held_for_document(req), config), documents.fill_shift(req)
@@ -306,13 +304,16 @@ def around_running_offset(config: KvcConfig) -> Callable[..., Any]:
     return hook
 
 
-def around_max_new_tokens(config: KvcConfig) -> Callable[..., Any]:
+def around_max_new_tokens(config: KvcConfig, reconstructor_of: Callable[[Scheduler], Any]) -> Callable[..., Any]:
+    """`reconstructor_of(scheduler)`: the process's KVzip reconstruction pass (it says whether a
+    prompt leaves its forwards the positions they need)."""
+
     def hook(original: Callable[..., Any], scheduler: Scheduler, req: Req, *args: Any, **kwargs: Any):
         settings = resolved(req, config)
         if not settings.compressing or req.finished():
             return original(scheduler, req, *args, **kwargs)
         if forward_slots(config, settings, len(req.origin_input_ids)):  # its prompt policy repeats the context
-            reconstructor = compressor_of(scheduler.tp_worker.model_runner, config).reconstructor
+            reconstructor = reconstructor_of(scheduler)
             short = reconstructor.refusal(scheduler, req.origin_input_ids)
             if short is not None:
                 _set_max_new(req.sampling_params, 0)
@@ -334,7 +335,7 @@ def around_max_new_tokens(config: KvcConfig) -> Callable[..., Any]:
         pool = int(scheduler.max_total_num_tokens)
         moments = Moments.of(config)
         published = _radix(scheduler)
-        # a shared document's part of its row (`adapter/documents.py`), its own budget beyond
+        # a shared document's part of its row (`adapter/documents/__init__.py`), its own budget beyond
         part = documents.declared_part(req, config, split=chunk is not None)
 
         def held(out: int) -> int:  # on an empty pool

@@ -1,6 +1,6 @@
 """What sgl-kvc reads from and does to one SGLang `Req` besides its settings (those are
 `sgl_kvc/request_settings.py`): its chunked-prefill phase, and hearing when its row is released
-(a failed request is aborted by `adapter/failures.py`).
+(a failed request is aborted by `adapter/safety/failures.py`).
 """
 
 from __future__ import annotations

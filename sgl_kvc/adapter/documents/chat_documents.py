@@ -2,7 +2,7 @@
 
 On the chat route a client names its document by messages (`kv_compression.document.messages`,
 by default every message but the last; `server/documents.py` checks the count). The scheduler knows
-a document by its prompt tokens, D (`adapter/documents.py`). D must be exactly the tokens SGLang's
+a document by its prompt tokens, D (`adapter/documents/__init__.py`). D must be exactly the tokens SGLang's
 prompt of the request starts with for those messages, or the document covers part of a message, or
 of the next one, and its key names other tokens than another request's with the same messages.
 

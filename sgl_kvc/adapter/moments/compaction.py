@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from sgl_kvc.adapter import failpoints, invariants
+from sgl_kvc.adapter.safety import failpoints, invariants
 from sgl_kvc.core.moves import UnitMoves, move_unit_entries, move_units_many, packed_slots, unit_moves
 from sgl_kvc.policies import HeadSelection
 
@@ -298,7 +298,7 @@ def _destinations(batch: ScheduleBatch, i: int, g: int) -> tuple[Tensor, Tensor,
     need = max(0, g - int(owned.numel()))
     if not need:
         return owned[:g], owned[g:], 0
-    _make_room_in_tree(batch.tree_cache, need)  # the request's own path is still locked
+    make_room_in_tree(batch.tree_cache, need)  # the request's own path is still locked
     allocator = batch.token_to_kv_pool_allocator
     if allocator.available_size() < need:
         raise CompactionSkipped(f"no {need} free slots to privatise the kept prefix")
@@ -306,7 +306,7 @@ def _destinations(batch: ScheduleBatch, i: int, g: int) -> tuple[Tensor, Tensor,
     return torch.cat([owned, fresh]), owned[:0], need
 
 
-def _make_room_in_tree(tree_cache: Any, need: int) -> None:
+def make_room_in_tree(tree_cache: Any, need: int) -> None:
     """Let SGLang evict unlocked tree nodes until `need` slots are free (if it can)."""
     from sglang.srt.mem_cache.common import evict_from_tree_cache
 

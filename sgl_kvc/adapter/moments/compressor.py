@@ -4,7 +4,7 @@
     H2O, ...) and any request whose prompt is over its budget;
 (a') `chunk`, between two chunks of a long prompt (Batch-Max's prefill-time eviction, Algorithm
     1): the cache is cut back to the budget when the next chunk would not fit the memory left
-    (`adapter/chunk_pressure.py`; `chunk-always`: after every chunk, so the prompt never holds
+    (`adapter/scheduling/chunk_pressure.py`; `chunk-always`: after every chunk, so the prompt never holds
     more than budget + one chunk); the next chunk's queries attend to what was kept, at logical
     positions;
 (b) `decode`, before a decode step: when a request's cache reaches its policy's trigger (R-KV:
@@ -15,11 +15,11 @@
 
 A moment runs passes (`sgl_kvc.core.passes`): per-head passes are staged over scheduler steps
 within `--kv-pass-work`, shared among the step's passes; the selections that finish in a
-moment are compacted together, each kind by its own routine (`adapter/compaction.py`), and
+moment are compacted together, each kind by its own routine (`adapter/moments/compaction.py`), and
 committed. Whatever fails for one request fails that request alone, and on every
-tensor-parallel rank (`adapter/failures.py`): each moment's hook ends by settling its failures.
+tensor-parallel rank (`adapter/safety/failures.py`): each moment's hook ends by settling its failures.
 A pass whose compaction could not have the fresh slots it copies into (admission reserved them,
-`adapter/admission.py`) is not scored: it is put off with a back-off, or, between two chunks, its
+`adapter/scheduling/admission.py`) is not scored: it is put off with a back-off, or, between two chunks, its
 request fails alone.
 """
 
@@ -33,8 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_kvc.adapter import document_pass, documents, failpoints
-from sgl_kvc.adapter.compaction import (
+from sgl_kvc import req_state
+from sgl_kvc.adapter import documents
+from sgl_kvc.adapter.documents import document_pass
+from sgl_kvc.adapter.kvzip.reconstruction import Reconstructor, is_reconstruction
+from sgl_kvc.adapter.memory.kv_memory import DECODE_BYTES_ATTR, DOCUMENT_BYTES_ATTR, FORWARD_ENTRIES_ATTR, MOMENT_SLOTS_ATTR
+from sgl_kvc.adapter.moments.compaction import (
     CompactionResult,
     CompactionSkipped,
     Prepared,
@@ -43,15 +47,15 @@ from sgl_kvc.adapter.compaction import (
     prepare_per_head,
     prepare_units,
 )
-from sgl_kvc.adapter.chunk_pressure import needs_compression
-from sgl_kvc.adapter.failures import FailedOnAnotherRank, FailureLedger, failure
-from sgl_kvc.adapter.kv_memory import DECODE_BYTES_ATTR, DOCUMENT_BYTES_ATTR, FORWARD_ENTRIES_ATTR, MOMENT_SLOTS_ATTR
-from sgl_kvc.adapter.metrics import CompressionStats, maybe_metrics
-from sgl_kvc.adapter.reconstruction import Reconstructor, is_reconstruction
-from sgl_kvc.adapter.requests import chunk_compressible, is_middle_chunk, on_release, publish_exact_prefix
-from sgl_kvc.adapter.rope import rope_params
-from sgl_kvc.adapter.tp import RankVote, ScoreReducer, tp_rank
-from sgl_kvc.adapter.trace import CompactionTrace
+from sgl_kvc.adapter.moments.rope import rope_params
+from sgl_kvc.adapter.safety import failpoints
+from sgl_kvc.adapter.safety.failures import FailedOnAnotherRank, FailureLedger, failure
+from sgl_kvc.adapter.safety.tp import RankVote, ScoreReducer, agree, tp_rank
+from sgl_kvc.adapter.scheduling.admission import chunk_need
+from sgl_kvc.adapter.scheduling.chunk_pressure import needs_compression
+from sgl_kvc.adapter.scheduling.requests import chunk_compressible, is_middle_chunk, on_release, publish_exact_prefix
+from sgl_kvc.adapter.telemetry.metrics import CompressionStats, maybe_metrics
+from sgl_kvc.adapter.telemetry.trace import CompactionTrace
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.passes import DueCompaction, StepWork, advance_uniform, advance_variable, start_pass
 from sgl_kvc.core.query_moments import QueryMoments
@@ -69,7 +73,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STATE_ATTR = "_sgl_kvc_state"
 # What the client of a prompt read in chunks is told when the pass between two of its chunks finds
 # no free slots for the entries it keeps.
 CHUNK_SKIPPED = ("sgl-kvc could not compress this request between two chunks of its prompt: the KV "
@@ -156,7 +159,7 @@ class Compressor:
         )
 
     def state(self, req: Req) -> ReqKvState | None:
-        return getattr(req, STATE_ATTR, None)
+        return req_state.of(req).state
 
     def begin_extend(self, batch: ScheduleBatch) -> None:
         """Before a prefill (chunk): give requests seen for the first time their state, and tell
@@ -168,7 +171,7 @@ class Compressor:
             self.store.begin_extend(rows, batch.seq_lens_cpu.tolist())
             return
         for req in batch.reqs:
-            if getattr(req, STATE_ATTR, None) is None and not req.finished() and failure(req) is None:
+            if req_state.of(req).state is None and not req.finished() and failure(req) is None:
                 self.failures.guarded(req, "start", self._begin, req, getattr(batch, "tree_cache", None))
         self.store.begin_extend(rows, batch.seq_lens_cpu.tolist())
         failpoints.observing(self.store, batch.reqs, rows)
@@ -178,7 +181,7 @@ class Compressor:
         prompt = self.policy(state.policy_name("prefill"), state.budget.tokens)
         if prompt.uses_query_moments and self.config.compressing:
             # Only such a request pays for them (the observation folds in each chunk's queries),
-            # within the slots reserved for them in the KV memory (`adapter/kv_memory.py`);
+            # within the slots reserved for them in the KV memory (`adapter/memory/kv_memory.py`);
             # beyond, the policy scores its prompt from the observation window.
             if self.moment_slots is not None and self.store.moment_holders >= self.moment_slots:
                 self.stats.moments_declined += 1
@@ -223,14 +226,14 @@ class Compressor:
         if document_part:
             covers = doc.key.tokens if doc is not None else documents.declared(req).tokens
             state.budget = state.budget.beyond(document_part, covers)
-        setattr(req, STATE_ATTR, state)
+        req_state.of(req).state = state
 
     def _released(self, req: Req) -> None:
         """A request gave its row back (finished, aborted, retracted): drop what it held."""
         row = getattr(req.kv, "req_pool_idx", None)
         if row is not None:
             self.store.release(row)
-        setattr(req, STATE_ATTR, None)
+        req_state.of(req).state = None
 
     def begin_decode(self, batch: ScheduleBatch, fb: ForwardBatch) -> None:
         """Before a decode forward: the step's plan, from host-side data."""
@@ -359,7 +362,7 @@ class Compressor:
         t0 = time.perf_counter()
         self.reconstructor.run(self.scheduler, batch, due,
                                lambda req, e: self.failures.fail(req, "compress", e))
-        self._account(time.perf_counter() - t0)
+        self.account(time.perf_counter() - t0)
 
     def _chunk_due(self, batch: ScheduleBatch, req: Req, state: ReqKvState, n: int, keep: int,
                    always: bool = False) -> bool:
@@ -370,8 +373,6 @@ class Compressor:
         One that is due but finds no free slots for the entries it keeps fails alone now: its
         next chunk would not fit uncompressed (SGLang's prefill would run out of memory)."""
         if self.config.chunk_moment != "always" and not always:
-            from sgl_kvc.adapter.admission import chunk_need
-
             need = None if self.scheduler is None else chunk_need(
                 req, self.config, n, state.logical_len(n), state.compressed)
             if need is None or not needs_compression(self.scheduler, req, need, batch):
@@ -480,7 +481,7 @@ class Compressor:
     def _drop(self, req: Req) -> None:
         """A failed request: sgl-kvc forgets it at once (its state, a staged pass, its observations),
         and its KV, which may be half moved, never enters the radix tree."""
-        setattr(req, STATE_ATTR, None)
+        req_state.of(req).state = None
         row = getattr(req.kv, "req_pool_idx", None)
         if row is not None:
             self.store.release(row)
@@ -508,7 +509,7 @@ class Compressor:
         policy = self.policy(state.policy_name(moment), state.effective_budget(n))
         # a staged pass in progress is superseded
         state.pending = start_pass(self.store, row, state, policy, n, target, moment, tables)
-        self._account(time.perf_counter() - t0)
+        self.account(time.perf_counter() - t0)
         self._advance(batch, i, state, work)
 
     def _advance(self, batch: ScheduleBatch, i: int, state: ReqKvState, work: StepWork) -> None:
@@ -523,7 +524,7 @@ class Compressor:
             due = advance_uniform(self.store, row, state, n, work, i)
         if due is not None:
             self._due.append(due)
-        self._account(time.perf_counter() - t0)
+        self.account(time.perf_counter() - t0)
 
     def _compress_shared(self, batch: ScheduleBatch, i: int, state: ReqKvState, target: int, moment: str) -> None:
         """The shared selection: one set of tokens for every layer and head, in one step (with
@@ -559,7 +560,7 @@ class Compressor:
             i=i, state=state, policy=policy, moment=moment, selection=selection,
             kept_positions=positions[chosen], stats=stats, began_at=n, staged=False,
         ))  # fmt: skip
-        self._account(time.perf_counter() - t0)
+        self.account(time.perf_counter() - t0)
 
     # --- compaction and commit ------------------------------------------------------------------
     def _flush(self, batch: ScheduleBatch) -> None:
@@ -599,7 +600,7 @@ class Compressor:
                 self.failures.fail(batch.reqs[d.i], "compress", outcome)
             else:
                 self.failures.guarded(batch.reqs[d.i], "compress", self._commit, batch, d, outcome)
-        self._account(time.perf_counter() - t0)
+        self.account(time.perf_counter() - t0)
 
     def _vote(self, batch: ScheduleBatch, outcomes: dict[int, Prepared | Exception]) -> list[Prepared]:
         """The prepared compactions to apply, the same on every rank: a request whose compaction
@@ -615,8 +616,7 @@ class Compressor:
                 tally[i, 1] = 1
             elif isinstance(outcome, Prepared):
                 tally[i, 2] = 1
-        if self.failures.vote is not None:
-            tally = self.failures.vote(tally)
+        tally = agree(self.failures.vote, tally)
         ready = []
         for i, (failed, skipped, prepared) in enumerate(tally.tolist()):
             outcome = outcomes.get(i)
@@ -688,7 +688,7 @@ class Compressor:
         running = getattr(self.scheduler, "running_batch", None)
         return (running,) if running is not None and running is not batch else ()
 
-    def _account(self, seconds: float) -> float:
+    def account(self, seconds: float) -> float:
         """Time spent compressing: the step's total is the stall it caused the scheduler."""
         self.stats.seconds += seconds
         self._step_seconds += seconds

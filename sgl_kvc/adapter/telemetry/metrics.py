@@ -96,6 +96,6 @@ def maybe_metrics(model_runner: ModelRunner, policy: str) -> CompressionMetrics 
     server_args = getattr(model_runner, "server_args", None)
     if not getattr(server_args, "enable_metrics", False):
         return None
-    from sgl_kvc.adapter.tp import tp_rank
+    from sgl_kvc.adapter.safety.tp import tp_rank
 
     return CompressionMetrics({"policy": policy, "tp_rank": str(tp_rank())})

@@ -4,10 +4,10 @@ Registered with SGLang's `register_radix_cache_backend` as `sgl_kvc` and selecte
 launcher (`--radix-cache-backend sgl_kvc`) for compressing policies only; `--policy none` keeps
 SGLang's own choice. Compaction's radix rule (the tree holds only full, exact KV; a compacting
 request copies what it keeps of its tree-owned prefix and drops its lock,
-`adapter/compaction.py`) is written against this class's locking and eviction
+`adapter/moments/compaction.py`) is written against this class's locking and eviction
 (`inc_lock_ref` / `dec_lock_ref`, `evict`), which is why compressing servers pin it rather than
 SGLang's default `UnifiedRadixCache`. It also holds the compressed documents
-(`adapter/documents.py`).
+(`adapter/documents/__init__.py`).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from sglang.srt.mem_cache.registry import (
     register_radix_cache_backend,
 )
 
+from sgl_kvc import req_state
 from sgl_kvc.adapter.documents import DocumentRegistry, declared, match_limit, may_start_from
 
 logger = logging.getLogger(__name__)
 
-_USED_ATTR = "_sgl_kvc_document_use"  # on a Req: the document node its use was counted for
 
 
 def create(ctx: TreeCacheBuildContext) -> BasePrefixCache:
@@ -48,7 +48,7 @@ def create(ctx: TreeCacheBuildContext) -> BasePrefixCache:
 
 
 class KvcRadixCache(RadixCache):
-    """SGLang's `RadixCache` with compressed documents (`adapter/documents.py`): a request that
+    """SGLang's `RadixCache` with compressed documents (`adapter/documents/__init__.py`): a request that
     declares a resident document matches the document's node, whatever its tokens would match; one
     that compresses its document between chunks matches less than the document, so that a chunk of
     it ends at the document's end; a document's node leaves the registry when the tree deletes it."""
@@ -71,13 +71,13 @@ class KvcRadixCache(RadixCache):
         if doc is not None and len(params.key.token_ids) > doc.key.tokens and may_start_from(req):
             node = doc.node
             node.last_access_time = time.monotonic()  # LRU: a hit is a use
-            if getattr(req, _USED_ATTR, None) is not node:
+            if req_state.of(req).counted_use is not node:
                 # LFU (and SLRU's protected segment) read `hit_count`, which SGLang counts when a
                 # request inserts its KV through a node, once per request: a request starting
                 # from a document never inserts (`skip_radix_cache_insert`), so its use is counted
                 # here, once per request too (a waiting request is matched in every round).
                 self._inc_hit_count(node)
-                setattr(req, _USED_ATTR, node)
+                req_state.of(req).counted_use = node
             return MatchResult(device_prefix_len=len(node.value), last_device_node=node,
                                last_host_node=node, best_match_node=node)
         limit = None if req is None or self.disable else match_limit(req, resident=doc is not None)
@@ -96,7 +96,7 @@ class KvcRadixCache(RadixCache):
         the tree's eviction policy (`--radix-eviction-policy`, LRU by default), as many as that
         takes. A document's slots are charged to the pool as any node's; its metadata is charged
         here, so that it never grows past what was reserved, however many documents tenants
-        declare (`adapter/kv_memory.py`: a slot's share is a position per (layer, KV head), and a
+        declare (`adapter/memory/kv_memory.py`: a slot's share is a position per (layer, KV head), and a
         packed document's lengths are one slot's share more)."""
         registry = self.documents
         budget = registry.metadata_budget

@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-import torch
-
-from sgl_kvc.adapter.invariants import InvariantViolation
-from sgl_kvc.adapter.tp import RankVote
+from sgl_kvc import req_state
+from sgl_kvc.adapter.safety.invariants import InvariantViolation
+from sgl_kvc.adapter.safety.tp import RankVote, anywhere
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -32,7 +31,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FAILED_ATTR = "_sgl_kvc_failure"  # on SGLang's Req: the message it is aborted with
 
 
 class FailedOnAnotherRank(RuntimeError):
@@ -41,7 +39,7 @@ class FailedOnAnotherRank(RuntimeError):
 
 def failure(req: Req) -> str | None:
     """Why sgl-kvc failed `req` (the message its client gets), or None."""
-    return getattr(req, FAILED_ATTR, None)
+    return req_state.of(req).failure
 
 
 @dataclass
@@ -63,7 +61,7 @@ class FailureLedger:
             logger.error("sgl-kvc: request %s failed on another tensor-parallel rank; aborting it here too", req.rid)
         else:
             logger.error("sgl-kvc failed to %s request %s; aborting it", what, req.rid, exc_info=error)
-        setattr(req, FAILED_ATTR, message or f"sgl-kvc could not {what} this request ({type(error).__name__}); "
+        req_state.of(req).failure = (message or f"sgl-kvc could not {what} this request ({type(error).__name__}); "
                                              "the server log has details")
         self.active = True
         self.drop(req)
@@ -89,11 +87,11 @@ class FailureLedger:
         here = [failure(r) is not None for r in reqs]
         if self.vote is None or not reqs:
             return here
-        anywhere = (self.vote(torch.tensor(here, dtype=torch.int64, device="cpu")) > 0).tolist()
-        for req, mine, theirs in zip(reqs, here, anywhere):
+        failed = anywhere(self.vote, here)
+        for req, mine, theirs in zip(reqs, here, failed):
             if theirs and not mine:
                 self.fail(req, "compress", FailedOnAnotherRank())
-        return anywhere
+        return failed
 
     def settle(self, reqs: Iterable[Req], scheduler: Scheduler) -> int:
         """At the end of a scheduler hook: agree on the failures among `reqs` with the other

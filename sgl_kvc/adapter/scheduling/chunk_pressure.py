@@ -4,7 +4,7 @@ SGLang gives the prompt it is reading in chunks (its `chunked_req`) the first pl
 prefill round, with as much of its next chunk as the round's memory allows
 (`PrefillAdder.add_chunked_req`): free slots plus what evicting the radix tree frees, minus what
 the running requests reserve (`_get_running_request_total_token_offset`; on a compressing server,
-by their footprint, `adapter/admission.py`). `next_chunk_room` computes that room between the
+by their footprint, `adapter/scheduling/admission.py`). `next_chunk_room` computes that room between the
 chunk that just ran and the next one. When it cannot hold what the next round takes for the
 prompt (its next chunk and the slots a pass after it copies the kept entries into), the request
 is compressed now and the chunk runs whole; otherwise the prompt is compressed once, after its

@@ -104,6 +104,6 @@ def check_observation(store: object, layer: int, rows: Sequence[int]) -> None:
 
 
 def _tp_rank() -> int:
-    from sgl_kvc.adapter.tp import tp_rank
+    from sgl_kvc.adapter.safety.tp import tp_rank
 
     return tp_rank()

@@ -29,7 +29,7 @@ A compressing server keeps, besides SGLang's KV pool:
   cached 16K prefix attend to 512K entries). A forward attends to at most `forward_entries` (the
   widest row: the context and a forward's room; `adapter/reconstruction.forward_groups` cuts a
   round's requests to fit), whose keys are reserved once (`FORWARD_ENTRIES_ATTR`);
-* the metadata of the shared documents resident in the prefix cache (`adapter/documents.py`,
+* the metadata of the shared documents resident in the prefix cache (`adapter/documents/__init__.py`,
   `Document.compact`: which token each kept entry holds, an int32 per entry, and compressed by
   KVzip its reconstruction score, a float32, at most one entry per (slot, layer, KV head) of the
   document; packed, each head's int32 length too), charged per pool
@@ -233,7 +233,7 @@ def _around_resolve(config: KvcConfig, probe: _MemoryProbe) -> Callable[..., Any
 def forward_room(config: KvcConfig) -> int:
     """Entries added at the end of every request row: the most a reconstruction forward writes
     past a request's entries (one `--kvzip-chunk` and its instruction)."""
-    from sgl_kvc.adapter.reconstruction import RESERVE_HEAD
+    from sgl_kvc.adapter.kvzip.reconstruction import RESERVE_HEAD
 
     return config.kvzip_chunk + RESERVE_HEAD if config.compressing else 0
 

@@ -1,4 +1,4 @@
-"""Compressing a shared document and publishing it to the radix tree (`adapter/documents.py`).
+"""Compressing a shared document and publishing it to the radix tree (`adapter/documents/__init__.py`).
 
 Between chunks (`publish_rows`), on a server that compresses there: a chunk of the request that
 declares the document ended at the document's end, and the chunk moment cut its row to the
@@ -31,12 +31,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import Tensor
 
-from sgl_kvc.adapter import failpoints, invariants
 from sgl_kvc.adapter.documents import (
     Document, DocumentKey, cuts, declared, node_key, publishes_whole, registry_of, started_from,
 )
 from sgl_kvc.adapter.documents import compact_bytes
-from sgl_kvc.adapter.failures import failure
+from sgl_kvc.adapter.safety import failpoints, invariants
+from sgl_kvc.adapter.safety.failures import failure
+from sgl_kvc.adapter.safety.tp import anywhere
 from sgl_kvc.core.moves import move_unit_entries, move_units_many, packed_slots, unit_moves
 from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
 from sgl_kvc.core.reconstruction import CarriedScores, carry_scores
@@ -45,7 +46,7 @@ from sgl_kvc.core.request_state import Budget, ReqKvState
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
-    from sgl_kvc.adapter.compressor import Compressor
+    from sgl_kvc.adapter.moments.compressor import Compressor
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ def publish(compressor: Compressor, batch: ScheduleBatch, items: list[tuple[int,
     _settle(batch, items, registry)
     if invariants.enabled():
         invariants.check_documents(batch.tree_cache)
-    registry.stats.seconds += compressor._account(time.perf_counter() - t0)
+    registry.stats.seconds += compressor.account(time.perf_counter() - t0)
 
 
 def _settle(batch: ScheduleBatch, items: list[tuple[int, DocumentKey]], registry: Any) -> None:
@@ -151,17 +152,14 @@ def _voted(compressor: Compressor, batch: ScheduleBatch, items: list[tuple[int, 
         except Exception:  # noqa: BLE001
             logger.exception("sgl-kvc: document of %s not published", batch.reqs[i].rid)
             ready.append(None)
-    missing = torch.tensor([[r is None] for r in ready], dtype=torch.int64)
-    if compressor.failures.vote is not None:
-        missing = compressor.failures.vote(missing)  # summed over the ranks
-    return list(zip(ready, (bool(m) for m in missing[:, 0].tolist())))
+    return list(zip(ready, anywhere(compressor.failures.vote, [r is None for r in ready])))
 
 
 def _prepare(compressor: Compressor, batch: ScheduleBatch, i: int, key: DocumentKey,
              state: ReqKvState) -> _Ready | None:
     """The document's pass over the request's first D entries, and its kept entries copied into
     k fresh slots (None: no free slots for them)."""
-    from sgl_kvc.adapter.compaction import _make_room_in_tree
+    from sgl_kvc.adapter.moments.compaction import make_room_in_tree
 
     store = compressor.store
     req = batch.reqs[i]
@@ -185,7 +183,7 @@ def _prepare(compressor: Compressor, batch: ScheduleBatch, i: int, key: Document
     carried = None if scores is None else carry_scores(scores, due.selection, per_head_lengths=packed)
     if not tree.make_document_room(compact_bytes(entries, due.selection.lengths.numel(), packed, carried is not None)):
         return None  # its metadata would not fit its reservation: not published
-    _make_room_in_tree(tree, g)  # the request's own path is locked: never evicted here
+    make_room_in_tree(tree, g)  # the request's own path is locked: never evicted here
     if allocator.available_size() < g:
         return None
     dest = allocator.alloc(g).to(device=slots.device, dtype=torch.int64)
@@ -246,7 +244,7 @@ def publish_rows(compressor: Compressor, batch: ScheduleBatch, ends: list[tuple[
     _settle(batch, items, registry)
     if invariants.enabled():
         invariants.check_documents(batch.tree_cache)
-    registry.stats.seconds += compressor._account(time.perf_counter() - t0)
+    registry.stats.seconds += compressor.account(time.perf_counter() - t0)
 
 
 def _row_ready(compressor: Compressor, batch: ScheduleBatch, i: int, key: DocumentKey,

@@ -16,7 +16,7 @@ a collective alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -88,6 +88,25 @@ class RankVote:
         """The vote over SGLang's TP group, or None with a single rank (nothing to agree on)."""
         reducer = ScoreReducer.for_sglang_tp_group()
         return None if reducer is None else cls(reducer.world_size, reducer.all_reduce_sum)
+
+
+def agree(vote: RankVote | None, tally: Tensor) -> Tensor:
+    """The one way the ranks agree: `tally` (small integers per request, the same shape on every
+    rank: what failed, was skipped or is ready here) summed over the TP group, so that every rank
+    decides from the same numbers; with one rank (`vote` None) its own, and no collective. Every
+    rank calls it at the same point, or none does."""
+    return tally.to(torch.int64).cpu() if vote is None else vote(tally)
+
+
+def anywhere(vote: RankVote | None, flags: Sequence[bool]) -> list[bool]:
+    """Per flag, whether it holds on any rank (`agree`)."""
+    return (agree(vote, torch.tensor(list(flags), dtype=torch.int64, device="cpu")) > 0).tolist()
+
+
+def everywhere(vote: RankVote | None, flags: Sequence[bool]) -> list[bool]:
+    """Per flag, whether it holds on every rank (`agree`)."""
+    ranks = 1 if vote is None else vote.world_size
+    return (agree(vote, torch.tensor(list(flags), dtype=torch.int64, device="cpu")) == ranks).tolist()
 
 
 def tp_rank() -> int:

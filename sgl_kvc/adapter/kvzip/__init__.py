@@ -1,0 +1,1 @@
+"""KVzip's reconstruction pass, run by SGLang inside the scheduler."""

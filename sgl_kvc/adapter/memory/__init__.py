@@ -1,0 +1,1 @@
+"""KV memory: the reservation beside SGLang's pools, the FP8 pool and the unit pool."""

@@ -1,0 +1,1 @@
+"""The compression moments: when a pass runs (compressor), how its compaction moves KV (compaction), RoPE."""

@@ -1,0 +1,1 @@
+"""Per-request failures, planted faults for tests, invariants, tensor-parallel votes, start-up refusals."""

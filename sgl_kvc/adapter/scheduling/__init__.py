@@ -1,0 +1,1 @@
+"""Admission and the scheduler's view of a request: footprints, chunk pressure, the request guard."""

@@ -1,0 +1,1 @@
+"""Statistics, Prometheus metrics and the compaction trace."""

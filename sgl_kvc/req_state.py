@@ -1,0 +1,60 @@
+"""What sgl-kvc holds for one of SGLang's requests: one object (`KvcReq`) on one attribute of
+SGLang's `Req`, owned by this module. Each concern reads and writes its own fields through `of`;
+nothing else of sgl-kvc's is set on a `Req`.
+
+A leaf module: it imports nothing of sgl-kvc at run time, so every module may use it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sgl_kvc.adapter.documents import Document, DocumentKey
+    from sgl_kvc.core.request_state import ReqKvState
+    from sgl_kvc.footprint import Sizes
+    from sgl_kvc.request_settings import RequestCompression
+
+ATTR = "_sgl_kvc"
+
+
+@dataclass(eq=False)
+class KvcReq:
+    """sgl-kvc's fields of one request, grouped by the module that owns each."""
+
+    # `request_settings`: its settings as parsed when it entered the queue, and resolved
+    # against the server's (cached with the configuration they were resolved for)
+    settings: RequestCompression | None = None
+    resolved: tuple[Any, Any] | None = None
+    # `adapter/scheduling/admission`: its footprint's sizes, set when it enters the queue
+    sizes: Sizes | None = None
+    # `adapter/moments/compressor`: its compression state while it holds a row
+    state: ReqKvState | None = None
+    # `adapter/safety/failures`: the message it is aborted with, once sgl-kvc failed it
+    failure: str | None = None
+    # `adapter/documents`: the document it declares, the one its matched prefix is, and how it reads it
+    document: DocumentKey | None = None
+    hit: Document | None = None
+    split: bool = False  # its document is compressed at a chunk ending at D
+    abstains: bool = False  # it reads its prompt whole where documents are cut between chunks
+    cuts: int = 0  # its row's cuts inside its document so far
+    wait_since: float | None = None  # when it first waited for another's publication
+    waited_out: bool = False  # it waited its bound out, and waits no more
+    # `adapter/documents/radix_cache`: the document node its use was counted for
+    counted_use: Any = None
+
+
+def of(req: Any) -> KvcReq:
+    """`req`'s fields (created empty the first time)."""
+    fields = getattr(req, ATTR, None)
+    if fields is None:
+        fields = KvcReq()
+        setattr(req, ATTR, fields)
+    return fields
+
+
+
+def peek(req: Any) -> KvcReq | None:
+    """`req`'s fields if it has any, else None: a read that attaches nothing (SGLang's request
+    inputs that are not a `Req` have no room for one)."""
+    return getattr(req, ATTR, None)

@@ -1,0 +1,120 @@
+"""The product's modules import one another without circles, and none reaches into another
+module's private names: read from the source (every import, a function's own included; those
+under `TYPE_CHECKING` only are not run), so a circle cannot hide behind a late import."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# the folders that install as sgl-kvc's packages (pyproject.toml's package-dir)
+ROOTS = {"sgl_kvc": REPO / "sgl_kvc", "sgl_kvc.kernels": REPO / "kernels", "sgl_kvc.server": REPO / "server"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package, root in ROOTS.items():
+        for path in root.rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            name = ".".join((package, *parts))
+            if package == "sgl_kvc" and parts and parts[0] in ("kernels", "server"):
+                continue
+            out[name] = path
+    return out
+
+
+def _owner(name: str, modules: dict[str, Path]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _run_time_nodes(tree: ast.Module) -> list[ast.AST]:
+    typing_only = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only.update(id(n) for n in ast.walk(node))
+    return [n for n in ast.walk(tree) if id(n) not in typing_only]
+
+
+def _graph() -> tuple[dict[str, set[str]], list[str]]:
+    """Each module's run-time imports of the product's modules, and the private names imported."""
+    modules = _modules()
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    private = []
+    for module, path in modules.items():
+        for node in _run_time_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sgl_kvc"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    target = full if full in modules else _owner(node.module, modules)
+                    if target and target != module:
+                        edges[module].add(target)
+                        if full not in modules and alias.name.startswith("_"):
+                            private.append(f"{module}: from {node.module} import {alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    target = _owner(alias.name, modules) if alias.name.startswith("sgl_kvc") else None
+                    if target and target != module:
+                        edges[module].add(target)
+    return edges, private
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(edges.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_circles() -> None:
+    edges, _ = _graph()
+    assert len(edges) > 60, "the product's modules were not found"
+    assert _circles(edges) == []
+
+
+def test_the_check_finds_a_circle() -> None:
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    _, private = _graph()
+    assert private == []
