@@ -203,7 +203,7 @@ def _around_add_to_queue(config: KvcConfig):
         # or unservable one is a 400 for that request and is never read again by the hooks below.
         if not admit(req, config):
             split = admission.scheduler_chunk(scheduler, req, config) is not None
-            documents.admit(req, config, getattr(scheduler, "tree_cache", None), split=split,
+            documents.declare(req, config, getattr(scheduler, "tree_cache", None), split=split,
                             chunk=admission.server_chunk(scheduler, config))
         admission.remember(req, config, scheduler)
         return original(scheduler, req, *a, **kw)
@@ -301,7 +301,7 @@ def _around_init_next_round(original: Callable[..., Any], req: Req, *args: Any, 
 def _around_refresh_fill_ids(original: Callable[..., Any], req: Req, *args: Any, **kwargs: Any):
     out = original(req, *args, **kwargs)
     state = req_state.of(req).state
-    shift = documents.fill_shift(req) if state is None else state.offset if state.fill_shift else 0
+    shift = documents.fill_offset(req) if state is None else state.offset if state.fill_shift else 0
     if shift:
         shifted_fill_ids(req, shift)
     return out

@@ -64,7 +64,7 @@ def test_a_budget_ratio_applies_beyond_the_document(monkeypatch, hit: bool) -> N
     settings = {"document": {"tokens": DOC, "ratio": 0.3}}
     req = _sglang_req(list(range(10, 10 + DOC + SUFFIX)), settings)
     tree = SimpleNamespace(documents=DocumentRegistry(), disable=False)
-    documents.admit(req, config, tree)
+    documents.declare(req, config, tree)
     key = documents.declared(req)
     assert key is not None and (key.tokens, key.entries) == (DOC, ENTRIES) and req.to_finish is None
     if hit:
@@ -92,7 +92,7 @@ def test_a_fixed_budget_still_applies_beyond_the_document(monkeypatch) -> None:
     comp, allocator = _compressor(monkeypatch, config)
     req = _sglang_req(list(range(10, 10 + DOC + SUFFIX)), {"document": {"tokens": DOC, "ratio": 0.3}})
     tree = SimpleNamespace(documents=DocumentRegistry(), disable=False)
-    documents.admit(req, config, tree)
+    documents.declare(req, config, tree)
     doc = _document(documents.declared(req), allocator.alloc(ENTRIES))
     documents.started_from(req, doc)
     req.kv.req_pool_idx = 0

@@ -25,7 +25,7 @@ KVZIP = KvcConfig(policy="snapkv", prompt_policy="kvzip")
 
 
 def _declaring(req: SimpleNamespace, key: DocumentKey | None) -> SimpleNamespace:
-    """`req`, declaring the document `key` (as `documents.admit` records it)."""
+    """`req`, declaring the document `key` (as `documents.declare` records it)."""
     req_state.of(req).document = key
     return req
 
@@ -151,11 +151,11 @@ def test_a_document_on_a_server_without_sgl_kvcs_prefix_cache_is_a_400() -> None
     req = _req(list(range(10, 130)))
     req.finished = lambda: False
     req.set_finish_with_abort = lambda message, status_code: aborted.append((message, int(status_code)))
-    documents.admit(req, KVZIP, tree_cache=SimpleNamespace())  # SGLang's own tree: no registry
+    documents.declare(req, KVZIP, tree_cache=SimpleNamespace())  # SGLang's own tree: no registry
     assert aborted and aborted[0][1] == 400 and "--disable-radix-cache" in aborted[0][0]
     tree, _ = _tree()
     aborted.clear()
-    documents.admit(req, KVZIP, tree_cache=tree)
+    documents.declare(req, KVZIP, tree_cache=tree)
     assert not aborted and documents.declared(req).tokens == 100 and req.skip_radix_cache_insert
 
 
@@ -170,7 +170,7 @@ def test_a_request_compressing_its_document_between_chunks_stops_a_chunk_at_its_
     tree, _ = _tree()
     req = _req(prompt)
     req.finished = lambda: False
-    documents.admit(req, KVZIP, tree_cache=tree, split=True)
+    documents.declare(req, KVZIP, tree_cache=tree, split=True)
     req.output_ids, req.full_untruncated_fill_ids, req.prefix_len, req.extend_end = [], prompt, 0, 0
     assert documents.splits(req) and documents.held_for_document(req) == 30  # its budget beyond k, not D
     assert documents.chunk_cap(req) == 100
@@ -195,7 +195,7 @@ def test_a_request_compressing_its_document_between_chunks_stops_a_chunk_at_its_
     assert match.last_device_node is node  # resident: it starts from it
     documents.started_from(req, doc_of(node))
     assert not documents.splits(req) and documents.chunk_cap(req) is None and documents.ends_here(req) is None
-    assert documents.held_for_document(req) == 30 and documents.fill_shift(req) == 70
+    assert documents.held_for_document(req) == 30 and documents.fill_offset(req) == 70
 
 
 def test_concurrent_first_requests_wait_for_the_one_compressing_their_document() -> None:
@@ -234,7 +234,7 @@ def test_concurrent_first_requests_wait_for_the_one_compressing_their_document()
     registry.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64), slots=30))
     assert documents.held_back([req(key), req(key)], registry) == []  # resident: every one starts from it
     assert not documents.waits_in_round(req(key), [req(key)], registry)
-    assert key.digest not in registry.compressing
+    assert key.digest not in registry.publishers
 
 
 def test_no_request_waits_past_the_servers_bound() -> None:
@@ -314,7 +314,7 @@ def test_a_request_asking_for_prompt_logprobs_never_starts_from_a_document() -> 
         assert tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=r)).last_device_node is node
     waiting = SimpleNamespace(**vars(req(True, 0)), output_ids=[])
     del tree.documents.by_key[key.digest]  # not resident: another request compresses it
-    tree.documents.compressing[key.digest] = SimpleNamespace(finished=lambda: False, kv=SimpleNamespace(holds_kv=True))
+    tree.documents.publishers[key.digest] = SimpleNamespace(finished=lambda: False, kv=SimpleNamespace(holds_kv=True))
     assert documents.held_back([waiting], tree.documents) == []
 
 
@@ -331,13 +331,13 @@ def test_publishers_that_ended_without_publishing_are_forgotten() -> None:
 
     reqs = [publisher(i)[1] for i in range(100)]
     documents.compressing(reqs, registry)
-    assert len(registry.compressing) == 100
+    assert len(registry.publishers) == 100
     for i, r in enumerate(reqs[:99]):  # finished (aborted or not) or retracted: its row given back
         if i % 2:
             r.finished = lambda: True
         r.kv.holds_kv = False
     documents.compressing([], registry)  # the next prefill round
-    assert list(registry.compressing.values()) == [reqs[99]]
+    assert list(registry.publishers.values()) == [reqs[99]]
 
 
 def test_a_document_hit_is_a_use_for_lfu_eviction() -> None:
@@ -414,7 +414,7 @@ class _RealAdder:
         req.finished = lambda: False
         scheduler = SimpleNamespace(chunked_prefill_size=self.adder.rem_chunk_tokens if split else None,
                                     tree_cache=self.tree)
-        documents.admit(req, self.config, self.tree, split=split)
+        documents.declare(req, self.config, self.tree, split=split)
         admission.remember(req, self.config, scheduler)  # as `_add_request_to_queue` does
         req.init_next_round_input(self.tree)
         return req
@@ -506,7 +506,7 @@ def test_where_a_document_is_cut_is_decided_by_its_key() -> None:
         r.sampling_params.custom_params[CUSTOM_PARAMS_KEY]["document"] = {"tokens": document, "ratio": 0.1}
         r.finished, r.output_ids, r.full_untruncated_fill_ids, r.prefix_len, r.extend_end = \
             (lambda: False), [], prompt, 0, 0
-        documents.admit(r, config, tree, split=split, chunk=256)
+        documents.declare(r, config, tree, split=split, chunk=256)
         return r
 
     long = req(600)
@@ -531,4 +531,4 @@ def test_where_a_document_is_cut_is_decided_by_its_key() -> None:
     whole = req(200, split=False)  # reads its prompt whole: never registered as compressing it
     assert not documents.publishes_whole(whole) and not documents.publishes_whole(short)  # short: between chunks
     documents.compressing([whole], tree.documents)
-    assert tree.documents.compressing == {}
+    assert tree.documents.publishers == {}

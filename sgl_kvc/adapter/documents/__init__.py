@@ -201,7 +201,7 @@ class Document:
         return CarriedScores(self.scored_to, list(wide.to(device).unbind(0)), list(lens.to(device).unbind(0)))
 
     @property
-    def shift(self) -> int:
+    def offset(self) -> int:
         """Tokens a request starting from it has read beyond what its row holds: D - slots."""
         return self.key.tokens - self.slots
 
@@ -237,7 +237,7 @@ class DocumentRegistry:
     stats: DocumentStats = field(default_factory=DocumentStats)
     metrics: Any = None  # the scheduler's CompressionMetrics (`/metrics`), once it has some
     # documents being compressed: key digest -> the request (SGLang's Req) compressing it
-    compressing: dict[str, Any] = field(default_factory=dict)
+    publishers: dict[str, Any] = field(default_factory=dict)
     # bytes the KV memory reserved for the resident documents' metadata (`adapter/memory/kv_memory.py`);
     # None: nothing reserved (a pool layout without one cost per token), not bounded
     metadata_budget: int | None = None
@@ -252,9 +252,9 @@ class DocumentRegistry:
     def compressed_by(self, key: DocumentKey) -> Any:
         """The request in flight that compresses this document, or None (one that finished or gave
         its row back without publishing it is forgotten here)."""
-        req = self.compressing.get(key.digest)
+        req = self.publishers.get(key.digest)
         if req is not None and _gone(req):
-            del self.compressing[key.digest]
+            del self.publishers[key.digest]
             return None
         return req
 
@@ -264,22 +264,22 @@ class DocumentRegistry:
         asked for again: a unique document's would keep its `Req` (its prompt, its output) for the
         server's lifetime. Run at each prefill round (`compressing`), it bounds the registry by the
         requests in flight."""
-        for digest in [d for d, req in self.compressing.items() if _gone(req)]:
-            del self.compressing[digest]
+        for digest in [d for d, req in self.publishers.items() if _gone(req)]:
+            del self.publishers[digest]
 
     def settle(self, key: DocumentKey, req: Any) -> None:
         """`req` published the document, or will not: requests held back for it may go."""
-        if self.compressing.get(key.digest) is req:
-            del self.compressing[key.digest]
+        if self.publishers.get(key.digest) is req:
+            del self.publishers[key.digest]
 
     def add(self, doc: Document) -> None:
         setattr(doc.node, NODE_ATTR, doc)
-        self.compressing.pop(doc.key.digest, None)
+        self.publishers.pop(doc.key.digest, None)
         self.by_key[doc.key.digest] = doc
         self.stats.compressions += 1
         self._emit("compressed")
 
-    def hit(self) -> None:
+    def count_hit(self) -> None:
         """A request started from a resident document."""
         self.stats.hits += 1
         self._emit("hit")
@@ -448,7 +448,7 @@ def compressing(admitted: list[Any], registry: DocumentRegistry) -> None:
         key = declared(req)
         if (key is not None and _compresses(req) and registry.get(key) is None
                 and registry.compressed_by(key) is None):
-            registry.compressing[key.digest] = req
+            registry.publishers[key.digest] = req
 
 
 def declared(req: Any) -> DocumentKey | None:
@@ -555,12 +555,12 @@ def cut(req: Any) -> None:
 
 def cuts(req: Any) -> int:
     """The cuts of `req`'s row inside its document: its passes before the one at the document's
-    end, if it followed its key's procedure (`document_pass.publish_rows` checks it)."""
+    end, if it followed its key's procedure (`document_pass.publish_cut_rows` checks it)."""
     return req_state.of(req).cuts
 
 
 def publishes_whole(req: Any) -> bool:
-    """Whether `req` publishes its document read whole (`document_pass.publish`): on a server that
+    """Whether `req` publishes its document read whole (`document_pass.publish_copies`): on a server that
     never cuts documents between chunks. Where they are cut between chunks, a request that reads
     its prompt whole (asking for prompt log-probabilities) publishes nothing (`KvcReq.abstains`):
     its document would keep other entries than those of the key's cuts."""
@@ -588,10 +588,10 @@ def match_limit(req: Any, resident: bool) -> int | None:
     return min(key.tokens, key.every or key.tokens) - 1
 
 
-def fill_shift(req: Any) -> int:
+def fill_offset(req: Any) -> int:
     """Prompt tokens a request read beyond the slots of its matched prefix (0 without a hit)."""
     doc = hit(req)
-    return 0 if doc is None else doc.shift
+    return 0 if doc is None else doc.offset
 
 
 def node_key(key: DocumentKey, slots: int) -> Any:
@@ -603,7 +603,7 @@ def node_key(key: DocumentKey, slots: int) -> Any:
     return RadixKey(array("q", bytes(8 * slots)), extra_key=DocumentNamespace(NAMESPACE + key.digest))
 
 
-def admit(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False, chunk: int | None = None) -> None:
+def declare(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False, chunk: int | None = None) -> None:
     """When a request enters the queue: the document it declares, or its 400 (SGLang's
     `set_finish_with_abort`) when that document cannot be served for it. `split`: the request is
     compressed between chunks of its prompt (`adapter/admission.scheduler_chunk`); `chunk`: the
@@ -652,5 +652,5 @@ def matched(req: Any) -> None:
         return
     from sgl_kvc.adapter.scheduling.requests import shifted_fill_ids
 
-    shifted_fill_ids(req, doc.shift)
+    shifted_fill_ids(req, doc.offset)
     req.skip_radix_cache_insert = True

@@ -1,6 +1,6 @@
 """Compressing a shared document and publishing it to the radix tree (`adapter/documents/__init__.py`).
 
-Between chunks (`publish_rows`), on a server that compresses there: a chunk of the request that
+Between chunks (`publish_cut_rows`), on a server that compresses there: a chunk of the request that
 declares the document ended at the document's end, and the chunk moment cut its row to the
 document's k entries per (layer, KV head) with its question-free prompt policy (KVzip repeats
 what it read since its last cut, the scores of what that kept carried), before any of its question
@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -46,12 +46,37 @@ from sgl_kvc.core.request_state import Budget, ReqKvState
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
-    from sgl_kvc.adapter.moments.compressor import Compressor
+    from sgl_kvc.adapter.kvzip.reconstruction import Reconstructor
+    from sgl_kvc.adapter.safety.failures import FailureLedger
+    from sgl_kvc.adapter.telemetry.trace import CompactionTrace
+    from sgl_kvc.config import KvcConfig
+    from sgl_kvc.core.store import KvcStore
+    from sgl_kvc.policies import Policy
+
+
+class Host(Protocol):
+    """What compressing and publishing a document needs of the compressor that runs the moments
+    (`adapter/moments/compressor.py`), and nothing more."""
+
+    config: KvcConfig
+    store: KvcStore
+    scheduler: Any
+    failures: FailureLedger  # its TP vote
+    reconstructor: Reconstructor  # KVzip's pass over the document
+    metrics: Any
+    document_bytes: int | None  # the documents' metadata budget
+    trace: CompactionTrace | None
+
+    def state(self, req: Any) -> ReqKvState | None: ...
+
+    def policy(self, name: str, budget: int) -> Policy: ...
+
+    def account(self, seconds: float) -> float: ...
 
 logger = logging.getLogger(__name__)
 
 
-def to_publish(compressor: Compressor, batch: ScheduleBatch, read: list[int]) -> list[tuple[int, DocumentKey]]:
+def to_publish(compressor: Host, batch: ScheduleBatch, read: list[int]) -> list[tuple[int, DocumentKey]]:
     """The requests of `batch` (indices whose prompt is read) that publish their document now:
     they declare one not resident, did not start from it, hold its D entries exact (not compacted
     between chunks), and are the first in this batch to declare it. Decided from what every
@@ -89,7 +114,7 @@ class _Ready:
     carried: CarriedScores | None = None  # KVzip: the kept entries' reconstruction scores
 
 
-def publish(compressor: Compressor, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]]) -> None:
+def publish_copies(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]]) -> None:
     """Score, copy and publish each item's document; a failure loses that document only. With
     tensor parallelism a document is published only where every rank copied it."""
     if not items:
@@ -141,7 +166,7 @@ def _settle(batch: ScheduleBatch, items: list[tuple[int, DocumentKey]], registry
         registry.settle(key, batch.reqs[i])
 
 
-def _voted(compressor: Compressor, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]],
+def _voted(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]],
            prepare: Callable[[int, DocumentKey], Any]) -> list[tuple[Any, bool]]:
     """`prepare(i, key)` of each item (None where it raises here: logged, the document is not
     published, its request goes on), and whether it is missing on any rank (the ranks' vote)."""
@@ -155,7 +180,7 @@ def _voted(compressor: Compressor, batch: ScheduleBatch, items: list[tuple[int, 
     return list(zip(ready, anywhere(compressor.failures.vote, [r is None for r in ready])))
 
 
-def _prepare(compressor: Compressor, batch: ScheduleBatch, i: int, key: DocumentKey,
+def _prepare(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey,
              state: ReqKvState) -> _Ready | None:
     """The document's pass over the request's first D entries, and its kept entries copied into
     k fresh slots (None: no free slots for them)."""
@@ -199,7 +224,7 @@ def _prepare(compressor: Compressor, batch: ScheduleBatch, i: int, key: Document
     return _Ready(i, key, dest, due.kept_positions, carried=carried)
 
 
-def _insert(compressor: Compressor, batch: ScheduleBatch, r: _Ready, registry: Any) -> None:
+def _insert(compressor: Host, batch: ScheduleBatch, r: _Ready, registry: Any) -> None:
     """The document's node: plain tree inserts (the node is unlocked cache at once)."""
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
@@ -212,7 +237,7 @@ def _insert(compressor: Compressor, batch: ScheduleBatch, r: _Ready, registry: A
     _trace(compressor, batch.reqs[r.i], doc)
 
 
-def publish_rows(compressor: Compressor, batch: ScheduleBatch, ends: list[tuple[int, DocumentKey]],
+def publish_cut_rows(compressor: Host, batch: ScheduleBatch, ends: list[tuple[int, DocumentKey]],
                  passes_before: dict[int, int]) -> None:
     """After the chunk moment: each request of `ends` (indices whose chunk ended at their
     document's end, found alike on every rank) whose row the moment cut to its document's entries
@@ -247,7 +272,7 @@ def publish_rows(compressor: Compressor, batch: ScheduleBatch, ends: list[tuple[
     registry.stats.seconds += compressor.account(time.perf_counter() - t0)
 
 
-def _row_ready(compressor: Compressor, batch: ScheduleBatch, i: int, key: DocumentKey,
+def _row_ready(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey,
                passes_before: int | None) -> Tensor | None:
     """The slots of request i's row that hold its document's kept entries (a copy of its row's
     first k, or G packed, slot numbers), or None where the chunk moment did not cut it to them (it
@@ -274,7 +299,7 @@ def _row_ready(compressor: Compressor, batch: ScheduleBatch, i: int, key: Docume
     return compressor.store.req_to_token[req.kv.req_pool_idx, :kept].to(torch.int64, copy=True)
 
 
-def _adopt(compressor: Compressor, batch: ScheduleBatch, i: int, key: DocumentKey, slots: Tensor,
+def _adopt(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, slots: Tensor,
            registry: Any) -> None:
     """The node is the row's first slots; the request holds it locked, as a matched prefix, and
     goes on exactly as a request that started from it (`Compressor._begin` for a hit)."""
@@ -305,7 +330,7 @@ def _adopt(compressor: Compressor, batch: ScheduleBatch, i: int, key: DocumentKe
     _trace(compressor, req, doc)
 
 
-def _trace(compressor: Compressor, req: Any, doc: Document) -> None:
+def _trace(compressor: Host, req: Any, doc: Document) -> None:
     if not compressor.trace:  # tests only (SGLKVC_TRACE); the node is the tree's now, whatever happens here
         return
     try:

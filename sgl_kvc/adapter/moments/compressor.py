@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,7 +53,7 @@ from sgl_kvc.adapter.safety.failures import FailedOnAnotherRank, FailureLedger, 
 from sgl_kvc.adapter.safety.tp import RankVote, ScoreReducer, agree, tp_rank
 from sgl_kvc.adapter.scheduling.admission import chunk_need
 from sgl_kvc.adapter.scheduling.chunk_pressure import needs_compression
-from sgl_kvc.adapter.scheduling.requests import chunk_compressible, is_middle_chunk, on_release, publish_exact_prefix
+from sgl_kvc.adapter.scheduling.requests import chunk_compressible, is_middle_chunk, on_release, insert_exact_prefix
 from sgl_kvc.adapter.telemetry.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.adapter.telemetry.trace import CompactionTrace
 from sgl_kvc.config import KvcConfig
@@ -81,6 +81,19 @@ CHUNK_SKIPPED = ("sgl-kvc could not compress this request between two chunks of 
 # Policies are cached per (name, budget); under --kv-budget-ratio every length gives a new
 # budget, so the cache is an LRU of this many entries rather than unbounded.
 POLICY_CACHE_SIZE = 64
+
+
+@dataclass
+class _PrefillMoments:
+    """What one extend's moments are due: passes between chunks and after prefill ((index in the
+    batch, state, target)), the requests whose prompt is read, and the documents whose end a chunk
+    reached (index -> key; `passes_before`: the passes before the cut of those cut there)."""
+
+    chunks: list[tuple[int, ReqKvState, int]] = field(default_factory=list)
+    starts: list[tuple[int, ReqKvState, int]] = field(default_factory=list)
+    read: list[ReqKvState] = field(default_factory=list)
+    ends: dict[int, Any] = field(default_factory=dict)
+    passes_before: dict[int, int] = field(default_factory=dict)
 
 
 class Compressor:
@@ -198,7 +211,7 @@ class Compressor:
             state.kept_positions = kept
             if units is not None:  # packed, as a request compacted on the unit pool is
                 state.units, state.unit_lens, state.packed = units, lens, doc.slots
-            state.offset = doc.shift
+            state.offset = doc.offset
             state.fill_shift = True
             # KVzip: its next pass repeats only its context after the document, whose entries
             # carry the scores the document's pass gave them (as its publisher's do after its
@@ -213,11 +226,11 @@ class Compressor:
             if not getattr(req, "retracted_stain", False):
                 # SGLang counted the node's slots as cached prompt tokens: the client's usage
                 # says the document's D tokens were (counted once, as SGLang counts them).
-                req.cached_tokens += doc.shift
+                req.cached_tokens += doc.offset
             registry = documents.registry_of(tree_cache)
             if registry is not None:
                 registry.metrics = self.metrics
-                registry.hit()
+                registry.count_hit()
         # A document request's own budget applies beyond its document: the document's k entries
         # (a hit), or its D tokens (the request that compresses it keeps its own copy whole). A
         # ratio (`--kv-budget-ratio`) is of the tokens after the document: of all of them, a
@@ -265,71 +278,84 @@ class Compressor:
         tensor-parallel rank holds alike (`document_pass.to_publish`)."""
         self._step_seconds = 0.0
         read_at = [i for i, req in enumerate(batch.reqs) if not is_middle_chunk(batch, req)]
-        document_pass.publish(self, batch, document_pass.to_publish(self, batch, read_at))
+        document_pass.publish_copies(self, batch, document_pass.to_publish(self, batch, read_at))
 
     def after_prefill(self, batch: ScheduleBatch) -> None:
-        """After an extend: the chunk moment for requests between two chunks of their prompt,
-        the prefill moment for those whose prompt is done (their documents were published before
-        SGLang processed the extend's result, `before_prefill_result`)."""
-        starts, chunks, read = [], [], []
-        # requests whose chunk ended at their document's end (the same on every rank)
-        ends = {i: key for i, req in enumerate(batch.reqs)
-                if is_middle_chunk(batch, req) and (key := documents.ends_here(req)) is not None}
-        passes_before = {}
+        """After an extend, each request's moment: the chunk moment for a request between two
+        chunks of its prompt (`_chunk_moment`), the prefill moment for one whose prompt is read
+        (`_prefill_moment`; its document was published before SGLang processed the extend's
+        result, `before_prefill_result`). Their passes run together, then the documents whose
+        end a chunk reached are published from the rows cut there."""
+        # requests whose chunk ended at their document's end: all of them, found alike on every
+        # rank (one whose state failed here is still listed, for the ranks' vote on publishing)
+        due = _PrefillMoments(ends={i: key for i, req in enumerate(batch.reqs)
+                                    if is_middle_chunk(batch, req) and (key := documents.ends_here(req)) is not None})
         for i, req in enumerate(batch.reqs):
             state = self.state(req)
             if req.finished() or state is None or state.policy.name == "none":
                 continue
             n = int(batch.seq_lens_cpu[i])
-            budget = state.effective_budget(n)
             if is_middle_chunk(batch, req):
-                # Never staged: the next chunk extends what this pass leaves.
-                doc = ends.get(i)
-                if doc is not None and n > doc.entries and self._room_for(batch, i, doc.entries):
-                    # Its document is read, its question not: the row is cut to the document's k
-                    # entries, to be published (`document_pass.publish_rows`).
-                    chunks.append((i, state, doc.entries))
-                    passes_before[i] = state.passes
-                    continue
-                inside = documents.cut_inside(req)
-                if inside is not None:
-                    # Inside its document the row is cut only where the document's key says (at
-                    # fixed chunk boundaries, to fixed sizes), whatever the pool's pressure or this
-                    # request's own budget: what the document keeps is then the same whoever
-                    # publishes it (`documents.cut_at`).
-                    if inside and n > inside and self.failures.guarded(
-                        req, "compress", self._chunk_due, batch, req, state, n, inside, True
-                    ):
-                        chunks.append((i, state, inside))
-                        documents.cut(req)
-                    continue
-                keep = self.config.chunk_target(budget)
-                if n > keep and chunk_compressible(req, self.config) and self.failures.guarded(
-                    req, "compress", self._chunk_due, batch, req, state, n, keep
-                ):
-                    chunks.append((i, state, keep))
-                continue
-            read.append(state)
-            if "prefill" not in self.config.compress_on:
-                continue
-            target = self._prefill_target(state, n, budget)
-            if target is not None and target < n:
-                if self._room_for(batch, i, target):
-                    starts.append((i, state, target))
-                else:
-                    self._put_off(state, n)
-        self._reconstruct(batch, chunks, starts)
-        chunks = [c for c in chunks if failure(batch.reqs[c[0]]) is None]
-        starts = [s for s in starts if failure(batch.reqs[s[0]]) is None]
+                self._chunk_moment(batch, i, req, state, n, due)
+            else:
+                self._prefill_moment(batch, i, state, n, due)
+        self._reconstruct(batch, due.chunks, due.starts)
+        chunks = [c for c in due.chunks if failure(batch.reqs[c[0]]) is None]
+        starts = [s for s in due.starts if failure(batch.reqs[s[0]]) is None]
         self._run_passes(batch, [], chunks, "chunk", whole=True)
         self._run_passes(batch, [], starts, "prefill")
-        for state in read:
+        for state in due.read:
             # Its prompt is read: the prompt's query moments served this moment's pass (a staged
             # one took them when it began) and serve no later one.
             state.query_moments = None
         self._flush(batch)
-        document_pass.publish_rows(self, batch, list(ends.items()), passes_before)
+        document_pass.publish_cut_rows(self, batch, list(due.ends.items()), due.passes_before)
         self._settle(batch)
+
+    def _chunk_moment(self, batch: ScheduleBatch, i: int, req: Req, state: ReqKvState, n: int,
+                      due: _PrefillMoments) -> None:
+        """Request i, between two chunks of its prompt (`n` entries in its row): the cut it is due,
+        if any, never staged (the next chunk extends what the pass leaves). At its document's end,
+        to the document's k entries (published after the pass); inside its document, where the
+        document's key says; elsewhere, to its chunk target when its next chunk needs the room."""
+        key = due.ends.get(i)
+        if key is not None:
+            if n > key.entries and self._room_for(batch, i, key.entries):
+                # Its document is read, its question not: the row is cut to the document's k
+                # entries, to be published (`document_pass.publish_cut_rows`).
+                due.chunks.append((i, state, key.entries))
+                due.passes_before[i] = state.passes
+                return
+        inside = documents.cut_inside(req)
+        if inside is not None:
+            # Inside its document the row is cut only where the document's key says (at fixed
+            # chunk boundaries, to fixed sizes), whatever the pool's pressure or this request's own
+            # budget: what the document keeps is then the same whoever publishes it (`cut_at`).
+            if inside and n > inside and self.failures.guarded(
+                req, "compress", self._chunk_due, batch, req, state, n, inside, True
+            ):
+                due.chunks.append((i, state, inside))
+                documents.cut(req)
+            return
+        keep = self.config.chunk_target(state.effective_budget(n))
+        if n > keep and chunk_compressible(req, self.config) and self.failures.guarded(
+            req, "compress", self._chunk_due, batch, req, state, n, keep
+        ):
+            due.chunks.append((i, state, keep))
+
+    def _prefill_moment(self, batch: ScheduleBatch, i: int, state: ReqKvState, n: int,
+                        due: _PrefillMoments) -> None:
+        """Request i, its prompt read (`n` entries): the pass after prefill, where it is on and
+        the request is over its target, or put off when its compaction finds no room now."""
+        due.read.append(state)
+        if "prefill" not in self.config.compress_on:
+            return
+        target = self._prefill_target(state, n, state.effective_budget(n))
+        if target is not None and target < n:
+            if self._room_for(batch, i, target):
+                due.starts.append((i, state, target))
+            else:
+                self._put_off(state, n)
 
     def _prefill_target(self, state: ReqKvState, n: int, budget: int) -> int | None:
         """What the pass after prefill keeps of a prompt of n entries, or None. When the decode
@@ -377,7 +403,7 @@ class Compressor:
                 req, self.config, n, state.logical_len(n), state.compressed)
             if need is None or not needs_compression(self.scheduler, req, need, batch):
                 return False
-        publish_exact_prefix(req, batch.tree_cache)
+        insert_exact_prefix(req, batch.tree_cache)
         if not self._room_for(batch, batch.reqs.index(req), keep):
             self.stats.skipped += 1
             self.failures.fail(req, "compress", CompactionSkipped("no free slots"), message=CHUNK_SKIPPED)

@@ -112,7 +112,7 @@ def _document_adjusted(req: Req, s: Sizes, config: KvcConfig) -> tuple[Sizes, in
     """A request with a shared document (`adapter/documents/__init__.py`): its sizes with its budget
     beyond the document's part of its row (`documents.held_for_document`), and the tokens a hit
     reads beyond its row's slots (D - k; 0 otherwise)."""
-    return _with_document(s, documents.held_for_document(req), config), documents.fill_shift(req)
+    return _with_document(s, documents.held_for_document(req), config), documents.fill_offset(req)
 
 
 def _with_document(s: Sizes, part: int, config: KvcConfig) -> Sizes:

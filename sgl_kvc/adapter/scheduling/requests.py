@@ -79,7 +79,7 @@ def shifted_fill_ids(req: Req, offset: int) -> None:
     req.full_untruncated_fill_ids = (req.origin_input_ids + req.output_ids)[offset:]
 
 
-def publish_exact_prefix(req: Req, tree_cache: BasePrefixCache) -> None:
+def insert_exact_prefix(req: Req, tree_cache: BasePrefixCache) -> None:
     """Before the first compaction between chunks: what the request computed so far is still
     exact KV of its prompt, so the radix tree gets it, as SGLang would have published it before
     the next chunk (`checkpoint_kv_cache`); a later request with the same prefix hits it. Chunks
