@@ -118,3 +118,14 @@ def test_the_check_finds_a_circle() -> None:
 def test_no_module_imports_another_modules_private_names() -> None:
     _, private = _graph()
     assert private == []
+
+
+def test_every_package_folder_installs() -> None:
+    """pyproject.toml lists its packages one by one (two folders install under another name): a
+    folder it misses would be absent from a wheel (the GPU kit's), with nothing failing here,
+    where the editable install finds it anyway."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    assert folders == listed
