@@ -52,7 +52,10 @@ whole), and the moment slots so the moments take at most `MAX_MOMENT_SHARE`.
 
 Transient work of a pass (one layer's keys while it scores it) is activation memory, like
 SGLang's own, and stays in its slack; so do a reconstruction forward's activations, which it keeps
-within SGLang's tokens per prefill forward (`reconstruction.forward_limit`).
+within SGLang's tokens per prefill forward (`reconstruction.forward_limit`). Not reserved yet: the
+scores a KVzip reconstruction gives a request's entries (a float32 per entry, layer and KV head of
+its row), held from its reconstruction to the end of its pass (over several steps when the pass is
+staged), for every request whose pass is due; bounded by their rows, not by a reservation.
 """
 
 from __future__ import annotations
