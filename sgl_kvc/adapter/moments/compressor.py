@@ -53,7 +53,7 @@ from sgl_kvc.adapter.safety.failures import FailedOnAnotherRank, FailureLedger, 
 from sgl_kvc.adapter.safety.tp import RankVote, ScoreReducer, agree, tp_rank
 from sgl_kvc.adapter.scheduling.admission import chunk_need
 from sgl_kvc.adapter.scheduling.chunk_pressure import needs_compression
-from sgl_kvc.adapter.scheduling.requests import chunk_compressible, is_middle_chunk, on_release, insert_exact_prefix
+from sgl_kvc.adapter.scheduling.requests import chunk_compressible, insert_exact_prefix, is_middle_chunk, on_release
 from sgl_kvc.adapter.telemetry.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.adapter.telemetry.trace import CompactionTrace
 from sgl_kvc.config import KvcConfig
