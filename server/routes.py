@@ -56,7 +56,13 @@ async def kvc_stats() -> JSONResponse:
         return openai_error(
             503, "sgl-kvc is not active in the scheduler", type_="service_unavailable"
         )
-    return JSONResponse(stats_answer(per_rank))
+    answer = stats_answer(per_rank)
+    if isinstance(answer.get("documents"), dict):
+        from sgl_kvc.adapter.documents.chat_documents import rewritten
+
+        # counted where chat requests are rendered, in this process
+        answer["documents"]["history_rewritten"] = rewritten(get_global_state().tokenizer_manager)
+    return JSONResponse(answer)
 
 
 def mount(app: FastAPI) -> None:

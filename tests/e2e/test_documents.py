@@ -44,10 +44,12 @@ READ_WHOLE = ["--compress-on", "prefill,decode,preempt", "--kv-head-budget", "la
 
 
 # The demo model's template, reading also a message's `name` and a `greeting` chat template argument
-# (the variable server's `--chat-template`; SGLang reads `\n` in the file as a newline).
+# (the variable server's `--chat-template`; SGLang reads `\n` in the file as a newline); with a
+# `rewrite` argument it rewrites every message but the last (as Qwen3's drops earlier reasoning).
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% if greeting is defined %}{{ '<|system|>\\n' + greeting + '</s>\\n' }}{% endif %}"
     "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if rewrite is defined and not loop.last %}{{ '(earlier) ' }}{% endif %}"
     "{% if message['name'] is defined %}{{ message['name'] + ': ' }}{% endif %}"
     "{{ message['content'] + '</s>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
@@ -433,6 +435,35 @@ def test_a_chat_documents_tokens_are_those_of_sglangs_own_prompt(servers, trace:
     ask(f"chat-document-{case}-2", "What is the lamp?")
     after = _documents(server)
     assert after["compressions"] == before["compressions"] + 1 and after["hits"] == before["hits"] + 1, after
+    assert_pool_whole(server.wait_idle())
+
+
+def test_a_template_that_rewrites_earlier_turns_reads_the_conversation_whole(servers) -> None:
+    """A chat template that renders the document's messages otherwise inside the whole
+    conversation (here, with `rewrite`, every message but the last, as Qwen3's drops earlier
+    reasoning): no document is the start of the prompt, so the request reads it whole, compressed
+    by its own settings, and is served; the stats count it. Before, it was a 400 on every turn
+    after the first."""
+    server = servers["variable"]
+    kwargs = {"chat_template_kwargs": {"rewrite": True}}
+    messages = [{"role": "user", "content": " ".join(p["text"] for p in _PARTS)},
+                {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "What is the seed?"}]
+    before = _documents(server)
+    for _ in range(2):
+        r = server.post("/v1/chat/completions", json={
+            "model": "demo", "max_tokens": 2, "temperature": 0, "messages": messages,
+            "kv_compression": {"prompt_policy": "kvzip", "document": {"ratio": 0.3}}, **kwargs})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 2
+    after = _documents(server)
+    assert after["history_rewritten"] == before["history_rewritten"] + 2, after
+    assert after["compressions"] == before["compressions"] and after["hits"] == before["hits"], after
+    # the same conversation rendered as given is a document again
+    r = server.post("/v1/chat/completions", json={
+        "model": "demo", "max_tokens": 2, "temperature": 0, "messages": messages,
+        "kv_compression": {"prompt_policy": "kvzip", "document": {"ratio": 0.3}}})
+    assert r.status_code == 200, r.text
+    assert _documents(server)["compressions"] == before["compressions"] + 1
     assert_pool_whole(server.wait_idle())
 
 

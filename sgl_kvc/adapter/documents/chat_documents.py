@@ -15,10 +15,12 @@ every argument the same (content parts joined as SGLang joins them, `name`, `too
 the reasoning settings) except that the conversation stops there and asks for no answer
 (`add_generation_prompt` false; with a named conversation template, `--chat-template chatml` for
 instance, SGLang's own conversation without the blank assistant turn it appends). Those ids must be
-the start of the request's prompt ids (true of the usual templates; one that rewrites earlier turns,
-or a tokenizer that merges tokens across the boundary, is refused with a 400 naming the field); D
-is their count, written into the request's `custom_params` as `document.tokens`, in place of
-`messages`, before the request leaves the HTTP process.
+the start of the request's prompt ids; D is their count, written into the request's `custom_params`
+as `document.tokens`, in place of `messages`, before the request leaves the HTTP process. That holds
+for the usual templates as long as the client resends earlier turns as they were. Where it does not
+(a template that rewrites earlier turns, as Qwen3's drops their reasoning; a tokenizer that merges
+tokens across the boundary), the request declares no document: it reads its prompt whole,
+compressed by its own settings, and `/v1/kvc/stats` counts it (`documents.history_rewritten`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY, FIELD, RequestSettingErr
 
 TARGET = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request"
 PARAM = f"{FIELD}.document.messages"
+REWRITTEN_ATTR = "_sgl_kvc_history_rewritten"  # on SGLang's TokenizerManager: `count_rewritten`
 
 
 def hook_table() -> list[Hook]:
@@ -62,8 +65,13 @@ def _around_convert(original: Any, serving: Any, request: Any, *args: Any, **kwa
                                                   "(its input_ids are given, or its prompt is multimodal text)"))
     document = _render_prefix(serving, prefix, m, original, *args, **kwargs)
     if not 0 < len(document) < len(whole) or list(whole[: len(document)]) != document:
-        raise RequestSettingError(PARAM, _refusal(f"this server's chat template does not render the first {m} "
-                                                  f"message(s) as the start of the prompt"))
+        # The template renders the messages otherwise inside the whole conversation (it rewrites
+        # earlier turns, as Qwen3's drops their reasoning, or the tokenizer merges tokens across
+        # the boundary): no document is the start of this prompt. The request reads it whole,
+        # compressed as its own settings say, and the stats count it (`documents.history_rewritten`).
+        _drop_document(adapted)
+        count_rewritten(serving.tokenizer_manager)
+        return adapted, processed
     _set_tokens(adapted, len(document))
     _check_prompt(adapted, len(whole))
     return adapted, processed
@@ -124,6 +132,26 @@ def _set_tokens(adapted: Any, tokens: int) -> None:
     settings["document"] = document
     custom[CUSTOM_PARAMS_KEY] = settings
     adapted.sampling_params = {**sp, "custom_params": custom}
+
+
+def _drop_document(adapted: Any) -> None:
+    """The request's custom params without its document (new dicts: SGLang's request shares the
+    client's)."""
+    sp = adapted.sampling_params
+    custom = dict(sp.get("custom_params") or {})
+    custom[CUSTOM_PARAMS_KEY] = {k: v for k, v in custom[CUSTOM_PARAMS_KEY].items() if k != "document"}
+    adapted.sampling_params = {**sp, "custom_params": custom}
+
+
+def count_rewritten(manager: Any) -> None:
+    """One more chat request whose document messages its template rendered otherwise in the whole
+    conversation (counted in the HTTP process, on SGLang's tokenizer manager)."""
+    setattr(manager, REWRITTEN_ATTR, rewritten(manager) + 1)
+
+
+def rewritten(manager: Any) -> int:
+    """Chat requests read whole because their template rewrote their document's messages."""
+    return int(getattr(manager, REWRITTEN_ATTR, 0))
 
 
 def _refusal(why: str) -> str:
