@@ -206,6 +206,15 @@ def parse_args(argv: list[str]) -> tuple[KvcConfig, list[str]]:
 KVC_POOL_BACKENDS: tuple[str, ...] = ("torch_native", "triton")
 
 
+def allocation_warning(config: KvcConfig) -> str | None:
+    """A server whose prompt policy is KVzip with uniform head budgets: served, but KVzip's scores
+    need one sort over every head (docs/quality.md, "KVzip needs variable head budgets")."""
+    if config.compressing and config.prompt_policy_name == "kvzip" and config.kv_head_budget == "uniform":
+        return ("sgl-kvc: --prompt-policy kvzip with uniform head budgets keeps few facts (a copy head's flat "
+                "scores crowd them out, docs/quality.md); start with --kv-head-budget variable")
+    return None
+
+
 def torch_native_on_gpu(config: KvcConfig, argv: list[str]) -> str | None:
     """The warning the launcher logs where a GPU serves FP8 KV storage or variable / layer budgets
     on the torch_native backend the user asked for: its prefill runs SGLang's SDPA loop one request
@@ -489,6 +498,8 @@ def main(argv: list[str] | None = None) -> None:
         if problem:
             sys.exit(f"python -m sgl_kvc.launch: error: {problem}")
     if on_gpu and (warning := torch_native_on_gpu(config, rest)):
+        logger.warning(warning)
+    if warning := allocation_warning(config):
         logger.warning(warning)
     gpu_kit = on_gpu and gpu_kit
     native_bf16 = on_gpu or _native_bf16()

@@ -244,3 +244,17 @@ def test_workers_are_forked_only_from_a_launcher_that_started_no_thread() -> Non
     assert not fork_is_safe({"1", "2"}, {"1", "2", "3"}, python_threads=1)  # an OS thread started
     assert not fork_is_safe({"1", "2"}, {"1", "2"}, python_threads=2)  # a Python thread runs
     assert not fork_is_safe(set(), set(), python_threads=1)  # no /proc: unknown, spawn
+
+
+def test_kvzip_with_uniform_head_budgets_is_warned_about() -> None:
+    """KVzip's scores need one sort over every head (docs/quality.md): a server started with it
+    as the prompt policy and uniform head budgets says so in one line; with variable budgets, or
+    another prompt policy, it says nothing."""
+    from sgl_kvc.launch import allocation_warning, parse_args
+
+    def warning(*flags: str) -> str | None:
+        return allocation_warning(parse_args(["--model-path", "demo", *flags])[0])
+
+    assert "--kv-head-budget variable" in warning("--policy", "snapkv", "--prompt-policy", "kvzip")
+    assert warning("--policy", "snapkv", "--prompt-policy", "kvzip", "--kv-head-budget", "variable") is None
+    assert warning("--policy", "rkv") is None and warning() is None
