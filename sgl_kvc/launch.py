@@ -211,7 +211,7 @@ def allocation_warning(config: KvcConfig) -> str | None:
     need one sort over every head (docs/quality.md, "KVzip needs variable head budgets")."""
     if config.compressing and config.prompt_policy_name == "kvzip" and config.kv_head_budget == "uniform":
         return ("sgl-kvc: --prompt-policy kvzip with uniform head budgets keeps few facts (a copy head's flat "
-                "scores crowd them out, docs/quality.md); start with --kv-head-budget variable")
+                "scores crowd them out, docs/quality.md); start with --kv-head-budget variable (or layer)")
     return None
 
 

@@ -186,8 +186,10 @@ def advance_variable(
 ) -> DueCompaction | None:
     """`advance_uniform` for variable budgets (KV-Compress §4.2, `mode` variable or layer):
     score one (layer, KV head) at a time, each from its own entries, as work allows; once all
-    have scored, one sort over layer x head x entry chooses what the request keeps."""
+    have scored, one sort over layer x head x entry chooses what the request keeps (per layer with
+    `layer`, unless the policy's scores are for one sort, `Policy.global_sort`)."""
     p = state.pending
+    mode = "variable" if p.policy.global_sort else mode
     p.steps += 1
     tables = p.tables
     num_layers, num_heads = tables.lens.shape

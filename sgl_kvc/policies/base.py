@@ -308,6 +308,10 @@ class Policy(ABC):
     """Whether the policy chooses what a prompt keeps without reading any query of the prompt (no
     observation window, no query statistics): only such a policy compresses a document before the
     questions that will be asked about it (`kv_compression.document`)."""
+    global_sort: ClassVar[bool] = False
+    """Whether the policy's scores are comparable across layers and heads, so that where heads may
+    keep different numbers of entries (the unit pool: `--kv-head-budget variable` or `layer`) one
+    sort over layer x head x entry chooses what the request keeps, whatever the server's mode."""
     prompt_policy: ClassVar[str | None] = None
     """The policy that compresses the prompt (the prefill and chunk moments) when the user leaves
     it to this one (``--prompt-policy auto``); None: this policy itself. A decode-time method

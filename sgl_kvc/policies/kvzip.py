@@ -36,6 +36,11 @@ class KVzipPolicy(Policy):
     uses_reconstruction: ClassVar[bool] = True
     prompt_only: ClassVar[bool] = True
     question_free: ClassVar[bool] = True
+    # KVzip's scores are each entry's attention while the model repeats its context: the paper and
+    # kvpress keep the top ratio of them over every head at once. Per layer (or per head) a copy
+    # head, which scores most of its context near 1, crowds out the facts (docs/quality.md,
+    # "KVzip needs variable head budgets": 1 of 3 pass keys at 256 per layer, 3 of 3 in one sort).
+    global_sort: ClassVar[bool] = True
 
     def _score(self, view: LayerView) -> Tensor:
         if view.reconstruction is None:

@@ -126,3 +126,29 @@ def test_step_work_lets_the_first_head_run_whatever_it_costs() -> None:
     work.spend(50)
     assert not work.allows(1)
     assert StepWork.unlimited().fits(1 << 40)
+
+
+@pytest.mark.parametrize("mode", ["variable", "layer"])
+def test_kvzip_sorts_every_head_at_once_wherever_heads_may_differ(device: torch.device, mode: str) -> None:
+    """KVzip's scores are comparable across layers and heads (`Policy.global_sort`): on the unit
+    pool one sort over layer x head x entry chooses, under `layer` head budgets too. Here layer 0
+    scores everything higher (a copy head's flat scores): one sort gives it more than its layer's
+    share, as KVzip's paper and kvpress keep it; per layer, each would keep the same."""
+    from sgl_kvc.core.reconstruction import PassScores
+
+    n, target = 60, 14  # beyond each head's protected sinks and window
+    store, state, pool, slots = _request(device, "kvzip", n, seed=5, units=True)
+    g = torch.Generator(device="cpu").manual_seed(6)
+    layers = [torch.rand(H_KV, n, generator=g).to(device) + (1.0 if layer == 0 else 0.0) for layer in range(LAYERS)]
+    state.reconstruction = PassScores(layers, n)
+    due = _run(store, state, n, target, allowance=1 << 40, mode=mode)
+    scores = torch.stack(layers)
+    protected = torch.zeros(LAYERS, H_KV, n, dtype=torch.bool, device=device)
+    for layer in range(LAYERS):
+        view = LayerView(keys=pool.k[slots, layer, :], queries=store.window_queries(0, n)[layer],
+                         reconstruction=layers[layer])
+        protected[layer] = state.policy.protected(view)
+    want = select_from_scores(scores, protected, target, mode="variable")
+    assert torch.equal(due.selection.lengths, want.lengths) and torch.equal(due.selection.indices, want.indices)
+    per_layer = due.selection.lengths.sum(dim=1).tolist()
+    assert per_layer[0] > per_layer[1], per_layer  # not each layer's equal share
