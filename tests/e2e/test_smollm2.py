@@ -162,25 +162,24 @@ def test_snapkv_keeps_the_pass_key_where_streamingllm_at_64_loses_it(servers, sm
 
 
 def test_kvzip_and_snapkv_keep_pass_keys_at_an_eighth_of_the_prompt(servers, smollm2_path: str) -> None:
-    """2K-token pass-key prompts (the key at 10, 50 and 90% depth) kept at 256 entries per head,
-    about 13% of the prompt: SnapKV on the default server and on one with layer head budgets, and
-    KVzip (no question needed) on the layer one, where its one sort over every head keeps the key
-    that uniform budgets lose to a copy head's flat scores (docs/quality.md, "KVzip needs variable
-    head budgets"; measured 3 of 3 each). Fails if any of them drops to 1 of the keys the full
-    cache answers."""
+    """1K-token pass-key prompts (the key at 10 and 90% depth) kept at 128 entries per head, about
+    13% of the prompt, on a server with layer head budgets: SnapKV (per-layer shares) and KVzip (no
+    question needed; one sort over every head, which keeps the key that per-layer or uniform
+    budgets lose to a copy head's flat scores: docs/quality.md, "KVzip needs variable head
+    budgets"). Measured 2 of 2 each, and KVzip 0 of 2 sorted per layer; fails if either drops to 0
+    of the keys the full cache answers. (SnapKV on the default server:
+    `test_snapkv_keeps_the_pass_key_where_streamingllm_at_64_loses_it`.)"""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
-    samples: list[Sample] = passkey_samples(tok, {2048: 1}, [0.1, 0.5, 0.9], seed=0)
+    samples: list[Sample] = passkey_samples(tok, {1024: 1}, [0.1, 0.9], seed=0)
 
-    def correct(server: ServerProcess, kvc: dict) -> int:
+    def correct(kvc: dict) -> int:
         with ThreadPoolExecutor(len(samples)) as pool:
-            texts = pool.map(lambda s: _complete(server, s.prompt_ids, s.max_tokens, kvc), samples)
+            texts = pool.map(lambda s: _complete(servers["layer"], s.prompt_ids, s.max_tokens, kvc), samples)
             return sum(is_correct(s, text) for s, text in zip(samples, texts))
 
-    full = correct(servers["layer"], {"budget": 1 << 20})
-    found = {"snapkv, uniform": correct(servers["rkv"], {"budget": 256}),
-             "snapkv, layer": correct(servers["layer"], {"budget": 256}),
-             "kvzip, layer": correct(servers["layer"], {"prompt_policy": "kvzip", "budget": 256})}
+    full = correct({"budget": 1 << 20})
+    found = {"snapkv": correct({"budget": 128}), "kvzip": correct({"prompt_policy": "kvzip", "budget": 128})}
     assert full == len(samples), f"the full cache itself found {full}/{len(samples)} pass keys"
-    assert all(n >= len(samples) - 1 for n in found.values()), found
+    assert all(found.values()), found
