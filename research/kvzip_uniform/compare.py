@@ -1,6 +1,6 @@
 import json, math, sys
 import torch
-sys.path.insert(0, "/work/main"); sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+sys.path.insert(0, __import__("os").path.abspath(__import__("os").path.join(__import__("os").path.dirname(__file__), "..", "..")))  # the repository root; sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 from tests.kvzip_reference import KVzipReference, uniform_choice
 from probe import select
 mode = sys.argv[1]

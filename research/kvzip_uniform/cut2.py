@@ -4,7 +4,7 @@ its context [P1, P2) is repeated in chunks of 485 attending to the compressed ca
 does; the old entries keep their cut-1 reference scores; uniform top-256 with system prompt and the
 last 8 protected. Compared with the server's second compaction."""
 import json, math, sys, torch
-sys.path.insert(0, "/work/main"); sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+sys.path.insert(0, __import__("os").path.abspath(__import__("os").path.join(__import__("os").path.dirname(__file__), "..", "..")))  # the repository root; sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 import probe
 from probe import MASKS, MODEL
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache

@@ -9,13 +9,13 @@ import time
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, __import__("os").path.abspath(__import__("os").path.join(__import__("os").path.dirname(__file__), "..", "..")))  # the repository root
 from benchmarks.quality_samples import is_correct, passkey_samples  # noqa: E402
 from benchmarks.quality_trace import answer_positions  # noqa: E402
 from sgl_kvc.policies.per_head import select_from_scores  # noqa: E402
 from tests.kvzip_reference import kvzip_scores  # noqa: E402
 
-MODEL = "/root/.cache/sgl_kvc/smollm2-135m-instruct-v1"
+MODEL = str(__import__("sgl_kvc.model", fromlist=["ensure_smollm2"]).ensure_smollm2())  # the default model, converted once
 MASKS: dict[int, torch.Tensor] = {}  # layer -> bool keep [H_kv, n_prompt]
 
 

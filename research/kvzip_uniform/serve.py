@@ -2,7 +2,7 @@
 cache flushed between; the compaction trace goes to <logdir>/trace.jsonl."""
 import json, sys, time
 from pathlib import Path
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, __import__("os").path.abspath(__import__("os").path.join(__import__("os").path.dirname(__file__), "..", "..")))  # the repository root
 from transformers import AutoTokenizer
 from benchmarks.quality import ManagedServer
 from benchmarks.quality_samples import is_correct, passkey_samples
@@ -11,7 +11,7 @@ mode, logdir = sys.argv[1], Path(sys.argv[2])
 extra = sys.argv[3:]
 styles = ["templated"]
 logdir.mkdir(parents=True, exist_ok=True)
-tok = AutoTokenizer.from_pretrained("/root/.cache/sgl_kvc/smollm2-135m-instruct-v1")
+tok = AutoTokenizer.from_pretrained(str(__import__("sgl_kvc.model", fromlist=["ensure_smollm2"]).ensure_smollm2()))
 samples = [s for st in styles for s in passkey_samples(tok, {2048: 1}, [0.1, 0.5, 0.9], 0, st)]
 flags = ["--policy", "snapkv", "--prompt-policy", "kvzip", "--kv-budget", "256", "--dtype", "float32",
          "--kv-head-budget", mode, "--kv-pass-work", "0", *extra]

@@ -1,5 +1,5 @@
 import json, sys, torch
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, __import__("os").path.abspath(__import__("os").path.join(__import__("os").path.dirname(__file__), "..", "..")))  # the repository root
 from tests.kvzip_reference import KVzipReference
 R = json.load(open("/tmp/kvzip_probe/probe.json"))
 for r in R[:3]:

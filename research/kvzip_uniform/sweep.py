@@ -1,5 +1,5 @@
 import json, sys, torch
-sys.path.insert(0, "/work/main"); sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+sys.path.insert(0, __import__("os").path.abspath(__import__("os").path.join(__import__("os").path.dirname(__file__), "..", "..")))  # the repository root; sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 import probe
 from probe import select, generate
 from transformers import AutoModelForCausalLM, AutoTokenizer
