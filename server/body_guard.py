@@ -333,7 +333,8 @@ def _check_lora(route: str, data: dict) -> None:
 
 
 def _tokenizer_manager() -> Any:
-    """SGLang's tokenizer manager, once it is up (None before, or outside a server)."""
+    """SGLang's tokenizer manager, once it is up (None before, or outside a server). Never
+    imports SGLang's server from here: when it is not loaded there is no model."""
     http_server = sys.modules.get("sglang.srt.entrypoints.http_server")
     try:
         return http_server.get_global_state().tokenizer_manager
@@ -343,22 +344,18 @@ def _tokenizer_manager() -> Any:
 
 def _vocab_size() -> int | None:
     """The served model's vocabulary size, once SGLang's tokenizer manager is up."""
-    # Never import SGLang's server from here: when it is not loaded there is no model.
-    http_server = sys.modules.get("sglang.srt.entrypoints.http_server")
+    manager = _tokenizer_manager()
     try:
-        return int(http_server.get_global_state().tokenizer_manager.model_config.vocab_size)
-    except Exception:  # noqa: BLE001 - not started yet, or another layout: the hook still checks
+        return None if manager is None else int(manager.model_config.vocab_size)
+    except Exception:  # noqa: BLE001 - another layout: the hook still checks
         return None
 
 
 def _multimodal() -> bool:
     """Whether the served model has a multimodal processor (SGLang's tokenizer manager feeds
     images, video and audio to its prompt; a text model's server ignores them)."""
-    http_server = sys.modules.get("sglang.srt.entrypoints.http_server")
-    try:
-        return http_server.get_global_state().tokenizer_manager.mm_processor is not None
-    except Exception:  # noqa: BLE001 - not started yet: the scheduler still refuses such a request
-        return False
+    # not started yet: the scheduler still refuses such a request
+    return getattr(_tokenizer_manager(), "mm_processor", None) is not None
 
 
 def _check_generate_token_ids(input_ids: Any) -> None:
