@@ -92,15 +92,10 @@ class Hostile:
 def document_floor_of(flags: list[str]) -> int:
     """The entries a document always keeps on a server started with `flags` (as its launcher
     parses them)."""
-    import argparse
-
-    from sgl_kvc.config import KvcConfig
+    from sgl_kvc.launch import parse_args
     from sgl_kvc.request_settings import document_floor
 
-    parser = argparse.ArgumentParser()
-    KvcConfig.add_cli_args(parser)
-    known, _ = parser.parse_known_args(flags)
-    return document_floor(KvcConfig.from_cli_args(known))
+    return document_floor(parse_args(list(flags))[0])
 
 
 def document_field(path: str, name: str = "") -> str:

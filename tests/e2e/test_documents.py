@@ -525,14 +525,9 @@ def test_a_prompt_at_the_context_length_is_repeated_in_whole_chunks(servers) -> 
 
 def _kvc_config(flags: list[str]):
     """The sgl-kvc settings a server started with `flags` runs with (as its launcher parses them)."""
-    import argparse
+    from sgl_kvc.launch import parse_args
 
-    from sgl_kvc.config import KvcConfig
-
-    parser = argparse.ArgumentParser()
-    KvcConfig.add_cli_args(parser)
-    known, _ = parser.parse_known_args(flags)
-    return KvcConfig.from_cli_args(known)
+    return parse_args(list(flags))[0]
 
 
 @pytest.mark.parametrize("name", ["variable", "whole"])
