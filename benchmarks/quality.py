@@ -52,6 +52,7 @@ from benchmarks.quality_fillers import STYLES
 from benchmarks.quality_trace import answer_positions, evidence, prompt_compactions
 from benchmarks.quality_samples import (
     Sample,
+    document_samples,
     is_correct,
     multikey_samples,
     passkey_samples,
@@ -65,7 +66,8 @@ BUDGETS = [128, 256, 512, 1024]
 UNCOMPRESSED = 1 << 20  # a per-request budget above any prompt: nothing is evicted
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_KVPRESS_PYTHON = REPO.parent / "kvpress-venv" / "bin" / "python"
-RETRIEVAL = ("passkey", "multikey")
+RETRIEVAL = ("passkey", "multikey", "multidoc")
+TASK_TITLES = {"passkey": "pass key", "multikey": "multi-key", "multidoc": "document facts"}
 
 
 @dataclass
@@ -461,19 +463,19 @@ def markdown(data: dict) -> str:
     names = [p for p in data["setup"]["policies"]] + [
         f"kvpress:{p}" for p in (data.get("kvpress") or {}).get("presses", [])
     ]
-    ref = {t: rows_by.get((t, "full")) for t in RETRIEVAL}
+    tasks = [t for t in RETRIEVAL if any(r["task"] == t for r in data["retrieval"])] or list(RETRIEVAL[:2])
+    ref = {t: rows_by.get((t, "full")) for t in tasks}
     out = []
-    head = " | ".join(f"pass key @{b}" for b in budgets) + " | " + " | ".join(
-        f"multi-key @{b}" for b in budgets)
+    head = " | ".join(f"{TASK_TITLES[t]} @{b}" for t in tasks for b in budgets)
     out.append(
-        f"Retrieval: share of the full cache's correct answers kept (full cache: pass key "
-        f"{_ref_txt(ref['passkey'])}, multi-key {_ref_txt(ref['multikey'])}).\n"
+        "Retrieval: share of the full cache's correct answers kept (full cache: "
+        + ", ".join(f"{TASK_TITLES[t]} {_ref_txt(ref[t])}" for t in tasks) + ").\n"
     )
     out.append(f"| policy | {head} |")
-    out.append("| --- |" + " ---: |" * (2 * len(budgets)))
+    out.append("| --- |" + " ---: |" * (len(tasks) * len(budgets)))
     for name in ["uncompressed", *names]:
         cells = []
-        for task in RETRIEVAL:
+        for task in tasks:
             for b in budgets:
                 key = name if name == "uncompressed" else f"{name}@{b}"
                 r = rows_by.get((task, key))
@@ -677,6 +679,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multikey", type=int, default=3, help="multi-key samples")
     p.add_argument("--multikey-len", type=int, default=1536)
     p.add_argument("--multikey-facts", type=int, default=5)
+    p.add_argument("--multidoc", type=int, default=0,
+                   help="documents whose facts are asked one at a time (task multidoc: one sample per fact)")
+    p.add_argument("--multidoc-len", type=int, default=2048)
+    p.add_argument("--multidoc-facts", type=int, default=4)
     p.add_argument("--timing-lengths", nargs="*", type=int, default=[1024, 4096, 8000],
                    help="prompt tokens for compression timing (8000: the 8192 context less room)")
     p.add_argument("--timing-budget", type=int, default=128)
@@ -791,6 +797,8 @@ def main(argv: list[str] | None = None) -> dict:
         *(s for style in args.styles for s in passkey_samples(tok, args.passkey, args.depths, args.seed, style)),
         *(s for style in args.styles
           for s in multikey_samples(tok, args.multikey, args.multikey_len, args.multikey_facts, args.seed, style)),
+        *(s for style in args.styles
+          for s in document_samples(tok, args.multidoc, args.multidoc_len, args.multidoc_facts, args.seed, style)),
     ]  # fmt: skip
     all_samples, samples = samples, [s for s in samples if s.task in args.tasks]
     print(f"[quality] {len(samples)} samples; {len(args.policies)} policies x {len(args.budgets)} "
@@ -861,6 +869,7 @@ def main(argv: list[str] | None = None) -> dict:
             "styles": args.styles,
             "multikey": args.multikey, "multikey_len": args.multikey_len,
             "multikey_facts": args.multikey_facts,
+            "multidoc": args.multidoc, "multidoc_len": args.multidoc_len, "multidoc_facts": args.multidoc_facts,
             "timing_budget": args.timing_budget, "seed": args.seed,
             # the servers run now; the others' as the merged run recorded them
             "servers": {**(prev["setup"].get("servers", {}) if prev else {}),

@@ -9,6 +9,8 @@ Tasks:
 - `passkey`: a 5-digit pass key stated once at a relative depth of the filler; asked at the end.
 - `multikey`: several "the code of the <colour> <thing> is NNNN" facts scattered through the
   filler; one of them is asked for.
+- `multidoc`: documents of several such facts, one in each slice of the document, every fact asked
+  in a sample of its own over the same context (a shared document's questions, one at a time).
 - `long-output`: a short prompt that makes the model write at length (`benchmarks.long_generation`);
   scored by fidelity of `max_tokens` greedy tokens to the full cache's, not by an answer.
 """
@@ -21,7 +23,7 @@ from typing import Any, Protocol
 
 from benchmarks.quality_fillers import FILLERS, sentence
 
-__all__ = ["FILLERS", "LONG_OUTPUT_KINDS", "Sample", "is_correct", "long_output_samples",
+__all__ = ["FILLERS", "LONG_OUTPUT_KINDS", "Sample", "document_samples", "is_correct", "long_output_samples",
            "multikey_samples", "passkey_samples", "sentence"]
 
 LONG_PIECE_TOKENS = 64
@@ -45,7 +47,7 @@ class Sample:
     """One prompt as token ids plus what scores it."""
 
     id: str
-    task: str  # passkey | multikey | long-output
+    task: str  # passkey | multikey | multidoc | long-output
     prompt_ids: list[int]
     answer: str = ""  # the string a correct output contains (empty for long-output)
     max_tokens: int = 16
@@ -71,14 +73,15 @@ def _render(tok: Tokenizer, user: str) -> list[int]:
 
 def _build(
     tok: Tokenizer, rng: random.Random, target_len: int, head: str, tail: str,
-    inserts: list[tuple[float, str]], style: str = "templated",
+    inserts: list[tuple[float, str]], style: str = "templated", sized_for: str | None = None,
 ) -> list[int]:
     """Chat prompt `head + filler (with inserts at relative depths) + tail` of about target_len
     tokens, filled in `style`. Piece lengths are measured once, so the filler is sized without
-    re-rendering."""
+    re-rendering. `sized_for`: the tail the filler is sized for (default `tail`): prompts that
+    differ only in their tail then share their context token for token."""
     filler_style = FILLERS[style]
     sep = filler_style.sep
-    overhead = len(_render(tok, head + tail + sep.join(s for _, s in inserts)))
+    overhead = len(_render(tok, head + (tail if sized_for is None else sized_for) + sep.join(s for _, s in inserts)))
     budget = max(target_len - overhead, 16)
     filler: list[str] = []
     sizes: list[int] = []
@@ -182,6 +185,39 @@ def multikey_samples(
             meta={"length": length, "facts": facts, "asked_depth": depths[ask], "style": style,
                   "question_at": question_at(tok, ids, tail)},
         ))  # fmt: skip
+    return out
+
+
+def document_samples(
+    tok: Tokenizer, n: int, length: int, facts: int, seed: int, style: str = "templated"
+) -> list[Sample]:
+    """Documents that each state `facts` codes at depths spread over the whole document, asked one
+    at a time: one sample per (document, fact), the same context token for token with only the
+    question after it differing, as a shared document's readers ask it."""
+    out = []
+    for i in range(n):
+        rng = random.Random(f"{_seed('multidoc', style)}-{seed}-{length}-{i}")
+        names = rng.sample([f"{c} {t}" for c in COLOURS for t in THINGS], facts)
+        codes = rng.sample(range(1000, 10000), facts)
+        # one fact in each of `facts` equal slices of the document, at a random depth inside it
+        depths = [(j + 0.1 + 0.8 * rng.random()) / facts for j in range(facts)]
+        inserts = [(d, f"The code of the {nm} is {cd}.") for d, nm, cd in zip(depths, names, codes)]
+        tails = [f"\n\nWhat is the code of the {nm}? Answer with the number only." for nm in names]
+        longest = max(tails, key=lambda t: len(tok.encode(t, add_special_tokens=False)))
+        state = rng.getstate()
+        for j, tail in enumerate(tails):
+            rng.setstate(state)  # the same filler for every question
+            ids = _build(
+                tok, rng, length,
+                "The text below mentions the codes of several objects. Read it carefully.\n\n",
+                tail, inserts, style, sized_for=longest,
+            )
+            out.append(Sample(
+                id=f"{_id('multidoc', style)}-{length}-{i}-f{j}", task="multidoc", prompt_ids=ids,
+                answer=str(codes[j]), max_tokens=16,
+                meta={"length": length, "facts": facts, "asked_depth": depths[j], "style": style,
+                      "question_at": question_at(tok, ids, tail), "document": i},
+            ))  # fmt: skip
     return out
 
 

@@ -210,8 +210,9 @@ def allocation_warning(config: KvcConfig) -> str | None:
     """A server whose prompt policy is KVzip with uniform head budgets: served, but KVzip's scores
     need one sort over every head (docs/quality.md, "KVzip needs variable head budgets")."""
     if config.compressing and config.prompt_policy_name == "kvzip" and config.kv_head_budget == "uniform":
-        return ("sgl-kvc: --prompt-policy kvzip with uniform head budgets keeps few facts (a copy head's flat "
-                "scores crowd them out, docs/quality.md); start with --kv-head-budget variable (or layer)")
+        return ("sgl-kvc: --prompt-policy kvzip with uniform head budgets keeps one set of tokens for every head, "
+                "which needs about 1.5x the budget of one sort over every head (docs/quality.md); start with "
+                "--kv-head-budget layer for KVzip")
     return None
 
 

@@ -25,7 +25,9 @@ from sgl_kvc.core.reconstruction import CarriedScores, PassScores, carry_scores
 from sgl_kvc.core.request_state import ReqKvState, RequestTables
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.core.views import prompt_moments, prompt_reconstruction, request_view, with_gaps
-from sgl_kvc.policies import HeadSelection, Policy, carry_stats_per_head, select_from_scores, select_per_head
+from sgl_kvc.policies import (
+    HeadSelection, Policy, carry_stats_per_head, select_from_scores, select_per_head, token_scores,
+)
 
 
 @dataclass
@@ -74,6 +76,7 @@ class PendingPass:
     steps: int = 0  # scheduler steps it has run in
     # Variable budgets (unit pool): the per-head tables the pass scores, and the scores and
     # protected masks of the (layer, head)s done, in (layer, head) order; one sort at the end.
+    # Uniform budgets, a `global_sort` policy: the scores and protected masks of the layers done.
     tables: RequestTables | None = None
     scores: list[Tensor] = field(default_factory=list)
     protected: list[Tensor] = field(default_factory=list)
@@ -141,15 +144,20 @@ def advance_uniform(
     layers = list(range(store.first_layer, store.num_layers))
     layer_cost = p.policy.score_cost(p.n0)
     head_cost = -(-layer_cost // store.kv_heads)
-    while len(p.indices) < len(layers):
+    if p.policy.global_sort:  # one sort over every head, which every head must follow alike
+        while len(p.scores) < len(layers) and work.allows(layer_cost):
+            view = _layer_view(store, row, state, p, layers, len(p.scores))
+            p.scores.append(p.policy.score(view))
+            p.protected.append(p.policy.protected(view).to(p.scores[-1].device).expand_as(p.scores[-1]))
+            work.spend(layer_cost)
+        if len(p.scores) == len(layers):
+            scores = token_scores(torch.stack(p.scores), p.positions)
+            p.indices = list(select_from_scores(scores, torch.stack(p.protected), p.target).indices)
+    while len(p.indices) < len(layers) and not p.policy.global_sort:
         whole_layer = not p.heads and work.fits(layer_cost)
         if not (whole_layer or work.allows(head_cost)):
             break
-        layer = len(p.indices)
-        view = request_view(store, row, layers[layer], state, n=p.n0, positions=p.positions,
-                            queries=p.queries[layer], values=p.policy.uses_values,
-                            moments=(None, None) if p.moments is None else p.moments[layer],
-                            reconstruction=None if p.reconstruction is None else p.reconstruction.layers[layer])
+        view = _layer_view(store, row, state, p, layers, len(p.indices))
         if whole_layer:
             p.indices.append(select_per_head(p.policy, [view], p.target).indices[0])
             work.spend(layer_cost)
@@ -179,6 +187,14 @@ def advance_uniform(
         kept_positions=full.gather(-1, indices.to(full.device)), stats=stats, began_at=p.n0,
         staged=p.staged, carried=_carried(p, selection, per_head_lengths=False),
     )
+
+
+def _layer_view(store: KvcStore, row: int, state: ReqKvState, p: PendingPass, layers: list[int], layer: int):
+    """The uniform pass's view of its `layer`-th layer, as the pass began."""
+    return request_view(store, row, layers[layer], state, n=p.n0, positions=p.positions,
+                        queries=p.queries[layer], values=p.policy.uses_values,
+                        moments=(None, None) if p.moments is None else p.moments[layer],
+                        reconstruction=None if p.reconstruction is None else p.reconstruction.layers[layer])
 
 
 def advance_variable(

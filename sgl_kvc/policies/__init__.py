@@ -25,6 +25,7 @@ from .per_head import (
     carry_stats_per_head,
     select_from_scores,
     select_per_head,
+    token_scores,
 )
 from .registry import (
     AUTO,
@@ -73,4 +74,5 @@ __all__ = [
     "register_policy",
     "select_from_scores",
     "select_per_head",
+    "token_scores",
 ]

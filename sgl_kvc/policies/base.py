@@ -311,7 +311,9 @@ class Policy(ABC):
     global_sort: ClassVar[bool] = False
     """Whether the policy's scores are comparable across layers and heads, so that where heads may
     keep different numbers of entries (the unit pool: `--kv-head-budget variable` or `layer`) one
-    sort over layer x head x entry chooses what the request keeps, whatever the server's mode."""
+    sort over layer x head x entry chooses what the request keeps, whatever the server's mode; where
+    every head keeps the same number (uniform budgets), one sort over the tokens, by their mean
+    score over every layer and head, and every head keeps those (`per_head.token_scores`)."""
     prompt_policy: ClassVar[str | None] = None
     """The policy that compresses the prompt (the prefill and chunk moments) when the user leaves
     it to this one (``--prompt-policy auto``); None: this policy itself. A decode-time method

@@ -8,8 +8,11 @@ reconstruct the context.
   policy reads it from ``LayerView.reconstruction``. It never reads the question: one compressed
   context serves every question about it.
 * Allocation (§3.3): one threshold over every layer, head and entry (kvpress sorts them all
-  together), which is ``--kv-head-budget variable``; with uniform budgets each head keeps the same
-  number (kvpress ``layerwise=True`` keeps the same share per layer).
+  together), wherever the pool lets heads keep different numbers (``--kv-head-budget variable`` or
+  ``layer``). With uniform budgets (the default server) a per-head top-k loses the facts to a copy
+  head's flat scores, so every head keeps the same tokens, sorted once by their mean score over
+  every layer and head: it needs about 1.5x the entries of the one sort (docs/quality.md, "Which
+  allocation each policy gets").
 * Protected: the system prompt and whatever follows the context, which the pass does not score
   (+inf in the score: the authors keep the system prompt; kvpress keeps its first ``sink_tokens``),
   and the recent window (``recent_kept``) as the other prompt policies here.

@@ -306,6 +306,24 @@ def select_from_scores(
     return HeadSelection(indices=indices, lengths=counts, n=n)
 
 
+def token_scores(scores: Tensor, positions: Tensor) -> Tensor:
+    """Each entry's score replaced by its token's: the mean over every (layer, head) that holds the
+    token (the same logical position), +inf where any of them protects it.
+
+    scores [L, H, N]; positions [N] or [L, H, N] (each head's own after an earlier per-head
+    compaction). A uniform top-k over the result keeps the same tokens in every head wherever the
+    heads hold the same ones: how a policy whose scores are for one sort over every head
+    (`Policy.global_sort`) keeps what it needs where every head must keep the same number.
+    """
+    num_layers, num_heads, n = scores.shape
+    pos = positions.to(device=scores.device, dtype=torch.int64).expand(num_layers, num_heads, n).reshape(-1)
+    values = torch.nan_to_num(scores.float(), nan=0.0, posinf=math.inf, neginf=0.0).reshape(-1)
+    size = int(pos.max()) + 1 if pos.numel() else 0
+    sums = torch.zeros(size, dtype=torch.float32, device=scores.device).index_add_(0, pos, values)
+    counts = torch.zeros(size, dtype=torch.float32, device=scores.device).index_add_(0, pos, torch.ones_like(values))
+    return (sums / counts.clamp(min=1.0))[pos].reshape(num_layers, num_heads, n)
+
+
 def select_per_head(
     policy: Policy,
     views: Sequence[LayerView],

@@ -152,3 +152,40 @@ def test_kvzip_sorts_every_head_at_once_wherever_heads_may_differ(device: torch.
     assert torch.equal(due.selection.lengths, want.lengths) and torch.equal(due.selection.indices, want.indices)
     per_layer = due.selection.lengths.sum(dim=1).tolist()
     assert per_layer[0] > per_layer[1], per_layer  # not each layer's equal share
+
+
+def test_kvzip_keeps_the_same_tokens_in_every_head_where_every_head_keeps_as_many(device: torch.device) -> None:
+    """With uniform head budgets KVzip cannot give a flat-scoring copy head more entries, and a
+    per-head top-k there drops the facts (docs/quality.md, "KVzip on the default server"): it sorts
+    the tokens once by their mean score over every layer and head and every head keeps those,
+    staged or whole. Here one head's scores are flat-high and the others favour tokens 20-29: a
+    per-head top-k would keep other tokens in the flat head, the token sort keeps 20-29 everywhere."""
+    from sgl_kvc.core.reconstruction import PassScores
+
+    n, target = 60, 18  # 4 sinks + 4 window + 10 candidates
+    store, state, _, _ = _request(device, "kvzip", n, seed=5)
+    g = torch.Generator(device="cpu").manual_seed(8)
+    layers = [torch.rand(H_KV, n, generator=g) * 0.1 for _ in range(LAYERS)]
+    for layer in layers:
+        layer[:, 20:30] += 0.5
+    layers[1][0] = 0.9 + torch.rand(n, generator=g) * 0.1  # the copy head: everything near 1
+    state.reconstruction = PassScores([t.to(device) for t in layers], n)
+    whole = _run(store, state, n, target, allowance=1 << 40)
+    kept = whole.selection.indices
+    assert kept.shape == (LAYERS, H_KV, target)
+    assert all(torch.equal(kept[l, h], kept[0, 0]) for l in range(LAYERS) for h in range(H_KV))
+    assert set(range(20, 30)) <= set(kept[0, 0].tolist())
+    state.reconstruction = PassScores([t.to(device) for t in layers], n)  # a pass takes its scores
+    staged = _run(store, state, n, target, allowance=1)
+    assert staged.staged and torch.equal(staged.selection.indices, kept)
+
+
+def test_token_scores_average_each_token_over_the_heads_holding_it() -> None:
+    from sgl_kvc.policies import token_scores
+
+    scores = torch.tensor([[[1.0, 2.0, 3.0], [3.0, 4.0, 5.0]]])  # [1 layer, 2 heads, 3 entries]
+    positions = torch.tensor([[[0, 1, 2], [2, 1, 7]]])  # head 1 holds other tokens
+    out = token_scores(scores, positions)
+    assert out.tolist() == [[[1.0, 3.0, 3.0], [3.0, 3.0, 5.0]]]
+    scores[0, 0, 0] = float("inf")  # protected in one head: the token is +inf wherever it is held
+    assert token_scores(scores, torch.arange(3))[0, :, 0].tolist() == [float("inf")] * 2

@@ -10,7 +10,7 @@ import pytest
 from benchmarks.long_generation import common_prefix, is_looping, rouge_l
 from benchmarks.quality import markdown, parse_lengths, score_retrieval
 from benchmarks.quality_fillers import STYLES
-from benchmarks.quality_samples import Sample, multikey_samples, passkey_samples, sentence
+from benchmarks.quality_samples import Sample, document_samples, multikey_samples, passkey_samples, sentence
 
 
 def test_rouge_l_prefix_and_loops() -> None:
@@ -273,3 +273,18 @@ def test_plot_skips_empty_panels_and_tells_coinciding_lines_apart(tmp_path) -> N
     png = tmp_path / "quality.png"
     png.write_text("an older figure")
     assert not plot({**data, "retrieval": []}, png) and not png.exists()
+
+
+def test_a_documents_facts_are_asked_one_at_a_time_over_the_same_context() -> None:
+    tokenizer = WordTokenizer()
+    samples = document_samples(tokenizer, 2, 1024, 4, seed=0)
+    assert [s.task for s in samples] == ["multidoc"] * 8
+    for doc in (samples[:4], samples[4:]):
+        contexts = {tuple(s.prompt_ids[: s.meta["question_at"]]) for s in doc}
+        assert len(contexts) == 1  # only the question differs
+        assert len({s.answer for s in doc}) == 4
+        depths = [s.meta["asked_depth"] for s in doc]
+        assert all(j / 4 < d < (j + 1) / 4 for j, d in enumerate(depths))  # one fact per slice
+        for s in doc:
+            assert tokenizer.decode(s.prompt_ids).count(f" is {s.answer}.") == 1
+    assert samples[0].prompt_ids != samples[4].prompt_ids
