@@ -208,7 +208,7 @@ KVC_POOL_BACKENDS: tuple[str, ...] = ("torch_native", "triton")
 
 def allocation_warning(config: KvcConfig) -> str | None:
     """A server whose prompt policy is KVzip with uniform head budgets: served, but KVzip's scores
-    need one sort over every head (docs/quality.md, "KVzip needs variable head budgets")."""
+    are for one sort over every head (docs/quality.md, "Which allocation each policy gets")."""
     if config.compressing and config.prompt_policy_name == "kvzip" and config.kv_head_budget == "uniform":
         return ("sgl-kvc: --prompt-policy kvzip with uniform head budgets keeps one set of tokens for every head, "
                 "which needs about 1.5x the budget of one sort over every head (docs/quality.md); start with "

@@ -255,6 +255,6 @@ def test_kvzip_with_uniform_head_budgets_is_warned_about() -> None:
     def warning(*flags: str) -> str | None:
         return allocation_warning(parse_args(["--model-path", "demo", *flags])[0])
 
-    assert "--kv-head-budget variable" in warning("--policy", "snapkv", "--prompt-policy", "kvzip")
+    assert "--kv-head-budget layer" in warning("--policy", "snapkv", "--prompt-policy", "kvzip")
     assert warning("--policy", "snapkv", "--prompt-policy", "kvzip", "--kv-head-budget", "variable") is None
     assert warning("--policy", "rkv") is None and warning() is None
