@@ -109,3 +109,16 @@ def uniform_choice(ref: KVzipReference, budget: int, window: int) -> tuple[list[
             last, first_out = s[chosen[-1]].item(), s[order[budget]].item() if budget < n else -math.inf
             margins[-1].append(last - first_out)
     return kept, margins
+
+
+def token_choice(ref: KVzipReference, budget: int, window: int) -> tuple[set[int], list[float]]:
+    """The positions a uniform pool keeps in every head (`Policy.global_sort` under uniform budgets):
+    the `budget` tokens with the highest mean score over every layer and KV head, what the pass
+    never scored (+inf) and the last `window` tokens first (ties to the lower position); and every
+    token's mean score (+inf where protected)."""
+    s = ref.scores.clone()
+    n = s.shape[-1]
+    s[..., n - window:] = math.inf
+    mean = s.mean(dim=(0, 1))
+    order = sorted(range(n), key=lambda j: (-mean[j].item(), j))
+    return set(order[:budget]), [mean[j].item() for j in range(n)]

@@ -42,7 +42,7 @@ class KVzipPolicy(Policy):
     # KVzip's scores are each entry's attention while the model repeats its context: the paper and
     # kvpress keep the top ratio of them over every head at once. Per layer (or per head) a copy
     # head, which scores most of its context near 1, crowds out the facts (docs/quality.md,
-    # "KVzip needs variable head budgets": 1 of 3 pass keys at 256 per layer, 3 of 3 in one sort).
+    # "Which allocation each policy gets": 1 of 8 pass keys per layer, 8 of 8 in one sort).
     global_sort: ClassVar[bool] = True
 
     def _score(self, view: LayerView) -> Tensor:

@@ -313,7 +313,8 @@ def token_scores(scores: Tensor, positions: Tensor) -> Tensor:
     scores [L, H, N]; positions [N] or [L, H, N] (each head's own after an earlier per-head
     compaction). A uniform top-k over the result keeps the same tokens in every head wherever the
     heads hold the same ones: how a policy whose scores are for one sort over every head
-    (`Policy.global_sort`) keeps what it needs where every head must keep the same number.
+    (`Policy.global_sort`) keeps what it needs where every head must keep the same number. With
+    tensor parallelism each rank averages over the KV heads it holds.
     """
     num_layers, num_heads, n = scores.shape
     pos = positions.to(device=scores.device, dtype=torch.int64).expand(num_layers, num_heads, n).reshape(-1)
