@@ -26,7 +26,7 @@ from sgl_kvc.core.request_state import ReqKvState, RequestTables
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.core.views import prompt_moments, prompt_reconstruction, request_view, with_gaps
 from sgl_kvc.policies import (
-    HeadSelection, Policy, carry_stats_per_head, select_from_scores, select_per_head, token_scores,
+    HeadSelection, LayerView, Policy, carry_stats_per_head, select_from_scores, select_per_head, token_scores,
 )
 
 
@@ -138,7 +138,9 @@ def advance_uniform(
     """Score what `work` allows of the request's pending uniform pass: whole layers, or one KV
     head at a time where a layer does not fit. Once every (layer, KV head) has chosen, returns
     the compaction due (n: the entries the request holds now). One layer's keys are held at a
-    time. Each TP rank holds whole KV heads and chooses for its own."""
+    time. Each TP rank holds whole KV heads and chooses for its own. A `Policy.global_sort` policy
+    scores whole layers and, once all have scored, sorts the tokens once by their mean score
+    (`token_scores`): every head keeps the same tokens."""
     p = state.pending
     p.steps += 1
     layers = list(range(store.first_layer, store.num_layers))
@@ -189,7 +191,7 @@ def advance_uniform(
     )
 
 
-def _layer_view(store: KvcStore, row: int, state: ReqKvState, p: PendingPass, layers: list[int], layer: int):
+def _layer_view(store: KvcStore, row: int, state: ReqKvState, p: PendingPass, layers: list[int], layer: int) -> LayerView:
     """The uniform pass's view of its `layer`-th layer, as the pass began."""
     return request_view(store, row, layers[layer], state, n=p.n0, positions=p.positions,
                         queries=p.queries[layer], values=p.policy.uses_values,
