@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 from benchmarks.quality_fillers import FILLERS, sentence
 
-__all__ = ["FILLERS", "LONG_OUTPUT_KINDS", "Sample", "document_samples", "is_correct", "long_output_samples",
-           "multikey_samples", "passkey_samples", "sentence"]
+__all__ = ["CODES_HEAD", "FILLERS", "LONG_OUTPUT_KINDS", "Sample", "code_fact", "code_objects", "code_question",
+           "document_samples", "is_correct", "long_output_samples", "multikey_samples", "passkey_samples", "sentence"]
 
 LONG_PIECE_TOKENS = 64
 COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black", "grey", "pink"]
@@ -162,23 +162,36 @@ def passkey_samples(
     return out
 
 
+# The multi-key and document tasks: "the code of the <colour> <thing> is NNNN" facts, one asked.
+CODES_HEAD = "The text below mentions the codes of several objects. Read it carefully.\n\n"
+
+
+def code_objects(rng: random.Random, facts: int) -> tuple[list[str], list[int]]:
+    """`facts` distinct objects ("<colour> <thing>") and their distinct 4-digit codes."""
+    names = rng.sample([f"{c} {t}" for c in COLOURS for t in THINGS], facts)
+    return names, rng.sample(range(1000, 10000), facts)
+
+
+def code_fact(name: str, code: int) -> str:
+    return f"The code of the {name} is {code}."
+
+
+def code_question(name: str) -> str:
+    return f"What is the code of the {name}? Answer with the number only."
+
+
 def multikey_samples(
     tok: Tokenizer, n: int, length: int, facts: int, seed: int, style: str = "templated"
 ) -> list[Sample]:
     out = []
     for i in range(n):
         rng = random.Random(f"{_seed('multikey', style)}-{seed}-{length}-{i}")
-        names = rng.sample([f"{c} {t}" for c in COLOURS for t in THINGS], facts)
-        codes = rng.sample(range(1000, 10000), facts)
+        names, codes = code_objects(rng, facts)
         depths = sorted(rng.uniform(0.05, 0.95) for _ in range(facts))
-        inserts = [(d, f"The code of the {nm} is {cd}.") for d, nm, cd in zip(depths, names, codes)]
+        inserts = [(d, code_fact(nm, cd)) for d, nm, cd in zip(depths, names, codes)]
         ask = rng.randrange(facts)
-        tail = f"\n\nWhat is the code of the {names[ask]}? Answer with the number only."
-        ids = _build(
-            tok, rng, length,
-            "The text below mentions the codes of several objects. Read it carefully.\n\n",
-            tail, inserts, style,
-        )
+        tail = "\n\n" + code_question(names[ask])
+        ids = _build(tok, rng, length, CODES_HEAD, tail, inserts, style)
         out.append(Sample(
             id=f"{_id('multikey', style)}-{length}-{i}", task="multikey", prompt_ids=ids,
             answer=str(codes[ask]), max_tokens=16,
@@ -197,21 +210,16 @@ def document_samples(
     out = []
     for i in range(n):
         rng = random.Random(f"{_seed('multidoc', style)}-{seed}-{length}-{i}")
-        names = rng.sample([f"{c} {t}" for c in COLOURS for t in THINGS], facts)
-        codes = rng.sample(range(1000, 10000), facts)
+        names, codes = code_objects(rng, facts)
         # one fact in each of `facts` equal slices of the document, at a random depth inside it
         depths = [(j + 0.1 + 0.8 * rng.random()) / facts for j in range(facts)]
-        inserts = [(d, f"The code of the {nm} is {cd}.") for d, nm, cd in zip(depths, names, codes)]
-        tails = [f"\n\nWhat is the code of the {nm}? Answer with the number only." for nm in names]
+        inserts = [(d, code_fact(nm, cd)) for d, nm, cd in zip(depths, names, codes)]
+        tails = ["\n\n" + code_question(nm) for nm in names]
         longest = max(tails, key=lambda t: len(tok.encode(t, add_special_tokens=False)))
         state = rng.getstate()
         for j, tail in enumerate(tails):
             rng.setstate(state)  # the same filler for every question
-            ids = _build(
-                tok, rng, length,
-                "The text below mentions the codes of several objects. Read it carefully.\n\n",
-                tail, inserts, style, sized_for=longest,
-            )
+            ids = _build(tok, rng, length, CODES_HEAD, tail, inserts, style, sized_for=longest)
             out.append(Sample(
                 id=f"{_id('multidoc', style)}-{length}-{i}-f{j}", task="multidoc", prompt_ids=ids,
                 answer=str(codes[j]), max_tokens=16,

@@ -49,11 +49,10 @@ from typing import Any
 
 from benchmarks.common import metadata_markdown, run_metadata
 from benchmarks.quality_fillers import FILLERS
-from benchmarks.quality_samples import COLOURS, THINGS
+from benchmarks.quality_samples import CODES_HEAD, code_fact, code_objects, code_question
 from loadtest.server import ServerProcess
 
 STYLES = ("templated", "docs", "code", "table")
-HEAD = "The text below mentions the codes of several objects. Read it carefully.\n\n"
 KVZIP_CHUNK = 512  # tokens of a reconstruction forward: bounds what a request reads at once
 BUDGET = 128  # the compressing servers' --kv-budget: a document request's own, beyond its document
 
@@ -120,23 +119,21 @@ def make_questions(tok: Any, documents: int, tokens: int, facts: int, per_docume
     for d in range(documents):
         rng = random.Random(f"shared-documents-{seed}-{d}")
         style = FILLERS[STYLES[d % len(STYLES)]]
-        names = rng.sample([f"{c} {t}" for c in COLOURS for t in THINGS], facts)
-        codes = rng.sample(range(1000, 10000), facts)
+        names, codes = code_objects(rng, facts)
         pieces, used, text = style.pieces(rng), 0, []
-        target = tokens - len(tok.encode(HEAD, add_special_tokens=False)) - 12 * facts
+        target = tokens - len(tok.encode(CODES_HEAD, add_special_tokens=False)) - 12 * facts
         while used < target:
             piece = next(pieces)
             used += len(tok.encode(style.sep + piece, add_special_tokens=False))
             text.append(piece)
         for j, (name, code) in enumerate(zip(names, codes)):
-            text.insert(round((j + 0.5) / facts * len(text)), f"The code of the {name} is {code}.")
-        document = HEAD + style.sep.join(text)
+            text.insert(round((j + 0.5) / facts * len(text)), code_fact(name, code))
+        document = CODES_HEAD + style.sep.join(text)
         ids = tok.apply_chat_template([{"role": "user", "content": document}], tokenize=True)
         lengths.append(len(ids["input_ids"] if hasattr(ids, "keys") else ids))
         asked = rng.sample(range(facts), per_document)
         by_doc.append([Question(d, q, ({"role": "user", "content": document},
-                                       {"role": "user", "content": f"What is the code of the {names[a]}? "
-                                                                   "Answer with the number only."}), str(codes[a]))
+                                       {"role": "user", "content": code_question(names[a])}), str(codes[a]))
                        for q, a in enumerate(asked)])
     return [by_doc[d][q] for q in range(per_document) for d in range(documents)], lengths
 
