@@ -155,21 +155,22 @@ def advance_uniform(
         if len(p.scores) == len(layers):
             scores = token_scores(torch.stack(p.scores), p.positions)
             p.indices = list(select_from_scores(scores, torch.stack(p.protected), p.target).indices)
-    while len(p.indices) < len(layers) and not p.policy.global_sort:
-        whole_layer = not p.heads and work.fits(layer_cost)
-        if not (whole_layer or work.allows(head_cost)):
-            break
-        view = _layer_view(store, row, state, p, layers, len(p.indices))
-        if whole_layer:
-            p.indices.append(select_per_head(p.policy, [view], p.target).indices[0])
-            work.spend(layer_cost)
-            continue
-        sub = view.head(len(p.heads))
-        p.heads.append(select_per_head(p.policy, [sub], p.target).indices[0, 0])
-        work.spend(head_cost)
-        if len(p.heads) == view.n_kv_heads:
-            p.indices.append(torch.stack(p.heads))
-            p.heads = []
+    else:
+        while len(p.indices) < len(layers):
+            whole_layer = not p.heads and work.fits(layer_cost)
+            if not (whole_layer or work.allows(head_cost)):
+                break
+            view = _layer_view(store, row, state, p, layers, len(p.indices))
+            if whole_layer:
+                p.indices.append(select_per_head(p.policy, [view], p.target).indices[0])
+                work.spend(layer_cost)
+                continue
+            sub = view.head(len(p.heads))
+            p.heads.append(select_per_head(p.policy, [sub], p.target).indices[0, 0])
+            work.spend(head_cost)
+            if len(p.heads) == view.n_kv_heads:
+                p.indices.append(torch.stack(p.heads))
+                p.heads = []
     if len(p.indices) < len(layers):
         return None
     state.pending = None
