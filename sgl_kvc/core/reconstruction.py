@@ -18,6 +18,13 @@ chunk's own entries and the reconstruction's keys up to the query (causal); the 
 entries are left out of it. What a pass never scores is always kept: the system prompt (the
 authors keep it; kvpress keeps its first `sink` tokens) and whatever follows the context.
 
+A prompt cut between its chunks is scored again, whole, at its next pass (`ReconstructionPlan.
+whole_row`): the context read so far is repeated and each query's softmax covers every entry the
+request still holds, as the forward's own attention does. Chunk by chunk, a chunk whose entries an
+earlier cut thinned would see a smaller softmax than a whole one, and its survivors' scores would
+not compare with the fresh chunk's; scores carried from a shorter context do not compare either
+(in 512 tokens the filler is rarer and scores higher: research/kvzip-uniform-diagnosis.md).
+
 Everything here is plain torch on one layer of one request, in float32; the adapter feeds it the
 reconstruction's queries and keys while SGLang runs the pass.
 """
@@ -70,12 +77,14 @@ class ReconstructionChunk:
 @dataclass(frozen=True)
 class ReconstructionPlan:
     """A request's reconstruction: its context [start, end) (logical positions), the chunks that
-    repeat it, and the sinks of their softmax: the first `sink` tokens, those before a chunk."""
+    repeat it, and the sinks of their softmax: the first `sink` tokens, those before a chunk.
+    `whole_row`: each chunk's softmax covers every entry the request holds instead."""
 
     start: int
     end: int
     chunks: tuple[ReconstructionChunk, ...]
     sink: int
+    whole_row: bool = False
 
     @property
     def tokens(self) -> int:
@@ -114,13 +123,17 @@ def instruction_tokens(prompt: ReconstructionPrompt, overlap: int = OVERLAP) -> 
 def plan_reconstruction(
     token_ids: Sequence[int], start: int, end: int, prompt: ReconstructionPrompt, *, resume: int | None = None,
     chunk: int = CHUNK, overlap: int = OVERLAP, sink_tokens: int = 4, max_tokens: int | None = None,
+    whole_row: bool = False,
 ) -> ReconstructionPlan:
     """The chunks that repeat context [start, end) of `token_ids` (kvpress `prepare`: chunks of
     `chunk` tokens; a later chunk's instruction quotes the previous chunk's last `overlap`).
     `resume`: the context before it was repeated by an earlier pass (a prompt read in chunks,
     compressed between them), whose scores its entries carry: only [resume, end) is repeated now.
     `max_tokens`: most tokens one forward may read (the memory reserved for it, the room left in
-    the request's row); the chunk shrinks to fit."""
+    the request's row); the chunk shrinks to fit. `whole_row`: every chunk scores against all the
+    entries the request holds (a prompt cut between chunks, repeated whole)."""
+    if whole_row and resume is not None:
+        raise ValueError("a reconstruction scored against its whole row repeats its whole context")
     if chunk < 1 or overlap < 0:
         raise ValueError(f"chunk must be >= 1 and overlap >= 0, got {chunk}, {overlap}")
     head = instruction_tokens(prompt, overlap)
@@ -133,7 +146,7 @@ def plan_reconstruction(
         ce = min(cs + chunk, end)
         ask = prompt.first if cs == start else (*prompt.later, *token_ids[max(start, cs - overlap) : cs])
         chunks.append(ReconstructionChunk(cs, ce, (*ask, *prompt.suffix, *token_ids[cs:ce])))
-    return ReconstructionPlan(start, end, tuple(chunks), sink_tokens)
+    return ReconstructionPlan(start, end, tuple(chunks), sink_tokens, whole_row)
 
 
 def initial_scores(positions: Tensor, valid: Tensor, start: int, end: int) -> Tensor:
@@ -182,9 +195,13 @@ def reconstruction_probs(
     return out.masked_fill_(~valid, 0.0)
 
 
-def scored_entries(positions: Tensor, valid: Tensor, chunk: ReconstructionChunk, sink: int) -> tuple[Tensor, Tensor]:
+def scored_entries(positions: Tensor, valid: Tensor, chunk: ReconstructionChunk, sink: int,
+                   whole_row: bool = False) -> tuple[Tensor, Tensor]:
     """[H_kv, W'] masks of the cached entries in a chunk's score softmax: its sinks (the first
-    `sink` tokens before the chunk; kvpress: keys[:, :, :min(n_sink, start_idx)]) and its own."""
+    `sink` tokens before the chunk; kvpress: keys[:, :, :min(n_sink, start_idx)]) and those it
+    scores: its own, or with `whole_row` every valid entry (no sinks apart)."""
+    if whole_row:
+        return torch.zeros_like(valid), valid.clone()
     sinks = valid & (positions < min(sink, chunk.start))
     mine = valid & (positions >= chunk.start) & (positions < chunk.end)
     return sinks, mine
@@ -193,7 +210,7 @@ def scored_entries(positions: Tensor, valid: Tensor, chunk: ReconstructionChunk,
 def fold_chunk(
     scores: Tensor, queries: Tensor, keys: Tensor, positions: Tensor, valid: Tensor, repeat_keys: Tensor,
     chunk: ReconstructionChunk, sink: int, scale: float, block_elements: int = BLOCK_ELEMENTS,
-    lse: Tensor | None = None,
+    lse: Tensor | None = None, whole_row: bool = False,
 ) -> None:
     """Fold one reconstruction forward's queries into a layer's `scores` [H_kv, W] (in place).
 
@@ -203,9 +220,10 @@ def fold_chunk(
     chunk (per head: after a per-head compaction heads hold different tokens); the chunk's entries
     take the largest probability any query pays them (they belong to this chunk alone). `sink`:
     the first tokens in every chunk's softmax (those before the chunk). `lse`: the softmax's
-    log-sum-exp per query, where the forward computed it (`reconstruction_probs`)."""
+    log-sum-exp per query, where the forward computed it (`reconstruction_probs`). `whole_row`:
+    the softmax covers, and the queries score, every valid entry (`scored_entries`)."""
     h_kv, w_cached = positions.shape
-    sinks, mine = scored_entries(positions, valid, chunk, sink)
+    sinks, mine = scored_entries(positions, valid, chunk, sink, whole_row)
     subset = sinks | mine
     counts = subset.sum(dim=-1)  # [H_kv]
     width = int(counts.max()) if counts.numel() else 0  # one host read per layer and chunk
@@ -224,7 +242,8 @@ def fold_chunk(
 class RowReconstruction:
     """One request's part of a reconstruction forward: the chunk its row reads after its first
     `prefix` entries (the forward's keys are written past them), the sinks, and the scores, one
-    [H_kv, W] per layer of the rank, its queries fold into. `owner`: the caller's request."""
+    [H_kv, W] per layer of the rank, its queries fold into. `owner`: the caller's request;
+    `whole_row`: its plan's (`ReconstructionPlan`)."""
 
     state: ReqKvState
     scores: list[Tensor]
@@ -232,6 +251,7 @@ class RowReconstruction:
     sink: int
     prefix: int
     owner: Any = None
+    whole_row: bool = False
 
 
 @dataclass(frozen=True)
@@ -271,7 +291,8 @@ class ReconstructionRound:
             if not bool((positions == positions[:1]).all()):
                 return None
             positions = positions[0]
-        sinks, mine = scored_entries(positions, torch.ones_like(positions, dtype=torch.bool), entry.chunk, entry.sink)
+        sinks, mine = scored_entries(positions, torch.ones_like(positions, dtype=torch.bool), entry.chunk, entry.sink,
+                                     entry.whole_row)
         columns = (sinks | mine).nonzero()[:, 0]
         return columns if columns.numel() else None
 
@@ -308,7 +329,7 @@ class ReconstructionRound:
             valid = (cols[None, :width] < own[:, None])
         self.forward_normalizers += given is not None
         fold_chunk(entry.scores[local], queries, prefix_keys, positions, valid, repeat_keys, entry.chunk,
-                   entry.sink, scale, lse=None if given is None else given.lse)
+                   entry.sink, scale, lse=None if given is None else given.lse, whole_row=entry.whole_row)
 
 
 @dataclass
@@ -327,12 +348,15 @@ class PassScores:
 class CarriedScores:
     """What a compaction between chunks kept of its scores: per layer [H_kv, k] for each head's
     kept entries in their new column order (the first `lengths[layer][h]` of head h on the unit
-    pool; every column otherwise), and the end of the context they cover. The next prompt pass
-    repeats only the context after `end`: an entry is scored once, by the chunk it belongs to."""
+    pool; every column otherwise), and the end of the context they cover. A request that starts
+    from a shared document carries the document's: its next prompt pass repeats only the context
+    after `end`. `cut`: carried by the request's own cut, whose next pass repeats its whole context
+    instead (`ReconstructionPlan.whole_row`); they are kept for a document published at that cut."""
 
     end: int
     layers: list[Tensor]
     lengths: list[Tensor] | None = None
+    cut: bool = False
 
     def tensors(self) -> list[Tensor]:
         return [*self.layers, *(self.lengths or [])]
@@ -340,10 +364,11 @@ class CarriedScores:
 
 def carry_scores(scores: PassScores, selection: HeadSelection, per_head_lengths: bool) -> CarriedScores:
     """The scores of the entries `selection` keeps (its columns index the scores' columns), for
-    the request compacted to it; `per_head_lengths`: heads keep different numbers (unit pool)."""
+    the request compacted to it at a cut between chunks; `per_head_lengths`: heads keep different
+    numbers (unit pool)."""
     layers, lengths = [], []
     for layer, s in enumerate(scores.layers):
         idx = selection.indices[layer].to(s.device)
         layers.append(s.gather(1, idx.clamp(min=0)))
         lengths.append(selection.lengths[layer].to(s.device))
-    return CarriedScores(scores.end, layers, lengths if per_head_lengths else None)
+    return CarriedScores(scores.end, layers, lengths if per_head_lengths else None, cut=True)

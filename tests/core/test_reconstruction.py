@@ -28,19 +28,20 @@ EPS32 = torch.finfo(torch.float32).eps
 TOL = 64 * EPS32
 
 
-def reference_scores(q, keys, positions, repeat, chunk, sink, scale, reduce="max"):
+def reference_scores(q, keys, positions, repeat, chunk, sink, scale, reduce="max", whole_row=False):
     """float64, one head at a time, as kvpress builds it: the softmax over [the first
     min(sink, chunk start) tokens, the chunk's entries, the repeat's keys (causal)], its chunk
     part maximised over the query group and the queries (`reduce="mean"` averages over the group
-    instead: a deliberately wrong variant)."""
+    instead: a deliberately wrong variant). `whole_row`: the softmax over every entry and the
+    repeat's keys, every entry scored."""
     r, h_q, d = q.shape
     h_kv = keys.shape[0]
     g = h_q // h_kv
     out = {}
     for h in range(h_kv):
         pos = positions[h].tolist()
-        sinks = [j for j, p in enumerate(pos) if p < min(sink, chunk.start)]
-        mine = [j for j, p in enumerate(pos) if chunk.start <= p < chunk.end]
+        sinks = [] if whole_row else [j for j, p in enumerate(pos) if p < min(sink, chunk.start)]
+        mine = list(range(len(pos))) if whole_row else [j for j, p in enumerate(pos) if chunk.start <= p < chunk.end]
         ks = torch.cat([keys[h, sinks + mine], repeat[h]]).double()  # [m + r, d]
         qs = q[:, h * g : (h + 1) * g].double()  # [r, g, d]
         logits = torch.einsum("rgd,md->grm", qs, ks) * scale
@@ -94,6 +95,44 @@ def test_score_is_kvpress_max_attention(device: torch.device, per_head: bool) ->
     assert err_wrong > 1000 * TOL  # the test can fail: a mean over the group is far off
     outside = positions < 6  # the system prompt: never scored, always kept
     assert torch.isinf(scores[outside]).all() and torch.isfinite(scores[~outside]).all()
+
+
+def test_whole_row_scores_every_entry_in_one_softmax(device: torch.device) -> None:
+    """A prompt cut between chunks is scored again whole: each chunk's queries take their softmax
+    over every entry the request holds (the forward's own attention) and score every one of
+    them, the largest over the chunks."""
+    q, keys, repeat = _case(3, device)
+    h_kv, w, _ = keys.shape
+    gen = torch.Generator().manual_seed(11)  # a compacted cache: each head its own tokens
+    positions = torch.stack([torch.sort(torch.randperm(120, generator=gen)[:w]).values for _ in range(h_kv)])
+    positions = positions.to(device)
+    valid = torch.ones(h_kv, w, dtype=torch.bool, device=device)
+    scale = 1 / math.sqrt(keys.shape[-1])
+    chunks = [ReconstructionChunk(6, 60, tuple(range(14))), ReconstructionChunk(60, 120, tuple(range(14)))]
+    cpu = [t.cpu() for t in (q, keys, positions, repeat)]
+    scores = initial_scores(positions, valid, 6, 120)
+    chunked = initial_scores(positions, valid, 6, 120)
+    refs: dict = {}
+    for chunk in chunks:
+        fold_chunk(scores, q, keys, positions, valid, repeat.clone(), chunk, 4, scale, whole_row=True)
+        fold_chunk(chunked, q, keys, positions, valid, repeat.clone(), chunk, 4, scale)
+        for k, v in reference_scores(*cpu, chunk, 4, scale, whole_row=True).items():
+            refs[k] = max(refs.get(k, 0.0), v)
+    scores, chunked, positions = scores.cpu(), chunked.cpu(), positions.cpu()
+    context = positions >= 6
+    err = max(abs(float(scores[k]) - v) for k, v in refs.items() if context[k])
+    assert err <= TOL, err
+    assert float((scores - chunked)[context].abs().max()) > 1000 * TOL  # the test can fail: chunk-local differs
+    assert torch.isinf(scores[~context]).all()
+
+
+def test_a_whole_row_plan_repeats_the_whole_context() -> None:
+    p = _prompt()
+    ids = list(range(1000, 1030))
+    plan = plan_reconstruction(ids, 3, 25, p, chunk=10, overlap=2, whole_row=True)
+    assert plan.whole_row and plan.chunks[0].start == 3
+    with pytest.raises(ValueError, match="whole context"):
+        plan_reconstruction(ids, 3, 25, p, resume=13, whole_row=True)
 
 
 def test_blocks_and_padding_change_nothing(device: torch.device) -> None:

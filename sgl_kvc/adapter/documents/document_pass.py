@@ -320,11 +320,13 @@ def _adopt(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, slo
     started_from(req, doc)
     # As a request that started from it: its next pass counts as its first, and KVzip's repeats
     # only what it read after the document, the document's entries scored as its cut scored them
-    # (the scores it carries, kept with the document for every hit: `Document.carried`); its
+    # (the scores it carries, kept with the document for every hit: `Document.carried`, which a
+    # hit's pass resumes from, where its own cut's would have it repeat the document); its
     # decode policy's statistics of them (H2O, Batch-Max: its own reading of the document;
     # KV-Compress: seeded by the cut) are dropped, since no hit has them (`Compressor._begin`):
     # they start at the document's end.
     state.passes = 0
+    state.reconstructed = doc.carried(compressor.store.device)
     state.stats = [None] * compressor.store.num_layers
     state.stats_since = key.tokens
     _trace(compressor, req, doc)

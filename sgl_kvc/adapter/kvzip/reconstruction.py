@@ -338,13 +338,17 @@ class Reconstructor:
             end = length
         prefix = end - state.offset
         carried: CarriedScores | None = state.reconstructed
+        # cut between its chunks: its context is repeated whole, against every entry it holds
+        whole_row = carried is not None and carried.cut
+        if whole_row:
+            carried = None
         # a forward's room: what admission reserved, its row's end, the model's positions and
         # SGLang's tokens per prefill forward (its chunk shrinks to fit)
         room = min(reserve_tokens(self.config, req), self.store.req_to_token.shape[1] - prefix,
                    self.positions(scheduler) - end, self._forward_bounds(scheduler)[0])
         plan = plan_reconstruction(ids, start, end, prompt, resume=None if carried is None else carried.end,
                                    chunk=self.config.kvzip_chunk, overlap=OVERLAP, sink_tokens=sink,
-                                   max_tokens=room)  # fmt: skip
+                                   max_tokens=room, whole_row=whole_row)  # fmt: skip
         scores = self._initial(state, row, n, start, end, carried)
         return _Item(i, req, state, row, plan, prefix, scores)
 
@@ -398,7 +402,7 @@ class Reconstructor:
                                                   scheduler.model_config.vocab_size))
                     saved.append(self.store.req_to_token[item.row, item.prefix : item.prefix + len(chunk.ids)].clone())
                     round_.rows[item.row] = RowReconstruction(item.state, item.scores, chunk, item.plan.sink,
-                                                              item.prefix, item)
+                                                              item.prefix, item, item.plan.whole_row)
                 new = ScheduleBatch.init_new(
                     shadows, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, scheduler.tree_cache,
                     scheduler.model_config, False, scheduler.spec_algorithm,
