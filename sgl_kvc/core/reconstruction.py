@@ -18,12 +18,13 @@ chunk's own entries and the reconstruction's keys up to the query (causal); the 
 entries are left out of it. What a pass never scores is always kept: the system prompt (the
 authors keep it; kvpress keeps its first `sink` tokens) and whatever follows the context.
 
-A prompt cut between its chunks is scored again, whole, at its next pass (`ReconstructionPlan.
-whole_row`): the context read so far is repeated and each query's softmax covers every entry the
-request still holds, as the forward's own attention does. Chunk by chunk, a chunk whose entries an
-earlier cut thinned would see a smaller softmax than a whole one, and its survivors' scores would
-not compare with the fresh chunk's; scores carried from a shorter context do not compare either
-(in 512 tokens the filler is rarer and scores higher: research/kvzip-uniform-diagnosis.md).
+A prompt cut between its chunks is scored against every entry it still holds (`ReconstructionPlan.
+whole_row`): each query's softmax covers them all, as the forward's own attention does, and each
+pass repeats its whole context read so far while the request's repeats stay within a few times
+its prompt (`next_repeat`). Chunk by chunk, a chunk whose entries an earlier cut thinned would see a smaller
+softmax than a whole one, and its survivors' scores would not compare with a fresh chunk's; scores
+from a much shorter context do not compare either (in 512 tokens the filler is rarer and scores
+higher: research/kvzip-uniform-diagnosis.md).
 
 Everything here is plain torch on one layer of one request, in float32; the adapter feeds it the
 reconstruction's queries and keys while SGLang runs the pass.
@@ -43,6 +44,10 @@ from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.kernels.attention_lse import attention_lse
 from sgl_kvc.policies import HeadSelection
 
+# The most a request's reconstructions repeat in all, in times its prompt: a prompt cut c times
+# between chunks and repeated whole at each would repeat about c/2 times it (a prompt read whole
+# repeats it once).
+REPEAT_BUDGET = 4
 CHUNK = 2048  # context tokens repeated per reconstruction forward (kvpress `prepare`'s chunk_size)
 OVERLAP = 8  # previous chunk's last tokens quoted in the next chunk's instruction (kvpress prev_postfix_size)
 # Elements of one block of the score's logits (query heads x queries x keys): a bounded transient
@@ -78,13 +83,15 @@ class ReconstructionChunk:
 class ReconstructionPlan:
     """A request's reconstruction: its context [start, end) (logical positions), the chunks that
     repeat it, and the sinks of their softmax: the first `sink` tokens, those before a chunk.
-    `whole_row`: each chunk's softmax covers every entry the request holds instead."""
+    `whole_row`: each chunk's softmax covers, and its queries score, every entry the request holds.
+    `repeated`: context tokens the request's reconstructions repeat, this one's included."""
 
     start: int
     end: int
     chunks: tuple[ReconstructionChunk, ...]
     sink: int
     whole_row: bool = False
+    repeated: int = 0
 
     @property
     def tokens(self) -> int:
@@ -123,7 +130,7 @@ def instruction_tokens(prompt: ReconstructionPrompt, overlap: int = OVERLAP) -> 
 def plan_reconstruction(
     token_ids: Sequence[int], start: int, end: int, prompt: ReconstructionPrompt, *, resume: int | None = None,
     chunk: int = CHUNK, overlap: int = OVERLAP, sink_tokens: int = 4, max_tokens: int | None = None,
-    whole_row: bool = False,
+    whole_row: bool = False, repeated: int = 0,
 ) -> ReconstructionPlan:
     """The chunks that repeat context [start, end) of `token_ids` (kvpress `prepare`: chunks of
     `chunk` tokens; a later chunk's instruction quotes the previous chunk's last `overlap`).
@@ -131,9 +138,8 @@ def plan_reconstruction(
     compressed between them), whose scores its entries carry: only [resume, end) is repeated now.
     `max_tokens`: most tokens one forward may read (the memory reserved for it, the room left in
     the request's row); the chunk shrinks to fit. `whole_row`: every chunk scores against all the
-    entries the request holds (a prompt cut between chunks, repeated whole)."""
-    if whole_row and resume is not None:
-        raise ValueError("a reconstruction scored against its whole row repeats its whole context")
+    entries the request holds (a prompt cut between chunks); `repeated`: context tokens its
+    earlier reconstructions repeated."""
     if chunk < 1 or overlap < 0:
         raise ValueError(f"chunk must be >= 1 and overlap >= 0, got {chunk}, {overlap}")
     head = instruction_tokens(prompt, overlap)
@@ -146,7 +152,29 @@ def plan_reconstruction(
         ce = min(cs + chunk, end)
         ask = prompt.first if cs == start else (*prompt.later, *token_ids[max(start, cs - overlap) : cs])
         chunks.append(ReconstructionChunk(cs, ce, (*ask, *prompt.suffix, *token_ids[cs:ce])))
-    return ReconstructionPlan(start, end, tuple(chunks), sink_tokens, whole_row)
+    repeated += sum(c.end - c.start for c in chunks)
+    return ReconstructionPlan(start, end, tuple(chunks), sink_tokens, whole_row, repeated)
+
+
+def next_repeat(carried: "CarriedScores | None", end: int, prompt: int, last: bool) -> tuple[int | None, bool]:
+    """How a pass over a context read up to `end` of a `prompt`-token prompt repeats it, from what
+    earlier passes carried: (resume, whole_row) for `plan_reconstruction`. Nothing carried: the
+    whole context in kvpress's chunks. A shared document's scores: only the context after it.
+
+    The request's own cut between chunks: every entry it holds in each softmax, and its whole
+    context repeated again: always once the prompt is read (`last`: the pass that chooses what its
+    answer sees), between chunks while its repeats so far and this one leave room in
+    `REPEAT_BUDGET` for a repeat of every later chunk and the last pass's; else only what was read
+    since (the survivors keep their scores, raised where the new queries pay them more). Scores
+    carried from a softmax without the new entries run high: resuming lost a key that repeating
+    kept (research/kvzip-uniform-diagnosis.md)."""
+    if carried is None:
+        return None, False
+    if not carried.cut:
+        return carried.end, False
+    if last or carried.repeated + end <= (REPEAT_BUDGET - 2) * prompt:
+        return None, True
+    return carried.end, True
 
 
 def initial_scores(positions: Tensor, valid: Tensor, start: int, end: int) -> Tensor:
@@ -335,10 +363,12 @@ class ReconstructionRound:
 @dataclass
 class PassScores:
     """A reconstruction's scores for the pass that follows it: one float32 [H_kv, W] per layer of
-    the rank, in that pass's columns, and the logical end of the context they cover."""
+    the rank, in that pass's columns, the logical end of the context they cover, and the context
+    tokens the request's reconstructions have repeated (`ReconstructionPlan.repeated`)."""
 
     layers: list[Tensor]
     end: int
+    repeated: int = 0
 
     def tensors(self) -> list[Tensor]:
         return list(self.layers)
@@ -350,13 +380,14 @@ class CarriedScores:
     kept entries in their new column order (the first `lengths[layer][h]` of head h on the unit
     pool; every column otherwise), and the end of the context they cover. A request that starts
     from a shared document carries the document's: its next prompt pass repeats only the context
-    after `end`. `cut`: carried by the request's own cut, whose next pass repeats its whole context
-    instead (`ReconstructionPlan.whole_row`); they are kept for a document published at that cut."""
+    after `end`. `cut`: carried by the request's own cut, whose next pass scores against every
+    entry it holds (`next_repeat`); `repeated`: the context tokens its passes have repeated."""
 
     end: int
     layers: list[Tensor]
     lengths: list[Tensor] | None = None
     cut: bool = False
+    repeated: int = 0
 
     def tensors(self) -> list[Tensor]:
         return [*self.layers, *(self.lengths or [])]
@@ -371,4 +402,5 @@ def carry_scores(scores: PassScores, selection: HeadSelection, per_head_lengths:
         idx = selection.indices[layer].to(s.device)
         layers.append(s.gather(1, idx.clamp(min=0)))
         lengths.append(selection.lengths[layer].to(s.device))
-    return CarriedScores(scores.end, layers, lengths if per_head_lengths else None, cut=True)
+    return CarriedScores(scores.end, layers, lengths if per_head_lengths else None, cut=True,
+                         repeated=scores.repeated)

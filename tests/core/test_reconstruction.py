@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sgl_kvc.core.reconstruction import (
+    REPEAT_BUDGET,
     CarriedScores,
     PassScores,
     ReconstructionChunk,
@@ -17,6 +18,7 @@ from sgl_kvc.core.reconstruction import (
     context_range,
     fold_chunk,
     initial_scores,
+    next_repeat,
     plan_reconstruction,
     reconstruction_probs,
 )
@@ -126,13 +128,37 @@ def test_whole_row_scores_every_entry_in_one_softmax(device: torch.device) -> No
     assert torch.isinf(scores[~context]).all()
 
 
-def test_a_whole_row_plan_repeats_the_whole_context() -> None:
-    p = _prompt()
-    ids = list(range(1000, 1030))
-    plan = plan_reconstruction(ids, 3, 25, p, chunk=10, overlap=2, whole_row=True)
-    assert plan.whole_row and plan.chunks[0].start == 3
-    with pytest.raises(ValueError, match="whole context"):
-        plan_reconstruction(ids, 3, 25, p, resume=13, whole_row=True)
+def _cut_after_every_chunk(prompt: int, chunk: int) -> list[tuple[int, int]]:
+    """(first position, end) each pass repeats of a `prompt`-token context cut after every
+    `chunk` tokens and read whole at the end."""
+    p, ids = _prompt(), list(range(prompt))
+    carried, out = None, []
+    ends = [*range(chunk, prompt, chunk), prompt]
+    for end in ends:
+        resume, whole_row = next_repeat(carried, end, prompt, last=end == prompt)
+        plan = plan_reconstruction(ids, 0, end, p, chunk=64, resume=resume, whole_row=whole_row,
+                                   repeated=carried.repeated if carried else 0)
+        assert plan.whole_row == (carried is not None)
+        out.append((plan.chunks[0].start, end))
+        carried = CarriedScores(end, [], cut=True, repeated=plan.repeated)
+    assert carried.repeated == sum(end - start for start, end in out)
+    return out
+
+
+def test_a_cut_prompt_is_repeated_whole_within_a_budget() -> None:
+    """After its own cut a prompt scores against every entry it holds and repeats its whole
+    context again: always once the prompt is read, between chunks while its repeats stay within
+    `REPEAT_BUDGET` times the prompt; then only what was read since. A shared document's hit
+    repeats only what follows the document, in kvpress's chunks."""
+    assert next_repeat(None, 40, 100, last=False) == (None, False)
+    assert next_repeat(CarriedScores(60, []), 90, 100, last=True) == (60, False)  # a document's scores
+    # four cuts of a 2K prompt: every pass repeats the whole context read so far
+    assert _cut_after_every_chunk(2048, 512) == [(0, 512), (0, 1024), (0, 1536), (0, 2048)]
+    # a hundred cuts: whole while the budget allows, then only the new chunks, whole at the end
+    passes = _cut_after_every_chunk(100 * 512, 512)
+    repeated = sum(end - start for start, end in passes)
+    assert repeated <= REPEAT_BUDGET * 100 * 512 and passes[-1][0] == 0
+    assert passes[5][0] == 0 and passes[-2][0] > 0
 
 
 def test_blocks_and_padding_change_nothing(device: torch.device) -> None:

@@ -55,6 +55,7 @@ from sgl_kvc.core.reconstruction import (
     context_range,
     initial_scores,
     instruction_tokens,
+    next_repeat,
     plan_reconstruction,
 )
 from sgl_kvc.core.request_state import ReqKvState
@@ -280,7 +281,7 @@ class Reconstructor:
             if item.error is not None:
                 fail(item.req, item.error)
                 continue
-            item.state.reconstruction = PassScores(item.scores, item.plan.end)
+            item.state.reconstruction = PassScores(item.scores, item.plan.end, item.plan.repeated)
             self.stats.passes += 1
             self.stats.context_tokens += sum(c.end - c.start for c in item.plan.chunks)
         self.stats.seconds += time.perf_counter() - t0
@@ -338,15 +339,15 @@ class Reconstructor:
             end = length
         prefix = end - state.offset
         carried: CarriedScores | None = state.reconstructed
-        # cut between its chunks: its context is repeated whole, against every entry it holds
-        whole_row = carried is not None and carried.cut
-        if whole_row:
+        resume, whole_row = next_repeat(carried, end, len(ids), last=moment == "prefill")
+        repeated = carried.repeated if carried is not None else 0
+        if resume is None:  # repeated whole: its own scores only
             carried = None
         # a forward's room: what admission reserved, its row's end, the model's positions and
         # SGLang's tokens per prefill forward (its chunk shrinks to fit)
         room = min(reserve_tokens(self.config, req), self.store.req_to_token.shape[1] - prefix,
                    self.positions(scheduler) - end, self._forward_bounds(scheduler)[0])
-        plan = plan_reconstruction(ids, start, end, prompt, resume=None if carried is None else carried.end,
+        plan = plan_reconstruction(ids, start, end, prompt, resume=resume, repeated=repeated,
                                    chunk=self.config.kvzip_chunk, overlap=OVERLAP, sink_tokens=sink,
                                    max_tokens=room, whole_row=whole_row)  # fmt: skip
         scores = self._initial(state, row, n, start, end, carried)
