@@ -26,8 +26,11 @@ class KvcReq:
     # against the server's (cached with the configuration they were resolved for)
     settings: RequestCompression | None = None
     resolved: tuple[Any, Any] | None = None
-    # `adapter/scheduling/admission`: its footprint's sizes, set when it enters the queue
+    # `adapter/scheduling/admission`: its footprint's sizes, set when it enters the queue, and
+    # the longest cached prefix it may start from (None: any), set where a longer one leaves it
+    # no room in the pool
     sizes: Sizes | None = None
+    prefix_cap: int | None = None
     # `adapter/moments/compressor`: its compression state while it holds a row
     state: ReqKvState | None = None
     # `adapter/safety/failures`: the message it is aborted with, once sgl-kvc failed it

@@ -12,7 +12,7 @@
 | Scheduler.init_req_max_new_tokens               | around | a compressing request's output is bounded by the context; one that cannot fit even compressed is a 400 |
 | Req.refresh_fill_ids                            | around | the next tokens of a prompt compressed between chunks or started from a shared document |
 | Req.init_next_round_input                       | around | a prefix matched on a shared document: the tokens after it (`adapter/documents/__init__.py`) |
-| Req._compute_max_prefix_len                     | around | recompute the observation window on a prefix hit |
+| Req._compute_max_prefix_len                     | around | recompute the observation window on a prefix hit; no longer a prefix than leaves room in the pool |
 | Scheduler.get_next_batch_to_run                 | after  | peak number of requests in flight      |
 | Scheduler.get_new_batch_prefill                 | around | a request waits while another compresses its document |
 | Scheduler._add_request_to_queue                 | around | validate per-request settings (400)    |
@@ -214,6 +214,9 @@ def _around_add_to_queue(config: KvcConfig):
 def _around_max_prefix(config: KvcConfig):
     def hook(original: Callable[..., Any], req: Req, input_len: int, *args: Any, **kwargs: Any):
         limit = original(req, input_len, *args, **kwargs)
+        cap = admission.prefix_cap(req)  # a longer prefix would leave it no room in the pool
+        if cap is not None:
+            limit = min(limit, cap)
         if "prefill" not in config.compress_on or not resolved(req, config).compressing:
             return limit
         policy = policy_class(resolved(req, config).policy)

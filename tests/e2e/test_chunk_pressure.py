@@ -15,6 +15,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 
 from kvc_reference import assert_pool_whole, generate, trace_events
 from loadtest.server import ServerProcess
@@ -91,4 +92,30 @@ def test_prompts_that_fit_alone_but_not_together_are_all_served(servers) -> None
             lambda k: default.post("/v1/completions", json={**body, "prompt": _prompt(900, seed=40 + k)}), range(5)))
     assert [r.status_code for r in replies] == [200] * 5, [r.text[:200] for r in replies]
     assert [r.json()["usage"]["completion_tokens"] for r in replies] == [24] * 5
+    assert_pool_whole(default.wait_idle())
+
+
+@pytest.mark.parametrize("prompt_policy", ["kvzip", "snapkv"])
+def test_a_cached_prompt_that_leaves_no_room_is_read_again_in_chunks(servers, prompt_policy: str) -> None:
+    """A prompt of 1200 tokens cached whole by an earlier request, then sent with KVzip, whose
+    reconstruction forward (a chunk of up to --kvzip-chunk 2048 tokens) cannot sit beside that
+    prefix in a 2048-slot pool: it starts from a shorter prefix that leaves it room and is read
+    in chunks. Before, SGLang tried to admit it in every round and never could, the scheduler
+    spinning and every request behind it waiting until the client gave up. (SnapKV, whose pass
+    needs only its budget's copies, starts from the whole prefix.)"""
+    default, _ = servers
+    prompt = _prompt(1200, seed=60)
+    first = generate(default, prompt, 4)
+    assert first["meta_info"]["completion_tokens"] == 4
+    body = {"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
+            "kv_compression": {"prompt_policy": prompt_policy}}
+    hits = default.stats()["prefix_cache"]["hit_tokens"]
+    with ThreadPoolExecutor(2) as pool:  # a request behind it is served too
+        behind = pool.submit(requests.post, default.url + "/v1/completions",
+                             json={**body, "prompt": _prompt(300, seed=61), "kv_compression": {}}, timeout=120)
+        r = requests.post(default.url + "/v1/completions", json=body, timeout=120)
+        assert behind.result().status_code == 200, behind.result().text[:300]
+    assert r.status_code == 200, r.text[:300]
+    cached = default.stats()["prefix_cache"]["hit_tokens"] - hits  # the other's random ids hit ~nothing
+    assert (cached < 1200 - 256) if prompt_policy == "kvzip" else cached >= 1200 - 256, cached
     assert_pool_whole(default.wait_idle())

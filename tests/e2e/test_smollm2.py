@@ -186,3 +186,26 @@ def test_kvzip_and_snapkv_keep_pass_keys_at_an_eighth_of_the_prompt(servers, smo
     found = {"snapkv": correct({"budget": 128}), "kvzip": correct({"prompt_policy": "kvzip", "budget": kvzip_budget})}
     assert full == len(samples), f"the full cache itself found {full}/{len(samples)} pass keys"
     assert all(found.values()), found
+
+
+def test_kvzip_keeps_pass_keys_when_the_prompt_is_cut_between_chunks(servers, smollm2_path: str) -> None:
+    """The pressure moment: a pool of 1536 tokens reads 2K-token prompts in chunks of 512 and cuts
+    each after every chunk, before its question is read. KVzip at 256 entries on the default
+    server keeps both pass keys the full cache answers (measured 2 of 2). Scoring each cut's
+    context alone, with the scores of what earlier cuts kept carried, kept neither: in 512 tokens
+    the filler scores high (docs/quality.md, "Which allocation each policy gets")."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    samples: list[Sample] = passkey_samples(tok, {2048: 1}, [0.1, 0.9], seed=0, style="templated")
+    full = sum(is_correct(s, _complete(servers["rkv"], s.prompt_ids, s.max_tokens, {"budget": 1 << 20}))
+               for s in samples)
+    assert full == len(samples), f"the full cache itself found {full}/{len(samples)} pass keys"
+    cmd = [sys.executable, "-m", "sgl_kvc.launch", "--dtype", DTYPE, "--policy", "rkv", "--max-total-tokens", "1536",
+           "--chunked-prefill-size", "512", "--kvzip-chunk", "512", "--kv-pass-work", "0"]
+    with ServerProcess.launch(cmd) as server:
+        kvc = {"prompt_policy": "kvzip", "budget": 256}
+        texts = [_complete(server, s.prompt_ids, s.max_tokens, kvc) for s in samples]
+        cuts = server.stats()["compression"]["passes"]
+    assert cuts >= 4 * len(samples), cuts  # three cuts between chunks and one after the prompt, each
+    assert sum(is_correct(s, t) for s, t in zip(samples, texts)) >= 1, texts

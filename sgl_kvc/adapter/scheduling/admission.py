@@ -136,6 +136,49 @@ def admission_demand(req: Req, config: KvcConfig) -> int | None:
     return most_held(Moments.of(config), s, now) - cached
 
 
+def fitting_prefix(req: Req, config: KvcConfig, total: int) -> int | None:
+    """The longest prefix, at most the one SGLang matched, with which `req` (waiting, not a
+    document's) fits a pool of `total` slots: its prefix is held whole from the start, so a long
+    cached prefix can leave no room for what its compression needs beside it (KVzip's
+    reconstruction forward, a pass's copies) where the same prompt read in chunks fits. None if
+    none does (its arrival check refuses such a request first)."""
+    s = sizes(req, config)
+    if s is None:
+        return None
+    cached = int(req.prefix_len)
+    fill = len(req.origin_input_ids) + len(req.output_ids)
+    step = max(1, s.chunk or cached or 1)
+    for p in [*range(cached, 0, -step), 0]:
+        now = Now(held=p, tree=p, prompt_left=max(0, fill - p), out_left=_out_left(req))
+        if most_held(Moments.of(config), s, now) <= total:
+            return p
+    return None
+
+
+def _fit_prefix(req: Req, adder: Any, config: KvcConfig) -> None:
+    """Where `req`'s matched prefix leaves it no room in the pool even with the pool empty, match
+    it again, no longer than what fits (`fitting_prefix`, through `hooks._around_max_prefix`):
+    SGLang would otherwise try to admit it in every round, and never could, while every request
+    behind it waits."""
+    if not int(req.prefix_len) or documents.declared(req) is not None:
+        return
+    total = int(adder.token_to_kv_pool_allocator.size)
+    demand = admission_demand(req, config)
+    if demand is None or int(req.prefix_len) + demand <= total:
+        return
+    cap = fitting_prefix(req, config, total)
+    if cap is None:
+        return
+    req_state.of(req).prefix_cap = cap
+    req.init_next_round_input(adder.tree_cache)
+
+
+def prefix_cap(req: Req) -> int | None:
+    """The longest cached prefix `req` may start from, or None (any)."""
+    fields = req_state.peek(req)
+    return None if fields is None else fields.prefix_cap
+
+
 def running_need(req: Req, config: KvcConfig) -> tuple[int, int] | None:
     """(slots a running request may still take, of them the fresh slots of a compaction still due
     on what it holds now), or None if it does not compress."""
@@ -209,6 +252,7 @@ def around_add_one_req(config: KvcConfig) -> Callable[..., Any]:
             # ends at the document's end unaligned (where the document is cut, the same for every
             # request that compresses it).
             kwargs["truncation_align_size"] = None
+        _fit_prefix(req, adder, config)
         demand = admission_demand(req, config)
         if demand is None:
             return original(adder, req, *args, **kwargs)
