@@ -111,6 +111,28 @@ def _percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, math.ceil(q * len(values)) - 1)]
 
 
+def document_text(tok: Any, rng: random.Random, style: str, tokens: int, facts: int) -> tuple[str, list[str], list[int]]:
+    """A document of about `tokens` tokens of `style` filler with `facts` facts, one in each
+    equal part ("The code of the red door is 4821."): (its text, the facts' objects, their codes)."""
+    filler = FILLERS[style]
+    names, codes = code_objects(rng, facts)
+    pieces, used, text = filler.pieces(rng), 0, []
+    target = tokens - len(tok.encode(CODES_HEAD, add_special_tokens=False)) - 12 * facts
+    while used < target:
+        piece = next(pieces)
+        used += len(tok.encode(filler.sep + piece, add_special_tokens=False))
+        text.append(piece)
+    for j, (name, code) in enumerate(zip(names, codes)):
+        text.insert(round((j + 0.5) / facts * len(text)), code_fact(name, code))
+    return CODES_HEAD + filler.sep.join(text), names, codes
+
+
+def message_tokens(tok: Any, text: str) -> int:
+    """Tokens of `text` as a chat's only user message, rendered by the chat template."""
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
+    return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def make_questions(tok: Any, documents: int, tokens: int, facts: int, per_document: int,
                    seed: int) -> tuple[list[Question], list[int]]:
     """The interleaved questions, and each document's length in tokens (its message rendered
@@ -118,19 +140,8 @@ def make_questions(tok: Any, documents: int, tokens: int, facts: int, per_docume
     by_doc, lengths = [], []
     for d in range(documents):
         rng = random.Random(f"shared-documents-{seed}-{d}")
-        style = FILLERS[STYLES[d % len(STYLES)]]
-        names, codes = code_objects(rng, facts)
-        pieces, used, text = style.pieces(rng), 0, []
-        target = tokens - len(tok.encode(CODES_HEAD, add_special_tokens=False)) - 12 * facts
-        while used < target:
-            piece = next(pieces)
-            used += len(tok.encode(style.sep + piece, add_special_tokens=False))
-            text.append(piece)
-        for j, (name, code) in enumerate(zip(names, codes)):
-            text.insert(round((j + 0.5) / facts * len(text)), code_fact(name, code))
-        document = CODES_HEAD + style.sep.join(text)
-        ids = tok.apply_chat_template([{"role": "user", "content": document}], tokenize=True)
-        lengths.append(len(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        document, names, codes = document_text(tok, rng, STYLES[d % len(STYLES)], tokens, facts)
+        lengths.append(message_tokens(tok, document))
         asked = rng.sample(range(facts), per_document)
         by_doc.append([Question(d, q, ({"role": "user", "content": document},
                                        {"role": "user", "content": code_question(names[a])}), str(codes[a]))

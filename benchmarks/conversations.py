@@ -1,0 +1,252 @@
+"""A multi-turn workload (SCBench's multi-turn setting): conversations over an uploaded document,
+each turn one more question.
+
+    python -m benchmarks.conversations                     # docs/benchmarks.md has the results
+    python -m benchmarks.conversations --conversations 8 --turns 8 --document-tokens 3072
+
+`--conversations` conversations, each over its own document (`benchmarks.shared_documents`'s
+documents: about `--document-tokens` tokens of filler in the four styles in turn, with one fact per
+turn). Turn t asks the t-th fact ("What is the code of the red door? Answer with the number
+only.") after every earlier question and the server's own earlier answers, as a chat client
+resends a conversation: `[document, q1, a1, ..., qt]` as streaming `/v1/chat/completions`. The
+turns of different conversations are interleaved: every conversation's turn 1 (`--clients` at
+once), then every conversation's turn 2, and so on.
+
+Servers, one after the other, with the same model, dtype, chunk size and pool (`--max-total-tokens`:
+about a third of the conversations at their last turn, whole, plus the room one request
+compressing its document needs, `pool_tokens`):
+- `plain`: SGLang itself (`--policy none`, its radix cache on): each turn prefills what the cache no
+  longer holds of the conversation;
+- `per-request`: every request compresses its own prompt after prefill, by KVzip to the entries
+  `--ratio` of its document would keep;
+- `documents`: every turn declares its conversation so far as a shared document (the default
+  `messages`: every message but the last), compressed by KVzip to `--ratio` of its tokens and
+  shared: each turn's document is a new one, read and compressed anew.
+Recorded per server and turn: prompt tokens prefilled per request (`/v1/kvc/stats`, before and
+after the turn), TTFT p50, answers right (and kept, against `plain`'s), the radix tree's tokens per
+conversation after the turn, and the documents compressed, resident and evicted. Writes
+`<out>/conversations[-tag].{json,md,png}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import machine, metadata_markdown, run_metadata
+from benchmarks.quality_samples import code_question
+from benchmarks.shared_documents import BUDGET, KVZIP_CHUNK, STYLES, Question, ask, document_text, message_tokens
+from loadtest.server import ServerProcess
+
+ANSWER_TOKENS = 12  # a short answer: the code and a few words
+
+
+@dataclass(frozen=True)
+class Conversation:
+    index: int
+    document: str
+    questions: tuple[str, ...]  # one per turn
+    answers: tuple[str, ...]  # the code each turn asks for
+
+
+@dataclass
+class TurnResult:
+    """One turn of every conversation on one server."""
+
+    turn: int
+    right: list[bool] = field(default_factory=list)  # per conversation
+    ttfts: list[float] = field(default_factory=list)
+    errors: int = 0
+    prefilled_tokens: int = 0  # over the turn's requests
+    prompt_tokens: int = 0
+    tree_tokens: int = 0  # the radix tree's, after the turn
+    documents: dict[str, Any] = field(default_factory=dict)  # the stats' documents, after the turn
+
+
+def make_conversations(tok: Any, count: int, tokens: int, turns: int, seed: int) -> tuple[list[Conversation], list[int]]:
+    """The conversations, and each document's length in tokens (its message alone)."""
+    out, lengths = [], []
+    for c in range(count):
+        rng = random.Random(f"conversations-{seed}-{c}")
+        text, names, codes = document_text(tok, rng, STYLES[c % len(STYLES)], tokens, turns)
+        order = rng.sample(range(turns), turns)
+        out.append(Conversation(c, text, tuple(code_question(names[j]) for j in order),
+                                tuple(str(codes[j]) for j in order)))
+        lengths.append(message_tokens(tok, text))
+    return out, lengths
+
+
+def pool_tokens(lengths: list[int], turns: int, ratio: float, chunk: int) -> int:
+    """A third of the conversations at their last turn, whole (the document and each turn's
+    question and answer, about 40 tokens), plus what one request compressing its document between
+    chunks holds at most: one chunk, the reconstruction forward, its budget and the document's
+    entries, its question and answer."""
+    whole = sum(n + turns * 40 for n in lengths)
+    return math.ceil(whole / 3) + chunk + KVZIP_CHUNK + BUDGET + math.ceil(ratio * (max(lengths) + turns * 40)) + 128
+
+
+def run(config: str, flags: list[str], extra: dict[str, Any], conversations: list[Conversation], turns: int,
+        clients: int, log: Path) -> tuple[list[TurnResult], list[list[str]]]:
+    """Every turn of every conversation on one server: the per-turn results, and each
+    conversation's answers in order."""
+    history: list[list[dict[str, str]]] = [[{"role": "user", "content": c.document}] for c in conversations]
+    texts: list[list[str]] = [[] for _ in conversations]
+    results = []
+    with ServerProcess.launch(flags, log_path=log) as server:
+        for t in range(turns):
+            before = server.stats()
+            questions = [Question(c.index, t, tuple(history[c.index] + [{"role": "user", "content": c.questions[t]}]),
+                                  c.answers[t]) for c in conversations]
+            with ThreadPoolExecutor(clients) as pool:
+                answers = list(pool.map(lambda q: ask(server.url, q, extra, ANSWER_TOKENS), questions))
+            after = server.wait_idle()
+            r = TurnResult(t + 1)
+            for c, q, a in zip(conversations, questions, answers):
+                r.right.append(a.correct and not a.error)
+                r.errors += bool(a.error)
+                if not a.error:
+                    r.ttfts.append(a.ttft)
+                texts[c.index].append(a.text)
+                # the client keeps the server's own answer, as a chat client does
+                history[c.index] = [*q.messages, {"role": "assistant", "content": a.text}]
+            r.prefilled_tokens = after["prefix_cache"]["prefilled_tokens"] - before["prefix_cache"]["prefilled_tokens"]
+            r.prompt_tokens = after["prefix_cache"]["prompt_tokens"] - before["prefix_cache"]["prompt_tokens"]
+            r.tree_tokens = after["pool"]["cached_tokens"]
+            r.documents = after.get("documents", {})
+            results.append(r)
+            print(f"[conversations] {config} turn {t + 1}: {row(config, r, len(conversations), None)}", flush=True)
+    return results, texts
+
+
+def row(config: str, r: TurnResult, count: int, plain: TurnResult | None) -> dict[str, Any]:
+    served = count - r.errors
+    out = {
+        "config": config, "turn": r.turn, "right": sum(r.right), "errors": r.errors,
+        "ttft_p50": round(statistics.median(r.ttfts), 3) if r.ttfts else None,
+        "prefilled_per_request": round(r.prefilled_tokens / served) if served else None,
+        "prompt_per_request": round(r.prompt_tokens / served) if served else None,
+        "tree_tokens_per_conversation": round(r.tree_tokens / count),
+        **{f"documents_{k}": r.documents.get(k) for k in ("compressions", "resident", "evictions", "history_rewritten")},
+    }
+    if plain is not None:
+        both = sum(a and b for a, b in zip(r.right, plain.right))
+        out["kept"] = f"{both}/{sum(plain.right)}"
+    return out
+
+
+COLUMNS = ["config", "turn", "right", "kept", "ttft_p50", "prefilled_per_request", "prompt_per_request",
+           "tree_tokens_per_conversation", "documents_compressions", "documents_resident", "documents_evictions",
+           "documents_history_rewritten", "errors"]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        lines.append("| " + " | ".join("–" if r.get(c) is None else str(r.get(c)) for c in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Per turn, one line per server: prompt tokens prefilled per request, TTFT p50, answers right."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    for config in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == config]
+        turns = [r["turn"] for r in mine]
+        for ax, key in zip(axes, ("prefilled_per_request", "ttft_p50", "right")):
+            ax.plot(turns, [r[key] or 0 for r in mine], marker="o", label=config)
+    for ax, label in zip(axes, ("prompt tokens prefilled per request", "time to first token, p50 (s)", "answers right")):
+        ax.set_xlabel("turn")
+        ax.set_ylabel(label)
+    axes[0].legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--document-tokens", type=int, default=2048)
+    p.add_argument("--ratio", type=float, default=0.3)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--chunk", type=int, default=512, help="--chunked-prefill-size of every server")
+    p.add_argument("--kv-head-budget", default="layer", choices=["uniform", "variable", "layer"],
+                   help="of the compressing servers (KVzip's server: docs/quality.md)")
+    p.add_argument("--configs", nargs="+", default=["plain", "per-request", "documents"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    meta = run_metadata("benchmarks.conversations", argv)
+    print(metadata_markdown(meta), flush=True)
+
+    from transformers import AutoTokenizer
+
+    from sgl_kvc.model import ensure_smollm2
+
+    model = str(ensure_smollm2())
+    tok = AutoTokenizer.from_pretrained(model)
+    conversations, lengths = make_conversations(tok, args.conversations, args.document_tokens, args.turns, args.seed)
+    pool = pool_tokens(lengths, args.turns, args.ratio, args.chunk)
+    k = math.ceil(args.ratio * max(lengths))
+    common = ["--model-path", model, "--dtype", args.dtype, "--max-total-tokens", str(pool),
+              "--chunked-prefill-size", str(args.chunk)]
+    kvc = [*common, "--policy", "snapkv", "--prompt-policy", "kvzip", "--kvzip-chunk", str(KVZIP_CHUNK),
+           "--kv-head-budget", args.kv_head_budget, "--kv-budget", str(BUDGET)]
+    launch = [sys.executable, "-m", "sgl_kvc.launch"]
+    configs = {
+        "plain": ([*launch, *common, "--policy", "none"], {}),
+        "per-request": ([*launch, *kvc], {"kv_compression": {"budget": k}}),
+        "documents": ([*launch, *kvc], {"kv_compression": {"document": {"ratio": args.ratio}}}),
+    }
+    logs = Path(tempfile.mkdtemp(prefix="conversations-"))
+    print(f"{args.conversations} conversations x {args.turns} turns over documents of {lengths} tokens; pool {pool}; "
+          f"server logs {logs}", flush=True)
+    t0 = time.perf_counter()
+    results: dict[str, list[TurnResult]] = {}
+    texts: dict[str, list[list[str]]] = {}
+    for name in args.configs:
+        flags, extra = configs[name]
+        results[name], texts[name] = run(name, flags, extra, conversations, args.turns, args.clients, logs / f"{name}.log")
+    plain = results.get("plain")
+    rows = [row(name, r, args.conversations, plain[r.turn - 1] if plain else None)
+            for name, turns in results.items() for r in turns]
+    stem = "conversations" + (f"-{args.tag}" if args.tag else "")
+    args.out.mkdir(parents=True, exist_ok=True)
+    setup = {"conversations": args.conversations, "turns": args.turns, "document_tokens": lengths,
+             "ratio": args.ratio, "entries": k, "pool": pool, "clients": args.clients, "max_tokens": ANSWER_TOKENS,
+             "dtype": args.dtype, "kv_head_budget": args.kv_head_budget, "chunk": args.chunk, "kv_budget": BUDGET,
+             "kvzip_chunk": KVZIP_CHUNK, "wall_seconds": round(time.perf_counter() - t0)}
+    (args.out / f"{stem}.json").write_text(json.dumps(
+        {"meta": meta, "setup": setup, "rows": rows, "turns": {n: [asdict(r) for r in rs] for n, rs in results.items()},
+         "answers": texts}, indent=2))
+    plot(rows, args.out / f"{stem}.png",
+         f"{args.conversations} conversations x {args.turns} turns, pool {pool}; {machine()}")
+    body = table(rows)
+    (args.out / f"{stem}.md").write_text(
+        f"{metadata_markdown(meta)}\n## Conversations: {args.conversations} x {args.turns} turns over documents of "
+        f"~{args.document_tokens} tokens, interleaved; pool {pool} tokens; {args.dtype}\n\n"
+        f"Setup: `{json.dumps(setup)}`\n\n{body}")
+    print(body)
+
+
+if __name__ == "__main__":
+    main()

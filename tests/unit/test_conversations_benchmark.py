@@ -1,0 +1,45 @@
+"""The multi-turn workload's conversations and report (`benchmarks/conversations.py`), without a server."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.conversations import TurnResult, make_conversations, pool_tokens, row
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from sgl_kvc.model import ensure_smollm2
+
+    return AutoTokenizer.from_pretrained(str(ensure_smollm2()))
+
+
+def test_each_turn_asks_a_fact_of_its_own_document(tok) -> None:
+    conversations, lengths = make_conversations(tok, 3, 512, 4, seed=0)
+    assert [len(c.questions) for c in conversations] == [4, 4, 4]
+    for c in conversations:
+        assert len(set(c.answers)) == 4  # four different facts, each asked once
+        assert all(f"is {code}." in c.document for code in c.answers)
+    assert all(400 <= n <= 1.5 * 512 for n in lengths), lengths  # a filler piece may overshoot
+    again, _ = make_conversations(tok, 3, 512, 4, seed=0)
+    assert again == conversations  # the same conversations on every machine
+    assert make_conversations(tok, 3, 512, 4, seed=1)[0] != conversations
+
+
+def test_the_pool_holds_about_a_third_of_the_conversations_whole() -> None:
+    lengths = [2000] * 9
+    pool = pool_tokens(lengths, turns=8, ratio=0.3, chunk=512)
+    whole = sum(n + 8 * 40 for n in lengths)
+    assert whole / 3 < pool < whole / 2
+
+
+def test_a_turns_row_counts_answers_kept_against_plain_sglangs() -> None:
+    plain = TurnResult(2, right=[True, True, False], ttfts=[1.0, 2.0, 3.0], prefilled_tokens=90, prompt_tokens=3000)
+    mine = TurnResult(2, right=[True, False, True], ttfts=[0.5, 0.7], errors=1, prefilled_tokens=40,
+                      prompt_tokens=2000, tree_tokens=600, documents={"compressions": 3})
+    r = row("documents", mine, 3, plain)
+    assert r["kept"] == "1/2" and r["right"] == 2 and r["errors"] == 1
+    assert r["prefilled_per_request"] == 20 and r["ttft_p50"] == 0.6  # per served request
+    assert r["tree_tokens_per_conversation"] == 200 and r["documents_compressions"] == 3
