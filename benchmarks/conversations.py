@@ -73,7 +73,8 @@ class TurnResult:
     documents: dict[str, Any] = field(default_factory=dict)  # the stats' documents, after the turn
 
 
-def make_conversations(tok: Any, count: int, tokens: int, turns: int, seed: int) -> tuple[list[Conversation], list[int]]:
+def make_conversations(tok: Any, count: int, tokens: int, turns: int,
+                       seed: int) -> tuple[list[Conversation], list[int]]:
     """The conversations, and each document's length in tokens (its message alone)."""
     out, lengths = [], []
     for c in range(count):
@@ -136,7 +137,8 @@ def row(config: str, r: TurnResult, count: int, plain: TurnResult | None) -> dic
         "prefilled_per_request": round(r.prefilled_tokens / served) if served else None,
         "prompt_per_request": round(r.prompt_tokens / served) if served else None,
         "tree_tokens_per_conversation": round(r.tree_tokens / count),
-        **{f"documents_{k}": r.documents.get(k) for k in ("compressions", "resident", "evictions", "history_rewritten")},
+        **{f"documents_{k}": r.documents.get(k)
+           for k in ("compressions", "resident", "evictions", "history_rewritten")},
     }
     if plain is not None:
         both = sum(a and b for a, b in zip(r.right, plain.right))
@@ -169,7 +171,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         turns = [r["turn"] for r in mine]
         for ax, key in zip(axes, ("prefilled_per_request", "ttft_p50", "right")):
             ax.plot(turns, [r[key] or 0 for r in mine], marker="o", label=config)
-    for ax, label in zip(axes, ("prompt tokens prefilled per request", "time to first token, p50 (s)", "answers right")):
+    labels = ("prompt tokens prefilled per request", "time to first token, p50 (s)", "answers right")
+    for ax, label in zip(axes, labels):
         ax.set_xlabel("turn")
         ax.set_ylabel(label)
     axes[0].legend()
@@ -225,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     texts: dict[str, list[list[str]]] = {}
     for name in args.configs:
         flags, extra = configs[name]
-        results[name], texts[name] = run(name, flags, extra, conversations, args.turns, args.clients, logs / f"{name}.log")
+        results[name], texts[name] = run(name, flags, extra, conversations, args.turns, args.clients,
+                                         logs / f"{name}.log")
     plain = results.get("plain")
     rows = [row(name, r, args.conversations, plain[r.turn - 1] if plain else None)
             for name, turns in results.items() for r in turns]

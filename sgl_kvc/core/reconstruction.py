@@ -21,10 +21,10 @@ authors keep it; kvpress keeps its first `sink` tokens) and whatever follows the
 A prompt cut between its chunks is scored against every entry it still holds (`ReconstructionPlan.
 whole_row`): each query's softmax covers them all, as the forward's own attention does, and each
 pass repeats its whole context read so far while the request's repeats stay within a few times
-its prompt (`next_repeat`). Chunk by chunk, a chunk whose entries an earlier cut thinned would see a smaller
-softmax than a whole one, and its survivors' scores would not compare with a fresh chunk's; scores
-from a much shorter context do not compare either (in 512 tokens the filler is rarer and scores
-higher: research/kvzip-uniform-diagnosis.md).
+its prompt (`next_repeat`). Chunk by chunk, a chunk whose entries an earlier cut thinned would see
+a smaller softmax than a whole one, and its survivors' scores would not compare with a fresh
+chunk's; scores from a much shorter context do not compare either (in 512 tokens the filler is
+rarer and scores higher: research/kvzip-uniform-diagnosis.md).
 
 Everything here is plain torch on one layer of one request, in float32; the adapter feeds it the
 reconstruction's queries and keys while SGLang runs the pass.
@@ -156,7 +156,7 @@ def plan_reconstruction(
     return ReconstructionPlan(start, end, tuple(chunks), sink_tokens, whole_row, repeated)
 
 
-def next_repeat(carried: "CarriedScores | None", end: int, prompt: int, last: bool) -> tuple[int | None, bool]:
+def next_repeat(carried: CarriedScores | None, end: int, prompt: int, last: bool) -> tuple[int | None, bool]:
     """How a pass over a context read up to `end` of a `prompt`-token prompt repeats it, from what
     earlier passes carried: (resume, whole_row) for `plan_reconstruction`. Nothing carried: the
     whole context in kvpress's chunks. A shared document's scores: only the context after it.
