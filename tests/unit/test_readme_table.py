@@ -122,7 +122,7 @@ RUNS: dict[str, Callable[[dict, ModuleType], set[Cell]]] = {
         lambda p, m: serves({"prompt_policy": "kvzip"}, "chunk", "prefill", UNIFORM, "shared", "TP = 2"),
     "test_tensor_parallel.py::test_requests_wait_for_a_document_alike_on_both_ranks":
         lambda p, m: serves({"prompt_policy": "streamingllm"}, UNIFORM, "TP = 2"),
-    "test_kvzip_serving.py::test_prompts_read_in_chunks_repeat_each_context_token_once":
+    "test_kvzip_serving.py::test_prompts_read_in_chunks_repeat_their_whole_context_at_each_pass":
         lambda p, m: serves({"prompt_policy": "kvzip"}, "chunk", "prefill", UNIFORM),
     "test_documents.py::test_variable_head_budgets":
         lambda p, m: serves({"prompt_policy": "kvzip"}, "variable"),
