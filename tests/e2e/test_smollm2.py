@@ -6,7 +6,8 @@
   on the same server, and as plain SGLang (sgl-kvc's batched decode kernel against SGLang's);
 - retrieval: SnapKV at a generous budget keeps a pass key that StreamingLLM at 64 tokens loses
   (fixed seeded ~1K-token samples, a count threshold; `benchmarks.quality` measures the rest).
-Two sgl-kvc servers start together once for the module; plain SGLang runs only during its test
+Three sgl-kvc servers (`--policy none`, the default, layer head budgets) start together once for
+the module; plain SGLang and the small pool of the pressure-moment test run only during their tests
 (an extra server competing for two cores slows every other one several-fold). Requests whose
 tokens are compared go one at a time: greedy decoding on CPU is not batch-invariant. The servers
 run in float32: on a CPU without native bfloat16 (AVX2 only) a bfloat16 forward is emulated and
@@ -189,15 +190,16 @@ def test_kvzip_and_snapkv_keep_pass_keys_at_an_eighth_of_the_prompt(servers, smo
 
 
 def test_kvzip_keeps_pass_keys_when_the_prompt_is_cut_between_chunks(servers, smollm2_path: str) -> None:
-    """The pressure moment: a pool of 1536 tokens reads 2K-token prompts in chunks of 512 and cuts
-    each after every chunk, before its question is read. KVzip at 256 entries on the default
-    server keeps both pass keys the full cache answers (measured 2 of 2). Scoring each cut's
-    context alone, with the scores of what earlier cuts kept carried, kept neither: in 512 tokens
-    the filler scores high (docs/quality.md, "Which allocation each policy gets")."""
+    """The pressure moment: a pool of 1536 tokens reads a 2K-token prompt in chunks of 512 and cuts
+    it after every chunk, before its question is read. KVzip at 256 entries on the default server
+    keeps the pass key at 10% depth that the full cache answers (measured; at 90% too). Scoring
+    each cut's context alone, with the scores of what earlier cuts kept carried, kept neither: in
+    512 tokens the filler scores high (docs/quality.md, "Which allocation each policy gets"). One
+    prompt: the test's server starts for it alone, and CI's time is short."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
-    samples: list[Sample] = passkey_samples(tok, {2048: 1}, [0.1, 0.9], seed=0, style="templated")
+    samples: list[Sample] = passkey_samples(tok, {2048: 1}, [0.1], seed=0, style="templated")
     full = sum(is_correct(s, _complete(servers["rkv"], s.prompt_ids, s.max_tokens, {"budget": 1 << 20}))
                for s in samples)
     assert full == len(samples), f"the full cache itself found {full}/{len(samples)} pass keys"
@@ -208,4 +210,4 @@ def test_kvzip_keeps_pass_keys_when_the_prompt_is_cut_between_chunks(servers, sm
         texts = [_complete(server, s.prompt_ids, s.max_tokens, kvc) for s in samples]
         cuts = server.stats()["compression"]["passes"]
     assert cuts >= 4 * len(samples), cuts  # three cuts between chunks and one after the prompt, each
-    assert sum(is_correct(s, t) for s, t in zip(samples, texts)) >= 1, texts
+    assert all(is_correct(s, t) for s, t in zip(samples, texts)), texts
