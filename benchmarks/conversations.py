@@ -45,7 +45,9 @@ from typing import Any
 
 from benchmarks.common import machine, metadata_markdown, run_metadata
 from benchmarks.quality_samples import code_question
-from benchmarks.shared_documents import BUDGET, KVZIP_CHUNK, STYLES, Question, ask, document_text, message_tokens
+from benchmarks.shared_documents import (
+    BUDGET, KVZIP_CHUNK, STYLES, Question, ask, document_text, message_tokens, server_flags,
+)
 from loadtest.server import ServerProcess
 
 ANSWER_TOKENS = 12  # a short answer: the code and a few words
@@ -210,10 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     conversations, lengths = make_conversations(tok, args.conversations, args.document_tokens, args.turns, args.seed)
     pool = pool_tokens(lengths, args.turns, args.ratio, args.chunk)
     k = math.ceil(args.ratio * max(lengths))
-    common = ["--model-path", model, "--dtype", args.dtype, "--max-total-tokens", str(pool),
-              "--chunked-prefill-size", str(args.chunk)]
-    kvc = [*common, "--policy", "snapkv", "--prompt-policy", "kvzip", "--kvzip-chunk", str(KVZIP_CHUNK),
-           "--kv-head-budget", args.kv_head_budget, "--kv-budget", str(BUDGET)]
+    common, kvc = server_flags(model, args.dtype, pool, args.chunk, args.kv_head_budget)
     launch = [sys.executable, "-m", "sgl_kvc.launch"]
     configs = {
         "plain": ([*launch, *common, "--policy", "none"], {}),

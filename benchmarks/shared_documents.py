@@ -156,6 +156,15 @@ def pool_tokens(lengths: list[int], ratio: float, chunk: int) -> int:
     return math.ceil(sum(lengths) / 3) + chunk + KVZIP_CHUNK + BUDGET + math.ceil(ratio * max(lengths)) + 128
 
 
+def server_flags(model: str, dtype: str, pool: int, chunk: int, kv_head_budget: str) -> tuple[list[str], list[str]]:
+    """(every server's flags, the compressing servers': SnapKV for decoding, KVzip for prompts)."""
+    common = ["--model-path", model, "--dtype", dtype, "--max-total-tokens", str(pool),
+              "--chunked-prefill-size", str(chunk)]
+    kvc = [*common, "--policy", "snapkv", "--prompt-policy", "kvzip", "--kvzip-chunk", str(KVZIP_CHUNK),
+           "--kv-head-budget", kv_head_budget, "--kv-budget", str(BUDGET)]
+    return common, kvc
+
+
 def ask(url: str, q: Question, extra: dict[str, Any], max_tokens: int) -> Answer:
     if extra.get("cache_salt") is True:  # a namespace of its own: nothing it caches is shared
         extra = {**extra, "cache_salt": f"question-{q.document}-{q.index}"}
@@ -278,10 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     questions, lengths = make_questions(tok, args.documents, args.document_tokens, args.facts, args.questions, args.seed)
     pool = pool_tokens(lengths, args.ratio, args.chunk)
     k = math.ceil(args.ratio * max(lengths))
-    common = ["--model-path", model, "--dtype", args.dtype, "--max-total-tokens", str(pool),
-              "--chunked-prefill-size", str(args.chunk)]
-    kvc = [*common, "--policy", "snapkv", "--prompt-policy", "kvzip", "--kvzip-chunk", str(KVZIP_CHUNK),
-           "--kv-head-budget", args.kv_head_budget, "--kv-budget", str(BUDGET)]
+    common, kvc = server_flags(model, args.dtype, pool, args.chunk, args.kv_head_budget)
     import sys
 
     launch = [sys.executable, "-m", "sgl_kvc.launch"]
