@@ -6,12 +6,12 @@
   on the same server, and as plain SGLang (sgl-kvc's batched decode kernel against SGLang's);
 - retrieval: SnapKV at a generous budget keeps a pass key that StreamingLLM at 64 tokens loses
   (fixed seeded ~1K-token samples, a count threshold; `benchmarks.quality` measures the rest).
-Three sgl-kvc servers (`--policy none`, the default, layer head budgets) start together once for
-the module; plain SGLang and the small pool of the pressure-moment test run only during their tests
-(an extra server competing for two cores slows every other one several-fold). Requests whose
-tokens are compared go one at a time: greedy decoding on CPU is not batch-invariant. The servers
-run in float32: on a CPU without native bfloat16 (AVX2 only) a bfloat16 forward is emulated and
-several times slower, and nothing tested here depends on the dtype.
+Two sgl-kvc servers (`--policy none` and the default) start together once for the module; plain
+SGLang and the small pool of the pressure-moment test run only during their tests (an extra
+server competing for two cores slows every other one several-fold). Requests whose tokens are
+compared go one at a time: greedy decoding on CPU is not batch-invariant. The servers run in
+float32: on a CPU without native bfloat16 (AVX2 only) a bfloat16 forward is emulated and several
+times slower, and nothing tested here depends on the dtype.
 """
 
 from __future__ import annotations
@@ -62,8 +62,7 @@ def _plain_sglang(smollm2_path: str):
 @pytest.fixture(scope="module")
 def servers():
     launch = [sys.executable, "-m", "sgl_kvc.launch", "--dtype", DTYPE]  # no --model-path: SmolLM2
-    specs = {"none": [*launch, "--policy", "none"], "rkv": [*launch, "--policy", "rkv"],
-             "layer": [*launch, "--policy", "rkv", "--kv-head-budget", "layer"]}
+    specs = {"none": [*launch, "--policy", "none"], "rkv": [*launch, "--policy", "rkv"]}
     with ExitStack() as stack, ThreadPoolExecutor(len(specs)) as pool:
         futures = {
             name: pool.submit(stack.enter_context, ServerProcess.launch(cmd))
@@ -162,17 +161,14 @@ def test_snapkv_keeps_the_pass_key_where_streamingllm_at_64_loses_it(servers, sm
     assert snap >= 3 and stream <= 1, (full, snap, stream)
 
 
-@pytest.mark.parametrize(("server", "kvzip_budget"), [("rkv", 192), ("layer", 128)])
-def test_kvzip_and_snapkv_keep_pass_keys_at_an_eighth_of_the_prompt(servers, smollm2_path: str, server: str,
-                                                                    kvzip_budget: int) -> None:
-    """1K-token pass-key prompts (the key at 10 and 90% depth) kept at 128 entries per head, about
-    13% of the prompt, by SnapKV, and by KVzip (no question needed) at 128 on a server with layer
-    head budgets and 192 on the default one (uniform head budgets). A copy head's flat KVzip scores
-    crowd the key out of a per-head or per-layer top-k (docs/quality.md, "Which allocation each
-    policy gets"): KVzip sorts every head at once on the layer server and keeps one set of tokens
-    for every head on the default one, which needs about 1.5 times the entries. Measured 2 of 2
-    each; KVzip per head or per layer 0 of 2, and on the default server at 128 0 of 2. Fails if
-    either drops to 0 of the keys the full cache answers."""
+def test_kvzip_and_snapkv_keep_pass_keys_at_an_eighth_of_the_prompt(servers, smollm2_path: str) -> None:
+    """1K-token pass-key prompts (the key at 10 and 90% depth) on the default server: SnapKV keeps
+    them at 128 entries per head, about 13% of the prompt, and KVzip (no question needed) at 192.
+    A copy head's flat KVzip scores crowd the key out of a per-head top-k (docs/quality.md, "Which
+    allocation each policy gets"): KVzip keeps one set of tokens for every head on the default
+    server (uniform head budgets), which needs about 1.5 times the entries of the layer server's
+    global sort. Measured 2 of 2 each; KVzip per head 0 of 2, and at 128 0 of 2. Fails if either
+    drops to 0 of the keys the full cache answers."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
@@ -180,11 +176,11 @@ def test_kvzip_and_snapkv_keep_pass_keys_at_an_eighth_of_the_prompt(servers, smo
 
     def correct(kvc: dict) -> int:
         with ThreadPoolExecutor(len(samples)) as pool:
-            texts = pool.map(lambda s: _complete(servers[server], s.prompt_ids, s.max_tokens, kvc), samples)
+            texts = pool.map(lambda s: _complete(servers["rkv"], s.prompt_ids, s.max_tokens, kvc), samples)
             return sum(is_correct(s, text) for s, text in zip(samples, texts))
 
     full = correct({"budget": 1 << 20})
-    found = {"snapkv": correct({"budget": 128}), "kvzip": correct({"prompt_policy": "kvzip", "budget": kvzip_budget})}
+    found = {"snapkv": correct({"budget": 128}), "kvzip": correct({"prompt_policy": "kvzip", "budget": 192})}
     assert full == len(samples), f"the full cache itself found {full}/{len(samples)} pass keys"
     assert all(found.values()), found
 
