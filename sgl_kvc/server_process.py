@@ -23,6 +23,7 @@ from typing import Any, Iterator, Sequence
 import requests
 
 from sgl_kvc.cluster_stats import kvc_stats  # noqa: F401  (one server's, or a gateway's workers')
+from sgl_kvc.prelaunch import ForkedProcess, forked
 
 START_TIMEOUT_S = 300.0
 PORT_ATTEMPTS = 3
@@ -77,7 +78,7 @@ def free_port() -> int:
 
 def wait_healthy(
     url: str,
-    proc: subprocess.Popen | None,
+    proc: subprocess.Popen | ForkedProcess | None,
     timeout_s: float,
     log: Path | None,
     path: str = "/health",
@@ -128,7 +129,7 @@ def sigterm_unwinds() -> Iterator[None]:
 @dataclass
 class ServerProcess:
     url: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     log_path: Path
     # How it was started, so that `restart()` can start it again at the same address.
     cmd: tuple[str, ...] = ()
@@ -233,12 +234,15 @@ class ServerProcess:
             fd, name = tempfile.mkstemp(prefix=f"server-{port}-", suffix=".log")
             os.close(fd)
             log_path = Path(name)
+        argv = [*with_default_args(cmd), "--host", host, "--port", str(port)]
+        full_env = {**os.environ, **(env or {})}
         with open(log_path, log_mode) as log:
-            proc = subprocess.Popen(
-                [*with_default_args(cmd), "--host", host, "--port", str(port)],
+            # a test run's prelauncher forks it, where it serves the command (`sgl_kvc/prelaunch.py`)
+            proc = forked(argv, full_env, log_path, "a") or subprocess.Popen(
+                argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
+                env=full_env,
                 start_new_session=True,  # its own process group: stop() reaches every child
             )
         # A server bound to every interface still answers on loopback.
@@ -294,7 +298,7 @@ class ServerProcess:
         stop_all([self], remove_temp_logs=False)
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(proc: subprocess.Popen | ForkedProcess, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)  # SGLang's scheduler/detokenizer children too
     except ProcessLookupError:
