@@ -45,12 +45,12 @@ PYTEST_WORKERS ?= 2
 NO_SGLANG_TESTS = tests/core tests/unit/test_compressor_moments.py
 
 test: install
-	# The plain-torch core (and the compressor's moments on stand-ins) first, with SGLang made
-	# unimportable: they must run on PyTorch alone (a GPU machine may have PyTorch and Triton but
-	# no SGLang: `.ci/gpu`). Then everything else.
 	# Bytecode for our own sources (pip compiled the installed packages'): where
 	# PYTHONDONTWRITEBYTECODE is set, each process would compile every module it imports again.
 	$(PY) -m compileall -q sgl_kvc kernels server loadtest benchmarks > /dev/null
+	# The plain-torch core (and the compressor's moments on stand-ins) first, with SGLang made
+	# unimportable: they must run on PyTorch alone (a GPU machine may have PyTorch and Triton but
+	# no SGLang: `.ci/gpu`). Then everything else.
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --without-sglang $(NO_SGLANG_TESTS) $(PYTEST_ARGS)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(NO_SGLANG_TESTS:%=--ignore=%) $(PYTEST_ARGS)
 

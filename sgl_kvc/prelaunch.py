@@ -31,8 +31,9 @@ from typing import Any, Sequence
 
 SOCKET_ENV = "SGLKVC_PRELAUNCHER"
 # What may differ between the prelauncher's environment and a server's: read when used, never at
-# import (pytest names the running test in PYTEST_CURRENT_TEST).
-RUNTIME_ENV = frozenset({"SGLKVC_CHECK", "SGLKVC_TRACE", "SGLKVC_FAILPOINTS", SOCKET_ENV, "PYTEST_CURRENT_TEST"})
+# import (pytest names the running test in PYTEST_CURRENT_TEST and sets the terminal's size).
+RUNTIME_ENV = frozenset({"SGLKVC_CHECK", "SGLKVC_TRACE", "SGLKVC_FAILPOINTS", SOCKET_ENV,
+                         "PYTEST_CURRENT_TEST", "COLUMNS", "LINES"})
 CONNECT_WAIT_S = 120.0  # the prelauncher's own imports, on a busy machine
 
 

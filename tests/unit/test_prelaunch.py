@@ -1,0 +1,48 @@
+"""The test run's prelauncher (`sgl_kvc/prelaunch.py`, started by `tests/conftest.py`): it forks
+`python -m sgl_kvc.launch` with the server's argv, log and exit status as a fresh process would
+have them, and starts nothing whose environment differs in what is read at import."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from sgl_kvc.prelaunch import SOCKET_ENV, forked
+
+LAUNCH = [sys.executable, "-m", "sgl_kvc.launch"]
+
+
+@pytest.fixture
+def prelaunched() -> None:
+    if not os.environ.get(SOCKET_ENV):
+        pytest.skip("no prelauncher in this run (SGLKVC_PRELAUNCH=0)")
+
+
+@pytest.mark.usefixtures("prelaunched")
+def test_a_forked_launcher_exits_as_a_fresh_one(tmp_path: Path) -> None:
+    log = tmp_path / "help.log"
+    proc = forked([*LAUNCH, "--help"], dict(os.environ), log, "w")
+    assert proc is not None, "the prelauncher refused an environment equal to its own"
+    assert proc.wait(120) == 0
+    assert "--policy" in log.read_text() and "SGLang server flags" in log.read_text()
+    bad = forked([*LAUNCH, "--policy", "no-such-policy"], dict(os.environ), tmp_path / "bad.log", "w")
+    assert bad is not None and bad.wait(120) == 2  # argparse's usage error, as `test_launch` gets it
+    assert "no-such-policy" in (tmp_path / "bad.log").read_text()
+
+
+@pytest.mark.usefixtures("prelaunched")
+def test_only_the_launcher_with_an_equal_import_time_environment_is_forked(tmp_path: Path) -> None:
+    log = tmp_path / "x.log"
+    threads = str(int(os.environ.get("OMP_NUM_THREADS", "1")) + 1)  # read when torch loads OpenMP
+    assert forked([*LAUNCH, "--help"], {**os.environ, "OMP_NUM_THREADS": threads}, log, "w") is None
+    assert forked([sys.executable, "-c", "pass"], dict(os.environ), log, "w") is None
+    runtime = forked([*LAUNCH, "--help"], {**os.environ, "SGLKVC_CHECK": "1"}, log, "w")  # read at run time
+    assert runtime is not None and runtime.wait(120) == 0
+
+
+def test_without_a_prelauncher_nothing_is_forked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SOCKET_ENV, raising=False)
+    assert forked([*LAUNCH, "--help"], dict(os.environ), tmp_path / "x.log", "w") is None
