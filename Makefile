@@ -32,7 +32,7 @@ else
 	# Import stand-ins for sgl_kernel/torchvision, active only where the real ones cannot load.
 	$(PY) -m sgl_kvc.compat.standins
 endif
-	# Convert the default model (SmolLM2-135M-Instruct) once now (~25 s) rather than at first serve.
+	# Convert the default model (SmolLM2-135M-Instruct) once now (~20 s) rather than at first serve.
 	$(PY) -c "from sgl_kvc.model import ensure_smollm2; print(ensure_smollm2())"
 	touch $(STAMP)
 

@@ -10,7 +10,9 @@ cache folder as the demo model, written atomically and reused afterwards.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 from sgl_kvc.model.cache import build_once, default_cache_dir
 
@@ -47,14 +49,38 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
     return build_once(target, lambda folder: _convert(gguf, folder))
 
 
+@contextmanager
+def _one_gguf_parse() -> Iterator[None]:
+    """transformers parses the GGUF file once for the tokenizer, the config and the weights (6 s
+    each on a 2-core Xeon, most of the conversion): while converting, `gguf.GGUFReader` returns
+    the reader of a file it has already parsed (transformers imports it from `gguf` at each call)."""
+    import gguf as gguf_lib
+
+    original = gguf_lib.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = (str(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf_lib.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf_lib.GGUFReader = original
+
+
 def _convert(gguf: Path, folder: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
-    )
+    with _one_gguf_parse():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # float32, then bfloat16: transformers dequantizes GGUF weights fastest in float32
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = model.to(torch.bfloat16)
     # The loader marks the model as quantized (GGUF); the weights are already dequantized, and a
     # checkpoint that still names a quantization method would make SGLang look for GGUF kernels.
     model.hf_quantizer = None
