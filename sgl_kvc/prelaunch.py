@@ -131,7 +131,8 @@ def _child(request: dict[str, Any], listener: socket.socket, conn: socket.socket
         conn.close()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.setsid()
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request["mode"] == "a" else 0))
+        append = os.O_APPEND if request["mode"] == "a" else os.O_TRUNC
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | append)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(log, 1)
