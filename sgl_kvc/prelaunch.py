@@ -96,11 +96,12 @@ def forked(cmd: Sequence[str], env: dict[str, str], log_path: Path, log_mode: st
 
 
 def _alive(pid_path: Path) -> bool:
+    """Whether the prelauncher runs (an exited one is a zombie until the test run waits for it)."""
     try:
-        os.kill(int(pid_path.read_text()), 0)
-        return True
+        stat = Path(f"/proc/{int(pid_path.read_text())}/stat").read_text()
     except (OSError, ValueError):
         return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _differs(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:

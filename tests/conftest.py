@@ -203,14 +203,18 @@ def hostile_documents(request: pytest.FixtureRequest):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def prelauncher(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def prelauncher(request: pytest.FixtureRequest) -> Iterator[None]:
     """One process per worker that has imported SGLang forks the CPU servers the tests start
-    (`sgl_kvc/prelaunch.py`): each saves the 10-11 s of CPU its launcher spends importing, about a
-    third of the suite's time on 2 cores. `SGLKVC_PRELAUNCH=0` starts every server as usual."""
+    (`sgl_kvc/prelaunch.py`): each saves the 10-11 s of CPU its launcher spends importing, about
+    half of a server's start. `SGLKVC_PRELAUNCH=0` starts every server as usual;
+    `SGLKVC_PRELAUNCH_LOG=FILE` keeps the prelauncher's log (what it forked, what it refused)."""
     import subprocess
     import tempfile
 
-    if request.config.getoption("--without-sglang") or os.environ.get("SGLKVC_PRELAUNCH") == "0":
+    import torch
+
+    if (request.config.getoption("--without-sglang") or os.environ.get("SGLKVC_PRELAUNCH") == "0"
+            or torch.cuda.is_available()):  # CUDA does not survive a fork
         yield
         return
     from sgl_kvc.prelaunch import SOCKET_ENV
@@ -218,8 +222,8 @@ def prelauncher(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     folder = Path(tempfile.mkdtemp(prefix="kvc-pre-"))  # a short path: a Unix socket's is at most 107 bytes
     path = str(folder / "sock")
     log = open(folder / "prelauncher.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "sgl_kvc.prelaunch", path], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "sgl_kvc.prelaunch", path], stdin=subprocess.DEVNULL,
+                            stdout=log, stderr=subprocess.STDOUT)
     Path(path + ".pid").write_text(str(proc.pid))
     os.environ[SOCKET_ENV] = path
     try:
@@ -231,7 +235,7 @@ def prelauncher(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
         log.close()
         import shutil
 
-        if os.environ.get("SGLKVC_PRELAUNCH_LOG"):  # where to keep what it forked and refused
+        if os.environ.get("SGLKVC_PRELAUNCH_LOG"):
             shutil.copy(folder / "prelauncher.log", os.environ["SGLKVC_PRELAUNCH_LOG"])
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -46,3 +46,20 @@ def test_only_the_launcher_with_an_equal_import_time_environment_is_forked(tmp_p
 def test_without_a_prelauncher_nothing_is_forked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SOCKET_ENV, raising=False)
     assert forked([*LAUNCH, "--help"], dict(os.environ), tmp_path / "x.log", "w") is None
+
+
+def test_an_exited_prelauncher_is_not_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One that found a GPU (or failed) exits at once: servers start as usual without waiting
+    `CONNECT_WAIT_S` for its socket, though its process stays a zombie until the run waits for it."""
+    import subprocess
+    import time
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    time.sleep(1)  # exited, not waited for: a zombie
+    sock = tmp_path / "sock"
+    (tmp_path / "sock.pid").write_text(str(gone.pid))
+    monkeypatch.setenv(SOCKET_ENV, str(sock))
+    start = time.monotonic()
+    assert forked([*LAUNCH, "--help"], dict(os.environ), tmp_path / "x.log", "w") is None
+    assert time.monotonic() - start < 5
+    gone.wait()
