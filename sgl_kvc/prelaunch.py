@@ -44,6 +44,7 @@ class ForkedProcess:
 
     pid: int
     status_path: Path
+    prelauncher: Path  # its pid file
     returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -51,7 +52,8 @@ class ForkedProcess:
             try:
                 self.returncode = int(self.status_path.read_text())
             except (OSError, ValueError):
-                if not Path(f"/proc/{self.pid}").exists():  # the prelauncher itself is gone
+                # Reaped but its status not yet written, or never to be: the prelauncher is gone.
+                if not Path(f"/proc/{self.pid}").exists() and not _alive(self.prelauncher):
                     self.returncode = -signal.SIGKILL
         return self.returncode
 
@@ -92,7 +94,7 @@ def forked(cmd: Sequence[str], env: dict[str, str], log_path: Path, log_mode: st
             time.sleep(0.2)
     if "pid" not in reply:
         return None
-    return ForkedProcess(pid=int(reply["pid"]), status_path=Path(reply["status"]))
+    return ForkedProcess(pid=int(reply["pid"]), status_path=Path(reply["status"]), prelauncher=Path(path + ".pid"))
 
 
 def _alive(pid_path: Path) -> bool:
