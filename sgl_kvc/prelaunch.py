@@ -73,13 +73,14 @@ class ForkedProcess:
                 pass
 
 
-def forked(cmd: Sequence[str], env: dict[str, str], log_path: Path, log_mode: str) -> ForkedProcess | None:
-    """`cmd` started by the prelauncher named in `$SGLKVC_PRELAUNCHER`, or None: none is set, it is
-    not up within `CONNECT_WAIT_S`, or it does not serve this command or environment."""
+def forked(cmd: Sequence[str], env: dict[str, str], log_path: Path) -> ForkedProcess | None:
+    """`cmd` started by the prelauncher named in `$SGLKVC_PRELAUNCHER`, its output appended to
+    `log_path`, or None: none is set, it is not up within `CONNECT_WAIT_S`, or it does not serve
+    this command or environment."""
     path = os.environ.get(SOCKET_ENV)
     if not path or list(cmd[:3]) != [sys.executable, "-m", "sgl_kvc.launch"]:
         return None
-    request = {"argv": list(cmd[3:]), "env": env, "cwd": os.getcwd(), "log": str(log_path), "mode": log_mode}
+    request = {"argv": list(cmd[3:]), "env": env, "cwd": os.getcwd(), "log": str(log_path)}
     deadline = time.monotonic() + CONNECT_WAIT_S
     while True:
         try:
@@ -134,8 +135,7 @@ def _child(request: dict[str, Any], listener: socket.socket, conn: socket.socket
         conn.close()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.setsid()
-        append = os.O_APPEND if request["mode"] == "a" else os.O_TRUNC
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | append)
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(log, 1)

@@ -238,7 +238,7 @@ class ServerProcess:
         full_env = {**os.environ, **(env or {})}
         with open(log_path, log_mode) as log:
             # a test run's prelauncher forks it, where it serves the command (`sgl_kvc/prelaunch.py`)
-            proc = forked(argv, full_env, log_path, "a") or subprocess.Popen(
+            proc = forked(argv, full_env, log_path) or subprocess.Popen(
                 argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -24,11 +24,11 @@ def prelaunched() -> None:
 @pytest.mark.usefixtures("prelaunched")
 def test_a_forked_launcher_exits_as_a_fresh_one(tmp_path: Path) -> None:
     log = tmp_path / "help.log"
-    proc = forked([*LAUNCH, "--help"], dict(os.environ), log, "w")
+    proc = forked([*LAUNCH, "--help"], dict(os.environ), log)
     assert proc is not None, "the prelauncher refused an environment equal to its own"
     assert proc.wait(120) == 0
     assert "--policy" in log.read_text() and "SGLang server flags" in log.read_text()
-    bad = forked([*LAUNCH, "--policy", "no-such-policy"], dict(os.environ), tmp_path / "bad.log", "w")
+    bad = forked([*LAUNCH, "--policy", "no-such-policy"], dict(os.environ), tmp_path / "bad.log")
     assert bad is not None and bad.wait(120) == 2  # argparse's usage error, as `test_launch` gets it
     assert "no-such-policy" in (tmp_path / "bad.log").read_text()
 
@@ -37,15 +37,15 @@ def test_a_forked_launcher_exits_as_a_fresh_one(tmp_path: Path) -> None:
 def test_only_the_launcher_with_an_equal_import_time_environment_is_forked(tmp_path: Path) -> None:
     log = tmp_path / "x.log"
     threads = str(int(os.environ.get("OMP_NUM_THREADS", "1")) + 1)  # read when torch loads OpenMP
-    assert forked([*LAUNCH, "--help"], {**os.environ, "OMP_NUM_THREADS": threads}, log, "w") is None
-    assert forked([sys.executable, "-c", "pass"], dict(os.environ), log, "w") is None
-    runtime = forked([*LAUNCH, "--help"], {**os.environ, "SGLKVC_CHECK": "1"}, log, "w")  # read at run time
+    assert forked([*LAUNCH, "--help"], {**os.environ, "OMP_NUM_THREADS": threads}, log) is None
+    assert forked([sys.executable, "-c", "pass"], dict(os.environ), log) is None
+    runtime = forked([*LAUNCH, "--help"], {**os.environ, "SGLKVC_CHECK": "1"}, log)  # read at run time
     assert runtime is not None and runtime.wait(120) == 0
 
 
 def test_without_a_prelauncher_nothing_is_forked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SOCKET_ENV, raising=False)
-    assert forked([*LAUNCH, "--help"], dict(os.environ), tmp_path / "x.log", "w") is None
+    assert forked([*LAUNCH, "--help"], dict(os.environ), tmp_path / "x.log") is None
 
 
 def test_an_exited_prelauncher_is_not_waited_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -60,6 +60,6 @@ def test_an_exited_prelauncher_is_not_waited_for(tmp_path: Path, monkeypatch: py
     (tmp_path / "sock.pid").write_text(str(gone.pid))
     monkeypatch.setenv(SOCKET_ENV, str(sock))
     start = time.monotonic()
-    assert forked([*LAUNCH, "--help"], dict(os.environ), tmp_path / "x.log", "w") is None
+    assert forked([*LAUNCH, "--help"], dict(os.environ), tmp_path / "x.log") is None
     assert time.monotonic() - start < 5
     gone.wait()
