@@ -200,15 +200,24 @@ def _layer_view(store: KvcStore, row: int, state: ReqKvState, p: PendingPass, la
                         reconstruction=None if p.reconstruction is None else p.reconstruction.layers[layer])
 
 
+def allocation(policy: Policy, mode: str) -> str:
+    """How a pass of `policy` on a unit-pool server in `mode` (`--kv-head-budget variable` or
+    `layer`) allocates the request's entries: "variable", one sort over layer x head x entry, for
+    scores made for it (`Policy.global_sort` on either server, `Policy.variable_sort` under
+    variable); "layer" otherwise, each layer keeping its share (Ada-KV)."""
+    if policy.global_sort or (mode == "variable" and policy.variable_sort):
+        return "variable"
+    return "layer"
+
+
 def advance_variable(
     store: KvcStore, row: int, state: ReqKvState, n: int, work: StepWork, mode: str, i: int = 0,
 ) -> DueCompaction | None:
     """`advance_uniform` for variable budgets (KV-Compress §4.2, `mode` variable or layer):
     score one (layer, KV head) at a time, each from its own entries, as work allows; once all
-    have scored, one sort over layer x head x entry chooses what the request keeps (per layer with
-    `layer`, unless the policy's scores are for one sort, `Policy.global_sort`)."""
+    have scored, the policy's allocation (`allocation`) chooses what the request keeps."""
     p = state.pending
-    mode = "variable" if p.policy.global_sort else mode
+    mode = allocation(p.policy, mode)
     p.steps += 1
     tables = p.tables
     num_layers, num_heads = tables.lens.shape

@@ -314,6 +314,13 @@ class Policy(ABC):
     sort over layer x head x entry chooses what the request keeps, whatever the server's mode; where
     every head keeps the same number (uniform budgets), one sort over the tokens, by their mean
     score over every layer and head, and every head keeps those (`per_head.token_scores`)."""
+    variable_sort: ClassVar[bool] = False
+    """Whether, on a `--kv-head-budget variable` server, one sort over layer x head x entry chooses
+    what the request keeps, as the policy's paper does (KV-Compress §4.2). Otherwise each layer
+    keeps its share (budget x KV heads) and its heads split it by one sort (Ada-KV's allocation),
+    as under `layer`: attention sums do not compare across layers, and one sort over them hands the
+    diffuse early layers most of the budget (SnapKV kept 1 of 7 answers that way on SmolLM2, 5 per
+    layer; docs/quality.md, "Which allocation each policy gets")."""
     prompt_policy: ClassVar[str | None] = None
     """The policy that compresses the prompt (the prefill and chunk moments) when the user leaves
     it to this one (``--prompt-policy auto``); None: this policy itself. A decode-time method

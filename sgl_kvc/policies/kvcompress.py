@@ -33,6 +33,7 @@ class KVCompressPolicy(Policy):
     contribution_power: ClassVar[int] = 2  # `contribution` below
     accumulate_prefill: ClassVar[bool] = False
     compress_after_prefill: ClassVar[bool] = True
+    variable_sort: ClassVar[bool] = True  # §4.2: evicts the lowest metrics across every layer and head
 
     def prefill_metric(self, view: LayerView) -> Tensor:
         """M^(pool) [H_kv, n] from the observation-window queries (eq. 10 squared, eq. 8)."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fakes import LayeredKvPool
+from sgl_kvc.core import passes
 from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
 from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore
@@ -94,9 +95,17 @@ def test_entries_appended_during_a_staged_pass_are_kept_by_every_head(device: to
 
 @pytest.mark.parametrize("mode", ["variable", "layer"])
 @pytest.mark.parametrize("policy", ["snapkv", "kvcompress", "expected_attention", "keydiff"])
-def test_variable_pass_sorts_every_heads_scores_once(device: torch.device, mode: str, policy: str) -> None:
+def test_variable_pass_sorts_every_heads_scores_once(device: torch.device, mode: str, policy: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     n, target = 26, 5
     store, state, pool, slots = _request(device, policy, n, seed=11, units=True)
+    sorts = []
+
+    def recording(*args, **kwargs):
+        sorts.append(kwargs["mode"])
+        return select_from_scores(*args, **kwargs)
+
+    monkeypatch.setattr(passes, "select_from_scores", recording)
     whole = _run(store, state, n, target, allowance=1 << 40, mode=mode)
     scores = torch.empty(LAYERS, H_KV, n, device=device)
     protected = torch.zeros(LAYERS, H_KV, n, dtype=torch.bool, device=device)
@@ -110,7 +119,13 @@ def test_variable_pass_sorts_every_heads_scores_once(device: torch.device, mode:
             )
             scores[layer, h] = state.policy.score(view)[0]
             protected[layer, h] = state.policy.protected(view)
-    want = select_from_scores(scores, protected, target, mode=mode)
+    # KV-Compress sorts every layer and head at once under variable (its §4.2); the attention sums
+    # of the others are sorted per layer on either server (`passes.allocation`).
+    sort = "variable" if mode == "variable" and policy == "kvcompress" else "layer"
+    assert sorts == [sort]
+    want = select_from_scores(scores, protected, target, mode=sort)
+    if sort == "layer":
+        assert whole.selection.lengths.sum(dim=1).tolist() == [target * H_KV] * LAYERS
     assert torch.equal(whole.selection.lengths, want.lengths)
     assert torch.equal(whole.selection.indices, want.indices)
     assert whole.units.device == device and whole.selection.total <= target * LAYERS * H_KV
