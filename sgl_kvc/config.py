@@ -80,11 +80,12 @@ class KvcConfig:
         default="uniform",
         metadata=_flag(
             "Per-head selection's budget: uniform (every (layer, KV head) keeps --kv-budget "
-            "tokens), variable (KV-Compress: the request keeps --kv-budget x layers x KV heads "
-            "entries in all, chosen by one sort over layer x head x token) or layer (Ada-SnapKV: "
-            "one sort per layer, each layer keeping --kv-budget x KV heads). KVzip sorts every "
-            "head at once under variable and layer, and keeps the same tokens in every head under "
-            "uniform. variable and layer need the torch_native backend and batched decode attention."
+            "tokens), layer (Ada-SnapKV: one sort per layer, each layer keeping --kv-budget x KV "
+            "heads) or variable (KV-Compress: the request keeps --kv-budget x layers x KV heads "
+            "entries in all, one sort over layer x head x token for KV-Compress, per layer for the "
+            "attention sums of the others). KVzip sorts every head at once under variable and layer, "
+            "and keeps the same tokens in every head under uniform. variable and layer need the "
+            "torch_native backend and batched decode attention."
         ),
     )
     kv_pass_work: int = field(

@@ -204,3 +204,16 @@ def test_token_scores_average_each_token_over_the_heads_holding_it() -> None:
     assert out.tolist() == [[[1.0, 3.0, 3.0], [3.0, 3.0, 5.0]]]
     scores[0, 0, 0] = float("inf")  # protected in one head: the token is +inf wherever it is held
     assert token_scores(scores, torch.arange(3))[0, :, 0].tolist() == [float("inf")] * 2
+
+
+def test_only_scores_made_for_one_sort_are_sorted_across_layers() -> None:
+    """On the unit pool (`passes.allocation`): KVzip's scores (comparable across layers) are sorted
+    once on either server, KV-Compress's under variable (its §4.2); every other policy's scores,
+    attention sums that do not compare across layers, are sorted per layer on either server. One
+    sort of SnapKV's kept 1 of 7 answers on SmolLM2, per layer 5 (docs/quality.md)."""
+    from sgl_kvc.policies.registry import available_policies
+
+    once = {"variable": {"kvzip", "kvcompress"}, "layer": {"kvzip"}}
+    for mode, names in once.items():
+        sorted_once = {name for name in available_policies() if passes.allocation(get_policy(name), mode) == "variable"}
+        assert sorted_once == names, (mode, sorted_once)
