@@ -20,9 +20,9 @@ carry several tokens or none, e.g. while a byte-level BPE character is incomplet
 With `--requests-csv PATH` one row per request is also written there (the fields of
 `loadtest.metrics.RequestRecord`); the runner computes throughput and goodput from it.
 
-Options added to locust's: --scenario {short,shared_prefix,long_gen,shared_documents,mix} (default
-mix), --prompt-seed, --long-max-tokens, --system-prompts, --document-ratio, --model (default: the
-first of GET /v1/models), --requests-csv, --request-timeout.
+Options added to locust's: --scenario {short,shared_prefix,long_gen,shared_documents,conversations,mix}
+(default mix), --prompt-seed, --long-max-tokens, --system-prompts, --document-ratio, --document-words, --turns, --model
+(default: the first of GET /v1/models), --requests-csv, --request-timeout.
 """
 
 from __future__ import annotations
@@ -59,12 +59,17 @@ def _add_options(parser: Any) -> None:
     )
     group.add_argument(
         "--system-prompts", type=int, default=PromptSettings.system_prompts,
-        help="shared_prefix: number of different system prompts requests draw from; shared_documents: of documents",
+        help="shared_prefix: number of different system prompts requests draw from; shared_documents, "
+             "conversations: of documents",
     )
     group.add_argument(
         "--document-ratio", type=float, default=PromptSettings.document_ratio,
-        help="shared_documents: the ratio documents are compressed to and shared at (0: not asked)",
+        help="shared_documents, conversations: the ratio documents are compressed to and shared at (0: not asked)",
     )
+    group.add_argument("--turns", type=int, default=PromptSettings.turns,
+                       help="conversations: turns of each conversation")
+    group.add_argument("--document-words", type=int, default=PromptSettings.document_words,
+                       help="shared_documents, conversations: words of each document")
     group.add_argument("--model", default="", help="model name (default: first of /v1/models)")
     group.add_argument("--requests-csv", default="", help="also write one row per request here")
     group.add_argument("--request-timeout", type=float, default=300.0, help="read timeout, s")
@@ -145,6 +150,8 @@ class ChatUser(User):
             long_max_tokens=_option(env, "long_max_tokens", PromptSettings.long_max_tokens),
             system_prompts=_option(env, "system_prompts", PromptSettings.system_prompts),
             document_ratio=_option(env, "document_ratio", PromptSettings.document_ratio),
+            turns=_option(env, "turns", PromptSettings.turns),
+            document_words=_option(env, "document_words", PromptSettings.document_words),
         )
         self.prompts = PromptGenerator(self.label, settings, stream_id=next(_user_ids))
 
@@ -155,15 +162,23 @@ class ChatUser(User):
     def chat(self) -> None:
         self.send(next(self.prompts))
 
+    def send(self, req: ChatRequest) -> RequestRecord:
+        """`_send`, and the answer given back to the prompt generator (a conversation's next turn
+        resends it)."""
+        texts: list[str] = []
+        rec = self._send(req, texts)
+        self.prompts.reply("".join(texts) if rec.ok else None)
+        return rec
+
     def _fire(self, metric: str, ms: float, length: int = 0, exc: Exception | None = None) -> None:
         self.environment.events.request.fire(
             request_type=metric, name=self.label, response_time=ms, response_length=length,
             exception=exc, context={"user": self},
         )
 
-    def send(self, req: ChatRequest) -> RequestRecord:
+    def _send(self, req: ChatRequest, texts: list[str]) -> RequestRecord:
         t_wall, t0 = time.time(), time.perf_counter()
-        rec = RequestRecord(req.scenario, t_wall, t_wall, 0, 0, 0.0, 0.0, 0.0, 0, 0)
+        rec = RequestRecord(req.scenario, t_wall, t_wall, 0, 0, 0.0, 0.0, 0.0, 0, 0, turn=req.turn)
         text_times: list[float] = []
         try:
             with self.session.post(
@@ -173,7 +188,7 @@ class ChatUser(User):
                 rec.status = resp.status_code
                 if resp.status_code != 200:
                     raise StreamError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-                usage = _read_stream(resp, text_times)
+                usage = _read_stream(resp, text_times, texts)
             t_end = time.perf_counter()
             rec.prompt_tokens = int(usage.get("prompt_tokens", 0))
             rec.output_tokens = int(usage["completion_tokens"])
@@ -199,8 +214,9 @@ class ChatUser(User):
         return rec
 
 
-def _read_stream(resp: requests.Response, text_times: list[float]) -> dict[str, Any]:
-    """Consume an SSE chat stream; append the arrival time of each text chunk; return usage."""
+def _read_stream(resp: requests.Response, text_times: list[float], texts: list[str]) -> dict[str, Any]:
+    """Consume an SSE chat stream; append the arrival time of each text chunk and its answer text
+    (`content`) to `texts`; return usage."""
     usage: dict[str, Any] | None = None
     for line in resp.iter_lines():
         if not line.startswith(b"data:"):
@@ -215,6 +231,8 @@ def _read_stream(resp: requests.Response, text_times: list[float]) -> dict[str, 
             usage = chunk["usage"]
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            if delta.get("content"):
+                texts.append(delta["content"])
             if delta.get("content") or delta.get("reasoning_content"):
                 text_times.append(time.perf_counter())
                 break

@@ -11,7 +11,8 @@ This module imports no locust (locust monkey-patches the interpreter on import).
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass, fields
+import statistics
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ class RequestRecord:
     prompt_tokens: int
     output_tokens: int
     error: str = ""
+    turn: int = 0  # the conversations scenario's turn number, from 1; 0 in the others
 
 
 REQUEST_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(RequestRecord))
@@ -74,6 +76,26 @@ class Summary:
     peak_running_sampled: int | None  # peak of `running` polled during the run
     prefix_hit_rate: float | None  # hit_tokens / prompt_tokens over the run
     flags: str = ""
+    # the conversations scenario, per turn number (from the per-request CSV, exact, not locust's
+    # histogram): its successful requests, their TTFT p50 and mean prompt tokens
+    by_turn: dict[str, TurnSummary] = field(default_factory=dict)
+
+
+@dataclass
+class TurnSummary:
+    requests: int
+    ttft_p50_ms: float
+    prompt_tokens: float
+
+
+def turn_summaries(records: list[RequestRecord]) -> dict[str, TurnSummary]:
+    """The successful requests of each conversation turn (`RequestRecord.turn` > 0)."""
+    out = {}
+    for turn in sorted({r.turn for r in records if r.ok and r.turn > 0}):
+        rows = [r for r in records if r.ok and r.turn == turn]
+        out[str(turn)] = TurnSummary(len(rows), statistics.median(r.ttft_ms for r in rows),
+                                     statistics.fmean(r.prompt_tokens for r in rows))
+    return out
 
 
 def read_locust_stats(path: str | Path) -> dict[str, dict[str, str]]:
@@ -97,7 +119,7 @@ def read_requests(path: str | Path) -> list[RequestRecord]:
                 ok=int(r["ok"]), status=int(r["status"]), ttft_ms=float(r["ttft_ms"]),
                 tpot_ms=float(r["tpot_ms"]), e2e_ms=float(r["e2e_ms"]),
                 prompt_tokens=int(r["prompt_tokens"]), output_tokens=int(r["output_tokens"]),
-                error=r.get("error", ""),
+                error=r.get("error", ""), turn=int(r.get("turn") or 0),
             )
             for r in csv.DictReader(f)
         ]
@@ -169,4 +191,5 @@ def summarize(
         peak_running_sampled=peak_running_sampled,
         prefix_hit_rate=prefix_hit_rate(stats_before, stats_after),
         flags=flags,
+        by_turn=turn_summaries(records),
     )

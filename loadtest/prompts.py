@@ -12,7 +12,13 @@ Scenarios:
                  message, then a question about it; with `document_ratio` > 0 the request asks
                  sgl-kvc to keep the document compressed and shared (`kv_compression.document`;
                  0 for a server without sgl-kvc's compression)
-  mix            a weighted draw of the three above, from the same seeded stream
+  conversations  multi-turn chat over one of `system_prompts` documents: turn 1 is the document
+                 and a question, each later turn resends every earlier message, the server's own
+                 answers included (`reply`), and one new question, as a chat client does; after
+                 `turns` turns (or a failed one) the user starts a new conversation. With
+                 `document_ratio` > 0 each turn declares every message but the last as its
+                 document (`kv_compression.document`)
+  mix            a weighted draw of short, shared_prefix and long_gen, from the same seeded stream
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-SCENARIOS: tuple[str, ...] = ("short", "shared_prefix", "long_gen", "shared_documents", "mix")
+SCENARIOS: tuple[str, ...] = ("short", "shared_prefix", "long_gen", "shared_documents", "conversations", "mix")
 MIX_WEIGHTS: dict[str, float] = {"short": 0.5, "shared_prefix": 0.3, "long_gen": 0.2}
 
 # Words the demo model's tokenizer was trained on, so prompts tokenize compactly.
@@ -54,6 +60,7 @@ class ChatRequest:
     max_tokens: int
     ignore_eos: bool = False
     extra: tuple[tuple[str, Any], ...] = ()  # more body fields (sgl-kvc's kv_compression)
+    turn: int = 0  # conversations: the turn number, from 1; 0 in the other scenarios
 
     def body(self, model: str) -> dict[str, Any]:
         """The JSON body of a streaming `/v1/chat/completions` request."""
@@ -83,7 +90,8 @@ class PromptSettings:
     long_prompt_words: int = 0  # long_gen: pad the question with distinct sentences to this length
     system_prompts: int = 1  # shared_prefix: how many different system prompts requests draw from
     document_words: int = 1500  # shared_documents: words of each document
-    document_ratio: float = 0.3  # shared_documents: kv_compression.document's ratio (0: none asked)
+    document_ratio: float = 0.3  # shared_documents, conversations: kv_compression.document's ratio (0: none asked)
+    turns: int = 4  # conversations: turns before a user starts a new conversation
     mix_weights: dict[str, float] = field(default_factory=lambda: dict(MIX_WEIGHTS))
 
 
@@ -117,10 +125,15 @@ class PromptGenerator:
         self._rng = random.Random(f"stream:{settings.seed}:{stream_id}")
         if settings.system_prompts < 1:
             raise ValueError(f"system_prompts must be at least 1, got {settings.system_prompts}")
+        if settings.turns < 1:
+            raise ValueError(f"turns must be at least 1, got {settings.turns}")
         self._systems = [
             system_prompt(settings.seed, settings.system_prompt_words, i)
             for i in range(settings.system_prompts)
         ]
+        # conversations: the messages so far (the last one a question awaiting its `reply`)
+        self._history: list[dict[str, str]] = []
+        self._answered = False
 
     def __iter__(self) -> "PromptGenerator":
         return self
@@ -159,6 +172,32 @@ class PromptGenerator:
         if self.settings.document_ratio > 0:
             extra = (("kv_compression", {"document": {"ratio": self.settings.document_ratio}}),)
         return ChatRequest("shared_documents", messages, self.settings.shared_max_tokens, extra=extra)
+
+    def reply(self, text: str | None) -> None:
+        """The server's answer to the last request (None: it failed). A conversation goes on from
+        its answer; a failed turn ends it, as a client would start over."""
+        if self.scenario != "conversations" or not self._history:
+            return
+        if text is None:
+            self._history = []
+            return
+        self._history.append({"role": "assistant", "content": text})
+        self._answered = True
+
+    def _conversations(self) -> ChatRequest:
+        turn = sum(m["role"] == "user" for m in self._history)  # the document counts as one
+        if not self._answered or turn > self.settings.turns:
+            index = self._rng.randrange(self.settings.system_prompts)
+            self._history = [{"role": "user", "content": system_prompt(self.settings.seed + 1,
+                                                                         self.settings.document_words, index)}]
+            turn = 1
+        self._history.append({"role": "user", "content": self._question(1)})
+        self._answered = False
+        extra = ()
+        if self.settings.document_ratio > 0:
+            extra = (("kv_compression", {"document": {"ratio": self.settings.document_ratio}}),)
+        return ChatRequest("conversations", tuple(self._history), self.settings.shared_max_tokens, extra=extra,
+                           turn=turn)
 
     def _long_gen(self) -> ChatRequest:
         q = self._question(1)

@@ -52,6 +52,24 @@ def markdown_table(summaries: list[Summary]) -> str:
     return "\n".join([head, rule, *body])
 
 
+def turn_table(summaries: list[Summary]) -> str:
+    """Per conversation turn (the conversations scenario): TTFT p50 and mean prompt tokens of each
+    configuration's successful requests; empty for the other scenarios."""
+    turns = sorted({int(t) for s in summaries for t in s.by_turn})
+    if not turns:
+        return ""
+    head = "| turn | " + " | ".join(f"{s.config} TTFT p50 (ms) | {s.config} prompt tokens" for s in summaries) + " |"
+    rule = "|---|" + "---:|---:|" * len(summaries)
+    body = []
+    for t in turns:
+        cells = []
+        for s in summaries:
+            row = s.by_turn.get(str(t))
+            cells += [_num(row.ttft_p50_ms), _num(row.prompt_tokens, 0)] if row else ["–", "–"]
+        body.append(f"| {t} | " + " | ".join(cells) + " |")
+    return "\n".join(["Per turn (successful requests):", "", head, rule, *body])
+
+
 def write_markdown(summaries: list[Summary], path: Path, preamble: str = "") -> None:
     first = summaries[0]
     notes = (
@@ -61,7 +79,7 @@ def write_markdown(summaries: list[Summary], path: Path, preamble: str = "") -> 
         "max running requests from `/v1/kvc/stats` (peak since server start); "
         "prefix hit rate = hit_tokens / prompt_tokens over the run."
     )
-    parts = [p for p in ("# Load test results", preamble, notes, markdown_table(summaries)) if p]
+    parts = [p for p in ("# Load test results", preamble, notes, markdown_table(summaries), turn_table(summaries)) if p]
     path.write_text("\n\n".join(parts) + "\n")
 
 

@@ -118,6 +118,9 @@ class LoadSettings:
     seed: int = 0
     long_max_tokens: int = PromptSettings.long_max_tokens
     system_prompts: int = PromptSettings.system_prompts
+    document_ratio: float = PromptSettings.document_ratio
+    turns: int = PromptSettings.turns
+    document_words: int = PromptSettings.document_words
     stop_timeout_s: int = 120
     request_timeout_s: float = 300.0
 
@@ -155,6 +158,8 @@ def locust_command(url: str, load: LoadSettings, out: Path) -> list[str]:
         "--csv", str(out / "locust"), "--only-summary", "--exit-code-on-error", "0",
         "--scenario", load.scenario, "--prompt-seed", str(load.seed),
         "--long-max-tokens", str(load.long_max_tokens), "--system-prompts", str(load.system_prompts),
+        "--document-ratio", str(load.document_ratio), "--turns", str(load.turns),
+        "--document-words", str(load.document_words),
         "--requests-csv", str(out / "requests.csv"),
         "--request-timeout", str(load.request_timeout_s),
     ]  # fmt: skip
@@ -231,7 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-max-tokens", type=int, default=d.long_max_tokens,
                    help="max_tokens of long_gen requests (sent with ignore_eos)")
     p.add_argument("--system-prompts", type=int, default=d.system_prompts,
-                   help="shared_prefix: how many different system prompts requests draw from")
+                   help="shared_prefix: how many different system prompts requests draw from; "
+                        "shared_documents, conversations: how many documents")
+    p.add_argument("--document-ratio", type=float, default=d.document_ratio,
+                   help="shared_documents, conversations: kv_compression.document's ratio (0: none asked)")
+    p.add_argument("--turns", type=int, default=d.turns, help="conversations: turns of each conversation")
+    p.add_argument("--document-words", type=int, default=d.document_words,
+                   help="shared_documents, conversations: words of each document")
     p.add_argument("--stop-timeout", type=int, default=d.stop_timeout_s,
                    help="seconds users get to finish their request after --duration")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
@@ -260,7 +271,9 @@ def main(argv: list[str] | None = None) -> list[Summary]:
     load = LoadSettings(
         users=args.users, spawn_rate=args.spawn_rate, duration_s=args.duration,
         scenario=args.scenario, seed=args.seed, long_max_tokens=args.long_max_tokens,
-        system_prompts=args.system_prompts, stop_timeout_s=args.stop_timeout,
+        system_prompts=args.system_prompts, document_ratio=args.document_ratio, turns=args.turns,
+        document_words=args.document_words,
+        stop_timeout_s=args.stop_timeout,
         request_timeout_s=args.request_timeout,
     )  # fmt: skip
     limits = Limits(args.ttft_limit_ms, args.tpot_limit_ms)

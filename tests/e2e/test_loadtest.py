@@ -54,6 +54,25 @@ def test_prompt_scenarios() -> None:
     shared = [r for r in drawn if r.scenario == "shared_prefix"]
     assert len({r.messages[0]["content"] for r in shared}) == 1  # one system prompt for all
     assert len({r.messages[1]["content"] for r in shared}) > 1  # varied questions
+    conversation = PromptGenerator("conversations", PromptSettings(turns=3), stream_id=2)
+    first = next(conversation)
+    assert first.turn == 1 and len(first.messages) == 2 and first.messages[0]["content"].startswith("You are")
+    assert dict(first.extra)["kv_compression"] == {"document": {"ratio": PromptSettings.document_ratio}}
+    conversation.reply("the first answer")
+    second = next(conversation)  # everything so far, the server's answer included, and a new question
+    assert second.turn == 2 and second.messages[:2] == first.messages
+    assert second.messages[2] == {"role": "assistant", "content": "the first answer"}
+    assert [m["role"] for m in second.messages] == ["user", "user", "assistant", "user"]
+    conversation.reply("the second answer")
+    third = next(conversation)
+    assert third.turn == 3 and len(third.messages) == 6
+    conversation.reply("the third answer")
+    assert next(conversation).turn == 1  # after `turns` turns, a new conversation
+    conversation.reply(None)  # a failed turn ends its conversation
+    restarted = next(conversation)
+    assert restarted.turn == 1 and len(restarted.messages) == 2
+    plain = next(PromptGenerator("conversations", PromptSettings(document_ratio=0), stream_id=2))
+    assert plain.extra == () and plain.messages == first.messages  # the same stream, no document asked
     long = next(PromptGenerator("long_gen", settings, stream_id=1))
     assert long.ignore_eos and long.max_tokens == 99
     assert len(long.messages[0]["content"].split()) >= 120
@@ -255,3 +274,25 @@ def test_more_users_than_the_pool_holds(small_pool_server: ServerProcess) -> Non
     stats = small_pool_server.wait_idle()
     assert stats["requests"]["max_running"] < users, stats["requests"]  # so some waited
     _assert_pool_whole(stats)
+
+
+@pytest.mark.e2e
+def test_conversations_resend_every_earlier_turn(small_pool_server: ServerProcess, tmp_path: Path) -> None:
+    """The conversations scenario against a live server (no document asked: the default server's
+    prompt policy, SnapKV, reads a question): each user's turns resend the conversation with the
+    server's answers, so a conversation's prompt grows every turn; nothing fails, nothing leaks."""
+    (s,) = run.main([
+        "--url", small_pool_server.url, "--name", "live", "--users", "2", "--spawn-rate", "2",
+        "--duration", "12", "--scenario", "conversations", "--turns", "3", "--document-ratio", "0",
+        "--document-words", "300",
+        "--stop-timeout", "60", "--out", str(tmp_path),
+    ])  # fmt: skip
+    records = read_requests(tmp_path / "live" / "requests.csv")
+    assert s.failures == 0 and records and all(r.ok for r in records), s
+    assert {r.turn for r in records} >= {1, 2}, [r.turn for r in records]
+    by_turn = {t: min(r.prompt_tokens for r in records if r.turn == t) for t in {r.turn for r in records}}
+    turns = sorted(by_turn)
+    # a later turn's prompt holds an earlier one's: its question, the answer and a new question
+    assert all(by_turn[a] < by_turn[b] for a, b in zip(turns, turns[1:])), by_turn
+    assert sorted(int(t) for t in s.by_turn) == turns and "Per turn" in (tmp_path / "results.md").read_text()
+    _assert_pool_whole(small_pool_server.wait_idle())
