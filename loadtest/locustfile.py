@@ -21,8 +21,8 @@ With `--requests-csv PATH` one row per request is also written there (the fields
 `loadtest.metrics.RequestRecord`); the runner computes throughput and goodput from it.
 
 Options added to locust's: --scenario {short,shared_prefix,long_gen,shared_documents,conversations,mix}
-(default mix), --prompt-seed, --long-max-tokens, --system-prompts, --document-ratio, --document-words, --turns, --model
-(default: the first of GET /v1/models), --requests-csv, --request-timeout.
+(default mix), --prompt-seed, --long-max-tokens, --system-prompts, --document-ratio, --document-words,
+--turns, --model (default: the first of GET /v1/models), --requests-csv, --request-timeout.
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ def write_markdown(summaries: list[Summary], path: Path, preamble: str = "") -> 
         "max running requests from `/v1/kvc/stats` (peak since server start); "
         "prefix hit rate = hit_tokens / prompt_tokens over the run."
     )
-    parts = [p for p in ("# Load test results", preamble, notes, markdown_table(summaries), turn_table(summaries)) if p]
+    tables = (markdown_table(summaries), turn_table(summaries))
+    parts = [p for p in ("# Load test results", preamble, notes, *tables) if p]
     path.write_text("\n\n".join(parts) + "\n")
 
 

@@ -87,7 +87,11 @@ def test_unknown_policy_is_a_usage_error() -> None:
 
 
 def test_config_roundtrips_through_env(monkeypatch) -> None:
-    monkeypatch.delenv("SGLKVC_CONFIG", raising=False)
+    # set first, so that the variable `to_env` writes is removed after the test: left behind, it
+    # made this worker's environment differ from its prelauncher's, which then refused every
+    # server a later test in that worker started (test_prelaunch failed)
+    monkeypatch.setenv("SGLKVC_CONFIG", "")
+    monkeypatch.delenv("SGLKVC_CONFIG")
     assert KvcConfig.from_env() is None
     KvcConfig(policy="none").to_env()
     assert KvcConfig.from_env() == KvcConfig(policy="none")
