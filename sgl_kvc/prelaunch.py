@@ -73,6 +73,12 @@ class ForkedProcess:
                 pass
 
 
+def pid_file(socket_path: str) -> Path:
+    """Where whoever starts the prelauncher serving `socket_path` writes its pid (`forked` reads
+    it to tell a prelauncher still importing from one that is gone)."""
+    return Path(socket_path + ".pid")
+
+
 def forked(cmd: Sequence[str], env: dict[str, str], log_path: Path) -> ForkedProcess | None:
     """`cmd` started by the prelauncher named in `$SGLKVC_PRELAUNCHER`, its output appended to
     `log_path`, or None: none is set, it is not up within `CONNECT_WAIT_S`, or it does not serve
@@ -81,6 +87,7 @@ def forked(cmd: Sequence[str], env: dict[str, str], log_path: Path) -> ForkedPro
     if not path or list(cmd[:3]) != [sys.executable, "-m", "sgl_kvc.launch"]:
         return None
     request = {"argv": list(cmd[3:]), "env": env, "cwd": os.getcwd(), "log": str(log_path)}
+    prelauncher = pid_file(path)
     deadline = time.monotonic() + CONNECT_WAIT_S
     while True:
         try:
@@ -90,12 +97,12 @@ def forked(cmd: Sequence[str], env: dict[str, str], log_path: Path) -> ForkedPro
                 reply = json.loads(conn.makefile().readline() or "{}")
             break
         except (FileNotFoundError, ConnectionRefusedError):
-            if time.monotonic() >= deadline or not _alive(Path(path + ".pid")):
+            if time.monotonic() >= deadline or not _alive(prelauncher):
                 return None  # still importing past the bound, or gone (a GPU machine: never up)
             time.sleep(0.2)
     if "pid" not in reply:
         return None
-    return ForkedProcess(pid=int(reply["pid"]), status_path=Path(reply["status"]), prelauncher=Path(path + ".pid"))
+    return ForkedProcess(pid=int(reply["pid"]), status_path=Path(reply["status"]), prelauncher=prelauncher)
 
 
 def _alive(pid_path: Path) -> bool:

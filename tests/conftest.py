@@ -217,14 +217,14 @@ def prelauncher(request: pytest.FixtureRequest) -> Iterator[None]:
             or torch.cuda.is_available()):  # CUDA does not survive a fork
         yield
         return
-    from sgl_kvc.prelaunch import SOCKET_ENV
+    from sgl_kvc.prelaunch import SOCKET_ENV, pid_file
 
     folder = Path(tempfile.mkdtemp(prefix="kvc-pre-"))  # a short path: a Unix socket's is at most 107 bytes
     path = str(folder / "sock")
     log = open(folder / "prelauncher.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "sgl_kvc.prelaunch", path], stdin=subprocess.DEVNULL,
                             stdout=log, stderr=subprocess.STDOUT)
-    Path(path + ".pid").write_text(str(proc.pid))
+    pid_file(path).write_text(str(proc.pid))
     os.environ[SOCKET_ENV] = path
     try:
         yield

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_kvc.prelaunch import SOCKET_ENV, forked
+from sgl_kvc.prelaunch import SOCKET_ENV, forked, pid_file
 
 LAUNCH = [sys.executable, "-m", "sgl_kvc.launch"]
 
@@ -57,7 +57,7 @@ def test_an_exited_prelauncher_is_not_waited_for(tmp_path: Path, monkeypatch: py
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     time.sleep(1)  # exited, not waited for: a zombie
     sock = tmp_path / "sock"
-    (tmp_path / "sock.pid").write_text(str(gone.pid))
+    pid_file(str(sock)).write_text(str(gone.pid))
     monkeypatch.setenv(SOCKET_ENV, str(sock))
     start = time.monotonic()
     assert forked([*LAUNCH, "--help"], dict(os.environ), tmp_path / "x.log") is None
