@@ -164,14 +164,21 @@ class PromptGenerator:
         )
         return ChatRequest("shared_prefix", messages, self.settings.shared_max_tokens)
 
-    def _shared_documents(self) -> ChatRequest:
+    def _document(self) -> dict[str, str]:
+        """One of the `system_prompts` documents, drawn, as the first message of a request."""
         index = self._rng.randrange(self.settings.system_prompts)
-        document = system_prompt(self.settings.seed + 1, self.settings.document_words, index)
-        messages = ({"role": "user", "content": document}, {"role": "user", "content": self._question(1)})
-        extra = ()
-        if self.settings.document_ratio > 0:
-            extra = (("kv_compression", {"document": {"ratio": self.settings.document_ratio}}),)
-        return ChatRequest("shared_documents", messages, self.settings.shared_max_tokens, extra=extra)
+        return {"role": "user", "content": system_prompt(self.settings.seed + 1, self.settings.document_words, index)}
+
+    def _document_extra(self) -> tuple[tuple[str, Any], ...]:
+        """The body field that asks for everything but the last message as a shared document."""
+        if self.settings.document_ratio <= 0:
+            return ()
+        return (("kv_compression", {"document": {"ratio": self.settings.document_ratio}}),)
+
+    def _shared_documents(self) -> ChatRequest:
+        messages = (self._document(), {"role": "user", "content": self._question(1)})
+        return ChatRequest("shared_documents", messages, self.settings.shared_max_tokens,
+                           extra=self._document_extra())
 
     def reply(self, text: str | None) -> None:
         """The server's answer to the last request (None: it failed). A conversation goes on from
@@ -187,17 +194,11 @@ class PromptGenerator:
     def _conversations(self) -> ChatRequest:
         turn = sum(m["role"] == "user" for m in self._history)  # the document counts as one
         if not self._answered or turn > self.settings.turns:
-            index = self._rng.randrange(self.settings.system_prompts)
-            self._history = [{"role": "user", "content": system_prompt(self.settings.seed + 1,
-                                                                         self.settings.document_words, index)}]
-            turn = 1
+            self._history, turn = [self._document()], 1
         self._history.append({"role": "user", "content": self._question(1)})
         self._answered = False
-        extra = ()
-        if self.settings.document_ratio > 0:
-            extra = (("kv_compression", {"document": {"ratio": self.settings.document_ratio}}),)
-        return ChatRequest("conversations", tuple(self._history), self.settings.shared_max_tokens, extra=extra,
-                           turn=turn)
+        return ChatRequest("conversations", tuple(self._history), self.settings.shared_max_tokens,
+                           extra=self._document_extra(), turn=turn)
 
     def _long_gen(self) -> ChatRequest:
         q = self._question(1)
