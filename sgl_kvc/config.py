@@ -38,6 +38,9 @@ MOMENTS: tuple[str, ...] = ("prefill", "chunk", "chunk-always", "decode", "preem
 DEFAULT_MOMENTS: tuple[str, ...] = ("prefill", "chunk", "decode", "preempt")
 FP8_KV_DTYPES: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2")  # served by sgl-kvc's FP8 pool
 DECODE_ATTENTION: tuple[str, ...] = ("batched", "sglang")
+# The observation window of a pass that cuts a prompt between its chunks (`--kv-chunk-window`):
+# its question's queries, from one forward of the prompt's last --kv-window tokens, or the chunk's.
+CHUNK_WINDOWS: tuple[str, ...] = ("question", "chunk")
 # Seconds at most a request waits for another to publish the shared document it declares
 # (`--kv-document-wait`); a waiter that reaches it reads the document itself (adapter/documents/__init__.py).
 DEFAULT_DOCUMENT_WAIT = 10.0
@@ -110,6 +113,15 @@ class KvcConfig:
             "Decode attention of a compressing server on SGLang's CPU backend: batched (sgl-kvc's "
             "kernel, one padded computation per layer, whose attention also feeds the statistics "
             "policies) or sglang (SGLang's loop over requests). Other backends keep their own."
+        ),
+    )
+    kv_chunk_window: str = field(
+        default="question",
+        metadata=_flag(
+            "Observation window of a pass that cuts a prompt between two chunks, before its "
+            "question is read (SnapKV, R-KV, KV-Compress, Expected Attention): question (one extra "
+            "forward reads the prompt's last --kv-window tokens after what it holds, and their "
+            "queries choose, as after its last chunk) or chunk (the last queries of the chunk read)."
         ),
     )
     kv_budget_ratio: float | None = field(
@@ -204,6 +216,10 @@ class KvcConfig:
         if self.kv_decode_attention not in DECODE_ATTENTION:
             raise ValueError(
                 f"--kv-decode-attention must be one of {list(DECODE_ATTENTION)}, got {self.kv_decode_attention!r}"
+            )
+        if self.kv_chunk_window not in CHUNK_WINDOWS:
+            raise ValueError(
+                f"--kv-chunk-window must be one of {list(CHUNK_WINDOWS)}, got {self.kv_chunk_window!r}"
             )
         if self.kv_selection not in SELECTIONS:
             raise ValueError(f"--kv-selection must be one of {list(SELECTIONS)}, got {self.kv_selection!r}")
@@ -331,6 +347,7 @@ class KvcConfig:
 _CHOICES: dict[str, tuple[str, ...]] = {
     "kv_selection": SELECTIONS,
     "kv_decode_attention": DECODE_ATTENTION,
+    "kv_chunk_window": CHUNK_WINDOWS,
     "kv_head_budget": BUDGET_MODES,
     "rkv_exemption": RKV_EXEMPTIONS,
 }

@@ -46,8 +46,9 @@ class Sizes:
     """A request's sizes, in tokens: `budget` at its longest (a ratio budget grows with the
     length), the decode `buffer`, what a pass between chunks `keep`s, the `chunk` its prompt is
     read in when it is compressed between chunks (None: it is not), and whether what it reads is
-    `published` to the radix tree (not with `--disable-radix-cache`), and the slots one
-    `reconstruction` forward holds at a prompt moment (0: its prompt policy reads none)."""
+    `published` to the radix tree (not with `--disable-radix-cache`), the slots one
+    `reconstruction` forward holds at a prompt moment (0: its prompt policy reads none), and those
+    the forward of its `question` holds at a cut between chunks (0: its window is the chunk's)."""
 
     budget: int
     buffer: int
@@ -55,6 +56,13 @@ class Sizes:
     chunk: int | None = None
     published: bool = True
     reconstruction: int = 0
+    question: int = 0
+
+    @property
+    def cut_forward(self) -> int:
+        """Slots a forward holds at a cut between chunks, before the cut's pass copies (freed
+        first): its reconstruction's or its question's."""
+        return max(self.reconstruction, self.question)
 
 
 @dataclass(frozen=True)
@@ -87,7 +95,7 @@ def most_held(moments: Moments, sizes: Sizes, now: Now) -> int:
             tree_first = tree + (first - n) if publishing else tree
             if first < n + left:
                 # A pass between chunks (each later one holds at most what this one does).
-                peak = max(peak, first, sizes.keep + tree_first, first + sizes.reconstruction)
+                peak = max(peak, first, sizes.keep + tree_first, first + sizes.cut_forward)
                 # Every later chunk lands on what the previous pass kept, all of it its own.
                 n, tree = sizes.keep + min(n + left - first, chunk), 0
             else:

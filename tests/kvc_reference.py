@@ -202,3 +202,41 @@ def maxpool(xs: list[float], kernel: int) -> list[float]:
     """Centred 1-D max pooling; edges use what exists."""
     w = kernel // 2
     return [max(xs[max(0, i - w): i + w + 1]) for i in range(len(xs))]
+
+
+
+def window_scores(model_path: str, ids: list[int], window: int, question: list[int] | None = None,
+                  dtype: torch.dtype = torch.float32) -> list[float]:
+    """SnapKV's score of each entry of `ids` (`Policy.combined_score`: the mean over every layer
+    and KV head, the shared selection's), its last `window` +inf (always kept), when its
+    observation window is the queries of `question` read right after `ids`, or without one, the
+    queries of the last `window` of `ids`. One dense transformers forward of `ids + question`
+    gives each layer's keys of `ids` and window queries after RoPE, as the server's pool and
+    window hold them; the policy's own code scores them."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    from sgl_kvc.policies import PolicyParams, get_policy
+    from sgl_kvc.policies.base import LayerView
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="eager")
+    n = len(ids)
+    views: dict[int, LayerView] = {}
+
+    t = n + len(question or [])
+    causal = torch.full((t, t), -math.inf).triu(1)[None, None]  # a registered attention gets no mask
+
+    def capture(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
+        last = query[0, :, n:] if question else query[0, :, n - window : n]
+        views[module.layer_idx] = LayerView(keys=key[0, :, :n].transpose(0, 1).float(),
+                                            queries=last.transpose(0, 1).float(), scale=scaling)
+        return eager_attention_forward(module, query, key, value, causal.to(query.dtype), scaling, dropout, **kw)
+
+    AttentionInterface.register("kvc_window_capture", capture)
+    model.set_attn_implementation("kvc_window_capture")
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids + (question or [])]))
+    policy = get_policy("snapkv", PolicyParams(window=window))
+    scores = policy.combined_score([views[k] for k in sorted(views)])
+    scores[n - window :] = math.inf
+    return scores.tolist()

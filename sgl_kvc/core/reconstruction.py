@@ -28,6 +28,13 @@ rarer and scores higher: research/kvzip-uniform-diagnosis.md).
 
 Everything here is plain torch on one layer of one request, in float32; the adapter feeds it the
 reconstruction's queries and keys while SGLang runs the pass.
+
+The same forwards serve one more reading (`plan_question`): a prompt cut between its chunks before
+its question is read is scored by SnapKV's observation window (and R-KV's, KV-Compress's, Expected
+Attention's), which would otherwise be the last queries of a chunk of the context, not those of the
+question the whole-prompt pass reads. The prompt's last `window` tokens (its question and the
+template's opening of an answer, known when it is admitted) are read once after the entries the
+request holds, and their queries become the cut's window.
 """
 
 from __future__ import annotations
@@ -156,6 +163,17 @@ def plan_reconstruction(
     return ReconstructionPlan(start, end, tuple(chunks), sink_tokens, whole_row, repeated)
 
 
+def plan_question(token_ids: Sequence[int], end: int, window: int) -> ReconstructionPlan:
+    """The forward that reads a prompt's last `window` tokens (its question, and the template's
+    opening of an answer) after its first `end` logical positions, for a pass that cuts the prompt
+    there to take their queries as its observation window: SnapKV's window is "the last w prompt
+    queries" (KV-Compress §2 and eq. 7), where the question is. It repeats no context: [end, end)."""
+    if window < 1:
+        raise ValueError(f"a question's forward reads at least one token, got window {window}")
+    ids = tuple(token_ids[-window:])
+    return ReconstructionPlan(end, end, (ReconstructionChunk(end, end, ids),), 0)
+
+
 def next_repeat(carried: CarriedScores | None, end: int, prompt: int, last: bool) -> tuple[int | None, bool]:
     """How a pass over a context read up to `end` of a `prompt`-token prompt repeats it, from what
     earlier passes carried: (resume, whole_row) for `plan_reconstruction`. Nothing carried: the
@@ -280,6 +298,7 @@ class RowReconstruction:
     prefix: int
     owner: Any = None
     whole_row: bool = False
+    question: bool = False  # a question's forward (`plan_question`): its queries are the window, no scores
 
 
 @dataclass(frozen=True)
@@ -296,7 +315,8 @@ class ForwardAttention:
 class ReconstructionRound:
     """The requests of one reconstruction forward, by row. While it runs the attention observer
     folds each layer's queries of these rows into their scores (`fold`) and records nothing else
-    (no window queries, statistics or query moments: the pass is not the request's text)."""
+    (no window queries, statistics or query moments: the pass is not the request's text); a
+    question's forward (`RowReconstruction.question`) records its queries as the row's window."""
 
     rows: dict[int, RowReconstruction]
     score_seconds: float = 0.0  # the caller's count of the time its folds took
@@ -311,7 +331,7 @@ class ReconstructionRound:
         (`scored_extend_attention`): where the row is read as it is (no per-head tables) and the
         columns are the same for every KV head; else None (its fold computes the normalizer)."""
         entry = self.rows.get(row)
-        if entry is None or row in store.extend_tables:
+        if entry is None or entry.question or row in store.extend_tables:
             return None
         positions = entry.state.positions(entry.prefix)
         if positions.dim() > 1:

@@ -124,6 +124,7 @@ def rotate_pairs(x: Tensor, re: Tensor, im: Tensor, rope_dim: int, neox: bool) -
 class ExpectedAttentionPolicy(Policy):
     name: ClassVar[str] = "expected_attention"
     uses_stats: ClassVar[bool] = False
+    reads_window: ClassVar[bool] = True
     uses_values: ClassVar[bool] = True
     uses_query_moments: ClassVar[bool] = True
     compress_after_prefill: ClassVar[bool] = True

@@ -30,6 +30,7 @@ from .registry import register_policy
 class KVCompressPolicy(Policy):
     name: ClassVar[str] = "kvcompress"
     uses_stats: ClassVar[bool] = True
+    reads_window: ClassVar[bool] = True
     contribution_power: ClassVar[int] = 2  # `contribution` below
     accumulate_prefill: ClassVar[bool] = False
     compress_after_prefill: ClassVar[bool] = True

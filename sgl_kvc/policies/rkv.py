@@ -126,6 +126,7 @@ def redundancy_scores(
 class RKVPolicy(Policy):
     name: ClassVar[str] = "rkv"
     uses_stats: ClassVar[bool] = False
+    reads_window: ClassVar[bool] = True
     compress_after_prefill: ClassVar[bool] = False  # decode-time method (§3.1)
     # §3: "Different from existing KV cache compression methods [SnapKV, PyramidKV, ...] that
     # focus on the prefilling stage ..., our R-KV focuses on the decoding stage"; its redundancy

@@ -27,6 +27,7 @@ from .registry import register_policy
 class SnapKVPolicy(Policy):
     name: ClassVar[str] = "snapkv"
     uses_stats: ClassVar[bool] = False
+    reads_window: ClassVar[bool] = True
     compress_after_prefill: ClassVar[bool] = True
 
     def _score(self, view: LayerView) -> Tensor:

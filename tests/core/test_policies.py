@@ -24,6 +24,7 @@ from sgl_kvc.policies import (
     PolicyParams,
     available_policies,
     get_policy,
+    policy_class,
     register_policy,
 )
 from sgl_kvc.policies import rkv as rkv_module
@@ -1124,3 +1125,26 @@ def test_request_state_picks_the_policy_of_each_moment() -> None:
     state = ReqKvState(policy=get_policy("rkv"), budget=Budget(8), prompt_policy="snapkv")
     assert [state.policy_name(m) for m in ("prefill", "chunk", "decode", "preempt")] == ["snapkv", "snapkv", "rkv", "rkv"]
     assert ReqKvState(policy=get_policy("h2o"), budget=Budget(8)).policy_name("prefill") == "h2o"
+
+
+def test_reads_window_says_which_policies_score_from_the_window_queries(device: torch.device) -> None:
+    """A cut between chunks reads the question's queries only for the policies whose scores move
+    with the window (`Policy.reads_window`): checked on every registered policy by scoring one
+    prompt's view twice, with two different windows (and what else a prompt pass gives it: the
+    statistic of a policy that accumulates it while the prompt is read)."""
+    g = torch.Generator().manual_seed(3)
+    n, h_kv, h_q, d = 40, 2, 4, 8
+    keys = torch.randn(n, h_kv, d, generator=g).to(device)
+    rest = dict(values=torch.randn(n, h_kv, d, generator=g).to(device),
+                stats=torch.rand(h_kv, n, generator=g).to(device),
+                reconstruction=torch.rand(h_kv, n, generator=g).to(device))
+    windows = [torch.randn(8, h_q, d, generator=g).to(device) for _ in range(2)]
+    moved = set()
+    for name in ALL_POLICIES:
+        pol = get_policy(name)
+        given = dict(rest, stats=rest["stats"] if pol.accumulate_prefill else None)
+        a, b = (pol.score(LayerView(keys=keys, queries=w, **given)) for w in windows)
+        if not torch.equal(a, b):
+            moved.add(name)
+    assert moved == {name for name in ALL_POLICIES if policy_class(name).reads_window}
+    assert moved == {"rkv", "snapkv", "kvcompress", "expected_attention"}

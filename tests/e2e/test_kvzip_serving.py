@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvc_reference import assert_pool_whole, generate, logprob_error, trace_events
+from kvc_reference import assert_pool_whole, generate, logprob_error, trace_events, window_scores
 from kvzip_reference import kvzip_scores, token_choice
 from loadtest.server import ServerProcess
 
@@ -201,3 +201,36 @@ def test_many_requests_over_one_cached_prefix_never_make_a_forward_above_the_pre
     per_pass = -(-(len(prompt) - 3 - 4) // RECON_CHUNK)  # forwards of one request alone
     assert rec["forwards"] - before["forwards"] < len(prompts) * per_pass, (rec, before)
     assert 0 < rec["max_held_slots"] <= CHUNK, rec
+
+
+def test_a_cut_between_chunks_chooses_by_the_question(kvzip_server, trace: Path, demo_model_path: str) -> None:
+    """SnapKV on a prompt cut before its question is read (`--kv-chunk-window question`, the
+    default) scores by its question's queries: its last --kv-window tokens, read once after the
+    entries it holds, as the pass after its last chunk reads them. The first cut keeps the tokens a
+    float32 reference ranks highest with that window (up to ties); with the chunk's own last
+    queries as the window the reference chooses others, so the test can fail."""
+    prompt = _chat_prompt(demo_model_path, 2 * CHUNK + 40, seed=31)
+    before = kvzip_server.stats()["compression"]["reconstruction"]
+    settings = {"custom_params": {"sgl_kvc": {"prompt_policy": "snapkv", "selection": "shared"}}}
+    out = generate(kvzip_server, prompt, 4, sampling=settings)
+    cuts = [e for e in trace_events(trace, out["meta_info"]["id"]) if e["moment"] == "chunk"]
+    assert len(cuts) == 2 and {e["policy"] for e in cuts} == {"snapkv"}, cuts
+    read = cuts[0]["logical_len"]  # one chunk after the template's text the tree may hold
+    assert CHUNK <= read <= CHUNK + 3, read
+    after = kvzip_server.wait_idle()
+    assert after["compression"]["reconstruction"]["questions"] - before["questions"] == len(cuts)
+    assert after["compression"]["reconstruction"]["passes"] == before["passes"]  # no KVzip pass ran
+    assert_pool_whole(after)
+
+    def choice(scores: list[float]) -> tuple[set[int], set[int]]:
+        chosen = set(sorted(range(len(scores)), key=lambda j: (-scores[j], j))[:BUDGET])
+        cut = min(scores[j] for j in chosen)
+        return chosen, {j for j, m in enumerate(scores) if abs(m - cut) <= TIE}
+
+    served = set(cuts[0]["kept_positions"])
+    question, near = choice(window_scores(demo_model_path, prompt[:read], WINDOW, prompt[-WINDOW:]))
+    print(f"kept {sorted(served)}; tokens within a tie of the cut: {sorted(near)}")
+    assert served ^ question <= near, sorted(served ^ question)
+    chunk, _ = choice(window_scores(demo_model_path, prompt[:read], WINDOW))
+    print(f"the chunk's window would keep {sorted(chunk)}")
+    assert not served ^ chunk <= near

@@ -98,7 +98,10 @@ class Run:
 
 
 def _config(**kw) -> KvcConfig:
-    return KvcConfig(**{"policy": "snapkv", "kv_budget": BUDGET, "kv_buffer": BUFFER, "kv_window": 4, **kw})
+    # The stand-ins run no model: a cut between chunks scores by the chunk's window, not by a
+    # forward of the question (tests/e2e/test_kvzip_serving.py checks that one on a real server).
+    return KvcConfig(**{"policy": "snapkv", "kv_budget": BUDGET, "kv_buffer": BUFFER, "kv_window": 4,
+                        "kv_chunk_window": "chunk", **kw})
 
 
 @pytest.fixture

@@ -199,6 +199,20 @@ def test_a_reconstruction_forward_is_held_at_each_prompt_moment_whose_pass_reads
     assert held(no_prefill, 1000, 10, with_r) == 1000 + B  # no prompt moment: no forward (a decode pass copies)
 
 
+def test_a_questions_forward_is_held_at_cuts_between_chunks_only() -> None:
+    """The forward of a prompt's question (`question_slots`: --kv-window tokens) holds its slots
+    beside the request's own at a cut between chunks, freed before the cut copies: the peak
+    there is the larger of the two. The pass after prefill has read the question: none there."""
+    q = 8
+    assert held(ALL, 1000, 10, Sizes(budget=B, buffer=BUF, keep=B, question=q)) == 1000 + B
+    assert held(ALL, 1000, 10, Sizes(budget=B, buffer=BUF, keep=B, question=2 * B)) == 1000 + B
+    chunked = Sizes(budget=64, buffer=32, keep=64, chunk=256, question=q)
+    assert held(ALL, 16_000, 100, chunked) == 64 + 256 + 64  # the first cut: its chunk, then its copies
+    wide = Sizes(budget=64, buffer=32, keep=64, chunk=256, question=100)
+    assert held(ALL, 16_000, 100, wide) == 64 + 256 + 100  # ... or a question longer than the copies
+    assert Sizes(budget=64, buffer=32, keep=64, reconstruction=300, question=q).cut_forward == 300
+
+
 def test_admission_counts_a_kvzip_requests_forward_and_the_400_names_kvzip_chunk(monkeypatch) -> None:
     from sgl_kvc.adapter.kvzip.reconstruction import RESERVE_HEAD
     from sgl_kvc.adapter.scheduling import admission

@@ -170,6 +170,8 @@ def test_flag_defaults_come_from_policy_params() -> None:
     assert parse_args(["--kv-selection", "shared"])[0].kv_selection == "shared"
     assert config.kv_decode_attention == "batched"
     assert parse_args(["--kv-decode-attention", "sglang"])[0].kv_decode_attention == "sglang"
+    assert config.kv_chunk_window == "question"  # a cut between chunks scores by the question
+    assert parse_args(["--kv-chunk-window", "chunk"])[0].kv_chunk_window == "chunk"
     assert config.kv_head_budget == "uniform" and not config.variable_budget
     variable = parse_args(["--policy", "rkv", "--kv-head-budget", "variable", "--model-path", "/m"])
     assert variable[0].variable_budget
@@ -182,6 +184,7 @@ def test_flag_defaults_come_from_policy_params() -> None:
     "argv, needle",
     [
         (["--compress-on", "prefill,later"], "--compress-on"),
+        (["--kv-chunk-window", "last"], "--kv-chunk-window"),
         (["--kv-budget", "0"], "budget"),
         (["--kv-budget-ratio", "1.5"], "--kv-budget-ratio"),
         (["--rkv-lambda", "2"], "rkv_lambda"),

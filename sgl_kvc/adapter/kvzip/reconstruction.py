@@ -20,6 +20,14 @@ request read sum(chunk + instruction) tokens, 32 requests over a cached 16K pref
 chunked-prefill size) and of at most the entries whose keys `adapter/memory/kv_memory.py` reserves
 (`forward_entries`: per layer, a CPU forward hands its fold every row's gathered keys).
 
+The same forwards read a prompt's question at a cut between its chunks (`question_slots`,
+`core/reconstruction.plan_question`): for a prompt policy that scores from its observation window
+(SnapKV, R-KV, KV-Compress, Expected Attention), the prompt's last `--kv-window` tokens are read
+after the entries its row holds, and the observer writes their queries where the window's go
+(`KvcStore.record_extend`): the cut's pass then chooses by the question, as the pass after the
+last chunk does, not by the last queries of a chunk of context. It holds `--kv-window` slots,
+freed before the pass copies what it keeps; admission counts them at every cut (`Sizes.question`).
+
 Failures: an exception while a request's queries are folded fails that request; one while a
 forward is prepared fails the requests of that forward; the others of the moment, and every other
 request, go on. With tensor parallelism every rank must run the same forwards, whose model runs
@@ -43,6 +51,7 @@ import torch
 from sgl_kvc.adapter.safety import failpoints
 from sgl_kvc.adapter.safety.failures import FailedOnAnotherRank
 from sgl_kvc.adapter.safety.tp import RankVote, everywhere
+from sgl_kvc.adapter.scheduling.requests import is_middle_chunk
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.reconstruction import (
     OVERLAP,
@@ -56,6 +65,7 @@ from sgl_kvc.core.reconstruction import (
     initial_scores,
     instruction_tokens,
     next_repeat,
+    plan_question,
     plan_reconstruction,
 )
 from sgl_kvc.core.request_state import ReqKvState
@@ -91,9 +101,21 @@ def forward_slots(config: KvcConfig, settings: ResolvedCompression, prompt: int)
     return min(prompt, config.kvzip_chunk) + RESERVE_HEAD
 
 
+def question_slots(config: KvcConfig, settings: ResolvedCompression, prompt: int) -> int:
+    """KV slots the forward of a prompt's question holds at a cut between its chunks beside the
+    request's own: its last `--kv-window` tokens, for a prompt policy that scores from its
+    observation window with `--kv-chunk-window question` (else 0)."""
+    if not (settings.compressing and config.kv_chunk_window == "question"
+            and policy_class(settings.prompt_policy_name).reads_window):
+        return 0
+    return min(prompt, config.kv_window)
+
+
 def reserve_tokens(config: KvcConfig, req: Any) -> int:
-    """`forward_slots` of one of SGLang's requests."""
-    return forward_slots(config, resolved(req, config), len(req.origin_input_ids))
+    """The most slots a forward of one of SGLang's requests holds: its reconstruction forward's
+    (`forward_slots`) or its question's (`question_slots`); a prompt policy reads one of them."""
+    settings, prompt = resolved(req, config), len(req.origin_input_ids)
+    return max(forward_slots(config, settings, prompt), question_slots(config, settings, prompt))
 
 
 def is_reconstruction(batch: Any) -> bool:
@@ -172,6 +194,7 @@ class ReconstructionStats:
     seconds: float = 0.0  # spent in them, folding the scores included
     score_seconds: float = 0.0  # of which folding the queries into the scores
     forward_normalizers: int = 0  # folds (request x layer) whose softmax normalizer the forward computed
+    questions: int = 0  # cuts between chunks whose window was their question's (`plan_question`)
     max_held_slots: int = 0  # the most slots one forward held (its tokens; the memory admission reserves)
 
 
@@ -186,6 +209,7 @@ class _Item:
     scores: list[torch.Tensor]
     error: BaseException | None = None
     dropped: bool = False  # its forward was not run (on every rank alike): it reads no later chunk
+    question: bool = False  # a question's forward: its queries become the row's window, no scores
 
 
 @dataclass
@@ -243,7 +267,10 @@ class Reconstructor:
             return False
         for req in batch.reqs:
             try:
-                if reserve_tokens(self.config, req):
+                settings, prompt = resolved(req, self.config), len(req.origin_input_ids)
+                # a question's forward comes only at a cut between chunks
+                if forward_slots(self.config, settings, prompt) or (
+                        question_slots(self.config, settings, prompt) and is_middle_chunk(batch, req)):
                     return True
             except Exception:  # noqa: BLE001 - the same on every rank: vote
                 return True
@@ -255,7 +282,8 @@ class Reconstructor:
     ) -> None:
         """Repeat the context of each request `due` ((index in `batch`, state, moment: prefill or
         chunk[, n: the first n entries of its row only, a shared document])); its scores go to
-        `state.reconstruction` for the moment's pass. A request that fails is handed to `fail`.
+        `state.reconstruction` for the moment's pass. Moment `question`: read the prompt's question
+        after its row instead, whose queries become its window. A request that fails is handed to `fail`.
         With tensor parallelism every rank calls it where `must_agree` (or with the same `due`)."""
         if not due and not self.must_agree(batch):
             return
@@ -268,7 +296,7 @@ class Reconstructor:
             except Exception as e:  # noqa: BLE001 - that request fails, alone
                 fail(req, e)
         items = self._agreed(batch, [d[0] for d in due], planned, fail)
-        tokens, entries = self._forward_bounds(scheduler)
+        tokens, entries = self._forward_bounds(scheduler, kvzip=any(not item.question for item in items))
         rounds = max((len(item.plan.chunks) for item in items), default=0)
         for k in range(rounds):
             # Every request with a k-th chunk, in forwards within the bounds (TP ranks run the
@@ -280,6 +308,9 @@ class Reconstructor:
         for item in items:
             if item.error is not None:
                 fail(item.req, item.error)
+                continue
+            if item.question:
+                self.stats.questions += 1
                 continue
             item.state.reconstruction = PassScores(item.scores, item.plan.end, item.plan.repeated)
             self.stats.passes += 1
@@ -308,12 +339,13 @@ class Reconstructor:
         """Whether `ok` holds on every rank (one vote; `ok` itself on one rank)."""
         return everywhere(self.vote, [ok])[0]
 
-    def _forward_bounds(self, scheduler: Scheduler) -> tuple[int, int]:
+    def _forward_bounds(self, scheduler: Scheduler, kvzip: bool = True) -> tuple[int, int]:
         """(tokens, entries) one forward may read and attend to: SGLang's tokens per prefill
-        forward (no fewer than the smallest forward: an instruction and one context token), and
-        the entries whose keys were reserved."""
+        forward (no fewer than the smallest forward: with a reconstruction (`kvzip`), an
+        instruction and one context token, which need the tokenizer; else a question's token),
+        and the entries whose keys were reserved."""
         limit = forward_limit(scheduler)
-        smallest = instruction_tokens(self.prompt(scheduler), OVERLAP) + 1
+        smallest = instruction_tokens(self.prompt(scheduler), OVERLAP) + 1 if kvzip else 1
         tokens = max(limit, smallest) if limit is not None else 1 << 62
         entries = self.forward_entries or int(self.store.req_to_token.shape[1])
         return tokens, entries
@@ -329,6 +361,8 @@ class Reconstructor:
         row = req.kv.req_pool_idx
         n = int(batch.seq_lens_cpu[i]) if n is None else n
         length = state.logical_len(n)
+        if moment == "question":
+            return self._plan_question(i, req, state, row, n, length)
         prompt = self.prompt(scheduler)
         ids = req.origin_input_ids
         sink = self.config.sink_tokens
@@ -352,6 +386,14 @@ class Reconstructor:
                                    max_tokens=room, whole_row=whole_row)  # fmt: skip
         scores = self._initial(state, row, n, start, end, carried)
         return _Item(i, req, state, row, plan, prefix, scores)
+
+    def _plan_question(self, i: int, req: Any, state: ReqKvState, row: int, n: int, length: int) -> _Item:
+        """The forward of the question of a request cut between its chunks: its prompt's last
+        `question_slots` tokens after the `n` entries of its row, at logical positions `length`..."""
+        window = min(question_slots(self.config, resolved(req, self.config), len(req.origin_input_ids)),
+                     self.store.req_to_token.shape[1] - n)
+        plan = plan_question(req.origin_input_ids, length, window)
+        return _Item(i, req, state, row, plan, n, [], question=True)
 
     def _initial(self, state: ReqKvState, row: int, n: int, start: int, end: int,
                  carried: CarriedScores | None) -> list[torch.Tensor]:
@@ -403,7 +445,7 @@ class Reconstructor:
                                                   scheduler.model_config.vocab_size))
                     saved.append(self.store.req_to_token[item.row, item.prefix : item.prefix + len(chunk.ids)].clone())
                     round_.rows[item.row] = RowReconstruction(item.state, item.scores, chunk, item.plan.sink,
-                                                              item.prefix, item, item.plan.whole_row)
+                                                              item.prefix, item, item.plan.whole_row, item.question)
                 new = ScheduleBatch.init_new(
                     shadows, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator, scheduler.tree_cache,
                     scheduler.model_config, False, scheduler.spec_algorithm,
@@ -477,8 +519,9 @@ def shadow_request(req: Any, row: int, prefix: int, ids: Sequence[int], vocab_si
 
 
 def observe_reconstruction(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any) -> None:
-    """A reconstruction forward's layer: fold each row's queries into its scores. What fails for a
-    row fails that request (recorded on its item), not the forward."""
+    """A reconstruction forward's layer: fold each row's queries into its scores (a question's:
+    record them as the row's window). What fails for a row fails that request (recorded on its
+    item), not the forward."""
     round_ = store.reconstruction
     t0 = time.perf_counter()
     h_q, d = layer.tp_q_head_num, layer.qk_head_dim
@@ -492,7 +535,10 @@ def observe_reconstruction(store: KvcStore, q: torch.Tensor, layer: Any, fb: Any
             continue
         try:
             failpoints.check("reconstruct_raise", entry.owner.req)
-            round_.fold(store, layer.layer_id, row, qi, layer.scaling)
+            if entry.question:
+                store.record_extend(layer.layer_id, row, qi, store.req_to_token.shape[0])
+            else:
+                round_.fold(store, layer.layer_id, row, qi, layer.scaling)
         except Exception as err:  # noqa: BLE001
             entry.owner.error = err
     round_.score_seconds += time.perf_counter() - t0

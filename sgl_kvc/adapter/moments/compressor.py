@@ -36,7 +36,7 @@ import torch
 from sgl_kvc import req_state
 from sgl_kvc.adapter import documents
 from sgl_kvc.adapter.documents import document_pass
-from sgl_kvc.adapter.kvzip.reconstruction import Reconstructor, is_reconstruction
+from sgl_kvc.adapter.kvzip.reconstruction import Reconstructor, is_reconstruction, question_slots, unscorable
 from sgl_kvc.adapter.memory.kv_memory import DECODE_BYTES_ATTR, DOCUMENT_BYTES_ATTR, FORWARD_ENTRIES_ATTR, MOMENT_SLOTS_ATTR
 from sgl_kvc.adapter.moments.compaction import (
     CompactionResult,
@@ -86,14 +86,16 @@ POLICY_CACHE_SIZE = 64
 @dataclass
 class _PrefillMoments:
     """What one extend's moments are due: passes between chunks and after prefill ((index in the
-    batch, state, target)), the requests whose prompt is read, and the documents whose end a chunk
-    reached (index -> key; `passes_before`: the passes before the cut of those cut there)."""
+    batch, state, target)), the requests whose prompt is read, the documents whose end a chunk
+    reached (index -> key; `passes_before`: the passes before the cut of those cut there), and the
+    cuts whose window is their question's (indices: `Compressor._question_due`)."""
 
     chunks: list[tuple[int, ReqKvState, int]] = field(default_factory=list)
     starts: list[tuple[int, ReqKvState, int]] = field(default_factory=list)
     read: list[ReqKvState] = field(default_factory=list)
     ends: dict[int, Any] = field(default_factory=dict)
     passes_before: dict[int, int] = field(default_factory=dict)
+    questions: list[int] = field(default_factory=list)
 
 
 class Compressor:
@@ -299,7 +301,7 @@ class Compressor:
                 self._chunk_moment(batch, i, req, state, n, due)
             else:
                 self._prefill_moment(batch, i, state, n, due)
-        self._reconstruct(batch, due.chunks, due.starts)
+        self._reconstruct(batch, due.chunks, due.starts, due.questions)
         chunks = [c for c in due.chunks if failure(batch.reqs[c[0]]) is None]
         starts = [s for s in due.starts if failure(batch.reqs[s[0]]) is None]
         self._run_passes(batch, [], chunks, "chunk", whole=True)
@@ -342,6 +344,23 @@ class Compressor:
             req, "compress", self._chunk_due, batch, req, state, n, keep
         ):
             due.chunks.append((i, state, keep))
+            if self._question_due(batch, i, state, n):
+                due.questions.append(i)
+
+    def _question_due(self, batch: ScheduleBatch, i: int, state: ReqKvState, n: int) -> bool:
+        """Whether request i's cut between chunks reads its question first (`--kv-chunk-window
+        question`): its prompt policy scores from its observation window, its prompt is text, and
+        the forward's slots are free (admission reserved them with the cut's copies, which need at
+        least as many, `Sizes.question`; where it could not, the chunk's own window chooses). Not
+        at a document's cuts: a shared document keeps what its key says, whatever the question."""
+        req = batch.reqs[i]
+        settings = resolved(req, self.config)
+        slots = question_slots(self.config, settings, len(req.origin_input_ids))
+        if not slots or unscorable(req) is not None:
+            return False
+        if not self.policy(state.policy_name("chunk"), state.effective_budget(n)).reads_window:
+            return False
+        return batch.token_to_kv_pool_allocator.available_size() + batch.tree_cache.evictable_size() >= slots
 
     def _prefill_moment(self, batch: ScheduleBatch, i: int, state: ReqKvState, n: int,
                         due: _PrefillMoments) -> None:
@@ -372,10 +391,13 @@ class Compressor:
         return target
 
     def _reconstruct(self, batch: ScheduleBatch, chunks: list[tuple[int, ReqKvState, int]],
-                     starts: list[tuple[int, ReqKvState, int]]) -> None:
+                     starts: list[tuple[int, ReqKvState, int]], questions: list[int]) -> None:
         """The reconstruction pass of every request of this moment whose prompt policy reads one
-        (KVzip), before the passes choose: one extend forward per chunk of context, shared by them."""
-        due = []
+        (KVzip), before the passes choose: one extend forward per chunk of context, shared by them;
+        and the question's forward of the cuts in `questions` (their window)."""
+        due: list[tuple[int, ReqKvState, str]] = []
+        cut = {i: state for i, state, _ in chunks}
+        due += [(i, cut[i], "question") for i in questions if failure(batch.reqs[i]) is None]
         for moment, items in (("chunk", chunks), ("prefill", starts)):
             for i, state, _ in items:
                 n = int(batch.seq_lens_cpu[i])

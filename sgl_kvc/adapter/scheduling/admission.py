@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from sgl_kvc import req_state
 from sgl_kvc.adapter import documents
-from sgl_kvc.adapter.kvzip.reconstruction import forward_slots
+from sgl_kvc.adapter.kvzip.reconstruction import forward_slots, question_slots
 from sgl_kvc.adapter.scheduling.requests import chunk_compressible
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.footprint import Moments, Now, Sizes, compaction_copies, most_held
@@ -51,7 +51,8 @@ def sizes_of(config: KvcConfig, settings: ResolvedCompression, prompt: int, max_
     SGLang puts what it reads into the radix tree)."""
     budget = settings.budget.at(prompt + max_new)
     return Sizes(budget=budget, buffer=config.kv_buffer, keep=config.chunk_target(budget), chunk=chunk,
-                 published=published, reconstruction=forward_slots(config, settings, prompt))
+                 published=published, reconstruction=forward_slots(config, settings, prompt),
+                 question=question_slots(config, settings, prompt))
 
 
 def _radix(scheduler: Scheduler) -> bool:
@@ -187,7 +188,7 @@ def running_need(req: Req, config: KvcConfig) -> tuple[int, int] | None:
         return None
     # Its prompt moments are over: a pass after prefill put off is its decode policy's, which
     # reads no reconstruction.
-    s = replace(s, reconstruction=0)
+    s = replace(s, reconstruction=0, question=0)
     s, shift = _document_adjusted(req, s, config)
     held, tree = int(req.kv.kv_committed_len), int(req.kv.cache_protected_len)
     # A pass after prefill not done yet: staged over steps, or put off for lack of slots.
@@ -226,7 +227,7 @@ def _round_need(moments: Moments, s: Sizes, now: Now, cut: int | None = None) ->
     keep = cut or s.keep
     publishing = s.published and now.tree >= now.held
     copies = compaction_copies(after, after if publishing else now.tree, keep) if after > keep else 0
-    extra = max(copies, s.reconstruction) if after > keep else 0
+    extra = max(copies, s.cut_forward) if after > keep else 0
     return s.chunk + extra, extra
 
 
@@ -422,8 +423,8 @@ def _chunk_copies(req: Req, config: KvcConfig) -> int:
     keep = documents.cut_at(req, after) or s.keep  # a cut of its document's key there keeps that many
     if after >= len(req.origin_input_ids) + len(req.output_ids) or after <= keep:
         return 0  # its last chunk (the pass after prefill is in its footprint), or no pass yet
-    # its reconstruction forward (KVzip) is freed before the pass copies
-    return max(compaction_copies(after, after, keep), s.reconstruction)
+    # its reconstruction forward (KVzip), or its question's, is freed before the pass copies
+    return max(compaction_copies(after, after, keep), s.cut_forward)
 
 
 def _end_round_if_capped(adder: Any, req: Req) -> None:
