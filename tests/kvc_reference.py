@@ -209,10 +209,10 @@ def window_scores(model_path: str, ids: list[int], window: int, question: list[i
                   dtype: torch.dtype = torch.float32) -> list[float]:
     """SnapKV's score of each entry of `ids` (`Policy.combined_score`: the mean over every layer
     and KV head, the shared selection's), its last `window` +inf (always kept), when its
-    observation window is the queries of `question` read right after `ids`, or without one, the
-    queries of the last `window` of `ids`. One dense transformers forward of `ids + question`
-    gives each layer's keys of `ids` and window queries after RoPE, as the server's pool and
-    window hold them; the policy's own code scores them."""
+    observation window is the last `window` queries of `question` read right after `ids`, or
+    without one, of `ids` itself. One dense transformers forward of `ids + question` gives each
+    layer's keys of `ids` and window queries after RoPE, as the server's pool and window hold
+    them; the policy's own code scores them."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
@@ -227,7 +227,7 @@ def window_scores(model_path: str, ids: list[int], window: int, question: list[i
     causal = torch.full((t, t), -math.inf).triu(1)[None, None]  # a registered attention gets no mask
 
     def capture(module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
-        last = query[0, :, n:] if question else query[0, :, n - window : n]
+        last = query[0, :, t - window : t]
         views[module.layer_idx] = LayerView(keys=key[0, :, :n].transpose(0, 1).float(),
                                             queries=last.transpose(0, 1).float(), scale=scaling)
         return eager_attention_forward(module, query, key, value, causal.to(query.dtype), scaling, dropout, **kw)

@@ -32,9 +32,10 @@ reconstruction's queries and keys while SGLang runs the pass.
 The same forwards serve one more reading (`plan_question`): a prompt cut between its chunks before
 its question is read is scored by SnapKV's observation window (and R-KV's, KV-Compress's, Expected
 Attention's), which would otherwise be the last queries of a chunk of the context, not those of the
-question the whole-prompt pass reads. The prompt's last `window` tokens (its question and the
-template's opening of an answer, known when it is admitted) are read once after the entries the
-request holds, and their queries become the cut's window.
+question the whole-prompt pass reads. The prompt's last `QUESTION_TOKENS` tokens (its question and
+the template's opening of an answer, known when it is admitted; at most what is still unread) are
+read once after the entries the request holds, and the last `window` of their queries, which have
+read the whole question as after the last chunk, become the cut's window.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ from sgl_kvc.policies import HeadSelection
 REPEAT_BUDGET = 4
 CHUNK = 2048  # context tokens repeated per reconstruction forward (kvpress `prepare`'s chunk_size)
 OVERLAP = 8  # previous chunk's last tokens quoted in the next chunk's instruction (kvpress prev_postfix_size)
+# Tokens of a prompt's end a cut's question forward reads (`plan_question`): a chat question and the
+# template's opening of an answer, so that the window's queries (the last --kv-window) have read the
+# question, as they have after the prompt's last chunk. Not a paper setting.
+QUESTION_TOKENS = 64
 # Elements of one block of the score's logits (query heads x queries x keys): a bounded transient
 # (32 MB of float32), large enough that a block is a few big matrix products
 BLOCK_ELEMENTS = 1 << 23
@@ -163,14 +168,22 @@ def plan_reconstruction(
     return ReconstructionPlan(start, end, tuple(chunks), sink_tokens, whole_row, repeated)
 
 
-def plan_question(token_ids: Sequence[int], end: int, window: int) -> ReconstructionPlan:
-    """The forward that reads a prompt's last `window` tokens (its question, and the template's
+def question_tokens(prompt: int, read: int, window: int) -> int:
+    """Tokens a cut's question forward reads of a `prompt`-token prompt read up to `read`: its last
+    `QUESTION_TOKENS` (at least `window`), never more than is still unread. Where the rest of the
+    prompt is that short, the forward reads exactly it, at its own positions."""
+    return max(0, min(max(QUESTION_TOKENS, window), prompt - read))
+
+
+def plan_question(token_ids: Sequence[int], end: int, tokens: int) -> ReconstructionPlan:
+    """The forward that reads a prompt's last `tokens` tokens (its question, and the template's
     opening of an answer) after its first `end` logical positions, for a pass that cuts the prompt
-    there to take their queries as its observation window: SnapKV's window is "the last w prompt
-    queries" (KV-Compress §2 and eq. 7), where the question is. It repeats no context: [end, end)."""
-    if window < 1:
-        raise ValueError(f"a question's forward reads at least one token, got window {window}")
-    ids = tuple(token_ids[-window:])
+    there to take the last of their queries as its observation window: SnapKV's window is "the
+    last w prompt queries" (KV-Compress §2 and eq. 7), where the question is. It repeats no
+    context: [end, end)."""
+    if tokens < 1:
+        raise ValueError(f"a question's forward reads at least one token, got {tokens}")
+    ids = tuple(token_ids[-tokens:])
     return ReconstructionPlan(end, end, (ReconstructionChunk(end, end, ids),), 0)
 
 

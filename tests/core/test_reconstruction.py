@@ -19,7 +19,9 @@ from sgl_kvc.core.reconstruction import (
     fold_chunk,
     initial_scores,
     next_repeat,
+    plan_question,
     plan_reconstruction,
+    question_tokens,
     reconstruction_probs,
 )
 from sgl_kvc.policies import HeadSelection, LayerView, PolicyParams, get_policy, select_per_head
@@ -230,3 +232,17 @@ def test_carried_scores_follow_the_kept_columns(device: torch.device) -> None:
     assert isinstance(carried, CarriedScores) and carried.end == 40
     assert carried.layers[0][0, :2].tolist() == [1.0, 4.0] and carried.layers[0][1].tolist() == [6.0, 8.0, 11.0]
     assert carried.lengths[0].tolist() == [2, 3]
+
+
+def test_a_cuts_question_forward_reads_the_prompts_end_never_what_it_has_read() -> None:
+    """At a cut between chunks the question's forward reads the prompt's last 64 tokens (or the
+    window, if longer), at most the part still unread, after the entries held: no context."""
+    assert question_tokens(2000, 512, 8) == 64
+    assert question_tokens(2000, 512, 100) == 100
+    assert question_tokens(2000, 1980, 8) == 20  # exactly the rest of the prompt
+    assert question_tokens(2000, 2000, 8) == 0
+    plan = plan_question(list(range(2000)), 512, 64)
+    assert [(c.start, c.end, c.ids) for c in plan.chunks] == [(512, 512, tuple(range(1936, 2000)))]
+    assert (plan.start, plan.end, plan.repeated, plan.tokens) == (512, 512, 0, 64)
+    with pytest.raises(ValueError):
+        plan_question(list(range(2000)), 512, 0)

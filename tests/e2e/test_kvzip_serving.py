@@ -29,6 +29,7 @@ BUDGET, WINDOW, RECON_CHUNK, CHUNK = 16, 4, 24, 128
 # closer to a tie than this is not decided by the score and is left out of the comparison.
 TIE = 1000 * torch.finfo(torch.float32).eps
 RESERVE_HEAD = 64  # tokens of a reconstruction forward besides its chunk (adapter/kvzip/reconstruction.py)
+QUESTION_TOKENS = 64  # of a prompt's end a cut's question forward reads (core/reconstruction.py)
 
 
 @pytest.fixture(scope="module")
@@ -205,10 +206,11 @@ def test_many_requests_over_one_cached_prefix_never_make_a_forward_above_the_pre
 
 def test_a_cut_between_chunks_chooses_by_the_question(kvzip_server, trace: Path, demo_model_path: str) -> None:
     """SnapKV on a prompt cut before its question is read (`--kv-chunk-window question`, the
-    default) scores by its question's queries: its last --kv-window tokens, read once after the
-    entries it holds, as the pass after its last chunk reads them. The first cut keeps the tokens a
-    float32 reference ranks highest with that window (up to ties); with the chunk's own last
-    queries as the window the reference chooses others, so the test can fail."""
+    default) scores by its question's queries: the prompt's end (its last QUESTION_TOKENS) is read
+    once after the entries it holds, and its last --kv-window queries are the window, as after
+    the last chunk. The first cut keeps the tokens a float32 reference ranks highest with that
+    window (up to ties); with the chunk's own last queries as the window, or the window's tokens
+    alone read after the chunk, the reference chooses others, so the test can fail."""
     prompt = _chat_prompt(demo_model_path, 2 * CHUNK + 40, seed=31)
     before = kvzip_server.stats()["compression"]["reconstruction"]
     settings = {"custom_params": {"sgl_kvc": {"prompt_policy": "snapkv", "selection": "shared"}}}
@@ -228,9 +230,10 @@ def test_a_cut_between_chunks_chooses_by_the_question(kvzip_server, trace: Path,
         return chosen, {j for j, m in enumerate(scores) if abs(m - cut) <= TIE}
 
     served = set(cuts[0]["kept_positions"])
-    question, near = choice(window_scores(demo_model_path, prompt[:read], WINDOW, prompt[-WINDOW:]))
+    question, near = choice(window_scores(demo_model_path, prompt[:read], WINDOW, prompt[-QUESTION_TOKENS:]))
     print(f"kept {sorted(served)}; tokens within a tie of the cut: {sorted(near)}")
     assert served ^ question <= near, sorted(served ^ question)
     chunk, _ = choice(window_scores(demo_model_path, prompt[:read], WINDOW))
-    print(f"the chunk's window would keep {sorted(chunk)}")
-    assert not served ^ chunk <= near
+    alone, _ = choice(window_scores(demo_model_path, prompt[:read], WINDOW, prompt[-WINDOW:]))
+    print(f"the chunk's window would keep {sorted(chunk)}, the window's tokens alone {sorted(alone)}")
+    assert not served ^ chunk <= near and not served ^ alone <= near

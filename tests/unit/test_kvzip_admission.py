@@ -23,16 +23,17 @@ def _req(prompt: int, **settings) -> SimpleNamespace:
 
 def test_a_kvzip_request_reserves_one_reconstruction_forward() -> None:
     """One chunk of its context and its instruction; a prompt policy that reads its observation
-    window, the forward of its question at a cut between chunks (`--kv-window` tokens); others
-    nothing."""
+    window, the forward of its question at a cut between chunks (the prompt's last 64 tokens, or
+    `--kv-window` if more); others nothing."""
     config = KvcConfig(policy="snapkv", prompt_policy="kvzip", kvzip_chunk=2048)
     head = reconstruction.RESERVE_HEAD
     assert reconstruction.reserve_tokens(config, _req(5000)) == 2048 + head
     assert reconstruction.reserve_tokens(config, _req(300)) == 300 + head
-    assert reconstruction.reserve_tokens(config, _req(5000, prompt_policy="snapkv")) == config.kv_window
+    assert reconstruction.reserve_tokens(config, _req(5000, prompt_policy="snapkv")) == 64
+    assert reconstruction.reserve_tokens(config, _req(40, prompt_policy="snapkv")) == 40
     assert reconstruction.reserve_tokens(config, _req(5000, prompt_policy="streamingllm")) == 0
-    plain = KvcConfig(policy="snapkv", kvzip_chunk=512, kv_window=16)
-    assert reconstruction.reserve_tokens(plain, _req(5000)) == 16
+    plain = KvcConfig(policy="snapkv", kvzip_chunk=512, kv_window=100)
+    assert reconstruction.reserve_tokens(plain, _req(5000)) == 100
     assert reconstruction.reserve_tokens(plain, _req(5000, prompt_policy="kvzip")) == 512 + head
     chunk = KvcConfig(policy="snapkv", kv_chunk_window="chunk")
     assert reconstruction.reserve_tokens(chunk, _req(5000)) == 0

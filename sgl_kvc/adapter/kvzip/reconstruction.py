@@ -22,11 +22,12 @@ chunked-prefill size) and of at most the entries whose keys `adapter/memory/kv_m
 
 The same forwards read a prompt's question at a cut between its chunks (`question_slots`,
 `core/reconstruction.plan_question`): for a prompt policy that scores from its observation window
-(SnapKV, R-KV, KV-Compress, Expected Attention), the prompt's last `--kv-window` tokens are read
-after the entries its row holds, and the observer writes their queries where the window's go
-(`KvcStore.record_extend`): the cut's pass then chooses by the question, as the pass after the
-last chunk does, not by the last queries of a chunk of context. It holds `--kv-window` slots,
-freed before the pass copies what it keeps; admission counts them at every cut (`Sizes.question`).
+(SnapKV, R-KV, KV-Compress, Expected Attention), the prompt's end (its last `QUESTION_TOKENS`, at
+most what is unread) is read after the entries its row holds, and the observer writes the last
+`--kv-window` of its queries where the window's go (`KvcStore.record_extend`): the cut's pass then
+chooses by the question, as the pass after the last chunk does, not by the last queries of a
+chunk of context. Its slots are freed before the pass copies what it keeps; admission counts them
+at every cut (`Sizes.question`).
 
 Failures: an exception while a request's queries are folded fails that request; one while a
 forward is prepared fails the requests of that forward; the others of the moment, and every other
@@ -67,6 +68,7 @@ from sgl_kvc.core.reconstruction import (
     next_repeat,
     plan_question,
     plan_reconstruction,
+    question_tokens,
 )
 from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.core.store import KvcStore
@@ -103,12 +105,13 @@ def forward_slots(config: KvcConfig, settings: ResolvedCompression, prompt: int)
 
 def question_slots(config: KvcConfig, settings: ResolvedCompression, prompt: int) -> int:
     """KV slots the forward of a prompt's question holds at a cut between its chunks beside the
-    request's own: its last `--kv-window` tokens, for a prompt policy that scores from its
-    observation window with `--kv-chunk-window question` (else 0)."""
+    request's own (`core/reconstruction.question_tokens`: its last `QUESTION_TOKENS`, at least
+    `--kv-window`), for a prompt policy that scores from its observation window with
+    `--kv-chunk-window question` (else 0)."""
     if not (settings.compressing and config.kv_chunk_window == "question"
             and policy_class(settings.prompt_policy_name).reads_window):
         return 0
-    return min(prompt, config.kv_window)
+    return question_tokens(prompt, 0, config.kv_window)
 
 
 def reserve_tokens(config: KvcConfig, req: Any) -> int:
@@ -388,12 +391,13 @@ class Reconstructor:
         return _Item(i, req, state, row, plan, prefix, scores)
 
     def _plan_question(self, i: int, req: Any, state: ReqKvState, row: int, n: int, length: int) -> _Item:
-        """The forward of the question of a request cut between its chunks: its prompt's last
-        `question_slots` tokens after the `n` entries of its row, at logical positions `length`..."""
-        window = min(question_slots(self.config, resolved(req, self.config), len(req.origin_input_ids)),
+        """The forward of the question of a request cut between its chunks: its prompt's end
+        (`question_tokens`) after the `n` entries of its row, at logical positions `length`..."""
+        ids = req.origin_input_ids
+        tokens = min(question_tokens(len(ids), length, self.config.kv_window),
+                     question_slots(self.config, resolved(req, self.config), len(ids)),
                      self.store.req_to_token.shape[1] - n)
-        plan = plan_question(req.origin_input_ids, length, window)
-        return _Item(i, req, state, row, plan, n, [], question=True)
+        return _Item(i, req, state, row, plan_question(ids, length, tokens), n, [], question=True)
 
     def _initial(self, state: ReqKvState, row: int, n: int, start: int, end: int,
                  carried: CarriedScores | None) -> list[torch.Tensor]:

@@ -96,6 +96,7 @@ class _PrefillMoments:
     ends: dict[int, Any] = field(default_factory=dict)
     passes_before: dict[int, int] = field(default_factory=dict)
     questions: list[int] = field(default_factory=list)
+    question_slots: int = 0  # the slots their forwards hold at once, at most
 
 
 class Compressor:
@@ -344,23 +345,23 @@ class Compressor:
             req, "compress", self._chunk_due, batch, req, state, n, keep
         ):
             due.chunks.append((i, state, keep))
-            if self._question_due(batch, i, state, n):
+            slots = self.failures.guarded(req, "compress", self._question_slots, batch, i, state, n)
+            if slots and batch.token_to_kv_pool_allocator.available_size() + batch.tree_cache.evictable_size() \
+                    >= due.question_slots + slots:
                 due.questions.append(i)
+                due.question_slots += slots
 
-    def _question_due(self, batch: ScheduleBatch, i: int, state: ReqKvState, n: int) -> bool:
-        """Whether request i's cut between chunks reads its question first (`--kv-chunk-window
-        question`): its prompt policy scores from its observation window, its prompt is text, and
-        the forward's slots are free (admission reserved them with the cut's copies, which need at
-        least as many, `Sizes.question`; where it could not, the chunk's own window chooses). Not
-        at a document's cuts: a shared document keeps what its key says, whatever the question."""
+    def _question_slots(self, batch: ScheduleBatch, i: int, state: ReqKvState, n: int) -> int:
+        """The slots the forward of request i's question holds if its cut between chunks reads
+        it first (`--kv-chunk-window question`: its prompt policy scores from its observation
+        window and its prompt is text), else 0. Admission reserved them with the cut's copies
+        (`Sizes.question`); where they are not free, the chunk's own window chooses. Never at a
+        document's cuts: a shared document keeps what its key says, whatever the question."""
         req = batch.reqs[i]
-        settings = resolved(req, self.config)
-        slots = question_slots(self.config, settings, len(req.origin_input_ids))
-        if not slots or unscorable(req) is not None:
-            return False
-        if not self.policy(state.policy_name("chunk"), state.effective_budget(n)).reads_window:
-            return False
-        return batch.token_to_kv_pool_allocator.available_size() + batch.tree_cache.evictable_size() >= slots
+        slots = question_slots(self.config, resolved(req, self.config), len(req.origin_input_ids))
+        if not slots or unscorable(req) is not None or getattr(req, "input_embeds", None) is not None:
+            return 0
+        return slots if self.policy(state.policy_name("chunk"), state.effective_budget(n)).reads_window else 0
 
     def _prefill_moment(self, batch: ScheduleBatch, i: int, state: ReqKvState, n: int,
                         due: _PrefillMoments) -> None:
