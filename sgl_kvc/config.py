@@ -39,7 +39,8 @@ DEFAULT_MOMENTS: tuple[str, ...] = ("prefill", "chunk", "decode", "preempt")
 FP8_KV_DTYPES: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2")  # served by sgl-kvc's FP8 pool
 DECODE_ATTENTION: tuple[str, ...] = ("batched", "sglang")
 # The observation window of a pass that cuts a prompt between its chunks (`--kv-chunk-window`):
-# its question's queries, from one forward of the prompt's last --kv-window tokens, or the chunk's.
+# its question's queries, from one forward of the prompt's end (`core/reconstruction.QUESTION_TOKENS`),
+# or the chunk's.
 CHUNK_WINDOWS: tuple[str, ...] = ("question", "chunk")
 # Seconds at most a request waits for another to publish the shared document it declares
 # (`--kv-document-wait`); a waiter that reaches it reads the document itself (adapter/documents/__init__.py).
@@ -120,7 +121,7 @@ class KvcConfig:
         metadata=_flag(
             "Observation window of a pass that cuts a prompt between two chunks, before its "
             "question is read (SnapKV, R-KV, KV-Compress, Expected Attention): question (one extra "
-            "forward reads the prompt's last --kv-window tokens after what it holds, and their "
+            "forward reads the prompt's last 64 tokens after what it holds, and its last --kv-window "
             "queries choose, as after its last chunk) or chunk (the last queries of the chunk read)."
         ),
     )

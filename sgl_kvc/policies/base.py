@@ -311,8 +311,8 @@ class Policy(ABC):
     reads_window: ClassVar[bool] = False
     """Whether the policy scores a prompt from its observation window (``LayerView.queries``: the
     last ``window`` queries). A prompt cut between its chunks before its question is read gets its
-    question's queries there, from one forward of the prompt's last ``window`` tokens
-    (`--kv-chunk-window question`), as the pass after its last chunk would."""
+    question's queries there, from one forward of the prompt's end (`--kv-chunk-window question`),
+    as the pass after its last chunk would."""
     global_sort: ClassVar[bool] = False
     """Whether the policy's scores are comparable across layers and heads, so that where heads may
     keep different numbers of entries (the unit pool: `--kv-head-budget variable` or `layer`) one

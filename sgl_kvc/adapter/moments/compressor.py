@@ -88,7 +88,8 @@ class _PrefillMoments:
     """What one extend's moments are due: passes between chunks and after prefill ((index in the
     batch, state, target)), the requests whose prompt is read, the documents whose end a chunk
     reached (index -> key; `passes_before`: the passes before the cut of those cut there), and the
-    cuts whose window is their question's (indices: `Compressor._question_due`)."""
+    cuts whose window is their question's (indices, and the slots their forwards hold:
+    `Compressor._question_slots`)."""
 
     chunks: list[tuple[int, ReqKvState, int]] = field(default_factory=list)
     starts: list[tuple[int, ReqKvState, int]] = field(default_factory=list)
