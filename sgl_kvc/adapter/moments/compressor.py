@@ -100,6 +100,11 @@ class _PrefillMoments:
     question_slots: int = 0  # the slots their forwards hold at once, at most
 
 
+def _room(batch: ScheduleBatch) -> int:
+    """Slots a compaction or a forward of this moment can take now: free, or the tree's unlocked."""
+    return batch.token_to_kv_pool_allocator.available_size() + batch.tree_cache.evictable_size()
+
+
 class Compressor:
     """One per scheduler process. Owns the policies, the store and the counters."""
 
@@ -346,23 +351,20 @@ class Compressor:
             req, "compress", self._chunk_due, batch, req, state, n, keep
         ):
             due.chunks.append((i, state, keep))
-            slots = self.failures.guarded(req, "compress", self._question_slots, batch, i, state, n)
-            if slots and batch.token_to_kv_pool_allocator.available_size() + batch.tree_cache.evictable_size() \
-                    >= due.question_slots + slots:
+            slots = self.failures.guarded(req, "compress", self._question_slots, req)
+            if slots and _room(batch) >= due.question_slots + slots:
                 due.questions.append(i)
                 due.question_slots += slots
 
-    def _question_slots(self, batch: ScheduleBatch, i: int, state: ReqKvState, n: int) -> int:
-        """The slots the forward of request i's question holds if its cut between chunks reads
-        it first (`--kv-chunk-window question`: its prompt policy scores from its observation
-        window and its prompt is text), else 0. Admission reserved them with the cut's copies
-        (`Sizes.question`); where they are not free, the chunk's own window chooses. Never at a
-        document's cuts: a shared document keeps what its key says, whatever the question."""
-        req = batch.reqs[i]
-        slots = question_slots(self.config, resolved(req, self.config), len(req.origin_input_ids))
-        if not slots or unscorable(req) is not None or getattr(req, "input_embeds", None) is not None:
+    def _question_slots(self, req: Req) -> int:
+        """The slots the forward of `req`'s question holds if its cut between chunks reads it
+        first (`--kv-chunk-window question`: its prompt policy, the chunk moment's, scores from its
+        observation window, and its prompt is text), else 0. Admission reserved them with the
+        cut's copies (`Sizes.question`); where they are not free, the chunk's own window chooses.
+        Never at a document's cuts: a shared document keeps what its key says, whatever the question."""
+        if unscorable(req) is not None or getattr(req, "input_embeds", None) is not None:
             return 0
-        return slots if self.policy(state.policy_name("chunk"), state.effective_budget(n)).reads_window else 0
+        return question_slots(self.config, resolved(req, self.config), len(req.origin_input_ids))
 
     def _prefill_moment(self, batch: ScheduleBatch, i: int, state: ReqKvState, n: int,
                         due: _PrefillMoments) -> None:
@@ -442,8 +444,7 @@ class Compressor:
         copies = compaction_copies(int(batch.seq_lens_cpu[i]), int(req.kv.cache_protected_len), target)
         if not copies:
             return True
-        room = batch.token_to_kv_pool_allocator.available_size() + batch.tree_cache.evictable_size()
-        return room >= copies
+        return _room(batch) >= copies
 
     def _put_off(self, state: ReqKvState, n: int) -> None:
         """A pass of this request was not run, or its compaction not applied, for lack of free
