@@ -21,7 +21,11 @@ compressing its document needs, `pool_tokens`):
   `--ratio` of its document would keep;
 - `documents`: every turn declares its conversation so far as a shared document (the default
   `messages`: every message but the last), compressed by KVzip to `--ratio` of its tokens and
-  shared: each turn's document is a new one, read and compressed anew.
+  shared, each turn's document read and compressed anew (`--kv-document-extend off`);
+- `conversations`: the same requests on a server that extends resident documents (the default
+  `--kv-document-extend resident`): each turn starts from the last turn's document, reads only the
+  last question and answer and its own question, and publishes the last turn's entries as an
+  extension of that document (adapter/documents/extensions.py).
 Recorded per server and turn: prompt tokens prefilled per request (`/v1/kvc/stats`, before and
 after the turn), TTFT p50, answers right (and kept, against `plain`'s), the radix tree's tokens per
 conversation after the turn, and the documents compressed, resident and evicted. Writes
@@ -140,7 +144,7 @@ def row(config: str, r: TurnResult, count: int, plain: TurnResult | None) -> dic
         "prompt_per_request": round(r.prompt_tokens / served) if served else None,
         "tree_tokens_per_conversation": round(r.tree_tokens / count),
         **{f"documents_{k}": r.documents.get(k)
-           for k in ("compressions", "resident", "evictions", "history_rewritten")},
+           for k in ("compressions", "extensions", "hits", "resident", "evictions", "history_rewritten")},
     }
     if plain is not None:
         both = sum(a and b for a, b in zip(r.right, plain.right))
@@ -149,7 +153,8 @@ def row(config: str, r: TurnResult, count: int, plain: TurnResult | None) -> dic
 
 
 COLUMNS = ["config", "turn", "right", "kept", "ttft_p50", "prefilled_per_request", "prompt_per_request",
-           "tree_tokens_per_conversation", "documents_compressions", "documents_resident", "documents_evictions",
+           "tree_tokens_per_conversation", "documents_compressions", "documents_extensions", "documents_hits",
+           "documents_resident", "documents_evictions",
            "documents_history_rewritten", "errors"]
 
 
@@ -193,9 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--chunk", type=int, default=512, help="--chunked-prefill-size of every server")
-    p.add_argument("--kv-head-budget", default="layer", choices=["uniform", "variable", "layer"],
-                   help="of the compressing servers (KVzip's server: docs/quality.md)")
-    p.add_argument("--configs", nargs="+", default=["plain", "per-request", "documents"])
+    p.add_argument("--kv-head-budget", default="uniform", choices=["uniform", "variable", "layer"],
+                   help="of the compressing servers (documents are extended under uniform budgets only)")
+    p.add_argument("--configs", nargs="+", default=["plain", "per-request", "documents", "conversations"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--tag", default="")
@@ -217,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     configs = {
         "plain": ([*launch, *common, "--policy", "none"], {}),
         "per-request": ([*launch, *kvc], {"kv_compression": {"budget": k}}),
-        "documents": ([*launch, *kvc], {"kv_compression": {"document": {"ratio": args.ratio}}}),
+        "documents": ([*launch, *kvc, "--kv-document-extend", "off"], {"kv_compression": {"document": {"ratio": args.ratio}}}),
+        "conversations": ([*launch, *kvc], {"kv_compression": {"document": {"ratio": args.ratio}}}),
     }
     logs = Path(tempfile.mkdtemp(prefix="conversations-"))
     print(f"{args.conversations} conversations x {args.turns} turns over documents of {lengths} tokens; pool {pool}; "

@@ -42,6 +42,9 @@ DECODE_ATTENTION: tuple[str, ...] = ("batched", "sglang")
 # its question's queries, from one forward of the prompt's end (`core/reconstruction.QUESTION_TOKENS`),
 # or the chunk's.
 CHUNK_WINDOWS: tuple[str, ...] = ("question", "chunk")
+# A shared document that begins with a resident one starts from it (`--kv-document-extend`,
+# adapter/documents/extensions.py), or is read whole.
+DOCUMENT_EXTENDS: tuple[str, ...] = ("resident", "off")
 # Seconds at most a request waits for another to publish the shared document it declares
 # (`--kv-document-wait`); a waiter that reaches it reads the document itself (adapter/documents/__init__.py).
 DEFAULT_DOCUMENT_WAIT = 10.0
@@ -201,6 +204,16 @@ class KvcConfig:
         ),
     )
 
+    kv_document_extend: str = field(
+        default="resident",
+        metadata=_flag(
+            "A request whose shared document begins with a resident one (a conversation's next "
+            "turn): resident (it starts from the longest such document, reads only the rest, and "
+            "publishes the rest's entries as an extension of it; uniform head budgets) or off (its "
+            "document is read and compressed whole)."
+        ),
+    )
+
     def __post_init__(self) -> None:
         # An earlier policy name (e.g. avgattn) is stored as the policy's name.
         object.__setattr__(self, "policy", canonical_policy(self.policy))
@@ -221,6 +234,10 @@ class KvcConfig:
         if self.kv_chunk_window not in CHUNK_WINDOWS:
             raise ValueError(
                 f"--kv-chunk-window must be one of {list(CHUNK_WINDOWS)}, got {self.kv_chunk_window!r}"
+            )
+        if self.kv_document_extend not in DOCUMENT_EXTENDS:
+            raise ValueError(
+                f"--kv-document-extend must be one of {list(DOCUMENT_EXTENDS)}, got {self.kv_document_extend!r}"
             )
         if self.kv_selection not in SELECTIONS:
             raise ValueError(f"--kv-selection must be one of {list(SELECTIONS)}, got {self.kv_selection!r}")
@@ -349,6 +366,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "kv_selection": SELECTIONS,
     "kv_decode_attention": DECODE_ATTENTION,
     "kv_chunk_window": CHUNK_WINDOWS,
+    "kv_document_extend": DOCUMENT_EXTENDS,
     "kv_head_budget": BUDGET_MODES,
     "rkv_exemption": RKV_EXEMPTIONS,
 }

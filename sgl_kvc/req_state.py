@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sgl_kvc.adapter.documents import Document, DocumentKey
+    from sgl_kvc.adapter.documents import Document, DocumentKey, ExtensionRule
     from sgl_kvc.core.request_state import ReqKvState
     from sgl_kvc.footprint import Sizes
     from sgl_kvc.request_settings import RequestCompression
@@ -36,7 +36,14 @@ class KvcReq:
     # `adapter/safety/failures`: the message it is aborted with, once sgl-kvc failed it
     failure: str | None = None
     # `adapter/documents`: the document it declares, the one its matched prefix is, and how it reads it
+    # (`own_document`: by its own key, set when it enters the queue; `document`: the one it
+    # compresses, that or, where it starts from a resident document its own extends, the
+    # extension's, set at each match; `extension`: how its own may extend a resident one;
+    # `prefix_contents`: the content digests of its prompt's first tokens, by their number)
     document: DocumentKey | None = None
+    own_document: DocumentKey | None = None
+    extension: ExtensionRule | None = None
+    prefix_contents: dict[int, str] | None = None
     hit: Document | None = None
     split: bool = False  # its document is compressed at a chunk ending at D
     abstains: bool = False  # it reads its prompt whole where documents are cut between chunks

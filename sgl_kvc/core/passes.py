@@ -80,6 +80,9 @@ class PendingPass:
     tables: RequestTables | None = None
     scores: list[Tensor] = field(default_factory=list)
     protected: list[Tensor] = field(default_factory=list)
+    # Entries [0, held) every head keeps (uniform): a document extended by another is kept as it
+    # is, only what extends it is chosen (`adapter/documents/extension_pass.py`).
+    held: int = 0
 
     @property
     def staged(self) -> bool:
@@ -120,11 +123,14 @@ class DueCompaction:
 
 def start_pass(
     store: KvcStore, row: int, state: ReqKvState, policy: Policy, n: int, target: int, moment: str,
-    tables: RequestTables | None,
+    tables: RequestTables | None, held: int = 0,
 ) -> PendingPass:
-    """A new pass over the request's n entries (`tables`: its per-head tables on the unit pool)."""
+    """A new pass over the request's n entries (`tables`: its per-head tables on the unit pool;
+    `held`: its first entries, which every head keeps, uniform budgets only)."""
+    if held and tables is not None:
+        raise ValueError("held entries are for uniform passes")
     return PendingPass(
-        moment=moment, policy=policy, n0=n, target=min(target, n),
+        moment=moment, policy=policy, n0=n, target=min(target, n), held=held,
         positions=state.positions(n) if tables is None else tables.positions,
         queries=store.window_queries(row, n), tables=tables,
         moments=prompt_moments(store, state, policy, moment),
@@ -150,7 +156,7 @@ def advance_uniform(
         while len(p.scores) < len(layers) and work.allows(layer_cost):
             view = _layer_view(store, row, state, p, layers, len(p.scores))
             p.scores.append(p.policy.score(view))
-            p.protected.append(p.policy.protected(view).to(p.scores[-1].device).expand_as(p.scores[-1]))
+            p.protected.append(_held(p, p.policy.protected(view).to(p.scores[-1].device).expand_as(p.scores[-1])))
             work.spend(layer_cost)
         if len(p.scores) == len(layers):
             scores = token_scores(torch.stack(p.scores), p.positions)
@@ -162,11 +168,11 @@ def advance_uniform(
                 break
             view = _layer_view(store, row, state, p, layers, len(p.indices))
             if whole_layer:
-                p.indices.append(select_per_head(p.policy, [view], p.target).indices[0])
+                p.indices.append(_choose(p, view).indices[0])
                 work.spend(layer_cost)
                 continue
             sub = view.head(len(p.heads))
-            p.heads.append(select_per_head(p.policy, [sub], p.target).indices[0, 0])
+            p.heads.append(_choose(p, sub).indices[0, 0])
             work.spend(head_cost)
             if len(p.heads) == view.n_kv_heads:
                 p.indices.append(torch.stack(p.heads))
@@ -190,6 +196,24 @@ def advance_uniform(
         kept_positions=full.gather(-1, indices.to(full.device)), stats=stats, began_at=p.n0,
         staged=p.staged, carried=_carried(p, selection, per_head_lengths=False),
     )
+
+
+def _held(p: PendingPass, protected: Tensor) -> Tensor:
+    """`protected` [..., n0] with the pass's held entries too."""
+    if not p.held:
+        return protected
+    protected = protected.clone()
+    protected[..., : p.held] = True
+    return protected
+
+
+def _choose(p: PendingPass, view: LayerView) -> HeadSelection:
+    """Each head's `p.target` entries of one layer's `view` (its policy's choice, and the held)."""
+    if not p.held:
+        return select_per_head(p.policy, [view], p.target)
+    scores = p.policy.score(view)
+    protected = _held(p, p.policy.protected(view).to(scores.device).expand_as(scores))
+    return select_from_scores(scores[None], protected[None], p.target)
 
 
 def _layer_view(store: KvcStore, row: int, state: ReqKvState, p: PendingPass, layers: list[int], layer: int) -> LayerView:

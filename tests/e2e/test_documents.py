@@ -726,3 +726,128 @@ def test_a_hit_whose_suffix_exceeds_its_budget_repeats_only_its_suffix(servers, 
         assert first_tokens == (d - sinks) + suffix, first_tokens
         assert hit["output_ids"] == first["output_ids"]
     assert_pool_whole(server.wait_idle())
+
+
+# A conversation's turns: 24 tokens after the document, then 16 more (a whole server's prompts
+# stay below its context length of 192).
+TURN, NEXT_TURN = 24, 16
+
+
+def test_a_document_that_extends_a_resident_one_starts_from_it(servers, trace: Path, demo_model_path: str) -> None:
+    """A conversation whose document grows by a turn each time: the request whose document is the
+    resident document + one turn starts from the resident one (it prefills the turn and its
+    question only), keeps its entries as they are and publishes the turn's, chosen among its own
+    tokens, as a child node; the next request with that document prefills only its question and
+    answers exactly as a dense reference that reads the chain's entries; a second branch shares
+    the first document's node (its entries are in the tree once); a third turn extends the chain;
+    the pool adds up once they are evicted, and another tenant's answer is unchanged."""
+    server = servers["uniform"]
+    tenant = _tokens(5000, DOC + QUESTION)
+    quiet = generate(server, tenant, 4)["output_ids"]
+    doc, turn, branch, turn3 = _tokens(5001, DOC), _tokens(5002, TURN), _tokens(5003, TURN), _tokens(5004, NEXT_TURN)
+
+    def ask(document: list[int], seed: int) -> tuple[dict, int, dict]:
+        was = server.stats()["prefix_cache"]["prefilled_tokens"]
+        out = _ask(server, document, _tokens(seed, QUESTION))
+        return out, server.stats()["prefix_cache"]["prefilled_tokens"] - was, _documents(server)
+
+    def published(out: dict) -> dict:
+        events = [e for e in trace_events(trace, out["meta_info"]["id"]) if e["moment"] == "document"]
+        assert len(events) == 1, events
+        return events[0]
+
+    first, _, start = ask(doc, 5010)
+    root = published(first)
+    # turn 2: starts from the document, reads its turn and question, publishes the turn's entries
+    second, prefilled, after = ask(doc + turn, 5011)
+    assert prefilled == TURN + QUESTION and second["meta_info"]["cached_tokens"] == DOC
+    assert after["extensions"] == start["extensions"] + 1 and after["hits"] == start["hits"] + 1, after
+    chain = published(second)
+    assert chain["logical_len"] == DOC + TURN
+    own = len(chain["kept_positions"][0][0]) - ENTRIES
+    assert 0 < own < TURN and after["entries"] == start["entries"] + own, (own, after)
+    for layer, parent in zip(chain["kept_positions"], root["kept_positions"]):
+        for head, parent_head in zip(layer, parent):
+            assert head[:ENTRIES] == parent_head and all(DOC <= p < DOC + TURN for p in head[ENTRIES:])
+    # the publisher answers from the document's entries and its turn exact
+    assert logprob_error(demo_model_path, doc + turn + _tokens(5011, QUESTION), second, [root])() < TOLERANCE
+
+    # the same conversation again: starts from the chain, prefills only its question
+    third, prefilled, again = ask(doc + turn, 5012)
+    assert prefilled == QUESTION and third["meta_info"]["cached_tokens"] == DOC + TURN
+    assert again["compressions"] == after["compressions"] and again["hits"] == after["hits"] + 1, again
+    error = logprob_error(demo_model_path, doc + turn + _tokens(5012, QUESTION), third, [root, chain])
+    err, dense = error(), error([root])
+    print(f"a hit on the chain: max |logprob error| {err:.2e}; with the turn whole {dense:.3f}")
+    assert err < TOLERANCE and dense > 10 * TOLERANCE
+
+    # another branch of the same document: the document's node is shared, not copied
+    _, prefilled, branched = ask(doc + branch, 5013)
+    assert prefilled == TURN + QUESTION and branched["extensions"] == again["extensions"] + 1
+    assert branched["resident"] == again["resident"] + 1 and branched["entries"] == again["entries"] + own
+    # turn 3 extends the chain of turn 2
+    fourth, prefilled, longer = ask(doc + turn + turn3, 5014)
+    assert prefilled == NEXT_TURN + QUESTION and fourth["meta_info"]["cached_tokens"] == DOC + TURN
+    assert longer["extensions"] == branched["extensions"] + 1
+    assert published(fourth)["logical_len"] == DOC + TURN + NEXT_TURN
+    _, prefilled, _ = ask(doc + turn + turn3, 5015)
+    assert prefilled == QUESTION
+
+    # more documents than the pool keeps: the chains are evicted leaf first (SGLKVC_CHECK checks
+    # every chain's parent is its node's parent), and the pool adds up
+    resident = _documents(server)
+    for i in range(MANY):
+        _ask(server, _tokens(5100 + i, DOC), _tokens(5200 + i, QUESTION), ratio=LARGE)
+    assert _documents(server)["evictions"] >= resident["evictions"] + 5
+    assert_pool_whole(server.wait_idle())
+    assert server.post("/flush_cache?timeout=30", json={}).status_code == 200
+    assert _documents(server)["resident"] == 0
+    assert_pool_whole(server.wait_idle())
+    assert generate(server, tenant, 4)["output_ids"] == quiet
+
+
+def test_a_chat_conversation_reads_each_turn_once(documents_server) -> None:
+    """With the openai client, a conversation as every chat client sends it: each turn resends
+    every message so far and its new question, declaring the default document (every message but
+    the last). Turn 1 compresses the first message; each later turn starts from the document of
+    the turn before (whose messages its own begin with), prefills only the rest (the last question
+    and answer, and its own question), and publishes their entries as an extension of it. The same
+    conversation again starts from the chain's documents at every turn, compressing nothing."""
+    from openai import OpenAI
+
+    server = documents_server
+    client = OpenAI(base_url=server.url + "/v1", api_key="-")
+    text = " ".join(f"Fact {i}: the {w} is {i * 5 % 11}." for i, w in enumerate(["door", "bell", "kite"] * 6))
+    questions = ["What is the door?", "What is the bell?", "What is the kite?"]
+
+    def conversation(answers: list[str]) -> list[tuple[int, int, int]]:
+        """Per turn: the tokens it prefilled, its prompt's and its document's. The client keeps
+        the server's answers in `answers`, or resends those there."""
+        messages, out = [{"role": "user", "content": text}], []
+        for t, question in enumerate(questions):
+            document = server.post("/v1/tokenize", json={"model": "demo", "messages": messages,
+                                                         "add_generation_prompt": False}).json()["count"]
+            messages.append({"role": "user", "content": question})
+            was = server.stats()["prefix_cache"]["prefilled_tokens"]
+            r = client.chat.completions.create(model="demo", max_tokens=4, temperature=0, messages=messages,
+                                               extra_body={"kv_compression": {"document": {"ratio": 0.3}}})
+            prefilled = server.stats()["prefix_cache"]["prefilled_tokens"] - was
+            out.append((prefilled, r.usage.prompt_tokens, document))
+            if len(answers) == t:
+                answers.append(r.choices[0].message.content)
+            messages.append({"role": "assistant", "content": answers[t]})
+        return out
+
+    before = _documents(server)
+    answers: list[str] = []
+    turns = conversation(answers)
+    after = _documents(server)
+    assert after["compressions"] == before["compressions"] + 3 and after["extensions"] == before["extensions"] + 2
+    assert after["hits"] == before["hits"] + 2, after
+    # turn 1 reads its prompt; each later one starts from the document of the turn before
+    assert [prefilled for prefilled, _, _ in turns] == [
+        prompt - (turns[t - 1][2] if t else 0) for t, (_, prompt, _) in enumerate(turns)], turns
+    again = conversation(answers)  # the same conversation: from each turn's own document
+    assert [prefilled for prefilled, _, _ in again] == [prompt - document for _, prompt, document in again], again
+    assert _documents(server)["compressions"] == after["compressions"], "a chain was compressed again"
+    assert_pool_whole(server.wait_idle())

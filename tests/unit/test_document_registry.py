@@ -26,7 +26,8 @@ KVZIP = KvcConfig(policy="snapkv", prompt_policy="kvzip")
 
 def _declaring(req: SimpleNamespace, key: DocumentKey | None) -> SimpleNamespace:
     """`req`, declaring the document `key` (as `documents.declare` records it)."""
-    req_state.of(req).document = key
+    fields = req_state.of(req)
+    fields.document = fields.own_document = key
     return req
 
 

@@ -41,6 +41,7 @@ long it reads, is its own tenant's choice. After that the waiter reads the docum
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from array import array
 from dataclasses import asdict, dataclass, field
@@ -53,7 +54,7 @@ from sgl_kvc import req_state
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.reconstruction import CarriedScores
 from sgl_kvc.request_settings import (
-    DocumentSpec, RequestSettingError, document_conflict, document_floor, document_prompt_conflict, of_request,
+    DEFAULT_DOCUMENT_RATIO, DocumentSpec, RequestSettingError, document_conflict, document_floor, document_prompt_conflict, of_request,
     refused_by_sglang, resolved,
 )
 
@@ -112,6 +113,18 @@ class DocumentKey:
     # `--kv-chunk-keep`); 0: it is scored once, from its D exact entries.
     every: int = 0
     between: int = 0
+    # What the chain of documents matches by (`extendable`): a hash of the namespace and settings
+    # a document is compressed with but not of how many entries it keeps (`family`), and of that
+    # and its D tokens (`content`): a document over [0, D') of the same family and a resident one
+    # of the same content over [0, D) with D < D' is one it may extend.
+    family: str = ""
+    content: str = ""
+    # A document that extends a resident one (its `parent`, by digest, which kept `parent_entries`
+    # per (layer, KV head) of the chain before it): it keeps those, then `entries - parent_entries`
+    # chosen among its own tokens [parent's D, D). The parent's digest is in its own: what it keeps
+    # is decided by its key alone, whoever publishes it.
+    parent: str = ""
+    parent_entries: int = 0
 
 
 @dataclass(eq=False)
@@ -139,10 +152,14 @@ class Document:
     # its context after it (`carried`), as its publisher does after its cut
     scores: Tensor | None = None
     scored_to: int = 0
+    # The resident document it extends (its node is this node's parent in the tree), or None:
+    # this node holds only its own entries, after the parent's (`tables`, `carried`).
+    parent: "Document | None" = None
 
     @classmethod
     def compact(cls, key: DocumentKey, node: Any, kept_positions: Tensor, slots: int,
-                unit_lens: Tensor | None = None, carried: CarriedScores | None = None) -> "Document":
+                unit_lens: Tensor | None = None, carried: CarriedScores | None = None,
+                parent: "Document | None" = None) -> "Document":
         """A document from the tables of the pass that chose it (int64 [L, H_kv, k or K], and a
         packed one's lengths), as int32 (a position is below the context length) and, packed,
         each head's entries only: padded to the widest head, a packed document's tables held 3x
@@ -155,7 +172,7 @@ class Document:
             scores = torch.stack([layer[:, :width] for layer in carried.layers]).to(torch.float32)
         if unit_lens is None:
             return cls(key=key, node=node, kept_positions=kept_positions.to(torch.int32), slots=slots,
-                       scores=scores, scored_to=carried.end if carried is not None else 0)
+                       scores=scores, scored_to=carried.end if carried is not None else 0, parent=parent)
         width = int(kept_positions.shape[-1])
         valid = torch.arange(width, device=kept_positions.device) < unit_lens[..., None]
         return cls(key=key, node=node, kept_positions=kept_positions[valid].to(torch.int32), slots=slots,
@@ -170,7 +187,9 @@ class Document:
         of the (layer, head, column) order is in unit e of its slots, slot e // (L x H_kv) first
         (`core/moves.unit_moves`, which packed it)."""
         if self.unit_lens is None:
-            return self.kept_positions, None, None
+            if self.parent is None:
+                return self.kept_positions, None, None
+            return torch.cat([self.parent.tables()[0], self.kept_positions.to(torch.int32)], dim=-1), None, None
         lens = self.unit_lens.long()
         layers, heads = lens.shape
         cols = torch.arange(self.width, device=lens.device)
@@ -193,7 +212,11 @@ class Document:
             return None
         device = device if device is not None else self.scores.device
         if self.unit_lens is None:
-            return CarriedScores(self.scored_to, list(self.scores.to(device).unbind(0)))
+            scores = self.scores.to(device)
+            before = None if self.parent is None else self.parent.carried(device)
+            if before is not None:  # the chain's scores, each entry's from the pass that kept it
+                scores = torch.cat([torch.stack(before.layers), scores], dim=-1)
+            return CarriedScores(self.scored_to, list(scores.unbind(0)))
         lens = self.unit_lens.long()
         valid = torch.arange(self.width, device=lens.device) < lens[..., None]
         wide = torch.zeros(valid.shape, dtype=torch.float32, device=lens.device)
@@ -201,9 +224,24 @@ class Document:
         return CarriedScores(self.scored_to, list(wide.to(device).unbind(0)), list(lens.to(device).unbind(0)))
 
     @property
+    def chain_slots(self) -> int:
+        """The slots of a request's row that start from it: its own and those of what it extends."""
+        return self.slots + (0 if self.parent is None else self.parent.chain_slots)
+
+    @property
+    def entries(self) -> int:
+        """Entries per (layer, KV head) its own node holds (of `key.entries`, the chain's)."""
+        return self.key.entries - self.key.parent_entries
+
+    @property
+    def covers(self) -> int:
+        """Prompt tokens its own entries were chosen among (after what it extends)."""
+        return self.key.tokens - (0 if self.parent is None else self.parent.key.tokens)
+
+    @property
     def offset(self) -> int:
         """Tokens a request starting from it has read beyond what its row holds: D - slots."""
-        return self.key.tokens - self.slots
+        return self.key.tokens - self.chain_slots
 
     @property
     def metadata_bytes(self) -> int:
@@ -221,6 +259,7 @@ def compact_bytes(entries: int, heads: int, packed: bool, scored: bool = False) 
 @dataclass
 class DocumentStats:
     compressions: int = 0  # documents compressed and published
+    extensions: int = 0  # of them: documents published as the extension of a resident one
     hits: int = 0  # requests that started from a resident document
     evictions: int = 0  # documents the tree evicted (LRU) or dropped
     not_published: int = 0  # compressed documents not published: no free slots, no room for its metadata, or a failure
@@ -277,6 +316,7 @@ class DocumentRegistry:
         self.publishers.pop(doc.key.digest, None)
         self.by_key[doc.key.digest] = doc
         self.stats.compressions += 1
+        self.stats.extensions += doc.parent is not None
         self._emit("compressed")
 
     def count_hit(self) -> None:
@@ -301,13 +341,13 @@ class DocumentRegistry:
 
     def _emit(self, event: str) -> None:
         if self.metrics is not None:
-            self.metrics.document(event, len(self.by_key), sum(d.key.entries for d in self.by_key.values()))
+            self.metrics.document(event, len(self.by_key), sum(d.entries for d in self.by_key.values()))
 
     def snapshot(self) -> dict[str, Any]:
         return {
             "resident": len(self.by_key),
-            "entries": sum(doc.key.entries for doc in self.by_key.values()),  # per (layer, KV head)
-            "tokens": sum(doc.key.tokens for doc in self.by_key.values()),  # what they cover
+            "entries": sum(doc.entries for doc in self.by_key.values()),  # per (layer, KV head), their own
+            "tokens": sum(doc.covers for doc in self.by_key.values()),  # what their own nodes cover
             # which token each entry holds (and a packed document's tables), on the KV's device,
             # within what the KV memory reserved for it (`metadata_budget`)
             "metadata_bytes": self.metadata_bytes,
@@ -349,10 +389,47 @@ def request_key(req: Req, config: KvcConfig, chunk: int | None = None) -> Docume
     every = chunk if chunk and spec.tokens > chunk else 0
     between = config.chunk_target(entries) if every else 0
     h = hashlib.sha256(array("q", prompt[: spec.tokens]).tobytes())
+    family = hashlib.sha256(repr((getattr(req, "extra_key", None), getattr(req, "cache_salt", None), policy,
+                                  settings.selection, config.kv_head_budget)).encode()).hexdigest()
+    content = content_digest(h.hexdigest(), family)
     h.update(repr((getattr(req, "extra_key", None), getattr(req, "cache_salt", None), policy, entries,
                    settings.selection, config.kv_head_budget, every, between)).encode())
     return DocumentKey(digest=h.hexdigest(), tokens=spec.tokens, entries=entries, policy=policy, every=every,
-                       between=between)
+                       between=between, family=family, content=content)
+
+
+def content_digest(tokens_digest: str, family: str) -> str:
+    """`DocumentKey.content` of a document whose tokens hash to `tokens_digest` (sha256)."""
+    return hashlib.sha256(f"{family}/{tokens_digest}".encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ExtensionRule:
+    """What a request's document keeps where it extends a resident one (`extension_entries`), and
+    how long an extension may be: on a server that compresses between chunks, one chunk (`limit`,
+    C), which its request reads before any cut of its row (a longer one is compressed whole, as a
+    document of its own, cut where its key says); None: any."""
+
+    ratio: float | None
+    budget: int | None
+    floor: int  # what a document always keeps (`document_floor`)
+    limit: int | None
+
+    def entries(self, parent_entries: int, tokens: int) -> int | None:
+        """Entries per (layer, KV head) an extension of `tokens` tokens after a document that keeps
+        `parent_entries` keeps of its own, or None where it may not extend it. A ratio is of its own
+        tokens (never fewer than the floor, never more than it has: a short turn is kept whole). A
+        budget is of the chain: what is left of it after the parent, at least the floor (or all of
+        a shorter extension); a chain at its budget is not extended: the request compresses its
+        document whole again, to its budget."""
+        if self.limit is not None and tokens > self.limit:
+            return None
+        least = min(tokens, self.floor)
+        if self.budget is not None:
+            own = min(tokens, max(self.budget, self.floor) - parent_entries)
+            return own if own >= least else None
+        ratio = DEFAULT_DOCUMENT_RATIO if self.ratio is None else self.ratio
+        return min(tokens, max(self.floor, math.ceil(ratio * tokens)))
 
 
 def may_start_from(req: Any) -> bool:
@@ -437,7 +514,19 @@ def _compresses(req: Any) -> bool:
     """Whether admitted `req`, which declares a document not resident, compresses it (is
     registered as compressing it by `compressing`, unless another in flight already is): not one
     that reads its prompt whole where documents are cut between chunks (it never publishes)."""
-    return hit(req) is None and not req.output_ids and (splits(req) or publishes_whole(req))
+    if req.output_ids:
+        return False
+    return extends(req) is not None or (hit(req) is None and (splits(req) or publishes_whole(req)))
+
+
+def extends(req: Any) -> Document | None:
+    """The resident document `req` started from and extends by a document of its own, which it
+    publishes (`adapter/documents/extension_pass.py`), or None."""
+    fields = req_state.of(req)
+    key, doc = fields.document, fields.hit
+    if key is None or doc is None or not key.parent or key.parent != doc.key.digest:
+        return None
+    return doc
 
 
 def compressing(admitted: list[Any], registry: DocumentRegistry) -> None:
@@ -578,6 +667,24 @@ def ends_here(req: Any) -> DocumentKey | None:
     return key if _skipped(req) + int(req.extend_end) == key.tokens else None
 
 
+def extension_due(req: Any, n: int) -> Document | None:
+    """The document `req` extends (`extends`) where its row of `n` entries holds its extension
+    exact after that document's entries (nothing of it compacted since it started from it: its
+    fill ids are shifted by that document's offset alone) up to its own document's end, else
+    None. From SGLang's fields, alike on every tensor-parallel rank."""
+    parent = extends(req)
+    if parent is None or _skipped(req) != parent.offset or _skipped(req) + n < declared(req).tokens:
+        return None
+    return parent
+
+
+def extension_lost(req: Any) -> bool:
+    """Whether `req`, which extends a resident document, compacted its row since it started
+    from it: it will not publish its extension."""
+    parent = extends(req)
+    return parent is not None and _skipped(req) != parent.offset
+
+
 def match_limit(req: Any, resident: bool) -> int | None:
     """The most prompt tokens `req` may match in the tree, or None (no limit): one that compresses
     its document between chunks matches fewer than D, so that a chunk of it ends at D, and fewer
@@ -612,14 +719,18 @@ def declare(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False, c
     fields = req_state.of(req)
     fields.hit, fields.split, fields.abstains, fields.cuts = None, split, not split and chunk is not None, 0
     if refused_by_sglang(req):  # SGLang's own refusal stands (its prompt is cut to one token)
-        req_state.of(req).document = None
+        fields.document = fields.own_document = None
         return
     try:
         key = request_key(req, config, chunk)
         if key is not None and registry_of(tree_cache) is None:
             raise RequestSettingError("kv_compression.document", "shared documents live in sgl-kvc's prefix cache: "
                                       "this server runs without it (--disable-radix-cache or the hierarchical cache)")
-        req_state.of(req).document = key
+        fields.document = fields.own_document = key
+        fields.extension = None
+        if key is not None and not config.variable_budget and config.kv_document_extend == "resident":
+            spec = of_request(req).document
+            fields.extension = ExtensionRule(spec.ratio, spec.budget, document_floor(config), chunk)
         if key is not None:
             # Its exact KV never enters the tree: the document's compressed node is what later
             # requests start from, and its whole prompt and answer (several times the node's
@@ -628,7 +739,7 @@ def declare(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False, c
     except RequestSettingError as e:
         from http import HTTPStatus
 
-        req_state.of(req).document = None
+        fields.document = fields.own_document = None
         req.set_finish_with_abort(f"Invalid {e.param}: {e}", status_code=HTTPStatus.BAD_REQUEST)
 
 

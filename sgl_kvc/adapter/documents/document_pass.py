@@ -142,8 +142,8 @@ def publish_copies(compressor: Host, batch: ScheduleBatch, items: list[tuple[int
             raise RuntimeError("its request failed on this rank")
         return _prepare(compressor, batch, i, key, states[i])
 
-    voted = _voted(compressor, batch, items, prepare)
-    for r, absent in voted:
+    votes = voted(compressor, batch, items, prepare)
+    for r, absent in votes:
         if r is not None and absent:
             batch.token_to_kv_pool_allocator.free(r.dest)
         elif r is not None:
@@ -153,20 +153,20 @@ def publish_copies(compressor: Host, batch: ScheduleBatch, items: list[tuple[int
                 logger.exception("sgl-kvc: document of %s not published", batch.reqs[r.i].rid)
                 batch.token_to_kv_pool_allocator.free(r.dest)
                 registry.stats.not_published += 1
-    registry.stats.not_published += sum(1 for _, absent in voted if absent)
-    _settle(batch, items, registry)
+    registry.stats.not_published += sum(1 for _, absent in votes if absent)
+    settle(batch, items, registry)
     if invariants.enabled():
         invariants.check_documents(batch.tree_cache)
     registry.stats.seconds += compressor.account(time.perf_counter() - t0)
 
 
-def _settle(batch: ScheduleBatch, items: list[tuple[int, DocumentKey]], registry: Any) -> None:
+def settle(batch: ScheduleBatch, items: list[tuple[int, DocumentKey]], registry: Any) -> None:
     """The requests held back for these documents may go: each is published or will not be."""
     for i, key in items:
         registry.settle(key, batch.reqs[i])
 
 
-def _voted(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]],
+def voted(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]],
            prepare: Callable[[int, DocumentKey], Any]) -> list[tuple[Any, bool]]:
     """`prepare(i, key)` of each item (None where it raises here: logged, the document is not
     published, its request goes on), and whether it is missing on any rank (the ranks' vote)."""
@@ -234,7 +234,7 @@ def _insert(compressor: Host, batch: ScheduleBatch, r: _Ready, registry: Any) ->
         raise RuntimeError(f"a document node under key {r.key.digest[:12]} exists unregistered")
     doc = Document.compact(r.key, result.last_device_node, r.kept_positions, slots, r.unit_lens, r.carried)
     registry.add(doc)
-    _trace(compressor, batch.reqs[r.i], doc)
+    trace_document(compressor, batch.reqs[r.i], doc)
 
 
 def publish_cut_rows(compressor: Host, batch: ScheduleBatch, ends: list[tuple[int, DocumentKey]],
@@ -255,9 +255,9 @@ def publish_cut_rows(compressor: Host, batch: ScheduleBatch, ends: list[tuple[in
     t0 = time.perf_counter()
     registry.metrics = compressor.metrics
     registry.metadata_budget = compressor.document_bytes
-    voted = _voted(compressor, batch, items,
+    votes = voted(compressor, batch, items,
                    lambda i, key: _row_ready(compressor, batch, i, key, passes_before.get(i)))
-    for (i, key), (slots, absent) in zip(items, voted):
+    for (i, key), (slots, absent) in zip(items, votes):
         if absent:
             registry.stats.not_published += 1
             continue
@@ -266,7 +266,7 @@ def publish_cut_rows(compressor: Host, batch: ScheduleBatch, ends: list[tuple[in
         except Exception:  # noqa: BLE001 - its row is as the chunk moment left it: it goes on
             logger.exception("sgl-kvc: document of %s not published", batch.reqs[i].rid)
             registry.stats.not_published += 1
-    _settle(batch, items, registry)
+    settle(batch, items, registry)
     if invariants.enabled():
         invariants.check_documents(batch.tree_cache)
     registry.stats.seconds += compressor.account(time.perf_counter() - t0)
@@ -329,10 +329,10 @@ def _adopt(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, slo
     state.reconstructed = doc.carried(compressor.store.device)
     state.stats = [None] * compressor.store.num_layers
     state.stats_since = key.tokens
-    _trace(compressor, req, doc)
+    trace_document(compressor, req, doc)
 
 
-def _trace(compressor: Host, req: Any, doc: Document) -> None:
+def trace_document(compressor: Host, req: Any, doc: Document) -> None:
     if not compressor.trace:  # tests only (SGLKVC_TRACE); the node is the tree's now, whatever happens here
         return
     try:

@@ -27,7 +27,8 @@ from sglang.srt.mem_cache.registry import (
 )
 
 from sgl_kvc import req_state
-from sgl_kvc.adapter.documents import DocumentRegistry, declared, match_limit, may_start_from
+from sgl_kvc.adapter.documents import DocumentRegistry, match_limit, may_start_from
+from sgl_kvc.adapter.documents.extensions import resident_start
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def create(ctx: TreeCacheBuildContext) -> BasePrefixCache:
 
 class KvcRadixCache(RadixCache):
     """SGLang's `RadixCache` with compressed documents (`adapter/documents/__init__.py`): a request that
-    declares a resident document matches the document's node, whatever its tokens would match; one
+    declares a resident document (or one its own extends) matches the document's node, whatever its tokens would match; one
     that compresses its document between chunks matches less than the document, so that a chunk of
     it ends at the document's end; a document's node leaves the registry when the tree deletes it."""
 
@@ -63,7 +64,8 @@ class KvcRadixCache(RadixCache):
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         req = params.req
-        doc = None if req is None or self.disable else self.documents.get(declared(req))
+        # its own document, or the longest one its own extends (`extensions.resident_start`)
+        doc = None if req is None or self.disable else resident_start(self.documents, req)
         # The request's prompt reaches past the document (`request_key` checked it); SGLang's
         # cap on the match (the last token, the observation window) is about its own suffix, but
         # its cap for prompt log-probabilities (`logprob_start_len`) is not: such a request
@@ -78,7 +80,7 @@ class KvcRadixCache(RadixCache):
                 # here, once per request too (a waiting request is matched in every round).
                 self._inc_hit_count(node)
                 req_state.of(req).counted_use = node
-            return MatchResult(device_prefix_len=len(node.value), last_device_node=node,
+            return MatchResult(device_prefix_len=doc.chain_slots, last_device_node=node,
                                last_host_node=node, best_match_node=node)
         limit = None if req is None or self.disable else match_limit(req, resident=doc is not None)
         if limit is not None and len(params.key) > limit:
@@ -105,16 +107,17 @@ class KvcRadixCache(RadixCache):
         held = registry.metadata_bytes
         if held + nbytes <= budget:
             return True
-        # a document's node is a leaf under the root (nothing is inserted under its key), locked
-        # while a request starts from it
-        candidates = sorted((doc for doc in registry.by_key.values()
-                             if doc.node.lock_ref == 0 and not doc.node.children),
-                            key=lambda doc: self.eviction_strategy.get_priority(doc.node))
-        if held - sum(doc.metadata_bytes for doc in candidates) + nbytes > budget:
+        # a document's node is a leaf under the root or under the document it extends (nothing
+        # else is inserted under its key), locked while a request starts from it: leaves first,
+        # as SGLang's own `evict`, a chain's parent once its children are gone (a lock holds every
+        # node up to the root: an unlocked document's children are unlocked too)
+        if held - sum(doc.metadata_bytes for doc in registry.by_key.values() if doc.node.lock_ref == 0) + nbytes > budget:
             return False  # the locked ones alone leave no room: evict nothing for nothing
-        for doc in candidates:
-            if held + nbytes <= budget:
-                break
+        while held + nbytes > budget:
+            candidates = [doc for doc in registry.by_key.values() if doc.node.lock_ref == 0 and not doc.node.children]
+            if not candidates:
+                return False
+            doc = min(candidates, key=lambda doc: self.eviction_strategy.get_priority(doc.node))
             held -= doc.metadata_bytes
             node = doc.node
             # as SGLang's own `evict` removes a leaf
@@ -122,7 +125,7 @@ class KvcRadixCache(RadixCache):
             self._delete_leaf(node)  # and from the registry
             self.kv_events.record_remove(node)
             registry.stats.evicted_for_metadata += 1
-        return held + nbytes <= budget
+        return True
 
 
 def register(name: str) -> None:

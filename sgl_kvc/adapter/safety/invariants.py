@@ -83,7 +83,10 @@ def check_documents(tree: Any) -> None:
         raise InvariantViolation(f"documents' metadata {registry.metadata_bytes} B over the {budget} B "
                                  "the KV memory reserved for it")
     for digest, doc in registry.by_key.items():
-        node, k = doc.node, doc.key.entries
+        node, k = doc.node, doc.entries
+        if doc.parent is not None and (registry.by_key.get(doc.parent.key.digest) is not doc.parent
+                                       or node.parent is not doc.parent.node):
+            raise InvariantViolation(f"document {digest[:12]} extends one that is not its node's parent")
         if getattr(node, "sgl_kvc_document", None) is not doc or doc.key.digest != digest:
             raise InvariantViolation(f"document {digest[:12]} is not its node's")
         parent = node.parent
@@ -98,5 +101,6 @@ def check_documents(tree: Any) -> None:
         if doc.unit_lens is not None and int(doc.unit_lens.sum()) != kept.numel():  # packed: each head's own
             raise InvariantViolation(f"document {digest[:12]}: {kept.numel()} kept positions for "
                                      f"{int(doc.unit_lens.sum())} entries")
-        if kept.numel() and (int(kept.max()) >= doc.key.tokens or int(kept.min()) < 0):
+        first = 0 if doc.parent is None else doc.parent.key.tokens
+        if kept.numel() and (int(kept.max()) >= doc.key.tokens or int(kept.min()) < first):
             raise InvariantViolation(f"document {digest[:12]}: kept positions outside its {doc.key.tokens} tokens")

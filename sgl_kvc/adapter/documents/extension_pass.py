@@ -1,0 +1,210 @@
+"""Publishing a document that extends a resident one (`adapter/documents/extensions.py`).
+
+A request that started from a resident document its own extends holds, right after the forward
+that read its extension (before SGLang processes the result, and before any pass of its own),
+the parent's entries (the chain's slots, tree-owned) then its extension's exact entries. A pass
+over those, by the document's question-free prompt policy, keeps every entry of the parent (held:
+the chain above is shared, never chosen again) and chooses the extension's own entries among
+its tokens, scored in the context of what the parent kept (KVzip repeats only the extension,
+resuming from the scores the parent carries, as a request starting from the parent would). The
+chosen entries are copied into fresh slots, which become a child node of the parent's in the
+tree. The request's row is only read: it goes on as it was, and whatever fails here loses the
+extension only (the next request that declares it tries again).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from sgl_kvc.adapter.documents import (
+    Document, DocumentKey, compact_bytes, declared, extends, extension_due, extension_lost, registry_of,
+)
+from sgl_kvc.adapter.documents.document_pass import Host, settle, trace_document, voted
+from sgl_kvc.adapter.safety import failpoints, invariants
+from sgl_kvc.core.moves import move_units_many
+from sgl_kvc.core.passes import StepWork, advance_uniform, start_pass
+from sgl_kvc.core.reconstruction import CarriedScores, carry_scores
+from sgl_kvc.core.request_state import Budget, ReqKvState
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+
+def due(compressor: Host, batch: ScheduleBatch) -> list[tuple[int, DocumentKey]]:
+    """The requests of `batch` whose row holds their extension exact now (`extension_due`), the
+    first in the batch of each extension not resident. One whose row was compacted before its
+    extension was read will not publish it: requests waiting for it go."""
+    registry = registry_of(getattr(batch, "tree_cache", None))
+    if registry is None:
+        return []
+    out, seen = [], set()
+    for i, req in enumerate(batch.reqs):
+        if req.finished() or extends(req) is None:
+            continue
+        key = declared(req)
+        if extension_due(req, int(batch.seq_lens_cpu[i])) is None:
+            if extension_lost(req):
+                registry.settle(key, req)
+            continue
+        if key.digest in seen or registry.get(key) is not None:
+            continue
+        seen.add(key.digest)
+        out.append((i, key))
+    return out
+
+
+@dataclass
+class _Ready:
+    i: int
+    key: DocumentKey
+    parent: Document
+    dest: Tensor  # the extension's own entries, copied in
+    kept_positions: Tensor  # [L, H_kv, own]
+    carried: CarriedScores | None  # KVzip: their reconstruction scores
+
+
+def publish(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]]) -> None:
+    """Choose, copy and publish each item's extension; a failure loses that extension only. With
+    tensor parallelism it is published only where every rank copied it."""
+    if not items:
+        return
+    t0 = time.perf_counter()
+    registry = registry_of(batch.tree_cache)
+    registry.metrics = compressor.metrics
+    registry.metadata_budget = compressor.document_bytes
+    parents = {i: extends(batch.reqs[i]) for i, _ in items}
+    states = {i: _chain_state(compressor, key, parents[i]) for i, key in items}
+    failed: dict[int, BaseException] = {}
+    recon = [(i, states[i], "prefill", _row_entries(key, parents[i])) for i, key in items
+             if states[i].policy.uses_reconstruction]
+    if recon:
+        compressor.reconstructor.run(compressor.scheduler, batch, recon, lambda req, e: failed.setdefault(
+            batch.reqs.index(req), e))
+
+    def prepare(i: int, key: DocumentKey) -> _Ready | None:
+        if i in failed:
+            raise failed[i]
+        if compressor.state(batch.reqs[i]) is None:
+            raise RuntimeError("its request failed on this rank")
+        return _prepare(compressor, batch, i, key, parents[i], states[i])
+
+    for r, absent in voted(compressor, batch, items, prepare):
+        if r is not None and absent:
+            batch.token_to_kv_pool_allocator.free(r.dest)
+        elif r is not None:
+            try:
+                _insert(compressor, batch, r)
+            except Exception:  # noqa: BLE001 - never the request's: its row was only read
+                logger.exception("sgl-kvc: extension of %s not published", batch.reqs[r.i].rid)
+                batch.token_to_kv_pool_allocator.free(r.dest)
+                registry.stats.not_published += 1
+        if r is None or absent:
+            registry.stats.not_published += 1
+    settle(batch, items, registry)
+    if invariants.enabled():
+        invariants.check_documents(batch.tree_cache)
+    registry.stats.seconds += compressor.account(time.perf_counter() - t0)
+
+
+def _row_entries(key: DocumentKey, parent: Document) -> int:
+    """The row's entries the extension's pass reads: the chain's slots, then its own tokens."""
+    return parent.chain_slots + key.tokens - parent.key.tokens
+
+
+def _chain_state(compressor: Host, key: DocumentKey, parent: Document) -> ReqKvState:
+    """The extension's pass state: a row that starts from `parent`, as a request's that started
+    from it (`Compressor._begin` for a hit), with nothing of its own compacted."""
+    store = compressor.store
+    state = ReqKvState(policy=compressor.policy(key.policy, key.entries), budget=Budget(key.entries),
+                       selection="per-head", device=store.device)
+    state.kept_positions = parent.tables()[0]
+    state.offset = parent.offset
+    state.reconstructed = parent.carried(store.device)
+    return state
+
+
+def _prepare(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, parent: Document,
+             state: ReqKvState) -> _Ready | None:
+    """The extension's pass, and its own kept entries copied into fresh slots (None: no room)."""
+    from sgl_kvc.adapter.moments.compaction import make_room_in_tree
+
+    store = compressor.store
+    req = batch.reqs[i]
+    row = req.kv.req_pool_idx
+    failpoints.check("document_raise", req)
+    held, n = parent.chain_slots, _row_entries(key, parent)
+    own = key.entries - key.parent_entries
+    slots = store.req_to_token[row, :n].to(torch.int64)
+    if not torch.equal(slots[:held].cpu(), _path(parent.node)[1].cpu()):
+        raise RuntimeError("its row does not start with the slots of the document it extends")
+    state.pending = start_pass(store, row, state, state.policy, n, held + own, "prefill", None, held=held)
+    scores = state.pending.reconstruction
+    due_pass = advance_uniform(store, row, state, n, StepWork.unlimited(), i)
+    if due_pass is None:
+        raise RuntimeError("an unlimited extension pass did not finish")
+    indices = due_pass.selection.indices.to(slots.device)
+    if not bool((indices[..., :held] == torch.arange(held, device=slots.device)).all()):
+        raise RuntimeError("the extension's pass did not keep the entries of the document it extends")
+    mine = indices[..., held:]
+    carried = None
+    if scores is not None:
+        chain = carry_scores(scores, due_pass.selection, per_head_lengths=False)
+        carried = CarriedScores(chain.end, [layer[:, held:] for layer in chain.layers])
+    tree, allocator = batch.tree_cache, batch.token_to_kv_pool_allocator
+    if not tree.make_document_room(compact_bytes(int(mine.numel()), 0, False, carried is not None)):
+        return None  # its metadata would not fit its reservation: not published
+    make_room_in_tree(tree, own)  # the request's own path, the parent's with it, is locked
+    if allocator.available_size() < own:
+        return None
+    dest = allocator.alloc(own).to(device=slots.device, dtype=torch.int64)
+    try:
+        move_units_many(allocator.get_kvcache(), [(slots, mine, dest)])
+    except BaseException:
+        allocator.free(dest)
+        raise
+    return _Ready(i, key, parent, dest, due_pass.kept_positions[..., held:], carried)
+
+
+def _path(node: Any) -> tuple[array, Tensor]:
+    """The radix key tokens and slots from the root down to `node`."""
+    nodes = []
+    while node.parent is not None:
+        nodes.append(node)
+        node = node.parent
+    nodes.reverse()
+    tokens = array("q")
+    for n in nodes:
+        tokens.extend(n.key.token_ids)
+    return tokens, torch.cat([n.value for n in nodes])
+
+
+def _insert(compressor: Host, batch: ScheduleBatch, r: _Ready) -> None:
+    """The extension's node: a child of its parent's, under the chain's namespace, its own
+    placeholder tokens a number of its digest (siblings differ at their first token)."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    tree, parent = batch.tree_cache, r.parent
+    own = int(r.dest.numel())
+    namespace = parent.node.key.extra_key
+    mine = RadixKey(array("q", [int(r.key.digest[:15], 16)] * own), extra_key=namespace)
+    if mine.child_key(tree.page_size) in parent.node.children:
+        raise RuntimeError(f"an extension of {parent.key.digest[:12]} under the same first key exists")
+    tokens, values = _path(parent.node)
+    tokens.extend(mine.token_ids)
+    # the path matches down to the parent's node (locked by the request), and no child of it
+    # begins with the extension's first token: the insert adds exactly one node, its slots
+    result = tree.insert(InsertParams(key=RadixKey(tokens, extra_key=namespace),
+                                      value=torch.cat([values.to(r.dest.device), r.dest])))
+    doc = Document.compact(r.key, result.last_device_node, r.kept_positions, own, carried=r.carried, parent=parent)
+    registry_of(tree).add(doc)
+    trace_document(compressor, batch.reqs[r.i], doc)
