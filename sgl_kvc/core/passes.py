@@ -80,9 +80,11 @@ class PendingPass:
     tables: RequestTables | None = None
     scores: list[Tensor] = field(default_factory=list)
     protected: list[Tensor] = field(default_factory=list)
-    # Entries [0, held) every head keeps (uniform): a document extended by another is kept as it
-    # is, only what extends it is chosen (`adapter/documents/extension_pass.py`).
+    # Entries every head keeps, the first `held` (uniform) or `held_lens[l, h]` of each head's
+    # table (variable): a document extended by another is kept as it is, only what extends it is
+    # chosen, `target` of its entries per head (`adapter/documents/extension_pass.py`).
     held: int = 0
+    held_lens: Tensor | None = None
 
     @property
     def staged(self) -> bool:
@@ -126,11 +128,16 @@ def start_pass(
     tables: RequestTables | None, held: int = 0,
 ) -> PendingPass:
     """A new pass over the request's n entries (`tables`: its per-head tables on the unit pool;
-    `held`: its first entries, which every head keeps, uniform budgets only)."""
+    `held`: its first n entries, which every head keeps; on the unit pool each head's first
+    entries, as many as the request's packed entries are (`ReqKvState.unit_lens`), and the pass
+    chooses `target` per head among the rest)."""
+    held_lens = None
     if held and tables is not None:
-        raise ValueError("held entries are for uniform passes")
+        if state.unit_lens is None or held != state.packed:
+            raise ValueError("on the unit pool a pass holds the request's packed entries")
+        held_lens = state.unit_lens.to(tables.lens.device, torch.int64)
     return PendingPass(
-        moment=moment, policy=policy, n0=n, target=min(target, n), held=held,
+        moment=moment, policy=policy, n0=n, target=min(target, n), held=held, held_lens=held_lens,
         positions=state.positions(n) if tables is None else tables.positions,
         queries=store.window_queries(row, n), tables=tables,
         moments=prompt_moments(store, state, policy, moment),
@@ -266,7 +273,7 @@ def advance_variable(
     for k, (score, prot) in enumerate(zip(p.scores, p.protected)):
         scores[k // num_heads, k % num_heads, : score.numel()] = score
         protected[k // num_heads, k % num_heads, : prot.numel()] = prot
-    chosen = select_from_scores(scores, protected, p.target, lengths=tables.lens, mode=mode)
+    chosen = _choose_variable(p, scores, protected, tables.lens, mode)
     # Entries appended since the pass began (after each head's own columns): every head keeps them.
     now = state.tables(store.req_to_token[row, :n], num_layers, num_heads)
     tail = torch.arange(n - p.n0, device=device)
@@ -289,6 +296,27 @@ def advance_variable(
         kept_positions=now.positions.gather(-1, safe) * valid, stats=stats, began_at=p.n0,
         staged=p.staged, units=now.units, n=n, carried=_carried(p, selection, per_head_lengths=True),
     )
+
+
+def _choose_variable(p: PendingPass, scores: Tensor, protected: Tensor, lens: Tensor, mode: str) -> HeadSelection:
+    """The variable pass's choice over its tables' columns: the policy's allocation
+    (`allocation`) over every entry, or, holding each head's first `held_lens`, over the rest only
+    (columns held_lens[l, h] ...), the held ones kept before them."""
+    if p.held_lens is None:
+        return select_from_scores(scores, protected, p.target, lengths=lens, mode=mode)
+    held = p.held_lens
+    rest = lens - held
+    width = int(rest.max()) if rest.numel() else 0
+    cols = (held[..., None] + torch.arange(width, device=lens.device)).clamp(max=scores.shape[-1] - 1)
+    own = select_from_scores(scores.gather(-1, cols), protected.gather(-1, cols), p.target, lengths=rest, mode=mode)
+    lengths = held + own.lengths
+    keep = int(lengths.max())
+    first = torch.arange(keep + 1, device=lens.device)  # + a column the padding is written to
+    indices = torch.where(first < held[..., None], first, HeadSelection.PAD)
+    valid = own.valid()
+    at = torch.where(valid, held[..., None] + torch.arange(own.max_keep, device=lens.device), keep)
+    indices.scatter_(-1, at, torch.where(valid, own.indices + held[..., None], HeadSelection.PAD))
+    return HeadSelection(indices=indices[..., :keep].contiguous(), lengths=lengths, n=int(scores.shape[-1]))
 
 
 def _carried(p: PendingPass, selection: HeadSelection, per_head_lengths: bool) -> CarriedScores | None:

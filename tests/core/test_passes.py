@@ -217,3 +217,59 @@ def test_only_scores_made_for_one_sort_are_sorted_across_layers() -> None:
     for mode, names in once.items():
         sorted_once = {name for name in available_policies() if passes.allocation(get_policy(name), mode) == "variable"}
         assert sorted_once == names, (mode, sorted_once)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "keydiff", "streamingllm"])
+def test_a_pass_that_holds_the_first_entries_chooses_among_the_rest(device: torch.device, policy: str) -> None:
+    """A shared document's extension (`adapter/documents/extension_pass.py`): every head keeps the
+    row's first `held` entries (the document it extends) and chooses the rest among the others
+    alone, as the policy chooses among them with its window protected; without them held, it
+    would have dropped some (so the test can fail)."""
+    n, held, own = 30, 12, 9  # own > the window the policy protects (`ExtensionRule`: at least the floor)
+    store, state, pool, slots = _request(device, policy, n, seed=21)
+    state.pending = start_pass(store, 0, state, state.policy, n, held + own, "prefill", None, held=held)
+    due = advance_uniform(store, 0, state, n, StepWork.unlimited())
+    first = torch.arange(held, device=device)
+    assert bool((due.selection.indices[..., :held] == first).all())
+    views = [LayerView(keys=pool.get_key_buffer(layer)[slots], queries=store.window_queries(0, n)[layer],
+                       values=pool.get_value_buffer(layer)[slots]) for layer in range(LAYERS)]
+    scores = torch.stack([state.policy.score(v) for v in views])
+    protected = torch.stack([state.policy.protected(v).expand(H_KV, n) for v in views])
+    rest = select_from_scores(scores[..., held:], protected[..., held:], own)
+    assert torch.equal(due.selection.indices[..., held:], rest.indices + held)
+    unheld = _run(store, state, n, held + own, allowance=1 << 40)
+    assert not bool((unheld.selection.indices[..., :held] == first).all())
+
+
+@pytest.mark.parametrize("mode", ["variable", "layer"])
+def test_a_packed_pass_holds_each_heads_packed_entries(device: torch.device, mode: str) -> None:
+    """On the unit pool: a request whose first slots are packed (each head its own number of
+    entries) holds every head's packed entries, in order, and keeps `own` x heads of the entries
+    after them (per layer under `layer`), each head at least its window, none of the held again."""
+    n, packed, own = 28, 4, 9  # own at least the window (`ExtensionRule`: at least the floor)
+    store, state, pool, slots = _request(device, "snapkv", n, seed=23, units=True)
+    per_slot = LAYERS * H_KV
+    lens = torch.tensor([[5, 3], [1, 7]], device=device)
+    units = torch.zeros(LAYERS, H_KV, int(lens.max()), dtype=torch.int64, device=device)
+    starts = (torch.cumsum(lens.reshape(-1), 0) - lens.reshape(-1)).reshape(LAYERS, H_KV)
+    for layer in range(LAYERS):
+        for h in range(H_KV):
+            rel = starts[layer, h] + torch.arange(int(lens[layer, h]), device=device)
+            units[layer, h, : int(lens[layer, h])] = slots[rel // per_slot].long() * per_slot + rel % per_slot
+    state.units, state.unit_lens, state.packed = units, lens, packed
+    state.kept_positions = torch.arange(int(lens.max()), device=device).expand(LAYERS, H_KV, -1) * 2
+    state.offset = 40
+    tables = state.tables(store.req_to_token[0, :n], LAYERS, H_KV)
+    state.pending = start_pass(store, 0, state, state.policy, n, own, "prefill", tables, held=packed)
+    due = advance_variable(store, 0, state, n, StepWork.unlimited(), mode)
+    sel = due.selection
+    for layer in range(LAYERS):
+        for h in range(H_KV):
+            kept = sel.indices[layer, h, : int(sel.lengths[layer, h])].tolist()
+            held = int(lens[layer, h])
+            assert kept[:held] == list(range(held))
+            window = state.policy.params.recent_kept
+            assert len(kept) - held >= window and kept[-window:] == list(range(held + n - packed - window, held + n - packed))
+    assert int((sel.lengths - lens).sum()) == own * LAYERS * H_KV
+    if mode == "layer":
+        assert (sel.lengths - lens).sum(dim=1).tolist() == [own * H_KV] * LAYERS

@@ -733,15 +733,20 @@ def test_a_hit_whose_suffix_exceeds_its_budget_repeats_only_its_suffix(servers, 
 TURN, NEXT_TURN = 24, 16
 
 
-def test_a_document_that_extends_a_resident_one_starts_from_it(servers, trace: Path, demo_model_path: str) -> None:
+@pytest.mark.parametrize("name", ["uniform", "variable", "whole"])
+def test_a_document_that_extends_a_resident_one_starts_from_it(servers, name: str, trace: Path,
+                                                               demo_model_path: str) -> None:
     """A conversation whose document grows by a turn each time: the request whose document is the
     resident document + one turn starts from the resident one (it prefills the turn and its
     question only), keeps its entries as they are and publishes the turn's, chosen among its own
     tokens, as a child node; the next request with that document prefills only its question and
     answers exactly as a dense reference that reads the chain's entries; a second branch shares
     the first document's node (its entries are in the tree once); a third turn extends the chain;
-    the pool adds up once they are evicted, and another tenant's answer is unchanged."""
-    server = servers["uniform"]
+    the pool adds up once they are evicted, and another tenant's answer is unchanged. On the
+    uniform server (compressed between chunks) every head keeps as many of the turn's entries; on
+    the variable one they are packed, one sort over every head; on the layer server (prompts read
+    whole), one sort per layer."""
+    server = servers[name]
     tenant = _tokens(5000, DOC + QUESTION)
     quiet = generate(server, tenant, 4)["output_ids"]
     doc, turn, branch, turn3 = _tokens(5001, DOC), _tokens(5002, TURN), _tokens(5003, TURN), _tokens(5004, NEXT_TURN)
@@ -764,11 +769,12 @@ def test_a_document_that_extends_a_resident_one_starts_from_it(servers, trace: P
     assert after["extensions"] == start["extensions"] + 1 and after["hits"] == start["hits"] + 1, after
     chain = published(second)
     assert chain["logical_len"] == DOC + TURN
-    own = len(chain["kept_positions"][0][0]) - ENTRIES
+    heads = [(head, parent_head) for layer, parent in zip(chain["kept_positions"], root["kept_positions"])
+             for head, parent_head in zip(layer, parent)]
+    for head, parent_head in heads:  # the document's entries as it kept them, then the turn's
+        assert head[:len(parent_head)] == parent_head and all(DOC <= p < DOC + TURN for p in head[len(parent_head):])
+    own = sum(len(head) - len(parent_head) for head, parent_head in heads) / len(heads)  # per (layer, KV head)
     assert 0 < own < TURN and after["entries"] == start["entries"] + own, (own, after)
-    for layer, parent in zip(chain["kept_positions"], root["kept_positions"]):
-        for head, parent_head in zip(layer, parent):
-            assert head[:ENTRIES] == parent_head and all(DOC <= p < DOC + TURN for p in head[ENTRIES:])
     # the publisher answers from the document's entries and its turn exact
     assert logprob_error(demo_model_path, doc + turn + _tokens(5011, QUESTION), second, [root])() < TOLERANCE
 

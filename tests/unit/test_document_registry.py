@@ -533,3 +533,81 @@ def test_where_a_document_is_cut_is_decided_by_its_key() -> None:
     assert not documents.publishes_whole(whole) and not documents.publishes_whole(short)  # short: between chunks
     documents.compressing([whole], tree.documents)
     assert tree.documents.publishers == {}
+
+
+def test_extension_entries_from_a_ratio_or_what_is_left_of_a_budget() -> None:
+    from sgl_kvc.adapter.documents import ExtensionRule
+
+    ratio = ExtensionRule(ratio=0.3, budget=None, floor=13, limit=None)
+    assert ratio.entries(30, 100) == 30 and ratio.entries(30, 20) == 13 and ratio.entries(30, 8) == 8  # kept whole
+    budget = ExtensionRule(ratio=None, budget=60, floor=13, limit=None)
+    assert budget.entries(30, 100) == 30 and budget.entries(50, 100) is None  # at its budget: not extended
+    assert budget.entries(55, 4) == 4 and budget.entries(55, 8) is None  # a short turn whole, if it fits
+    assert ExtensionRule(ratio=0.3, budget=None, floor=13, limit=64).entries(30, 65) is None  # over one chunk
+
+
+def _declaring_own(prompt: list[int], tokens: int, extra_key: str | None = None) -> SimpleNamespace:
+    """A request declaring its prompt's first `tokens` as its document, on a server that extends."""
+    from sgl_kvc.adapter.documents import ExtensionRule
+
+    req = _req(prompt, extra_key)
+    req.sampling_params.custom_params[CUSTOM_PARAMS_KEY]["document"] = {"tokens": tokens}
+    fields = req_state.of(req)
+    fields.document = fields.own_document = request_key(req, KVZIP)
+    fields.extension = ExtensionRule(None, None, 13, None)
+    return req
+
+
+def test_a_document_that_extends_a_resident_one_is_matched_through_it_and_evicted_leaf_first() -> None:
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    tree, allocator = _tree()
+    prompt = list(range(10, 200))
+    root_key = request_key(_declaring_own(prompt, 100), KVZIP)
+    slots = torch.arange(500, 530)
+    root = tree.insert(InsertParams(key=node_key(root_key, 30), value=slots)).last_device_node
+    tree.documents.add(Document(key=root_key, node=root, kept_positions=torch.randint(0, 100, (2, 1, 30)), slots=30))
+
+    def match(req) -> object:
+        return tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", req.origin_input_ids)), req=req))
+
+    turn = _declaring_own(prompt[:150], 140)
+    m = match(turn)
+    key = documents.declared(turn)
+    assert m.last_device_node is root and m.device_prefix_len == 30  # starts from the resident one
+    assert (key.parent, key.tokens, key.entries, key.parent_entries) == (root_key.digest, 140, 30 + 13, 30)
+    assert key.content == documents.declared(_declaring_own(prompt[:150], 140)).content
+    # another namespace, or another document's first 100 tokens, never matches it
+    assert match(_declaring_own(prompt[:150], 140, extra_key="lora")).device_prefix_len == 0
+    assert match(_declaring_own([7] + prompt[1:150], 140)).device_prefix_len == 0
+
+    # its extension published as the root's child (`extension_pass._insert` does so)
+    own = torch.arange(600, 613)
+    path = array("q", root.key.token_ids) + array("q", [int(key.digest[:15], 16)] * 13)
+    child = tree.insert(InsertParams(key=RadixKey(path, extra_key=root.key.extra_key),
+                                     value=torch.cat([slots, own]))).last_device_node
+    assert child.parent is root
+    doc = Document(key=key, node=child, kept_positions=torch.randint(100, 140, (2, 1, 13)), slots=13,
+                   parent=doc_of(root))
+    tree.documents.add(doc)
+    invariants.check_documents(tree)
+    assert doc.tables()[0].shape == (2, 1, 43) and doc.offset == 140 - 43
+    again = _declaring_own(prompt[:160], 140)
+    m = match(again)
+    assert m.last_device_node is child and m.device_prefix_len == 43 and documents.declared(again) == key
+    assert torch.equal(tree.path_device_indices(child), torch.cat([slots, own]))
+    longer = _declaring_own(prompt, 180)  # the next turn extends the longest: the child
+    assert match(longer).last_device_node is child and documents.declared(longer).parent == key.digest
+    assert tree.documents.snapshot()["entries"] == 30 + 13 and tree.documents.snapshot()["tokens"] == 140
+
+    lock = tree.lock(child)  # locks the root too
+    tree.evict(EvictParams(num_tokens=100))
+    assert allocator.freed == []
+    tree.unlock(lock)
+    tree.evict(EvictParams(num_tokens=13))  # the leaf first
+    assert tree.documents.get(key) is None and tree.documents.get(root_key) is doc_of(root)
+    assert allocator.freed == own.tolist()
+    tree.evict(EvictParams(num_tokens=100))
+    assert tree.documents.snapshot()["resident"] == 0 and sorted(allocator.freed) == [*range(500, 530), *range(600, 613)]
+    invariants.check_documents(tree)

@@ -178,7 +178,7 @@ class Document:
         return cls(key=key, node=node, kept_positions=kept_positions[valid].to(torch.int32), slots=slots,
                    unit_lens=unit_lens.to(torch.int32), width=width,
                    scores=None if scores is None else scores.to(valid.device)[valid],
-                   scored_to=carried.end if carried is not None else 0)
+                   scored_to=carried.end if carried is not None else 0, parent=parent)
 
     def tables(self) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """What a request starting from it holds as its compacted state (`ReqKvState`): its kept
@@ -202,7 +202,13 @@ class Document:
         units = (slots[rel // per_slot] * per_slot + rel % per_slot) * valid
         # int32: a unit pool of 2^31 units would hold 512 GB of K and V at head_dim 64 (256 GB in
         # FP8), on one device (variable budgets run without tensor parallelism)
-        return self.kept_positions[rel] * valid, units.to(torch.int32), self.unit_lens
+        positions, units = self.kept_positions[rel] * valid, units.to(torch.int32)
+        if self.parent is None:
+            return positions, units, self.unit_lens
+        # an extension: each head's entries of the chain above, then its own
+        above, above_units, above_lens = self.parent.tables()
+        return (after_heads(above, above_lens, positions, self.unit_lens),
+                after_heads(above_units, above_lens, units, self.unit_lens), above_lens + self.unit_lens)
 
     def carried(self, device: torch.device | str | None = None) -> CarriedScores | None:
         """KVzip: the reconstruction scores of its entries as a request that starts from it
@@ -221,6 +227,11 @@ class Document:
         valid = torch.arange(self.width, device=lens.device) < lens[..., None]
         wide = torch.zeros(valid.shape, dtype=torch.float32, device=lens.device)
         wide[valid] = self.scores.to(lens.device)
+        before = None if self.parent is None else self.parent.carried(lens.device)
+        if before is not None:  # each head's scores of the chain above, then its own
+            above_lens = torch.stack(before.lengths).long()
+            wide = after_heads(torch.stack(before.layers), above_lens, wide, lens)
+            lens = above_lens + lens
         return CarriedScores(self.scored_to, list(wide.to(device).unbind(0)), list(lens.to(device).unbind(0)))
 
     @property
@@ -247,6 +258,21 @@ class Document:
     def metadata_bytes(self) -> int:
         tensors = (self.kept_positions, self.unit_lens, self.scores)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def after_heads(first: Tensor, first_lens: Tensor, then: Tensor, then_lens: Tensor) -> Tensor:
+    """Per (layer, head) tables [L, H, *]: each head's first `first_lens` columns of `first`, then
+    its first `then_lens` of `then`, 0 after (a chain's tables, its ancestors' entries first)."""
+    first_lens, then_lens = first_lens.long(), then_lens.long()
+    lens = first_lens + then_lens
+    width = int(lens.max()) if lens.numel() else 0
+    cols = torch.arange(width, device=first.device).expand(*lens.shape, width)
+    from_first = cols < first_lens[..., None]
+    a = first.gather(-1, cols.clamp(max=max(first.shape[-1] - 1, 0))) if first.shape[-1] else torch.zeros_like(cols)
+    then_cols = (cols - first_lens[..., None]).clamp(min=0, max=max(then.shape[-1] - 1, 0))
+    b = then.to(first.device).gather(-1, then_cols) if then.shape[-1] else torch.zeros_like(cols)
+    out = torch.where(from_first, a.to(first.dtype), b.to(first.dtype))
+    return torch.where(cols < lens[..., None], out, torch.zeros((), dtype=first.dtype, device=first.device))
 
 
 def compact_bytes(entries: int, heads: int, packed: bool, scored: bool = False) -> int:
@@ -728,7 +754,7 @@ def declare(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False, c
                                       "this server runs without it (--disable-radix-cache or the hierarchical cache)")
         fields.document = fields.own_document = key
         fields.extension = None
-        if key is not None and not config.variable_budget and config.kv_document_extend == "resident":
+        if key is not None and config.kv_document_extend == "resident":
             spec = of_request(req).document
             fields.extension = ExtensionRule(spec.ratio, spec.budget, document_floor(config), chunk)
         if key is not None:

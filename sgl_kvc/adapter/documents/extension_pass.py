@@ -28,10 +28,11 @@ from sgl_kvc.adapter.documents import (
 )
 from sgl_kvc.adapter.documents.document_pass import Host, settle, trace_document, voted
 from sgl_kvc.adapter.safety import failpoints, invariants
-from sgl_kvc.core.moves import move_units_many
-from sgl_kvc.core.passes import StepWork, advance_uniform, start_pass
+from sgl_kvc.core.moves import move_unit_entries, move_units_many, packed_slots, unit_moves
+from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
 from sgl_kvc.core.reconstruction import CarriedScores, carry_scores
 from sgl_kvc.core.request_state import Budget, ReqKvState
+from sgl_kvc.policies import HeadSelection
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -67,9 +68,10 @@ class _Ready:
     i: int
     key: DocumentKey
     parent: Document
-    dest: Tensor  # the extension's own entries, copied in
-    kept_positions: Tensor  # [L, H_kv, own]
+    dest: Tensor  # the extension's own entries, copied in (packed: G slots)
+    kept_positions: Tensor  # [L, H_kv, own], or each head's own first (packed)
     carried: CarriedScores | None  # KVzip: their reconstruction scores
+    unit_lens: Tensor | None = None  # packed: each head's own entries
 
 
 def publish(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]]) -> None:
@@ -126,7 +128,10 @@ def _chain_state(compressor: Host, key: DocumentKey, parent: Document) -> ReqKvS
     store = compressor.store
     state = ReqKvState(policy=compressor.policy(key.policy, key.entries), budget=Budget(key.entries),
                        selection="per-head", device=store.device)
-    state.kept_positions = parent.tables()[0]
+    kept, units, lens = parent.tables()
+    state.kept_positions = kept
+    if units is not None:
+        state.units, state.unit_lens, state.packed = units, lens, parent.chain_slots
     state.offset = parent.offset
     state.reconstructed = parent.carried(store.device)
     return state
@@ -146,32 +151,68 @@ def _prepare(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, p
     slots = store.req_to_token[row, :n].to(torch.int64)
     if not torch.equal(slots[:held].cpu(), _path(parent.node)[1].cpu()):
         raise RuntimeError("its row does not start with the slots of the document it extends")
-    state.pending = start_pass(store, row, state, state.policy, n, held + own, "prefill", None, held=held)
+    packed = store.unit_layout is not None
+    tables = state.tables(slots, *store.unit_layout) if packed else None
+    # uniform: every head keeps the chain's `held` entries and `own` of its own; packed, each head
+    # its chain's entries, and the request `own` per head of its own, by the policy's allocation
+    state.pending = start_pass(store, row, state, state.policy, n, own if packed else held + own, "prefill",
+                               tables, held=held)
     scores = state.pending.reconstruction
-    due_pass = advance_uniform(store, row, state, n, StepWork.unlimited(), i)
+    if packed:
+        due_pass = advance_variable(store, row, state, n, StepWork.unlimited(), compressor.config.kv_head_budget, i)
+    else:
+        due_pass = advance_uniform(store, row, state, n, StepWork.unlimited(), i)
     if due_pass is None:
         raise RuntimeError("an unlimited extension pass did not finish")
-    indices = due_pass.selection.indices.to(slots.device)
-    if not bool((indices[..., :held] == torch.arange(held, device=slots.device)).all()):
-        raise RuntimeError("the extension's pass did not keep the entries of the document it extends")
-    mine = indices[..., held:]
+    selection = due_pass.selection
+    held_lens = (state.unit_lens.long() if packed else torch.full_like(selection.lengths, held)).to(selection.indices.device)
+    mine = _own(selection, held_lens)
     carried = None
     if scores is not None:
-        chain = carry_scores(scores, due_pass.selection, per_head_lengths=False)
-        carried = CarriedScores(chain.end, [layer[:, held:] for layer in chain.layers])
+        chain = carry_scores(scores, selection, per_head_lengths=packed)
+        cols = _own_columns(selection, held_lens)
+        carried = CarriedScores(chain.end, [layer.gather(1, cols[l].to(layer.device)) for l, layer in enumerate(chain.layers)],
+                                [m.to(chain.layers[0].device) for m in mine.lengths.unbind(0)] if packed else None)
+    positions = due_pass.kept_positions.gather(-1, _own_columns(selection, held_lens).to(due_pass.kept_positions.device))
+    positions = positions * mine.valid().to(positions.device)
+    g = packed_slots(mine) if packed else own
     tree, allocator = batch.tree_cache, batch.token_to_kv_pool_allocator
-    if not tree.make_document_room(compact_bytes(int(mine.numel()), 0, False, carried is not None)):
+    heads = int(mine.lengths.numel()) if packed else 0
+    if not tree.make_document_room(compact_bytes(mine.total, heads, packed, carried is not None)):
         return None  # its metadata would not fit its reservation: not published
-    make_room_in_tree(tree, own)  # the request's own path, the parent's with it, is locked
-    if allocator.available_size() < own:
+    make_room_in_tree(tree, g)  # the request's own path, the parent's with it, is locked
+    if allocator.available_size() < g:
         return None
-    dest = allocator.alloc(own).to(device=slots.device, dtype=torch.int64)
+    dest = allocator.alloc(g).to(device=slots.device, dtype=torch.int64)
     try:
-        move_units_many(allocator.get_kvcache(), [(slots, mine, dest)])
+        if packed:
+            move_unit_entries(store.unit_pools, [unit_moves(mine, due_pass.units, dest)])
+        else:
+            move_units_many(allocator.get_kvcache(), [(slots, mine.indices.to(slots.device), dest)])
     except BaseException:
         allocator.free(dest)
         raise
-    return _Ready(i, key, parent, dest, due_pass.kept_positions[..., held:], carried)
+    return _Ready(i, key, parent, dest, positions, carried, mine.lengths if packed else None)
+
+
+def _own_columns(selection: HeadSelection, held_lens: Tensor) -> Tensor:
+    """Where each head's own entries are in `selection`'s columns: after its held ones."""
+    width = int((selection.lengths - held_lens).max()) if selection.lengths.numel() else 0
+    cols = held_lens[..., None] + torch.arange(width, device=held_lens.device)
+    return cols.clamp(max=max(selection.max_keep - 1, 0))
+
+
+def _own(selection: HeadSelection, held_lens: Tensor) -> HeadSelection:
+    """The entries `selection` keeps after each head's first `held_lens`, which it must keep
+    (the chain's: a pass that held them keeps them first, in order)."""
+    cols = torch.arange(selection.max_keep, device=held_lens.device)
+    first = cols < held_lens[..., None]
+    if not bool(((selection.indices == cols) | ~first).all()) or bool((selection.lengths < held_lens).any()):
+        raise RuntimeError("the extension's pass did not keep the entries of the document it extends")
+    lengths = selection.lengths - held_lens
+    own = selection.indices.gather(-1, _own_columns(selection, held_lens))
+    valid = torch.arange(own.shape[-1], device=own.device) < lengths[..., None]
+    return HeadSelection(indices=torch.where(valid, own, HeadSelection.PAD), lengths=lengths, n=selection.n)
 
 
 def _path(node: Any) -> tuple[array, Tensor]:
@@ -205,6 +246,6 @@ def _insert(compressor: Host, batch: ScheduleBatch, r: _Ready) -> None:
     # begins with the extension's first token: the insert adds exactly one node, its slots
     result = tree.insert(InsertParams(key=RadixKey(tokens, extra_key=namespace),
                                       value=torch.cat([values.to(r.dest.device), r.dest])))
-    doc = Document.compact(r.key, result.last_device_node, r.kept_positions, own, carried=r.carried, parent=parent)
+    doc = Document.compact(r.key, result.last_device_node, r.kept_positions, own, r.unit_lens, r.carried, parent=parent)
     registry_of(tree).add(doc)
     trace_document(compressor, batch.reqs[r.i], doc)

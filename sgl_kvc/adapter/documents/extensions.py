@@ -52,11 +52,10 @@ def resident_start(registry: DocumentRegistry, req: Any) -> Document | None:
 
 def extendable(registry: DocumentRegistry, req: Any, own: DocumentKey) -> tuple[Document, int] | None:
     """The longest resident document that `req`'s own (`own`) extends, and the entries per
-    (layer, KV head) its extension keeps of its own (`ExtensionRule.entries`), or None. Uniform
-    head budgets only (a packed document's tables are not chained)."""
+    (layer, KV head) its extension keeps of its own (`ExtensionRule.entries`), or None."""
     rule = req_state.of(req).extension
     candidates = [doc for doc in registry.by_key.values()
-                  if doc.key.family == own.family and doc.key.tokens < own.tokens and doc.unit_lens is None]
+                  if doc.key.family == own.family and doc.key.tokens < own.tokens]
     if not candidates:
         return None
     contents = _prefix_contents(req, sorted({doc.key.tokens for doc in candidates}), own.family)

@@ -219,7 +219,7 @@ class Compressor:
             kept, units, lens = doc.tables()  # packed: its own tables, from the document's
             state.kept_positions = kept
             if units is not None:  # packed, as a request compacted on the unit pool is
-                state.units, state.unit_lens, state.packed = units, lens, doc.slots
+                state.units, state.unit_lens, state.packed = units, lens, doc.chain_slots
             state.offset = doc.offset
             state.fill_shift = True
             # KVzip: its next pass repeats only its context after the document, whose entries
