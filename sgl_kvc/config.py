@@ -209,8 +209,8 @@ class KvcConfig:
         metadata=_flag(
             "A request whose shared document begins with a resident one (a conversation's next "
             "turn): resident (it starts from the longest such document, reads only the rest, and "
-            "publishes the rest's entries as an extension of it; uniform head budgets) or off (its "
-            "document is read and compressed whole)."
+            "publishes the rest's entries as an extension of it) or off (its document is read and "
+            "compressed whole)."
         ),
     )
 

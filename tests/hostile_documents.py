@@ -19,7 +19,10 @@ What a burst sends, beside the ordinary mix (each request drawn at random, by se
   and just above, documents that end where the prompt does, prompts at the context length
   (SGLang's longest input, and past it), prompt policies that cannot compress a document;
 - chat documents named by messages: text content parts, `messages` at the edges (0, 1, all but
-  the last, all, past it, not an integer), a conversation of one message.
+  the last, all, past it, not an integer), a conversation of one message;
+- documents that extend a resident one (a conversation's next turns): one token more up to past a
+  chunk, branches at once, budgets that leave the chain no room, another namespace, prompt
+  log-probabilities, `n`, clients hanging up while a turn is published.
 
 What must hold after every burst: the server is alive; idle, its pool is whole (the servers run
 with `SGLKVC_CHECK=1`, which stops a server at a violation), no request state is left and
@@ -390,6 +393,45 @@ def _batch(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Hostile
     return [Hostile(f"a batch of {size} on one document", GENERATE, body, tokens=3)]
 
 
+def _extensions(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Hostile]:
+    """Documents that begin with one of the suite's (a conversation's next turns, often resident):
+    one token more up to a chunk and past it, several branches at once, ratios and budgets (a
+    chain at its budget), another tenant's namespace, prompt log-probabilities, `n`, and a client
+    hanging up while its turn is published."""
+    doc = rng.choice(docs[:-1])
+    room = t.max_prompt - len(doc) - QUESTION  # the server's longest prompt
+    turns = [_tokens(rng, min(rng.choice([1, 7, 40, 130]), room)) for _ in range(rng.choice([1, 2, 3]))]
+    spec = rng.choice([{"ratio": 0.3}, {"ratio": 0.5}, {"budget": 1}, {"budget": t.floor + 2}, {"budget": 200}])
+    out = []
+    for turn in turns:
+        path, prompt = _route(rng), doc + turn + _tokens(rng, QUESTION)
+        d = len(doc) + len(turn)
+        kv = {"prompt_policy": "kvzip", "document": {"tokens": d, **spec}}
+        what = f"a turn of {len(turn)} tokens after a document of {len(doc)}, {spec}"
+        refused = _nothing_to_compress(t, d, spec)
+        if refused:
+            out.append(Hostile(what, path, _body(t, path, prompt, 2, kv), document_field(path, refused), served=False))
+            continue
+        pick = rng.random()
+        if path == GENERATE and pick < 0.2:
+            body = _body(t, path, prompt, 2, kv, return_logprob=True, logprob_start_len=0)
+            out.append(Hostile(what + ", its prompt log-probabilities", path, body, tokens=2, prompt_logprobs=len(prompt)))
+        elif pick < 0.35:
+            out.append(Hostile(what + ", another namespace", path, _body(t, path, prompt, 3, kv, extra_key="tenant-b"),
+                               tokens=3))
+        elif pick < 0.5:
+            body = _body(t, GENERATE, prompt, 4, kv, stream=True)
+            out.append(Hostile(what + ", hanging up", GENERATE, body, hang_up=rng.uniform(0.005, 0.1)))
+        elif pick < 0.65:
+            n = 2
+            body = (_body(t, path, prompt, 2, kv, sampling={"n": n}) if path == GENERATE
+                    else _body(t, path, prompt, 2, kv, n=n))
+            out.append(Hostile(what + f", n={n}", path, body, tokens=2))
+        else:
+            out.append(Hostile(what, path, _body(t, path, prompt, 3, kv), tokens=3))
+    return out
+
+
 def _impersonate(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Hostile]:
     """Another tenant's namespace and document (`tenant_answers`), with settings of its own, its
     prompt log-probabilities, or hanging up: the tenant's answers must not change."""
@@ -415,7 +457,7 @@ def _impersonate(rng: random.Random, t: Target, docs: list[list[int]]) -> list[H
 CASES: tuple[tuple[Callable[..., list[Hostile]], int], ...] = (
     (_namespace, 3), (_lora, 2), (_prompt_logprobs, 4), (_samples, 2), (_max_tokens, 2), (_stop, 2),
     (_budgets, 3), (_document_tokens, 2), (_chat_document, 3), (_question_policy, 1), (_batch, 1),
-    (_impersonate, 2),
+    (_impersonate, 2), (_extensions, 3),
 )
 
 

@@ -54,8 +54,8 @@ from sgl_kvc import req_state
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.reconstruction import CarriedScores
 from sgl_kvc.request_settings import (
-    DEFAULT_DOCUMENT_RATIO, DocumentSpec, RequestSettingError, document_conflict, document_floor, document_prompt_conflict, of_request,
-    refused_by_sglang, resolved,
+    DEFAULT_DOCUMENT_RATIO, DocumentSpec, RequestSettingError, document_conflict, document_floor,
+    document_prompt_conflict, of_request, refused_by_sglang, resolved,
 )
 
 if TYPE_CHECKING:
@@ -431,7 +431,7 @@ def content_digest(tokens_digest: str, family: str) -> str:
 
 @dataclass(frozen=True)
 class ExtensionRule:
-    """What a request's document keeps where it extends a resident one (`extension_entries`), and
+    """What a request's document keeps where it extends a resident one (`entries`), and
     how long an extension may be: on a server that compresses between chunks, one chunk (`limit`,
     C), which its request reads before any cut of its row (a longer one is compressed whole, as a
     document of its own, cut where its key says); None: any."""

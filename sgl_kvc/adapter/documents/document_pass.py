@@ -167,7 +167,7 @@ def settle(batch: ScheduleBatch, items: list[tuple[int, DocumentKey]], registry:
 
 
 def voted(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]],
-           prepare: Callable[[int, DocumentKey], Any]) -> list[tuple[Any, bool]]:
+          prepare: Callable[[int, DocumentKey], Any]) -> list[tuple[Any, bool]]:
     """`prepare(i, key)` of each item (None where it raises here: logged, the document is not
     published, its request goes on), and whether it is missing on any rank (the ranks' vote)."""
     ready = []
@@ -256,7 +256,7 @@ def publish_cut_rows(compressor: Host, batch: ScheduleBatch, ends: list[tuple[in
     registry.metrics = compressor.metrics
     registry.metadata_budget = compressor.document_bytes
     votes = voted(compressor, batch, items,
-                   lambda i, key: _row_ready(compressor, batch, i, key, passes_before.get(i)))
+                  lambda i, key: _row_ready(compressor, batch, i, key, passes_before.get(i)))
     for (i, key), (slots, absent) in zip(items, votes):
         if absent:
             registry.stats.not_published += 1

@@ -165,16 +165,17 @@ def _prepare(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, p
     if due_pass is None:
         raise RuntimeError("an unlimited extension pass did not finish")
     selection = due_pass.selection
-    held_lens = (state.unit_lens.long() if packed else torch.full_like(selection.lengths, held)).to(selection.indices.device)
-    mine = _own(selection, held_lens)
+    device = selection.indices.device
+    held_lens = state.unit_lens.long().to(device) if packed else torch.full_like(selection.lengths, held)
+    mine, cols = _own(selection, held_lens), _own_columns(selection, held_lens)
     carried = None
     if scores is not None:
         chain = carry_scores(scores, selection, per_head_lengths=packed)
-        cols = _own_columns(selection, held_lens)
-        carried = CarriedScores(chain.end, [layer.gather(1, cols[l].to(layer.device)) for l, layer in enumerate(chain.layers)],
-                                [m.to(chain.layers[0].device) for m in mine.lengths.unbind(0)] if packed else None)
-    positions = due_pass.kept_positions.gather(-1, _own_columns(selection, held_lens).to(due_pass.kept_positions.device))
-    positions = positions * mine.valid().to(positions.device)
+        at = chain.layers[0].device
+        lengths = [m.to(at) for m in mine.lengths.unbind(0)] if packed else None
+        carried = CarriedScores(chain.end, [s.gather(1, c.to(at)) for s, c in zip(chain.layers, cols)], lengths)
+    positions = due_pass.kept_positions
+    positions = positions.gather(-1, cols.to(positions.device)) * mine.valid().to(positions.device)
     g = packed_slots(mine) if packed else own
     tree, allocator = batch.tree_cache, batch.token_to_kv_pool_allocator
     heads = int(mine.lengths.numel()) if packed else 0
