@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from sgl_kvc.adapter.telemetry.trace import CompactionTrace
     from sgl_kvc.config import KvcConfig
     from sgl_kvc.core.store import KvcStore
-    from sgl_kvc.policies import Policy
+    from sgl_kvc.policies import HeadSelection, Policy
 
 
 class Host(Protocol):
@@ -119,36 +119,49 @@ def publish_copies(compressor: Host, batch: ScheduleBatch, items: list[tuple[int
     tensor parallelism a document is published only where every rank copied it."""
     if not items:
         return
+    store = compressor.store
+    # The document alone, as a request that has read D tokens and compressed nothing.
+    states = {i: ReqKvState(policy=compressor.policy(key.policy, key.entries), budget=Budget(key.entries),
+                            selection="per-head", device=store.device) for i, key in items}
+    registry = registry_of(batch.tree_cache)
+    copy_and_publish(compressor, batch, items, states, lambda i, key: key.tokens,
+                     lambda i, key, state: _prepare(compressor, batch, i, key, state),
+                     lambda r: _insert(compressor, batch, r, registry))
+
+
+def copy_and_publish(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]],
+                     states: dict[int, ReqKvState], entries: Callable[[int, DocumentKey], int],
+                     prepare: Callable[[int, DocumentKey, ReqKvState], Any], insert: Callable[[Any], None]) -> None:
+    """Publishing documents copied out of their requests' rows (`publish_copies`, and an
+    extension's, `extension_pass.publish`): each item's reconstruction over its row's first
+    `entries(i, key)` entries where its policy reads one (KVzip), then `prepare(i, key, state)`
+    (its pass and copies: a result with the request's index `i` and fresh slots `dest`, or None),
+    the ranks' vote, and `insert(result)`. A failure loses that document only, never the request,
+    whose row was only read; the requests waiting for it go either way."""
     t0 = time.perf_counter()
     registry = registry_of(batch.tree_cache)
     registry.metrics = compressor.metrics
     registry.metadata_budget = compressor.document_bytes
-    store = compressor.store
-    states = {}
-    for i, key in items:
-        policy = compressor.policy(key.policy, key.entries)
-        # The document alone, as a request that has read D tokens and compressed nothing.
-        states[i] = ReqKvState(policy=policy, budget=Budget(key.entries), selection="per-head", device=store.device)
     failed: dict[int, BaseException] = {}
-    recon = [(i, states[i], "prefill", key.tokens) for i, key in items if states[i].policy.uses_reconstruction]
+    recon = [(i, states[i], "prefill", entries(i, key)) for i, key in items if states[i].policy.uses_reconstruction]
     if recon:
         compressor.reconstructor.run(compressor.scheduler, batch, recon, lambda req, e: failed.setdefault(
             batch.reqs.index(req), e))
 
-    def prepare(i: int, key: DocumentKey) -> _Ready | None:
+    def ready(i: int, key: DocumentKey) -> Any:
         if i in failed:
             raise failed[i]
         if compressor.state(batch.reqs[i]) is None:
             raise RuntimeError("its request failed on this rank")
-        return _prepare(compressor, batch, i, key, states[i])
+        return prepare(i, key, states[i])
 
-    votes = voted(compressor, batch, items, prepare)
+    votes = voted(compressor, batch, items, ready)
     for r, absent in votes:
         if r is not None and absent:
             batch.token_to_kv_pool_allocator.free(r.dest)
         elif r is not None:
             try:
-                _insert(compressor, batch, r, registry)
+                insert(r)
             except Exception:  # noqa: BLE001 - never the request's: its row was only read
                 logger.exception("sgl-kvc: document of %s not published", batch.reqs[r.i].rid)
                 batch.token_to_kv_pool_allocator.free(r.dest)
@@ -184,8 +197,6 @@ def _prepare(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey,
              state: ReqKvState) -> _Ready | None:
     """The document's pass over the request's first D entries, and its kept entries copied into
     k fresh slots (None: no free slots for them)."""
-    from sgl_kvc.adapter.moments.compaction import make_room_in_tree
-
     store = compressor.store
     req = batch.reqs[i]
     row = req.kv.req_pool_idx
@@ -202,26 +213,46 @@ def _prepare(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey,
         due = advance_uniform(store, row, state, d, StepWork.unlimited(), i)
     if due is None:
         raise RuntimeError("an unlimited document pass did not finish")
-    g = packed_slots(due.selection) if packed else k
-    tree, allocator = batch.tree_cache, batch.token_to_kv_pool_allocator
     entries = due.selection.total if packed else int(due.kept_positions.numel())
     carried = None if scores is None else carry_scores(scores, due.selection, per_head_lengths=packed)
-    if not tree.make_document_room(compact_bytes(entries, due.selection.lengths.numel(), packed, carried is not None)):
+    copied = copy_kept(compressor, batch, due.selection, due.units, slots,
+                       compact_bytes(entries, due.selection.lengths.numel(), packed, carried is not None))
+    if copied is None:
+        return None
+    dest, table = copied
+    if packed:
+        return _Ready(i, key, dest, due.kept_positions, table, due.selection.lengths, carried)
+    return _Ready(i, key, dest, due.kept_positions, carried=carried)
+
+
+def copy_kept(compressor: Host, batch: ScheduleBatch, selection: HeadSelection, units: Tensor | None,
+              slots: Tensor, metadata: int) -> tuple[Tensor, Tensor | None] | None:
+    """The entries `selection` keeps of a request's row (its `slots`; packed, the units of its
+    tables, `units`), copied per (layer, KV head) into fresh slots (packed, unit by unit into G
+    slots): those slots, and packed, the units each kept entry went to (in the selection's
+    columns); or None where the documents' metadata (`metadata` bytes more) or the pool has no
+    room for them, after evicting unlocked documents and tree nodes (the request's own path is
+    locked: never evicted here)."""
+    from sgl_kvc.adapter.moments.compaction import make_room_in_tree
+
+    tree, allocator = batch.tree_cache, batch.token_to_kv_pool_allocator
+    g = packed_slots(selection) if units is not None else selection.max_keep
+    if not tree.make_document_room(metadata):
         return None  # its metadata would not fit its reservation: not published
-    make_room_in_tree(tree, g)  # the request's own path is locked: never evicted here
+    make_room_in_tree(tree, g)
     if allocator.available_size() < g:
         return None
     dest = allocator.alloc(g).to(device=slots.device, dtype=torch.int64)
     try:
-        if packed:
-            moves = unit_moves(due.selection, due.units, dest)
-            move_unit_entries(store.unit_pools, [moves])
-            return _Ready(i, key, dest, due.kept_positions, moves.table, due.selection.lengths, carried)
-        move_units_many(allocator.get_kvcache(), [(slots, due.selection.indices.to(slots.device), dest)])
+        if units is not None:
+            moves = unit_moves(selection, units, dest)
+            move_unit_entries(compressor.store.unit_pools, [moves])
+            return dest, moves.table
+        move_units_many(allocator.get_kvcache(), [(slots, selection.indices.to(slots.device), dest)])
     except BaseException:
         allocator.free(dest)
         raise
-    return _Ready(i, key, dest, due.kept_positions, carried=carried)
+    return dest, None
 
 
 def _insert(compressor: Host, batch: ScheduleBatch, r: _Ready, registry: Any) -> None:

@@ -14,8 +14,6 @@ extension only (the next request that declares it tries again).
 
 from __future__ import annotations
 
-import logging
-import time
 from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,9 +24,8 @@ from torch import Tensor
 from sgl_kvc.adapter.documents import (
     Document, DocumentKey, compact_bytes, declared, extends, extension_due, extension_lost, registry_of,
 )
-from sgl_kvc.adapter.documents.document_pass import Host, settle, trace_document, voted
-from sgl_kvc.adapter.safety import failpoints, invariants
-from sgl_kvc.core.moves import move_unit_entries, move_units_many, packed_slots, unit_moves
+from sgl_kvc.adapter.documents.document_pass import Host, copy_and_publish, copy_kept, trace_document
+from sgl_kvc.adapter.safety import failpoints
 from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
 from sgl_kvc.core.reconstruction import CarriedScores, carry_scores
 from sgl_kvc.core.request_state import Budget, ReqKvState
@@ -36,8 +33,6 @@ from sgl_kvc.policies import HeadSelection
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
-
-logger = logging.getLogger(__name__)
 
 
 def due(compressor: Host, batch: ScheduleBatch) -> list[tuple[int, DocumentKey]]:
@@ -79,42 +74,11 @@ def publish(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, Docum
     tensor parallelism it is published only where every rank copied it."""
     if not items:
         return
-    t0 = time.perf_counter()
-    registry = registry_of(batch.tree_cache)
-    registry.metrics = compressor.metrics
-    registry.metadata_budget = compressor.document_bytes
     parents = {i: extends(batch.reqs[i]) for i, _ in items}
     states = {i: _chain_state(compressor, key, parents[i]) for i, key in items}
-    failed: dict[int, BaseException] = {}
-    recon = [(i, states[i], "prefill", _row_entries(key, parents[i])) for i, key in items
-             if states[i].policy.uses_reconstruction]
-    if recon:
-        compressor.reconstructor.run(compressor.scheduler, batch, recon, lambda req, e: failed.setdefault(
-            batch.reqs.index(req), e))
-
-    def prepare(i: int, key: DocumentKey) -> _Ready | None:
-        if i in failed:
-            raise failed[i]
-        if compressor.state(batch.reqs[i]) is None:
-            raise RuntimeError("its request failed on this rank")
-        return _prepare(compressor, batch, i, key, parents[i], states[i])
-
-    for r, absent in voted(compressor, batch, items, prepare):
-        if r is not None and absent:
-            batch.token_to_kv_pool_allocator.free(r.dest)
-        elif r is not None:
-            try:
-                _insert(compressor, batch, r)
-            except Exception:  # noqa: BLE001 - never the request's: its row was only read
-                logger.exception("sgl-kvc: extension of %s not published", batch.reqs[r.i].rid)
-                batch.token_to_kv_pool_allocator.free(r.dest)
-                registry.stats.not_published += 1
-        if r is None or absent:
-            registry.stats.not_published += 1
-    settle(batch, items, registry)
-    if invariants.enabled():
-        invariants.check_documents(batch.tree_cache)
-    registry.stats.seconds += compressor.account(time.perf_counter() - t0)
+    copy_and_publish(compressor, batch, items, states, lambda i, key: _row_entries(key, parents[i]),
+                     lambda i, key, state: _prepare(compressor, batch, i, key, parents[i], state),
+                     lambda r: _insert(compressor, batch, r))
 
 
 def _row_entries(key: DocumentKey, parent: Document) -> int:
@@ -140,8 +104,6 @@ def _chain_state(compressor: Host, key: DocumentKey, parent: Document) -> ReqKvS
 def _prepare(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, parent: Document,
              state: ReqKvState) -> _Ready | None:
     """The extension's pass, and its own kept entries copied into fresh slots (None: no room)."""
-    from sgl_kvc.adapter.moments.compaction import make_room_in_tree
-
     store = compressor.store
     req = batch.reqs[i]
     row = req.kv.req_pool_idx
@@ -176,24 +138,11 @@ def _prepare(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, p
         carried = CarriedScores(chain.end, [s.gather(1, c.to(at)) for s, c in zip(chain.layers, cols)], lengths)
     positions = due_pass.kept_positions
     positions = positions.gather(-1, cols.to(positions.device)) * mine.valid().to(positions.device)
-    g = packed_slots(mine) if packed else own
-    tree, allocator = batch.tree_cache, batch.token_to_kv_pool_allocator
-    heads = int(mine.lengths.numel()) if packed else 0
-    if not tree.make_document_room(compact_bytes(mine.total, heads, packed, carried is not None)):
-        return None  # its metadata would not fit its reservation: not published
-    make_room_in_tree(tree, g)  # the request's own path, the parent's with it, is locked
-    if allocator.available_size() < g:
+    copied = copy_kept(compressor, batch, mine, due_pass.units, slots,
+                       compact_bytes(mine.total, int(mine.lengths.numel()), packed, carried is not None))
+    if copied is None:
         return None
-    dest = allocator.alloc(g).to(device=slots.device, dtype=torch.int64)
-    try:
-        if packed:
-            move_unit_entries(store.unit_pools, [unit_moves(mine, due_pass.units, dest)])
-        else:
-            move_units_many(allocator.get_kvcache(), [(slots, mine.indices.to(slots.device), dest)])
-    except BaseException:
-        allocator.free(dest)
-        raise
-    return _Ready(i, key, parent, dest, positions, carried, mine.lengths if packed else None)
+    return _Ready(i, key, parent, copied[0], positions, carried, mine.lengths if packed else None)
 
 
 def _own_columns(selection: HeadSelection, held_lens: Tensor) -> Tensor:
