@@ -235,6 +235,39 @@ def test_a_document_is_published_on_both_ranks_or_on_neither(tp_server) -> None:
     assert_pool_whole(after)
 
 
+def test_a_document_is_extended_on_both_ranks(tp_server) -> None:
+    """A conversation's next turn (a document that begins with a resident one): it starts from the
+    resident document on both ranks, each rank chooses its own KV heads' entries of the turn, and the
+    extension is published on both (the ranks vote); the next request with that document starts
+    from it on both, prefilling only its question, and a rank-1 failure while a turn is published
+    loses that extension on both (had the trees diverged, the ranks' prefixes would not match)."""
+    doc = [(41 * i + 7) % 1900 + 10 for i in range(48)]
+    turns = [[(43 * i + t) % 1900 + 10 for i in range(20)] for t in (3, 4)]
+
+    def ask(rid: str, document: list[int], k: int) -> requests.Response:
+        return tp_server.post("/generate", json={
+            "rid": rid, "input_ids": document + [(13 * i + k) % 1900 + 10 for i in range(8)],
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True, "custom_params": {
+                "sgl_kvc": {"prompt_policy": "kvzip", "document": {"tokens": len(document)}}}},
+        })
+
+    before = tp_server.wait_idle()
+    asks = [("extension-tp-doc", doc, 1), ("failpoint-document-tp-turn", doc + turns[0], 2),
+            ("extension-tp-turn", doc + turns[0], 3), ("extension-tp-hit", doc + turns[0], 4),
+            ("extension-tp-branch", doc + turns[1], 5)]
+    for rid, document, k in asks:
+        r = ask(rid, document, k)
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 4, (rid, r.text[:300])
+    after = tp_server.wait_idle()
+    docs, was = after["documents"], before["documents"]
+    assert docs["not_published"] == was["not_published"] + 1, docs
+    assert docs["extensions"] == was["extensions"] + 2 and docs["compressions"] == was["compressions"] + 3, docs
+    assert docs["hits"] == was["hits"] + 4, docs
+    assert after["prefix_cache"]["prefilled_tokens"] - before["prefix_cache"]["prefilled_tokens"] == \
+        56 + 2 * (20 + 8) + 8 + (20 + 8), "each turn read again, or a hit on the turn read more than its question"
+    assert_pool_whole(after)
+
+
 def test_requests_wait_for_a_document_alike_on_both_ranks(tp_server) -> None:
     """Requests of one document sent at once, its 150 tokens read in three chunks: one compresses
     it, the others wait for it, held back alike on both ranks (whether each waited past
