@@ -127,10 +127,10 @@ def start_pass(
     store: KvcStore, row: int, state: ReqKvState, policy: Policy, n: int, target: int, moment: str,
     tables: RequestTables | None, held: int = 0,
 ) -> PendingPass:
-    """A new pass over the request's n entries (`tables`: its per-head tables on the unit pool;
-    `held`: its first n entries, which every head keeps; on the unit pool each head's first
-    entries, as many as the request's packed entries are (`ReqKvState.unit_lens`), and the pass
-    chooses `target` per head among the rest)."""
+    """A new pass over the request's n entries (`tables`: its per-head tables on the unit pool).
+    `held`: its first `held` entries, which every head keeps among its `target`; on the unit pool
+    (`held` = its packed slots) each head's packed entries (`ReqKvState.unit_lens`), and the pass
+    allocates `target` per head among the rest."""
     held_lens = None
     if held and tables is not None:
         if state.unit_lens is None or held != state.packed:

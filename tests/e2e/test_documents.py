@@ -858,3 +858,26 @@ def test_a_chat_conversation_reads_each_turn_once(documents_server) -> None:
     assert [prefilled for prefilled, _, _ in again] == [prompt - document for _, prompt, document in again], again
     assert _documents(server)["compressions"] == after["compressions"], "a chain was compressed again"
     assert_pool_whole(server.wait_idle())
+
+
+def test_a_conversation_at_its_budget_is_compressed_again_whole(documents_server) -> None:
+    """A document whose `budget` (entries per head for the whole conversation) its resident start
+    has spent: it is not extended (nor cut where the budget runs out): its request reads the whole
+    conversation and compresses it again, to its budget, as a document of its own, which the next
+    turn with that document starts from."""
+    server = documents_server
+    doc, turn = _tokens(5301, DOC), _tokens(5302, TURN)
+    spec = {"tokens": DOC, "budget": 40}
+    before = _documents(server)
+    generate(server, doc + _tokens(5303, QUESTION), 2, sampling={"custom_params": {"sgl_kvc": {"document": spec}}})
+    was = server.stats()["prefix_cache"]["prefilled_tokens"]
+    spec = {"tokens": DOC + TURN, "budget": 40}
+    generate(server, doc + turn + _tokens(5304, QUESTION), 2, sampling={"custom_params": {"sgl_kvc": {"document": spec}}})
+    assert server.stats()["prefix_cache"]["prefilled_tokens"] - was == DOC + TURN + QUESTION
+    after = _documents(server)
+    assert after["extensions"] == before["extensions"] and after["compressions"] == before["compressions"] + 2
+    assert after["entries"] == before["entries"] + 40 + 40, after  # each at its budget
+    was = server.stats()["prefix_cache"]["prefilled_tokens"]
+    generate(server, doc + turn + _tokens(5305, QUESTION), 2, sampling={"custom_params": {"sgl_kvc": {"document": spec}}})
+    assert server.stats()["prefix_cache"]["prefilled_tokens"] - was == QUESTION
+    assert_pool_whole(server.wait_idle())

@@ -1,5 +1,5 @@
 """Documents that extend a resident document: a conversation's turns (docs/architecture.md,
-"Conversations").
+"Shared documents", extended).
 
 A request declares its document as its prompt's first D' tokens (on the chat route, by default,
 every message but the last: the conversation so far). Where no document of its own key is
