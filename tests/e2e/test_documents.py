@@ -851,9 +851,10 @@ def test_a_chat_conversation_reads_each_turn_once(documents_server) -> None:
     after = _documents(server)
     assert after["compressions"] == before["compressions"] + 3 and after["extensions"] == before["extensions"] + 2
     assert after["hits"] == before["hits"] + 2, after
-    # turn 1 reads its prompt; each later one starts from the document of the turn before
-    assert [prefilled for prefilled, _, _ in turns] == [
-        prompt - (turns[t - 1][2] if t else 0) for t, (_, prompt, _) in enumerate(turns)], turns
+    # turn 1 reads its prompt (but what the tree holds of the template's first tokens); each later
+    # one starts from the document of the turn before
+    assert turns[0][0] <= turns[0][1] and [prefilled for prefilled, _, _ in turns[1:]] == [
+        prompt - turns[t][2] for t, (_, prompt, _) in enumerate(turns[1:])], turns
     again = conversation(answers)  # the same conversation: from each turn's own document
     assert [prefilled for prefilled, _, _ in again] == [prompt - document for _, prompt, document in again], again
     assert _documents(server)["compressions"] == after["compressions"], "a chain was compressed again"
