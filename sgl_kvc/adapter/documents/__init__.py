@@ -61,6 +61,8 @@ from sgl_kvc.request_settings import (
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
 
+    from sgl_kvc.core.request_state import ReqKvState
+
 NODE_ATTR = "sgl_kvc_document"  # on a radix TreeNode: the Document it holds
 NAMESPACE = "sgl-kvc/document/"  # the extra_key prefix of a document node, reserved (`reserved_namespace`)
 
@@ -233,6 +235,17 @@ class Document:
             wide = after_heads(torch.stack(before.layers), above_lens, wide, lens)
             lens = above_lens + lens
         return CarriedScores(self.scored_to, list(wide.to(device).unbind(0)), list(lens.to(device).unbind(0)))
+
+    def start(self, state: ReqKvState, device: torch.device | str | None = None) -> None:
+        """`state` of a row that starts from it, nothing of its own compacted: its kept positions
+        (packed, its tables: `tables`), the offset of what it reads next (logical positions D, D+1,
+        ...) and, compressed by KVzip, the scores its entries carry (`carried`)."""
+        kept, units, lens = self.tables()
+        state.kept_positions = kept
+        if units is not None:  # packed, as a request compacted on the unit pool is
+            state.units, state.unit_lens, state.packed = units, lens, self.chain_slots
+        state.offset = self.offset
+        state.reconstructed = self.carried(device)
 
     @property
     def chain_slots(self) -> int:

@@ -92,12 +92,7 @@ def _chain_state(compressor: Host, key: DocumentKey, parent: Document) -> ReqKvS
     store = compressor.store
     state = ReqKvState(policy=compressor.policy(key.policy, key.entries), budget=Budget(key.entries),
                        selection="per-head", device=store.device)
-    kept, units, lens = parent.tables()
-    state.kept_positions = kept
-    if units is not None:
-        state.units, state.unit_lens, state.packed = units, lens, parent.chain_slots
-    state.offset = parent.offset
-    state.reconstructed = parent.carried(store.device)
+    parent.start(state, store.device)
     return state
 
 
@@ -129,7 +124,7 @@ def _prepare(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, p
     selection = due_pass.selection
     device = selection.indices.device
     held_lens = state.unit_lens.long().to(device) if packed else torch.full_like(selection.lengths, held)
-    mine, cols = _own(selection, held_lens), _own_columns(selection, held_lens)
+    mine, cols = _own(selection, held_lens)
     carried = None
     if scores is not None:
         chain = carry_scores(scores, selection, per_head_lengths=packed)
@@ -152,17 +147,19 @@ def _own_columns(selection: HeadSelection, held_lens: Tensor) -> Tensor:
     return cols.clamp(max=max(selection.max_keep - 1, 0))
 
 
-def _own(selection: HeadSelection, held_lens: Tensor) -> HeadSelection:
+def _own(selection: HeadSelection, held_lens: Tensor) -> tuple[HeadSelection, Tensor]:
     """The entries `selection` keeps after each head's first `held_lens`, which it must keep
-    (the chain's: a pass that held them keeps them first, in order)."""
+    (the chain's: a pass that held them keeps them first, in order), and their columns in
+    `selection` (`_own_columns`)."""
     cols = torch.arange(selection.max_keep, device=held_lens.device)
     first = cols < held_lens[..., None]
     if not bool(((selection.indices == cols) | ~first).all()) or bool((selection.lengths < held_lens).any()):
         raise RuntimeError("the extension's pass did not keep the entries of the document it extends")
     lengths = selection.lengths - held_lens
-    own = selection.indices.gather(-1, _own_columns(selection, held_lens))
+    cols = _own_columns(selection, held_lens)
+    own = selection.indices.gather(-1, cols)
     valid = torch.arange(own.shape[-1], device=own.device) < lengths[..., None]
-    return HeadSelection(indices=torch.where(valid, own, HeadSelection.PAD), lengths=lengths, n=selection.n)
+    return HeadSelection(indices=torch.where(valid, own, HeadSelection.PAD), lengths=lengths, n=selection.n), cols
 
 
 def _path(node: Any) -> tuple[array, Tensor]:

@@ -215,17 +215,12 @@ class Compressor:
         doc = documents.hit(req)
         if doc is not None:
             # Its row starts with the document's k slots, which hold the entries the document
-            # kept; what it reads next sits at logical positions D, D+1, ...
-            kept, units, lens = doc.tables()  # packed: its own tables, from the document's
-            state.kept_positions = kept
-            if units is not None:  # packed, as a request compacted on the unit pool is
-                state.units, state.unit_lens, state.packed = units, lens, doc.chain_slots
-            state.offset = doc.offset
+            # kept; what it reads next sits at logical positions D, D+1, ... KVzip: its next pass
+            # repeats only its context after the document, whose entries carry the scores the
+            # document's pass gave them (as its publisher's do after its cut). Before, every hit
+            # repeated the whole document in its own pass.
+            doc.start(state, self.store.device)
             state.fill_shift = True
-            # KVzip: its next pass repeats only its context after the document, whose entries
-            # carry the scores the document's pass gave them (as its publisher's do after its
-            # cut). Before, every hit repeated the whole document in its own pass.
-            state.reconstructed = doc.carried(self.store.device)
             # A decode policy that keeps attention statistics (H2O, Batch-Max) has none for the
             # document's entries: their queries were read once, by the request that compressed
             # it. They start at 0 here, at the document's end, as each later entry does at its
