@@ -86,6 +86,8 @@ class Hostile:
     hang_up: float | None = None  # the client closes its connection after this many seconds
     tokens: int | None = None  # completion tokens each choice gets (fewer only when its stop string ends it)
     prompt_logprobs: int | None = None  # prompt tokens it gets log-probabilities of
+    # the requests sent after its answer (a conversation's next turns), from that answer
+    then: Callable[[Any], list["Hostile"]] | None = None
 
     def describe(self) -> str:
         body = json.dumps(self.body)
@@ -432,6 +434,64 @@ def _extensions(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Ho
     return out
 
 
+def _turns(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Hostile]:
+    """A conversation's next turns, sent after its first answer: the document is the prompt and
+    answer (a finished turn, often resident), a template's tail of 0-2 tokens, or the answer's
+    last token changed, or ending exactly where the turn does; with prompt log-probabilities,
+    another namespace, `n`, a budget of the floor, `max_tokens` 0 or 1, or hanging up; and a third
+    turn after the second's answer."""
+    doc = rng.choice(docs[1:-1])
+    spec = rng.choice([{"ratio": 0.3}, {"ratio": 0.5}, {"budget": t.floor + 2}])
+    rng = random.Random(rng.random())  # its own: the next turns are drawn in the thread that sends them
+    room = t.max_prompt - 2 * QUESTION - 16
+
+    def first(prompt: list[int], d: int, depth: int) -> Hostile:
+        kv = {"prompt_policy": "kvzip", "document": {"tokens": d, **spec}}
+        what = f"turn {depth} after a document of {d} tokens, {spec}"
+        answer = rng.choice([1, 3])
+        then = (lambda body: _next_turns(prompt, body, depth)) if depth < 3 else None
+        return Hostile(what, GENERATE, _body(t, GENERATE, prompt, answer, kv), tokens=answer, then=then)
+
+    def _next_turns(prompt: list[int], body: Any, depth: int) -> list[Hostile]:
+        said = prompt + body["output_ids"]
+        if len(said) + 2 + QUESTION > room:
+            return []
+        pick = rng.random()
+        d = len(said) + rng.choice([0, 1, 2])
+        document = said + _tokens(rng, d - len(said))
+        if pick < 0.1:
+            document[len(said) - 2] += 1  # not the answer the model gave
+        elif pick < 0.2:
+            d = len(said) - 1  # ends where the turn does
+            document = said[:d]
+        question = document + _tokens(rng, QUESTION)
+        kv = {"prompt_policy": "kvzip", "document": {"tokens": d, **spec}}
+        what = f"turn {depth + 1}: document of {d} tokens after a turn of {len(said) - 1}, {spec}"
+        out = [first(question, d, depth + 1)]
+        pick = rng.random()
+        if pick < 0.2:
+            body = _body(t, GENERATE, question, 2, kv, return_logprob=True, logprob_start_len=0)
+            out.append(Hostile(what + ", its prompt log-probabilities", GENERATE, body, tokens=2,
+                               prompt_logprobs=len(question)))
+        elif pick < 0.35:
+            out.append(Hostile(what + ", another namespace", GENERATE,
+                               _body(t, GENERATE, question, 2, kv, extra_key="tenant-b"), tokens=2))
+        elif pick < 0.5:
+            out.append(Hostile(what + ", hanging up", GENERATE, _body(t, GENERATE, question, 4, kv, stream=True),
+                               hang_up=rng.uniform(0.005, 0.1)))
+        elif pick < 0.65:
+            out.append(Hostile(what + ", n=2", GENERATE, _body(t, GENERATE, question, 2, kv, sampling={"n": 2}),
+                               tokens=2))
+        elif pick < 0.8:
+            answer = rng.choice([0, 1])
+            out.append(Hostile(what + f", max_tokens {answer}", GENERATE, _body(t, GENERATE, question, answer, kv),
+                               tokens=answer))
+        return out
+
+    d = len(doc)
+    return [first(doc + _tokens(rng, rng.choice([1, QUESTION])), d, 1)]
+
+
 def _impersonate(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Hostile]:
     """Another tenant's namespace and document (`tenant_answers`), with settings of its own, its
     prompt log-probabilities, or hanging up: the tenant's answers must not change."""
@@ -457,7 +517,7 @@ def _impersonate(rng: random.Random, t: Target, docs: list[list[int]]) -> list[H
 CASES: tuple[tuple[Callable[..., list[Hostile]], int], ...] = (
     (_namespace, 3), (_lora, 2), (_prompt_logprobs, 4), (_samples, 2), (_max_tokens, 2), (_stop, 2),
     (_budgets, 3), (_document_tokens, 2), (_chat_document, 3), (_question_policy, 1), (_batch, 1),
-    (_impersonate, 2), (_extensions, 3),
+    (_impersonate, 2), (_extensions, 3), (_turns, 3),
 )
 
 
@@ -655,15 +715,22 @@ def run_bursts(server: Any, t: Target, seed: int, bursts: int, hostile: int, ord
         jobs: list[tuple[str, Any]] = [("hostile", h) for h in cases] + [("ordinary", m) for m in mix]
         random.Random(s).shuffle(jobs)
 
-        def run(job: tuple[str, Any]) -> Any:
+        def run(job: tuple[str, Any]) -> list[tuple[str, Any, Any]]:
             kind, req = job
-            return send(server.url, req) if kind == "hostile" else mix_send(client, req)
+            if kind != "hostile":
+                return [(kind, req, mix_send(client, req))]
+            reply = send(server.url, req)
+            done = [(kind, req, reply)]
+            if req.then is not None and reply.status == 200 and not problems(req, reply):
+                for follow in req.then(reply.body):  # a conversation's next turns, in order
+                    done += run(("hostile", follow))
+            return done
 
         started = time.monotonic()
         with ThreadPoolExecutor(len(jobs)) as pool:
-            replies = list(pool.map(run, jobs))
+            replies = [r for rs in pool.map(run, jobs) for r in rs]
         where = f"hostile suite seed {s} (reproduce: pytest --fuzz-seed {s} --fuzz-bursts 1)"
-        for (kind, req), reply in zip(jobs, replies):
+        for kind, req, reply in replies:
             found = problems(req, reply) if kind == "hostile" else mix_problems(req, reply)
             assert not found, f"{where}: {'; '.join(found)}\n  {req.describe()}"
             if kind == "hostile":

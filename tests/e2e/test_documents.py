@@ -819,15 +819,20 @@ def test_a_chat_conversation_reads_each_turn_once(documents_server) -> None:
     """With the openai client, a conversation as every chat client sends it: each turn resends
     every message so far and its new question, declaring the default document (every message but
     the last). Turn 1 compresses the first message; each later turn starts from the document of
-    the turn before (whose messages its own begin with), prefills only the rest (the last question
-    and answer, and its own question), and publishes their entries as an extension of it. The same
-    conversation again starts from the chain's documents at every turn, compressing nothing."""
+    the turn before (whose messages its own begin with) and from that turn's question and answer,
+    which its request left in the tree (the answers here are words the template renders back
+    into the tokens the model generated: `logit_bias`); it prefills only the answer's last token,
+    what the template adds after it and its own question, and publishes the last question and
+    answer's entries as an extension. A client that resends other answers (its own edits) starts
+    from the documents alone and reads the rest. The same conversation again starts from each
+    turn's own document, compressing nothing."""
     from openai import OpenAI
 
     server = documents_server
     client = OpenAI(base_url=server.url + "/v1", api_key="-")
     text = " ".join(f"Fact {i}: the {w} is {i * 5 % 11}." for i, w in enumerate(["door", "bell", "kite"] * 6))
     questions = ["What is the door?", "What is the bell?", "What is the kite?"]
+    answer = 4  # tokens: " the" four times
 
     def conversation(answers: list[str]) -> list[tuple[int, int, int]]:
         """Per turn: the tokens it prefilled, its prompt's and its document's. The client keeps
@@ -838,7 +843,8 @@ def test_a_chat_conversation_reads_each_turn_once(documents_server) -> None:
                                                          "add_generation_prompt": False}).json()["count"]
             messages.append({"role": "user", "content": question})
             was = server.stats()["prefix_cache"]["prefilled_tokens"]
-            r = client.chat.completions.create(model="demo", max_tokens=4, temperature=0, messages=messages,
+            r = client.chat.completions.create(model="demo", max_tokens=answer, temperature=0, messages=messages,
+                                               logit_bias={"266": 100},
                                                extra_body={"kv_compression": {"document": {"ratio": 0.3}}})
             prefilled = server.stats()["prefix_cache"]["prefilled_tokens"] - was
             out.append((prefilled, r.usage.prompt_tokens, document))
@@ -850,37 +856,146 @@ def test_a_chat_conversation_reads_each_turn_once(documents_server) -> None:
     before = _documents(server)
     answers: list[str] = []
     turns = conversation(answers)
+    assert answers == [" the" * answer] * len(questions), answers
     after = _documents(server)
     assert after["compressions"] == before["compressions"] + 3 and after["extensions"] == before["extensions"] + 2
-    assert after["hits"] == before["hits"] + 2, after
+    assert after["hits"] == before["hits"] + 2 and after["turns"] == before["turns"] + 3, after
     # turn 1 reads its prompt (but what the tree holds of the template's first tokens); each later
-    # one starts from the document of the turn before
+    # one starts from the turn before: its prompt, and its answer but the last token
     assert turns[0][0] <= turns[0][1] and [prefilled for prefilled, _, _ in turns[1:]] == [
-        prompt - turns[t][2] for t, (_, prompt, _) in enumerate(turns[1:])], turns
+        prompt - (turns[t][1] + answer - 1) for t, (_, prompt, _) in enumerate(turns[1:])], turns
+    edited = conversation([" a door", " a bell", " a kite"])  # from the documents alone
+    assert [prefilled for prefilled, _, _ in edited[1:]] == [
+        prompt - edited[t][2] for t, (_, prompt, _) in enumerate(edited[1:])], edited
+    compressed = _documents(server)["compressions"]
     again = conversation(answers)  # the same conversation: from each turn's own document
     assert [prefilled for prefilled, _, _ in again] == [prompt - document for _, prompt, document in again], again
-    assert _documents(server)["compressions"] == after["compressions"], "a chain was compressed again"
+    assert _documents(server)["compressions"] == compressed, "a chain was compressed again"
     assert_pool_whole(server.wait_idle())
 
 
-def test_a_conversation_at_its_budget_is_compressed_again_whole(documents_server) -> None:
+@pytest.mark.parametrize("name", ["uniform", "variable", "whole"])
+def test_a_conversation_at_its_budget_is_compressed_again(servers, name: str, trace: Path, demo_model_path: str) -> None:
     """A document whose `budget` (entries per head for the whole conversation) its resident start
-    has spent: it is not extended (nor cut where the budget runs out): its request reads the whole
-    conversation and compresses it again, to its budget, as a document of its own, which the next
-    turn with that document starts from."""
-    server = documents_server
-    doc, turn = _tokens(5301, DOC), _tokens(5302, TURN)
-    spec = {"tokens": DOC, "budget": 40}
+    has spent: its request starts from that chain as an extension's does (it prefills only its
+    turn and question), and compresses the chain's entries and its turn's tokens together to its
+    budget (KVzip over the kept entries, their scores carried), not cut where the budget runs out:
+    a document of its own, which the next request with that document starts from and answers
+    from exactly as a dense reference reading those entries; a turn after it is compressed so
+    again. (Packed, `budget` is each head's on average.)"""
+    server = servers[name]
+    doc, turn, turn3 = _tokens(5301, DOC), _tokens(5302, TURN), _tokens(5306, NEXT_TURN)
+    budget = 40
+
+    def ask(document: list[int], seed: int) -> tuple[dict, list[int], int]:
+        was = server.stats()["prefix_cache"]["prefilled_tokens"]
+        prompt = document + _tokens(seed, QUESTION)
+        spec = {"tokens": len(document), "budget": budget}
+        out = generate(server, prompt, 2, sampling={"custom_params": {"sgl_kvc": {"document": spec}}})
+        return out, prompt, server.stats()["prefix_cache"]["prefilled_tokens"] - was
+
+    def published(out: dict) -> dict:
+        events = [e for e in trace_events(trace, out["meta_info"]["id"]) if e["moment"] == "document"]
+        assert len(events) == 1, events
+        return events[0]
+
     before = _documents(server)
-    generate(server, doc + _tokens(5303, QUESTION), 2, sampling={"custom_params": {"sgl_kvc": {"document": spec}}})
-    was = server.stats()["prefix_cache"]["prefilled_tokens"]
-    spec = {"tokens": DOC + TURN, "budget": 40}
-    generate(server, doc + turn + _tokens(5304, QUESTION), 2, sampling={"custom_params": {"sgl_kvc": {"document": spec}}})
-    assert server.stats()["prefix_cache"]["prefilled_tokens"] - was == DOC + TURN + QUESTION
+    root = published(ask(doc, 5303)[0])
+    out, _, prefilled = ask(doc + turn, 5304)
+    assert prefilled == TURN + QUESTION
     after = _documents(server)
-    assert after["extensions"] == before["extensions"] and after["compressions"] == before["compressions"] + 2
-    assert after["entries"] == before["entries"] + 40 + 40, after  # each at its budget
-    was = server.stats()["prefix_cache"]["prefilled_tokens"]
-    generate(server, doc + turn + _tokens(5305, QUESTION), 2, sampling={"custom_params": {"sgl_kvc": {"document": spec}}})
-    assert server.stats()["prefix_cache"]["prefilled_tokens"] - was == QUESTION
+    assert after["extensions"] == before["extensions"] and after["rebuilds"] == before["rebuilds"] + 1, after
+    assert after["compressions"] == before["compressions"] + 2 and after["entries"] == before["entries"] + 2 * budget
+    rebuilt = published(out)
+    kept = [set(head) for layer in rebuilt["kept_positions"] for head in layer]
+    assert sum(map(len, kept)) == budget * len(kept) and max(map(max, kept)) < DOC + TURN
+    assert min(map(min, kept)) < DOC <= max(map(max, kept))  # of the chain's entries and of the turn's
+    again, prompt, prefilled = ask(doc + turn, 5305)
+    assert prefilled == QUESTION and again["meta_info"]["cached_tokens"] == DOC + TURN
+    error = logprob_error(demo_model_path, prompt, again, [root, rebuilt])
+    err, unrebuilt = error(), error([root])
+    print(f"a hit on the rebuilt chain: max |logprob error| {err:.2e}; with the turn whole {unrebuilt:.3f}")
+    assert err < TOLERANCE and unrebuilt > 10 * TOLERANCE
+    _, _, prefilled = ask(doc + turn + turn3, 5307)
+    assert prefilled == NEXT_TURN + QUESTION and _documents(server)["rebuilds"] == after["rebuilds"] + 1
     assert_pool_whole(server.wait_idle())
+
+TAIL = 2  # what a chat template renders after an answer (`<|im_end|>` and a newline, say)
+
+
+@pytest.mark.parametrize("name", ["uniform", "variable", "whole"])
+def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace: Path, demo_model_path: str) -> None:
+    """A request that declared a document finishes: its question and answer (all but its last
+    token, never read) stay in the tree as a turn after its document, their slots taken from its
+    row. The next turn, whose document is the conversation so far (+ a template's tail), starts
+    from that document and the turn, prefills only the answer's last token, the tail and its
+    question, publishes its extension (chosen among the last question and answer, read from the
+    turn's slots) and finishes into a turn of its own after that extension, which the third turn
+    starts from. Each answers exactly as a dense reference whose queries see what the rows held:
+    a turn's tokens as its request computed them, then the extension's entries. A document whose
+    tokens differ from the turn's in one token matches no turn. The pool adds up after flushing;
+    another tenant's answer is unchanged."""
+    server = servers[name]
+    tenant = _tokens(6000, DOC + QUESTION)
+    quiet = generate(server, tenant, 4)["output_ids"]
+    doc, tail = _tokens(6001, DOC), _tokens(6002, TAIL)
+    before = _documents(server)
+
+    def ask(document: list[int], seed: int) -> tuple[dict, list[int], int]:
+        was = server.stats()["prefix_cache"]["prefilled_tokens"]
+        question = _tokens(seed, QUESTION)
+        out = _ask(server, document, question)
+        return out, document + question, server.stats()["prefix_cache"]["prefilled_tokens"] - was
+
+    def published(out: dict) -> dict:
+        events = [e for e in trace_events(trace, out["meta_info"]["id"]) if e["moment"] == "document"]
+        assert len(events) == 1, events
+        return events[0]
+
+    def seen(chain: dict, start: int, end: int) -> dict:
+        """What a row starting from `chain` and holding [start, end) exact showed a query at end."""
+        kept = [[[*head, *range(start, end)] for head in layer] for layer in chain["kept_positions"]]
+        return {"logical_len": end, "kept_positions": kept}
+
+    first, prompt1, _ = ask(doc, 6010)
+    root = published(first)
+    end1 = len(prompt1) + 3
+    after1 = _documents(server)
+    assert after1["turns"] == before["turns"] + 1 and after1["turn_tokens"] == before["turn_tokens"] + end1 - DOC
+
+    # turn 2: the conversation so far, the template's tail, a new question
+    doc2 = prompt1 + first["output_ids"] + tail
+    second, prompt2, prefilled = ask(doc2, 6011)
+    assert prefilled == 1 + TAIL + QUESTION and second["meta_info"]["cached_tokens"] == end1, prefilled
+    after2 = _documents(server)
+    assert after2["extensions"] == after1["extensions"] + 1 and after2["turns"] == after1["turns"] + 1, after2
+    chain = published(second)
+    assert chain["logical_len"] == len(doc2)
+    events = ([root] if name != "whole" else []) + [seen(root, DOC, end1)]
+    assert logprob_error(demo_model_path, prompt2, second, events)() < TOLERANCE
+
+    # turn 3 starts from turn 2's extension and turn
+    doc3 = prompt2 + second["output_ids"] + tail
+    third, prompt3, prefilled = ask(doc3, 6012)
+    end2 = len(prompt2) + 3
+    assert prefilled == 1 + TAIL + QUESTION and third["meta_info"]["cached_tokens"] == end2, prefilled
+    error = logprob_error(demo_model_path, prompt3, third, [*events, seen(chain, len(doc2), end2)])
+    # the reference that reads turn 2's question and answer from its extension, not as turn 2 did
+    err, fresh = error(), error([*events, chain])
+    print(f"turn 3: max |logprob error| {err:.2e}; reading turn 2 from its extension {fresh:.3f}")
+    assert err < TOLERANCE and fresh > 10 * TOLERANCE
+    assert published(third)["logical_len"] == len(doc3)
+
+    # the same conversation, another question: from turn 3's extension; a client that changed
+    # one token of the last answer matches no turn, and reads its extension itself
+    _, _, prefilled = ask(doc3, 6013)
+    assert prefilled == QUESTION
+    changed = doc3[:end2 - 1] + [doc3[end2 - 1] + 1] + doc3[end2:]
+    _, _, prefilled = ask(changed, 6014)
+    assert prefilled == len(changed) - len(doc2) + QUESTION
+
+    assert server.post("/flush_cache?timeout=30", json={}).status_code == 200
+    docs = _documents(server)
+    assert docs["resident"] == 0 and docs["turns_resident"] == 0, docs
+    assert_pool_whole(server.wait_idle())
+    assert generate(server, tenant, 4)["output_ids"] == quiet

@@ -127,6 +127,10 @@ class DocumentKey:
     # is decided by its key alone, whoever publishes it.
     parent: str = ""
     parent_entries: int = 0
+    # A chain at its budget compressed again (`ExtensionRule.rebuild`): its request starts from
+    # `parent` as an extension's does, and chooses its `entries` among the parent's and its own
+    # tokens' together (none held); the document stands alone (no parent: `parent_entries` 0).
+    rebuilds: bool = False
 
 
 @dataclass(eq=False)
@@ -157,6 +161,10 @@ class Document:
     # The resident document it extends (its node is this node's parent in the tree), or None:
     # this node holds only its own entries, after the parent's (`tables`, `carried`).
     parent: "Document | None" = None
+    # A finished turn (`adapter/documents/turns.py`): its slots hold every token after its parent
+    # exact, as its request computed them, in order (no tables of its own: a row starting from it
+    # is a row starting from its parent that has read those tokens, `start`).
+    exact: bool = False
 
     @classmethod
     def compact(cls, key: DocumentKey, node: Any, kept_positions: Tensor, slots: int,
@@ -182,12 +190,20 @@ class Document:
                    scores=None if scores is None else scores.to(valid.device)[valid],
                    scored_to=carried.end if carried is not None else 0, parent=parent)
 
+    @classmethod
+    def turn(cls, key: DocumentKey, node: Any, parent: "Document") -> "Document":
+        """A finished turn's exact tokens after `parent`, in `node`'s slots."""
+        return cls(key=key, node=node, kept_positions=torch.empty(0, dtype=torch.int32), slots=len(node.value),
+                   parent=parent, exact=True)
+
     def tables(self) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """What a request starting from it holds as its compacted state (`ReqKvState`): its kept
         positions, [L, H_kv, k] (uniform, read as they are) or [L, H_kv, K]; packed, its units
         [L, H_kv, K] and lengths [L, H_kv] (else None), int32, 0 past each head's length. Entry e
         of the (layer, head, column) order is in unit e of its slots, slot e // (L x H_kv) first
-        (`core/moves.unit_moves`, which packed it)."""
+        (`core/moves.unit_moves`, which packed it). A turn's: its parent's (what follows is exact)."""
+        if self.exact:
+            return self.parent.tables()
         if self.unit_lens is None:
             if self.parent is None:
                 return self.kept_positions, None, None
@@ -216,6 +232,8 @@ class Document:
         """KVzip: the reconstruction scores of its entries as a request that starts from it
         carries them (`ReqKvState.reconstructed`, in its tables' columns: each head's first
         entries), or None (no reconstruction compressed it)."""
+        if self.exact:  # its tokens are scored as any exact ones, by the pass that reads them
+            return self.parent.carried(device)
         if self.scores is None:
             return None
         device = device if device is not None else self.scores.device
@@ -239,7 +257,11 @@ class Document:
     def start(self, state: ReqKvState, device: torch.device | str | None = None) -> None:
         """`state` of a row that starts from it, nothing of its own compacted: its kept positions
         (packed, its tables: `tables`), the offset of what it reads next (logical positions D, D+1,
-        ...) and, compressed by KVzip, the scores its entries carry (`carried`)."""
+        ...) and, compressed by KVzip, the scores its entries carry (`carried`). A turn: as its
+        parent (its slots, after the parent's, are the row's first exact ones)."""
+        if self.exact:
+            self.parent.start(state, device)
+            return
         kept, units, lens = self.tables()
         state.kept_positions = kept
         if units is not None:  # packed, as a request compacted on the unit pool is
@@ -299,12 +321,15 @@ def compact_bytes(entries: int, heads: int, packed: bool, scored: bool = False) 
 class DocumentStats:
     compressions: int = 0  # documents compressed and published
     extensions: int = 0  # of them: documents published as the extension of a resident one
+    rebuilds: int = 0  # of them: chains at their budget compressed again (`ExtensionRule.rebuild`)
     hits: int = 0  # requests that started from a resident document
     evictions: int = 0  # documents the tree evicted (LRU) or dropped
     not_published: int = 0  # compressed documents not published: no free slots, no room for its metadata, or a failure
     evicted_for_metadata: int = 0  # of the evictions: documents evicted to keep the metadata within its reservation
     waited_out: int = 0  # requests that waited --kv-document-wait for a publisher, then read it themselves
     seconds: float = 0.0  # spent scoring and copying documents
+    turns: int = 0  # finished turns published (exact, after their request's document: `turns.py`)
+    turns_evicted: int = 0  # of them: evicted or dropped
 
 
 @dataclass
@@ -319,6 +344,9 @@ class DocumentRegistry:
     # bytes the KV memory reserved for the resident documents' metadata (`adapter/memory/kv_memory.py`);
     # None: nothing reserved (a pool layout without one cost per token), not bounded
     metadata_budget: int | None = None
+    # a finishing request's row (its pool index) -> the range of it whose slots its turn took
+    # (`turns.publish`), between SGLang's `claim_kv_row` and `free_kv_row` of one release
+    taken: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def metadata_bytes(self) -> int:
@@ -352,10 +380,14 @@ class DocumentRegistry:
 
     def add(self, doc: Document) -> None:
         setattr(doc.node, NODE_ATTR, doc)
-        self.publishers.pop(doc.key.digest, None)
         self.by_key[doc.key.digest] = doc
+        if doc.exact:
+            self.stats.turns += 1
+            return
+        self.publishers.pop(doc.key.digest, None)
         self.stats.compressions += 1
         self.stats.extensions += doc.parent is not None
+        self.stats.rebuilds += doc.key.rebuilds
         self._emit("compressed")
 
     def count_hit(self) -> None:
@@ -367,26 +399,38 @@ class DocumentRegistry:
         """The tree deleted `node` (evicted it): a document it held is gone."""
         doc = getattr(node, NODE_ATTR, None)
         if doc is not None and self.by_key.get(doc.key.digest) is doc:
-            del self.by_key[doc.key.digest]
-            self.stats.evictions += 1
-            self._emit("evicted")
+            self._drop(doc)
 
     def clear(self) -> None:
         """The tree was reset (`/flush_cache`): every document is gone."""
-        for digest in list(self.by_key):
-            del self.by_key[digest]
-            self.stats.evictions += 1
-            self._emit("evicted")
+        for doc in list(self.by_key.values()):
+            self._drop(doc)
+
+    def _drop(self, doc: Document) -> None:
+        del self.by_key[doc.key.digest]
+        if doc.exact:
+            self.stats.turns_evicted += 1
+            return
+        self.stats.evictions += 1
+        self._emit("evicted")
+
+    def compressed(self) -> list[Document]:
+        """The resident compressed documents (not the finished turns after them)."""
+        return [doc for doc in self.by_key.values() if not doc.exact]
 
     def _emit(self, event: str) -> None:
         if self.metrics is not None:
-            self.metrics.document(event, len(self.by_key), sum(d.entries for d in self.by_key.values()))
+            docs = self.compressed()
+            self.metrics.document(event, len(docs), sum(d.entries for d in docs))
 
     def snapshot(self) -> dict[str, Any]:
+        docs, turns = self.compressed(), [doc for doc in self.by_key.values() if doc.exact]
         return {
-            "resident": len(self.by_key),
-            "entries": sum(doc.entries for doc in self.by_key.values()),  # per (layer, KV head), their own
-            "tokens": sum(doc.covers for doc in self.by_key.values()),  # what their own nodes cover
+            "resident": len(docs),
+            "entries": sum(doc.entries for doc in docs),  # per (layer, KV head), their own
+            "tokens": sum(doc.covers for doc in docs),  # what their own nodes cover
+            "turns_resident": len(turns),
+            "turn_tokens": sum(doc.covers for doc in turns),  # exact, one slot each
             # which token each entry holds (and a packed document's tables), on the KV's device,
             # within what the KV memory reserved for it (`metadata_budget`)
             "metadata_bytes": self.metadata_bytes,
@@ -459,8 +503,8 @@ class ExtensionRule:
         `parent_entries` keeps of its own, or None where it may not extend it. A ratio is of its own
         tokens (never fewer than the floor, never more than it has: a short turn is kept whole). A
         budget is of the chain: what is left of it after the parent, at least the floor (or all of
-        a shorter extension); a chain at its budget is not extended: the request compresses its
-        document whole again, to its budget."""
+        a shorter extension); a chain at its budget is not extended: it is compressed again
+        (`rebuild`)."""
         if self.limit is not None and tokens > self.limit:
             return None
         least = min(tokens, self.floor)
@@ -469,6 +513,16 @@ class ExtensionRule:
             return own if own >= least else None
         ratio = DEFAULT_DOCUMENT_RATIO if self.ratio is None else self.ratio
         return min(tokens, max(self.floor, math.ceil(ratio * tokens)))
+
+    def rebuild(self, parent_entries: int, tokens: int) -> int | None:
+        """The entries per (layer, KV head) of the document that compresses a chain at its budget
+        again, where an extension of `tokens` tokens would exceed it (`entries` is None): the
+        budget, chosen among the parent's entries and the extension's tokens together; else None."""
+        if self.budget is None or (self.limit is not None and tokens > self.limit):
+            return None
+        if self.entries(parent_entries, tokens) is not None:
+            return None
+        return max(self.budget, self.floor)
 
 
 def may_start_from(req: Any) -> bool:
@@ -563,7 +617,11 @@ def extends(req: Any) -> Document | None:
     publishes (`adapter/documents/extension_pass.py`), or None."""
     fields = req_state.of(req)
     key, doc = fields.document, fields.hit
-    if key is None or doc is None or not key.parent or key.parent != doc.key.digest:
+    if key is None or doc is None:
+        return None
+    if doc.exact:  # it started from a finished turn after that document (`turns.py`)
+        doc = doc.parent  # (a rebuild names the document it compresses again as its parent too)
+    if not key.parent or key.parent != doc.key.digest:
         return None
     return doc
 

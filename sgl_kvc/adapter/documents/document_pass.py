@@ -32,9 +32,10 @@ import torch
 from torch import Tensor
 
 from sgl_kvc.adapter.documents import (
-    Document, DocumentKey, cuts, declared, node_key, publishes_whole, registry_of, started_from,
+    Document, DocumentKey, cuts, declared, publishes_whole, registry_of, started_from,
 )
 from sgl_kvc.adapter.documents import compact_bytes
+from sgl_kvc.adapter.documents.nodes import insert_document
 from sgl_kvc.adapter.safety import failpoints, invariants
 from sgl_kvc.adapter.safety.failures import failure
 from sgl_kvc.adapter.safety.tp import anywhere
@@ -257,13 +258,8 @@ def copy_kept(compressor: Host, batch: ScheduleBatch, selection: HeadSelection, 
 
 def _insert(compressor: Host, batch: ScheduleBatch, r: _Ready, registry: Any) -> None:
     """The document's node: plain tree inserts (the node is unlocked cache at once)."""
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-
-    slots = int(r.dest.numel())
-    result = batch.tree_cache.insert(InsertParams(key=node_key(r.key, slots), value=r.dest))
-    if result.prefix_len:  # cannot happen: a node under this key is registered, hence never re-published
-        raise RuntimeError(f"a document node under key {r.key.digest[:12]} exists unregistered")
-    doc = Document.compact(r.key, result.last_device_node, r.kept_positions, slots, r.unit_lens, r.carried)
+    node = insert_document(batch.tree_cache, r.key, r.dest)
+    doc = Document.compact(r.key, node, r.kept_positions, int(r.dest.numel()), r.unit_lens, r.carried)
     registry.add(doc)
     trace_document(compressor, batch.reqs[r.i], doc)
 
@@ -334,15 +330,10 @@ def _adopt(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, slo
            registry: Any) -> None:
     """The node is the row's first slots; the request holds it locked, as a matched prefix, and
     goes on exactly as a request that started from it (`Compressor._begin` for a hit)."""
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-
     req, tree = batch.reqs[i], batch.tree_cache
     state = compressor.state(req)
     n = int(slots.numel())
-    result = tree.insert(InsertParams(key=node_key(key, n), value=slots))
-    if result.prefix_len:  # cannot happen: a node under this key is registered, hence never re-published
-        raise RuntimeError(f"a document node under key {key.digest[:12]} exists unregistered")
-    node = result.last_device_node
+    node = insert_document(tree, key, slots)
     tree.unlock(req.lock)  # the root's, or nothing: the cut already dropped a matched prefix's
     req.lock, req.last_node = tree.lock(node), node
     req.kv.cache_protected_len = n

@@ -14,9 +14,8 @@ extension only (the next request that declares it tries again).
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -25,6 +24,7 @@ from sgl_kvc.adapter.documents import (
     Document, DocumentKey, compact_bytes, declared, extends, extension_due, extension_lost, registry_of,
 )
 from sgl_kvc.adapter.documents.document_pass import Host, copy_and_publish, copy_kept, trace_document
+from sgl_kvc.adapter.documents.nodes import insert_child, insert_document, node_path
 from sgl_kvc.adapter.safety import failpoints
 from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
 from sgl_kvc.core.reconstruction import CarriedScores, carry_scores
@@ -103,10 +103,12 @@ def _prepare(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, p
     req = batch.reqs[i]
     row = req.kv.req_pool_idx
     failpoints.check("document_raise", req)
-    held, n = parent.chain_slots, _row_entries(key, parent)
+    n = _row_entries(key, parent)
+    # a rebuild (a chain at its budget) holds none of the chain's entries: it chooses among them all
+    held = 0 if key.rebuilds else parent.chain_slots
     own = key.entries - key.parent_entries
     slots = store.req_to_token[row, :n].to(torch.int64)
-    if not torch.equal(slots[:held].cpu(), _path(parent.node)[1].cpu()):
+    if not torch.equal(slots[:parent.chain_slots].cpu(), node_path(parent.node)[1].cpu()):
         raise RuntimeError("its row does not start with the slots of the document it extends")
     packed = store.unit_layout is not None
     tables = state.tables(slots, *store.unit_layout) if packed else None
@@ -123,7 +125,10 @@ def _prepare(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, p
         raise RuntimeError("an unlimited extension pass did not finish")
     selection = due_pass.selection
     device = selection.indices.device
-    held_lens = state.unit_lens.long().to(device) if packed else torch.full_like(selection.lengths, held)
+    if packed:
+        held_lens = state.unit_lens.long().to(device) * (held > 0)
+    else:
+        held_lens = torch.full_like(selection.lengths, held)
     mine, cols = _own(selection, held_lens)
     carried = None
     if scores is not None:
@@ -162,37 +167,14 @@ def _own(selection: HeadSelection, held_lens: Tensor) -> tuple[HeadSelection, Te
     return HeadSelection(indices=torch.where(valid, own, HeadSelection.PAD), lengths=lengths, n=selection.n), cols
 
 
-def _path(node: Any) -> tuple[array, Tensor]:
-    """The radix key tokens and slots from the root down to `node`."""
-    nodes = []
-    while node.parent is not None:
-        nodes.append(node)
-        node = node.parent
-    nodes.reverse()
-    tokens = array("q")
-    for n in nodes:
-        tokens.extend(n.key.token_ids)
-    return tokens, torch.cat([n.value for n in nodes])
-
-
 def _insert(compressor: Host, batch: ScheduleBatch, r: _Ready) -> None:
-    """The extension's node: a child of its parent's, under the chain's namespace, its own
-    placeholder tokens a number of its digest (siblings differ at their first token)."""
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-
-    tree, parent = batch.tree_cache, r.parent
-    own = int(r.dest.numel())
-    namespace = parent.node.key.extra_key
-    mine = RadixKey(array("q", [int(r.key.digest[:15], 16)] * own), extra_key=namespace)
-    if mine.child_key(tree.page_size) in parent.node.children:
-        raise RuntimeError(f"an extension of {parent.key.digest[:12]} under the same first key exists")
-    tokens, values = _path(parent.node)
-    tokens.extend(mine.token_ids)
-    # the path matches down to the parent's node (locked by the request), and no child of it
-    # begins with the extension's first token: the insert adds exactly one node, its slots
-    result = tree.insert(InsertParams(key=RadixKey(tokens, extra_key=namespace),
-                                      value=torch.cat([values.to(r.dest.device), r.dest])))
-    doc = Document.compact(r.key, result.last_device_node, r.kept_positions, own, r.unit_lens, r.carried, parent=parent)
+    """The extension's node: a child of its parent's (`nodes.insert_child`); a rebuild's, a
+    document of its own (`insert_document`)."""
+    tree = batch.tree_cache
+    if r.key.rebuilds:
+        node, parent = insert_document(tree, r.key, r.dest), None
+    else:
+        node, parent = insert_child(tree, r.parent, r.key, r.dest), r.parent
+    doc = Document.compact(r.key, node, r.kept_positions, int(r.dest.numel()), r.unit_lens, r.carried, parent=parent)
     registry_of(tree).add(doc)
     trace_document(compressor, batch.reqs[r.i], doc)

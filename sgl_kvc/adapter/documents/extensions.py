@@ -10,7 +10,10 @@ question, and the document it compresses is the *extension* (`extension_key`): w
 then entries chosen among [D, D') alone, which it publishes as a child node of that one
 (`adapter/documents/extension_pass.py`). The next turn, whose document is one turn longer again,
 starts from the extension, and so on: each turn reads only what was said since the last, the
-chain's ancestors stay shared by every branch of it, and the tree evicts it leaf first.
+chain's ancestors stay shared by every branch of it, and the tree evicts it leaf first. Where the
+last turn's request left its question and answer in the tree (a finished turn after that
+document, `adapter/documents/turns.py`), the next one starts from that turn too (`resident_turn`):
+it reads only what its template adds after the answer, and its question.
 
 The extension's key names its parent's (its digest is a hash of the parent's and of its own
 tokens and entries): what it keeps is decided by its key alone, whoever publishes it; the same
@@ -44,18 +47,32 @@ def resident_start(registry: DocumentRegistry, req: Any) -> Document | None:
     found = extendable(registry, req, own)
     if found is None:
         return None
-    parent, entries = found
-    key = extension_key(own, parent, req.origin_input_ids, entries)
+    parent, entries, rebuilds = found
+    key = extension_key(own, parent, req.origin_input_ids, entries, rebuilds)
     fields.document = key
-    return registry.get(key) or parent
+    return registry.get(key) or resident_turn(registry, req, parent, own) or parent
 
 
-def extendable(registry: DocumentRegistry, req: Any, own: DocumentKey) -> tuple[Document, int] | None:
-    """The longest resident document that `req`'s own (`own`) extends, and the entries per
-    (layer, KV head) its extension keeps of its own (`ExtensionRule.entries`), or None."""
+def resident_turn(registry: DocumentRegistry, req: Any, parent: Document, own: DocumentKey) -> Document | None:
+    """The longest finished turn after `parent` (`adapter/documents/turns.py`) that `req`'s own
+    document (`own`) begins with, or None: its row then starts with the turn's exact tokens
+    after the parent's entries, and it reads only the rest of its extension and its question."""
+    turns = [doc for doc in registry.by_key.values()
+             if doc.exact and doc.parent is parent and doc.key.tokens <= own.tokens]
+    if not turns:
+        return None
+    contents = _prefix_contents(req, sorted({doc.key.tokens for doc in turns}), own.family)
+    matching = [doc for doc in turns if contents[doc.key.tokens] == doc.key.content]
+    return max(matching, key=lambda d: d.key.tokens, default=None)
+
+
+def extendable(registry: DocumentRegistry, req: Any, own: DocumentKey) -> tuple[Document, int, bool] | None:
+    """The longest resident document that `req`'s own (`own`) extends, the entries per (layer,
+    KV head) its extension keeps of its own (`ExtensionRule.entries`), or, where that would
+    exceed the chain's budget, in all (`ExtensionRule.rebuild`: True), or None."""
     rule = req_state.of(req).extension
     candidates = [doc for doc in registry.by_key.values()
-                  if doc.key.family == own.family and doc.key.tokens < own.tokens]
+                  if not doc.exact and doc.key.family == own.family and doc.key.tokens < own.tokens]
     if not candidates:
         return None
     contents = _prefix_contents(req, sorted({doc.key.tokens for doc in candidates}), own.family)
@@ -64,20 +81,24 @@ def extendable(registry: DocumentRegistry, req: Any, own: DocumentKey) -> tuple[
             continue
         entries = rule.entries(doc.key.entries, own.tokens - doc.key.tokens)
         if entries is not None:
-            return doc, entries
+            return doc, entries, False
+        entries = rule.rebuild(doc.key.entries, own.tokens - doc.key.tokens)
+        if entries is not None:
+            return doc, entries, True
     return None
 
 
-def extension_key(own: DocumentKey, parent: Document, prompt: Any, entries: int) -> DocumentKey:
+def extension_key(own: DocumentKey, parent: Document, prompt: Any, entries: int, rebuilds: bool = False) -> DocumentKey:
     """The key of the document over `own`'s tokens that keeps `parent`'s entries and `entries`
     of its own tokens (per layer and KV head): a hash of the parent's key, of its own tokens, and
-    of how many it keeps."""
+    of how many it keeps. `rebuilds`: that keeps `entries` in all, chosen among the parent's
+    entries and its own tokens (a chain at its budget compressed again)."""
     h = hashlib.sha256(parent.key.digest.encode())
     h.update(array("q", prompt[parent.key.tokens: own.tokens]).tobytes())
-    h.update(repr(("extends", entries)).encode())
-    return DocumentKey(digest=h.hexdigest(), tokens=own.tokens, entries=parent.key.entries + entries,
+    h.update(repr(("rebuilds" if rebuilds else "extends", entries)).encode())
+    return DocumentKey(digest=h.hexdigest(), tokens=own.tokens, entries=entries if rebuilds else parent.key.entries + entries,
                        policy=own.policy, family=own.family, content=own.content, parent=parent.key.digest,
-                       parent_entries=parent.key.entries)
+                       parent_entries=0 if rebuilds else parent.key.entries, rebuilds=rebuilds)
 
 
 def _prefix_contents(req: Any, lengths: list[int], family: str) -> dict[int, str]:

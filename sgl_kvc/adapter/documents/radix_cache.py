@@ -28,6 +28,7 @@ from sglang.srt.mem_cache.registry import (
 
 from sgl_kvc import req_state
 from sgl_kvc.adapter.documents import DocumentRegistry, match_limit, may_start_from
+from sgl_kvc.adapter.documents import turns
 from sgl_kvc.adapter.documents.extensions import resident_start
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ class KvcRadixCache(RadixCache):
     """SGLang's `RadixCache` with compressed documents (`adapter/documents/__init__.py`): a request that
     declares a resident document (or one its own extends) matches the document's node, whatever its tokens would match; one
     that compresses its document between chunks matches less than the document, so that a chunk of
-    it ends at the document's end; a document's node leaves the registry when the tree deletes it."""
+    it ends at the document's end; a document's node leaves the registry when the tree deletes it;
+    a finished request's question and answer after its document stay as a turn (`turns.py`)."""
 
     def reset(self) -> None:
         super().reset()
@@ -86,6 +88,19 @@ class KvcRadixCache(RadixCache):
         if limit is not None and len(params.key) > limit:
             params = dataclasses.replace(params, key=params.key[:limit])
         return super().match_prefix(params)
+
+    def claim_kv_row(self, req: Any) -> bool:
+        # a finished request's question and answer after its document stay in the tree, a turn
+        # the next one starts from (`turns.publish`): its slots are not freed with its row
+        if not self.disable:
+            taken = turns.publish(self, self.documents, req)
+            if taken is not None:
+                self.documents.taken[req.kv.req_pool_idx] = taken
+        return super().claim_kv_row(req)
+
+    def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
+        taken = self.documents.taken.pop(kv.req_pool_idx, None)
+        super().free_kv_row(kv, ranges if taken is None else turns.without(ranges, taken))
 
     def _delete_leaf(self, node: Any) -> None:
         super()._delete_leaf(node)
@@ -124,7 +139,7 @@ class KvcRadixCache(RadixCache):
             self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
             self._delete_leaf(node)  # and from the registry
             self.kv_events.record_remove(node)
-            registry.stats.evicted_for_metadata += 1
+            registry.stats.evicted_for_metadata += not doc.exact
         return True
 
 

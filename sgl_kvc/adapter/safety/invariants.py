@@ -95,6 +95,10 @@ def check_documents(tree: Any) -> None:
         if node.value is None or len(node.value) != doc.slots or len(node.key) != doc.slots:
             raise InvariantViolation(f"document {digest[:12]}: {doc.slots} slots, node of {len(node.key)} keys "
                                      f"and {None if node.value is None else len(node.value)} values")
+        if doc.exact:  # a finished turn: one slot per token after its parent, no tables
+            if doc.parent is None or doc.slots != doc.covers or doc.kept_positions.numel():
+                raise InvariantViolation(f"turn {digest[:12]}: {doc.slots} slots for {doc.covers} tokens")
+            continue
         kept = doc.kept_positions
         if doc.unit_lens is None and int(kept.shape[-1]) != k:
             raise InvariantViolation(f"document {digest[:12]}: {kept.shape[-1]} kept positions per head, not {k}")
