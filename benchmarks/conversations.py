@@ -23,12 +23,15 @@ compressing its document needs, `pool_tokens`):
   `messages`: every message but the last), compressed by KVzip to `--ratio` of its tokens and
   shared, each turn's document read and compressed anew (`--kv-document-extend off`);
 - `conversations`: the same requests on a server that extends resident documents (the default
-  `--kv-document-extend resident`): each turn starts from the last turn's document, reads only the
-  last question and answer and its own question, and publishes the last turn's entries as an
-  extension of that document (adapter/documents/extensions.py).
+  `--kv-document-extend resident`): each turn starts from the last turn's document and from the
+  last question and answer its request left in the tree (a turn, adapter/documents/turns.py),
+  reads only what the template renders after that answer and its own question, and publishes the
+  last question and answer's entries as an extension of that document
+  (adapter/documents/extensions.py).
 Recorded per server and turn: prompt tokens prefilled per request (`/v1/kvc/stats`, before and
 after the turn), TTFT p50, answers right (and kept, against `plain`'s), the radix tree's tokens per
-conversation after the turn, and the documents compressed, resident and evicted. Writes
+conversation after the turn, and the documents compressed, resident and evicted, and turns
+published and resident. Writes
 `<out>/conversations[-tag].{json,md,png}`.
 """
 
@@ -144,7 +147,8 @@ def row(config: str, r: TurnResult, count: int, plain: TurnResult | None) -> dic
         "prompt_per_request": round(r.prompt_tokens / served) if served else None,
         "tree_tokens_per_conversation": round(r.tree_tokens / count),
         **{f"documents_{k}": r.documents.get(k)
-           for k in ("compressions", "extensions", "hits", "resident", "evictions", "history_rewritten")},
+           for k in ("compressions", "extensions", "hits", "resident", "evictions", "turns", "turns_resident",
+                     "history_rewritten")},
     }
     if plain is not None:
         both = sum(a and b for a, b in zip(r.right, plain.right))
@@ -154,7 +158,7 @@ def row(config: str, r: TurnResult, count: int, plain: TurnResult | None) -> dic
 
 COLUMNS = ["config", "turn", "right", "kept", "ttft_p50", "prefilled_per_request", "prompt_per_request",
            "tree_tokens_per_conversation", "documents_compressions", "documents_extensions", "documents_hits",
-           "documents_resident", "documents_evictions",
+           "documents_resident", "documents_evictions", "documents_turns", "documents_turns_resident",
            "documents_history_rewritten", "errors"]
 
 
