@@ -37,16 +37,22 @@ class FakeAllocator:
 
 
 class SegmentFreeRecorder:
-    """The one allocator call SGLang's radix tree makes when it evicts a node (`free_segment`),
-    recording the slots it gave back."""
+    """The allocator calls SGLang's radix tree makes when it evicts a node (`free_segment`) and
+    when a request's row is given back (`free_segments`), recording the slots they gave back."""
 
     device = "cpu"
+    page_size = 1
 
     def __init__(self) -> None:
         self.freed: list[int] = []
 
     def free_segment(self, slots: torch.Tensor, start_pos: int = 0) -> None:
         self.freed += slots.tolist()
+
+    def free_segments(self, segments: list[tuple[torch.Tensor, int]]) -> None:
+        """A request's row given back (`free_kv_row_segments`), its segments at once."""
+        for slots, start in segments:
+            self.free_segment(slots, start)
 
 
 class LayeredKvPool:

@@ -611,3 +611,91 @@ def test_a_document_that_extends_a_resident_one_is_matched_through_it_and_evicte
     tree.evict(EvictParams(num_tokens=100))
     assert tree.documents.snapshot()["resident"] == 0 and sorted(allocator.freed) == [*range(500, 530), *range(600, 613)]
     invariants.check_documents(tree)
+
+
+def test_a_chain_at_its_budget_is_compressed_again_to_it() -> None:
+    from sgl_kvc.adapter.documents import ExtensionRule
+
+    budget = ExtensionRule(ratio=None, budget=60, floor=13, limit=None)
+    assert budget.rebuild(30, 100) is None  # extended: 30 of its own fit
+    assert budget.rebuild(50, 100) == 60 and budget.rebuild(60, 5) == 60  # at its budget: compressed again
+    assert ExtensionRule(ratio=None, budget=8, floor=13, limit=None).rebuild(13, 40) == 13  # never below the floor
+    assert ExtensionRule(ratio=0.3, budget=None, floor=13, limit=None).rebuild(500, 100) is None  # a ratio: no budget
+    assert ExtensionRule(ratio=None, budget=60, floor=13, limit=64).rebuild(60, 65) is None  # over one chunk
+
+
+def test_a_finished_turn_stays_in_the_tree_with_its_own_slots() -> None:
+    """A finished request that started from its document gives its row back: SGLang's release
+    (`claim_kv_row`, then `free_kv_row` of what the request owns) keeps the slots of its question
+    and answer as a turn under the document's node, frees nothing else of them, and the next
+    turn, whose document begins with those tokens, starts from the document and the turn."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, ReqKvInfo
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sgl_kvc.adapter.documents.turns import without
+
+    allocator = SegmentFreeRecorder()
+    rows = SimpleNamespace(req_to_token=torch.zeros(4, 256, dtype=torch.int32))
+    tree = KvcRadixCache(CacheInitParams(disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=allocator,
+                                         page_size=1))
+    prompt = list(range(10, 160))  # a document of 100 tokens, a question of 50
+    key = request_key(_declaring_own(prompt, 100), KVZIP)
+    doc_slots = torch.arange(500, 530)
+    node = tree.insert(InsertParams(key=node_key(key, 30), value=doc_slots)).last_device_node
+    tree.documents.add(Document(key=key, node=node, kept_positions=torch.randint(0, 100, (2, 1, 30)), slots=30))
+
+    def finished(output: list[int], row: int, reason=None) -> SimpleNamespace:
+        """A request that started from the document (30 slots for 100 tokens) and read the rest exact."""
+        req = _declaring_own(prompt, 100)
+        req_state.of(req).hit = doc_of(node)
+        read = len(prompt) + len(output) - 1 - 70
+        rows.req_to_token[row, :30] = doc_slots.int()
+        rows.req_to_token[row, 30:read] = torch.arange(1000 * (row + 1), 1000 * (row + 1) + read - 30, dtype=torch.int32)
+        req.output_ids, req.finished_reason = output, reason or FINISH_LENGTH(len(output))
+        req.finished = lambda: True
+        req.kv = ReqKvInfo(req_pool_idx=row, cache_protected_len=30, kv_committed_len=read, kv_allocated_len=read)
+        return req
+
+    def release(req) -> list[int]:
+        allocator.freed = []
+        assert tree.claim_kv_row(req) is False
+        tree.free_kv_row(req.kv, [(req.kv.cache_protected_len, req.kv.kv_committed_len)])
+        return allocator.freed
+
+    output = [3, 4, 5, 6, 7]
+    first = finished(output, 1)
+    own = rows.req_to_token[1, 30:84].clone()
+    assert release(first) == []  # the question and answer (but the last token) stay
+    turn = [d for d in tree.documents.by_key.values() if d.exact]
+    assert len(turn) == 1 and turn[0].node.parent is node and torch.equal(turn[0].node.value, own.long())
+    assert (turn[0].key.tokens, turn[0].slots, turn[0].offset) == (154, 54, 70)
+    snap = tree.documents.snapshot()
+    assert (snap["resident"], snap["entries"], snap["turns_resident"], snap["turn_tokens"]) == (1, 30, 1, 54)
+    invariants.check_documents(tree)
+    # the same answer again: nothing more kept; aborted, or compacted since its start: none kept
+    assert release(finished(output, 2)) == rows.req_to_token[2, 30:84].tolist()
+    assert release(finished([3, 4, 9], 3, FINISH_ABORT())) == rows.req_to_token[3, 30:82].tolist()
+    compacted = finished([3, 4, 9], 3)
+    compacted.kv.kv_committed_len -= 10
+    assert len(release(compacted)) == 42 and tree.documents.snapshot()["turns"] == 1
+
+    def match(tokens: list[int], document: int):
+        req = _declaring_own(tokens, document)
+        return tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)), req=req)), req
+
+    said = prompt + output
+    m, req = match(said + [1, 2] + list(range(300, 320)), len(said) + 2)  # the template's tail, a question
+    assert m.last_device_node is turn[0].node and m.device_prefix_len == 84
+    req_state.of(req).hit = doc_of(m.last_device_node)  # as `documents.matched` sets it
+    assert documents.declared(req).parent == key.digest and documents.extends(req) is doc_of(node)
+    m, _ = match(said[:-2] + [99, 7, 1, 2] + list(range(300, 320)), len(said) + 2)  # another answer
+    assert m.last_device_node is node and m.device_prefix_len == 30
+
+    allocator.freed = []
+    tree.evict(EvictParams(num_tokens=54))  # a leaf, as any
+    assert sorted(allocator.freed) == sorted(own.tolist()) and tree.documents.stats.turns_evicted == 1
+    assert tree.documents.snapshot()["resident"] == 1
+    invariants.check_documents(tree)
+    assert without([(30, 84)], (30, 84)) == [] and without([(0, 10), (20, 90)], (30, 84)) == [(0, 10), (20, 30), (84, 90)]
