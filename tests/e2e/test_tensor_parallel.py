@@ -273,6 +273,37 @@ def test_a_document_is_extended_on_both_ranks(tp_server) -> None:
     assert_pool_whole(after)
 
 
+def test_a_finished_turn_is_kept_on_both_ranks(tp_server) -> None:
+    """A request that declared a document finishes: both ranks keep its question and answer as a
+    turn (from SGLang's fields alone, with no vote: the ranks' rows are alike), and the next turn,
+    whose document is that conversation so far, starts from the document and the turn on both,
+    prefilling only the answer's last token, a template's tail and its question, then extends
+    the chain from the turn's slots; its own turn is kept on both too."""
+    doc = [(47 * i + 5) % 1900 + 10 for i in range(48)]
+
+    def ask(prompt: list[int], document: int) -> dict:
+        r = tp_server.post("/generate", json={"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True,
+            "custom_params": {"sgl_kvc": {"prompt_policy": "kvzip", "document": {"tokens": document}}}}})
+        assert r.status_code == 200, r.text[:300]
+        return r.json()
+
+    before = tp_server.wait_idle()
+    prompt = doc + [(19 * i + 1) % 1900 + 10 for i in range(8)]
+    out = ask(prompt, len(doc))
+    for t in range(2):
+        said = prompt + out["output_ids"]
+        prompt = said + [11, 12] + [(19 * i + t + 2) % 1900 + 10 for i in range(8)]
+        was = tp_server.stats()["prefix_cache"]["prefilled_tokens"]
+        out = ask(prompt, len(said) + 2)
+        assert out["meta_info"]["cached_tokens"] == len(said) - 1
+        assert tp_server.stats()["prefix_cache"]["prefilled_tokens"] - was == 1 + 2 + 8
+    after = tp_server.wait_idle()
+    docs, was = after["documents"], before["documents"]
+    assert docs["turns"] == was["turns"] + 3 and docs["extensions"] == was["extensions"] + 2, docs
+    assert_pool_whole(after)
+
+
 def test_requests_wait_for_a_document_alike_on_both_ranks(tp_server) -> None:
     """Requests of one document sent at once, its 150 tokens read in three chunks: one compresses
     it, the others wait for it, held back alike on both ranks (whether each waited past

@@ -9,7 +9,9 @@ its tokens, scored in the context of what the parent kept (KVzip repeats only th
 resuming from the scores the parent carries, as a request starting from the parent would). The
 chosen entries are copied into fresh slots, which become a child node of the parent's in the
 tree. The request's row is only read: it goes on as it was, and whatever fails here loses the
-extension only (the next request that declares it tries again).
+extension only (the next request that declares it tries again). A chain at its budget compressed
+again (`DocumentKey.rebuilds`) holds none of the parent's entries: the same pass keeps its budget
+among them all, into a document of its own (under the root, not under the parent).
 """
 
 from __future__ import annotations
