@@ -344,9 +344,10 @@ class DocumentRegistry:
     # bytes the KV memory reserved for the resident documents' metadata (`adapter/memory/kv_memory.py`);
     # None: nothing reserved (a pool layout without one cost per token), not bounded
     metadata_budget: int | None = None
-    # a finishing request's row (its pool index) -> the range of it whose slots its turn took
-    # (`turns.publish`), between SGLang's `claim_kv_row` and `free_kv_row` of one release
-    taken: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # a finishing request's row (its pool index) -> its kv record and the range of the row whose
+    # slots its turn took (`turns.publish`), between SGLang's `claim_kv_row` and `free_kv_row` of
+    # one release (applied to that record only)
+    taken: dict[int, tuple[Any, tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def metadata_bytes(self) -> int:

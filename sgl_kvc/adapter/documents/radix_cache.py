@@ -95,12 +95,12 @@ class KvcRadixCache(RadixCache):
         if not self.disable:
             taken = turns.publish(self, self.documents, req)
             if taken is not None:
-                self.documents.taken[req.kv.req_pool_idx] = taken
+                self.documents.taken[req.kv.req_pool_idx] = (req.kv, taken)
         return super().claim_kv_row(req)
 
     def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
-        taken = self.documents.taken.pop(kv.req_pool_idx, None)
-        super().free_kv_row(kv, ranges if taken is None else turns.without(ranges, taken))
+        kept, taken = self.documents.taken.pop(kv.req_pool_idx, (None, None))
+        super().free_kv_row(kv, ranges if kept is not kv else turns.without(ranges, taken))
 
     def _delete_leaf(self, node: Any) -> None:
         super()._delete_leaf(node)
