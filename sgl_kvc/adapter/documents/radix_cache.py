@@ -27,8 +27,7 @@ from sglang.srt.mem_cache.registry import (
 )
 
 from sgl_kvc import req_state
-from sgl_kvc.adapter.documents import DocumentRegistry, match_limit, may_start_from
-from sgl_kvc.adapter.documents import turns
+from sgl_kvc.adapter.documents import DocumentRegistry, match_limit, may_start_from, turns
 from sgl_kvc.adapter.documents.extensions import resident_start
 
 logger = logging.getLogger(__name__)
@@ -93,7 +92,11 @@ class KvcRadixCache(RadixCache):
         # a finished request's question and answer after its document stay in the tree, a turn
         # the next one starts from (`turns.publish`): its slots are not freed with its row
         if not self.disable:
-            taken = turns.publish(self, self.documents, req)
+            try:
+                taken = turns.publish(self, self.documents, req)
+            except Exception:  # a turn lost, never the release (it inserts nothing before its checks pass)
+                logger.exception("a finished turn of %s was not kept", getattr(req, "rid", "?"))
+                taken = None
             if taken is not None:
                 self.documents.taken[req.kv.req_pool_idx] = (req.kv, taken)
         return super().claim_kv_row(req)
