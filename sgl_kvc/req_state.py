@@ -52,6 +52,9 @@ class KvcReq:
     waited_out: bool = False  # it waited its bound out, and waits no more
     # `adapter/documents/radix_cache`: the document node its use was counted for
     counted_use: Any = None
+    # `adapter/documents/turns`: the finished turn it started from, which the turn it kept
+    # supersedes (dropped once its row is released, where no other request holds it)
+    superseded_turn: Document | None = None
 
 
 def of(req: Any) -> KvcReq:

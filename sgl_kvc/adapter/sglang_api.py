@@ -198,6 +198,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_MM}.base_prefix_cache.InsertParams", ("key", "value"), why="a document's node published"),
     Internal(f"{_MM}.radix_cache.RadixCache.claim_kv_row", ("req",), why="a finished turn stays in the tree"),
     Internal(f"{_MM}.radix_cache.RadixCache.free_kv_row", ("kv", "ranges"), why="a finished turn's slots are not freed"),
+    Internal(f"{_MM}.radix_cache.RadixCache.on_release", ("req",), why="the turn a finished one supersedes is dropped"),
     Internal(f"{_MM}.common.release_kv_cache", ("req", "tree_cache"),
              why="claim_kv_row, then free_kv_row, of one release (a finished turn's slots)"),
     Internal(f"{_MGR}.schedule_batch.FINISH_MATCHED_TOKEN", ("matched",), why="a turn answered to its stop token"),

@@ -61,7 +61,7 @@ def servers(trace: Path):
     """Three servers started at once: uniform head budgets, variable ones, and layer ones without
     the chunk moment. The variable one renders chats with `CHAT_TEMPLATE` (a Jinja file), the
     layer one with SGLang's conversation template `chatml` (the others: the demo model's own)."""
-    env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1", "SGLKVC_FAILPOINTS": "document_raise"}
+    env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1", "SGLKVC_FAILPOINTS": "document_raise,turn_raise"}
     template = trace.parent / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     cmds = [CMD, [*CMD, "--kv-head-budget", "variable", "--chat-template", str(template)],
@@ -931,7 +931,8 @@ def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace:
     from that document and the turn, prefills only the answer's last token, the tail and its
     question, publishes its extension (chosen among the last question and answer, read from the
     turn's slots) and finishes into a turn of its own after that extension, which the third turn
-    starts from. Each answers exactly as a dense reference whose queries see what the rows held:
+    starts from; the turn a later one started from is dropped once that one kept its own. Each
+    answers exactly as a dense reference whose queries see what the rows held:
     a turn's tokens as its request computed them, then the extension's entries. A document whose
     tokens differ from the turn's in one token matches no turn. The pool adds up after flushing;
     another tenant's answer is unchanged."""
@@ -969,6 +970,8 @@ def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace:
     assert prefilled == 1 + TAIL + QUESTION and second["meta_info"]["cached_tokens"] == end1, prefilled
     after2 = _documents(server)
     assert after2["extensions"] == after1["extensions"] + 1 and after2["turns"] == after1["turns"] + 1, after2
+    # turn 1's turn, which turn 2 started from, is dropped: one turn of the conversation stays exact
+    assert after2["turns_resident"] == after1["turns_resident"] and after2["turns_evicted"] == after1["turns_evicted"] + 1
     chain = published(second)
     assert chain["logical_len"] == len(doc2)
     events = ([root] if name != "whole" else []) + [seen(root, DOC, end1)]
@@ -993,6 +996,12 @@ def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace:
     changed = doc3[:end2 - 1] + [doc3[end2 - 1] + 1] + doc3[end2:]
     _, _, prefilled = ask(changed, 6014)
     assert prefilled == len(changed) - len(doc2) + QUESTION
+    # a failure while a turn is kept loses that turn only: the next turn reads its extension
+    turns = _documents(server)["turns"]
+    failed = _ask(server, doc2, _tokens(6015, QUESTION), rid=f"failpoint-turn-{name}")
+    assert len(failed["output_ids"]) == 4 and _documents(server)["turns"] == turns
+    _, _, prefilled = ask(doc2 + _tokens(6015, QUESTION) + failed["output_ids"] + tail, 6016)
+    assert prefilled == QUESTION + 4 + TAIL + QUESTION
 
     assert server.post("/flush_cache?timeout=30", json={}).status_code == 200
     docs = _documents(server)

@@ -105,6 +105,20 @@ class KvcRadixCache(RadixCache):
         kept, taken = self.documents.taken.pop(kv.req_pool_idx, (None, None))
         super().free_kv_row(kv, ranges if kept is not kv else turns.without(ranges, taken))
 
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        if not self.disable:  # the turn it started from, once it kept its own (`turns.superseded`)
+            doc = turns.superseded(self.documents, req)
+            if doc is not None:
+                self._evict_document(doc)
+
+    def _evict_document(self, doc: Any) -> None:
+        """Evict an unlocked document's leaf node as SGLang's own `evict` removes a leaf."""
+        node = doc.node
+        self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
+        self._delete_leaf(node)  # and from the registry
+        self.kv_events.record_remove(node)
+
     def _delete_leaf(self, node: Any) -> None:
         super()._delete_leaf(node)
         self.documents.removed(node)
@@ -137,11 +151,7 @@ class KvcRadixCache(RadixCache):
                 return False
             doc = min(candidates, key=lambda doc: self.eviction_strategy.get_priority(doc.node))
             held -= doc.metadata_bytes
-            node = doc.node
-            # as SGLang's own `evict` removes a leaf
-            self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
-            self._delete_leaf(node)  # and from the registry
-            self.kv_events.record_remove(node)
+            self._evict_document(doc)
             registry.stats.evicted_for_metadata += not doc.exact
         return True
 

@@ -23,6 +23,11 @@ itself, that is more than the document the new turn follows keeps (the last turn
 answer whole): the next request reads what its predecessor's row held, as plain SGLang's reuse
 of a finished request's KV does.
 
+Once the next turn's request kept a turn of its own, the turn it started from is dropped where no
+other request holds it (`superseded`): its question and answer are in that request's extension,
+compressed, and a conversation holds one turn exact, not all of them. A branch from it (another
+next question) then reads the last question and answer itself, as before.
+
 Only a row that holds those tokens exact publishes them: not one compacted since it started (its
 own passes, R-KV during decode), nor one whose tokens after the document are partly the tree's
 (a matched prefix). Everything here follows from SGLang's fields and the registry, alike on
@@ -40,6 +45,7 @@ import torch
 from sgl_kvc import req_state
 from sgl_kvc.adapter.documents import Document, DocumentKey, DocumentRegistry, content_digest
 from sgl_kvc.adapter.documents.nodes import insert_child
+from sgl_kvc.adapter.safety import failpoints
 
 
 def publish(tree: Any, registry: DocumentRegistry, req: Any) -> tuple[int, int] | None:
@@ -50,10 +56,25 @@ def publish(tree: Any, registry: DocumentRegistry, req: Any) -> tuple[int, int] 
     if found is None:
         return None
     parent, key, start, end = found
+    failpoints.check("turn_raise", req)
     slots = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end].to(torch.int64).clone()
     node = insert_child(tree, parent, key, slots)
     registry.add(Document.turn(key, node, parent))
+    hit = req_state.of(req).hit
+    req_state.of(req).superseded_turn = hit if hit is not None and hit.exact else None
     return start, end
+
+
+def superseded(registry: DocumentRegistry, req: Any) -> Document | None:
+    """The turn `req` started from, now that its row is released and it kept a turn of its own
+    (the conversation goes on from that one, and from its document's extension, which holds the
+    old turn's question and answer compressed), where nothing else holds it: to drop, so that a
+    conversation keeps one turn exact, not every turn. Else None (it stays, evicted as any leaf)."""
+    fields = req_state.of(req)
+    doc, fields.superseded_turn = fields.superseded_turn, None
+    if doc is None or registry.get(doc.key) is not doc or doc.node.lock_ref > 0 or doc.node.children:
+        return None
+    return doc
 
 
 def without(ranges: list[tuple[int, int]], kept: tuple[int, int]) -> list[tuple[int, int]]:
