@@ -59,11 +59,7 @@ def resident_turn(registry: DocumentRegistry, req: Any, parent: Document, own: D
     after the parent's entries, and it reads only the rest of its extension and its question."""
     turns = [doc for doc in registry.by_key.values()
              if doc.exact and doc.parent is parent and doc.key.tokens <= own.tokens]
-    if not turns:
-        return None
-    contents = _prefix_contents(req, sorted({doc.key.tokens for doc in turns}), own.family)
-    matching = [doc for doc in turns if contents[doc.key.tokens] == doc.key.content]
-    return max(matching, key=lambda d: d.key.tokens, default=None)
+    return next(iter(_begun_with(req, turns, own.family)), None)
 
 
 def extendable(registry: DocumentRegistry, req: Any, own: DocumentKey) -> tuple[Document, int, bool] | None:
@@ -73,12 +69,7 @@ def extendable(registry: DocumentRegistry, req: Any, own: DocumentKey) -> tuple[
     rule = req_state.of(req).extension
     candidates = [doc for doc in registry.by_key.values()
                   if not doc.exact and doc.key.family == own.family and doc.key.tokens < own.tokens]
-    if not candidates:
-        return None
-    contents = _prefix_contents(req, sorted({doc.key.tokens for doc in candidates}), own.family)
-    for doc in sorted(candidates, key=lambda d: -d.key.tokens):
-        if contents[doc.key.tokens] != doc.key.content:
-            continue
+    for doc in _begun_with(req, candidates, own.family):
         entries = rule.entries(doc.key.entries, own.tokens - doc.key.tokens)
         if entries is not None:
             return doc, entries, False
@@ -86,6 +77,15 @@ def extendable(registry: DocumentRegistry, req: Any, own: DocumentKey) -> tuple[
         if entries is not None:
             return doc, entries, True
     return None
+
+
+def _begun_with(req: Any, docs: list[Document], family: str) -> list[Document]:
+    """Those of `docs` whose tokens `req`'s prompt begins with (the same `DocumentKey.content`),
+    the longest first."""
+    if not docs:
+        return []
+    contents = _prefix_contents(req, sorted({doc.key.tokens for doc in docs}), family)
+    return sorted((doc for doc in docs if contents[doc.key.tokens] == doc.key.content), key=lambda d: -d.key.tokens)
 
 
 def extension_key(own: DocumentKey, parent: Document, prompt: Any, entries: int, rebuilds: bool = False) -> DocumentKey:
