@@ -3,12 +3,15 @@ each turn one more question.
 
     python -m benchmarks.conversations                     # docs/benchmarks.md has the results
     python -m benchmarks.conversations --conversations 8 --turns 8 --document-tokens 3072
+    python -m benchmarks.conversations --explain --answer-tokens 192 --decode rkv   # long answers
+
 
 `--conversations` conversations, each over its own document (`benchmarks.shared_documents`'s
 documents: about `--document-tokens` tokens of filler in the four styles in turn, with one fact per
 turn). Turn t asks the t-th fact ("What is the code of the red door? Answer with the number
-only.") after every earlier question and the server's own earlier answers, as a chat client
-resends a conversation: `[document, q1, a1, ..., qt]` as streaming `/v1/chat/completions`. The
+only."; with `--explain`, the number and then where the document says so, a long answer) after
+every earlier question and the server's own earlier answers, as a chat client resends a
+conversation: `[document, q1, a1, ..., qt]` as streaming `/v1/chat/completions`. The
 turns of different conversations are interleaved: every conversation's turn 1 (`--clients` at
 once), then every conversation's turn 2, and so on.
 
@@ -28,6 +31,10 @@ compressing its document needs, `pool_tokens`):
   reads only what the template renders after that answer and its own question, and publishes the
   last question and answer's entries as an extension of that document
   (adapter/documents/extensions.py).
+With `--decode rkv`, the compressing servers' requests decode with R-KV at `--decode-budget`
+entries beyond their document (their prompts still by KVzip): a long answer is compacted while it
+is decoded, and on `conversations` the next turn starts from what it kept (a reply,
+adapter/documents/replies.py), compressing it again.
 Recorded per server and turn: prompt tokens prefilled per request (`/v1/kvc/stats`, before and
 after the turn), TTFT p50, answers right (and kept, against `plain`'s), the radix tree's tokens per
 conversation after the turn, and the documents compressed, resident and evicted, and turns
@@ -82,31 +89,38 @@ class TurnResult:
     documents: dict[str, Any] = field(default_factory=dict)  # the stats' documents, after the turn
 
 
-def make_conversations(tok: Any, count: int, tokens: int, turns: int,
-                       seed: int) -> tuple[list[Conversation], list[int]]:
-    """The conversations, and each document's length in tokens (its message alone)."""
+def make_conversations(tok: Any, count: int, tokens: int, turns: int, seed: int,
+                       explain: bool = False) -> tuple[list[Conversation], list[int]]:
+    """The conversations, and each document's length in tokens (its message alone). `explain`:
+    each question asks for the number and then where the document says so (a long answer)."""
+    ask = explain_question if explain else code_question
     out, lengths = [], []
     for c in range(count):
         rng = random.Random(f"conversations-{seed}-{c}")
         text, names, codes = document_text(tok, rng, STYLES[c % len(STYLES)], tokens, turns)
         order = rng.sample(range(turns), turns)
-        out.append(Conversation(c, text, tuple(code_question(names[j]) for j in order),
+        out.append(Conversation(c, text, tuple(ask(names[j]) for j in order),
                                 tuple(str(codes[j]) for j in order)))
         lengths.append(message_tokens(tok, text))
     return out, lengths
 
 
-def pool_tokens(lengths: list[int], turns: int, ratio: float, chunk: int) -> int:
+def explain_question(name: str) -> str:
+    return f"What is the code of the {name}? Give the number, then explain in a few sentences where the document says so."
+
+
+def pool_tokens(lengths: list[int], turns: int, ratio: float, chunk: int, per_turn: int = 40) -> int:
     """A third of the conversations at their last turn, whole (the document and each turn's
-    question and answer, about 40 tokens), plus what one request compressing its document between
-    chunks holds at most: one chunk, the reconstruction forward, its budget and the document's
-    entries, its question and answer."""
-    whole = sum(n + turns * 40 for n in lengths)
-    return math.ceil(whole / 3) + chunk + KVZIP_CHUNK + BUDGET + math.ceil(ratio * (max(lengths) + turns * 40)) + 128
+    question and answer, `per_turn` tokens), plus what one request compressing its document
+    between chunks holds at most: one chunk, the reconstruction forward, its budget and the
+    document's entries, its question and answer."""
+    whole = sum(n + turns * per_turn for n in lengths)
+    return (math.ceil(whole / 3) + chunk + KVZIP_CHUNK + BUDGET + math.ceil(ratio * (max(lengths) + turns * per_turn))
+            + per_turn + 88)
 
 
 def run(config: str, flags: list[str], extra: dict[str, Any], conversations: list[Conversation], turns: int,
-        clients: int, log: Path) -> tuple[list[TurnResult], list[list[str]]]:
+        clients: int, log: Path, answer_tokens: int = ANSWER_TOKENS) -> tuple[list[TurnResult], list[list[str]]]:
     """Every turn of every conversation on one server: the per-turn results, and each
     conversation's answers in order."""
     history: list[list[dict[str, str]]] = [[{"role": "user", "content": c.document}] for c in conversations]
@@ -118,7 +132,7 @@ def run(config: str, flags: list[str], extra: dict[str, Any], conversations: lis
             questions = [Question(c.index, t, tuple(history[c.index] + [{"role": "user", "content": c.questions[t]}]),
                                   c.answers[t]) for c in conversations]
             with ThreadPoolExecutor(clients) as pool:
-                answers = list(pool.map(lambda q: ask(server.url, q, extra, ANSWER_TOKENS), questions))
+                answers = list(pool.map(lambda q: ask(server.url, q, extra, answer_tokens), questions))
             after = server.wait_idle()
             r = TurnResult(t + 1)
             for c, q, a in zip(conversations, questions, answers):
@@ -147,8 +161,8 @@ def row(config: str, r: TurnResult, count: int, plain: TurnResult | None) -> dic
         "prompt_per_request": round(r.prompt_tokens / served) if served else None,
         "tree_tokens_per_conversation": round(r.tree_tokens / count),
         **{f"documents_{k}": r.documents.get(k)
-           for k in ("compressions", "extensions", "hits", "resident", "evictions", "turns", "turns_resident",
-                     "history_rewritten")},
+           for k in ("compressions", "extensions", "rebuilds", "replies", "hits", "resident", "evictions", "turns",
+                     "turns_resident", "history_rewritten")},
     }
     if plain is not None:
         both = sum(a and b for a, b in zip(r.right, plain.right))
@@ -157,7 +171,8 @@ def row(config: str, r: TurnResult, count: int, plain: TurnResult | None) -> dic
 
 
 COLUMNS = ["config", "turn", "right", "kept", "ttft_p50", "prefilled_per_request", "prompt_per_request",
-           "tree_tokens_per_conversation", "documents_compressions", "documents_extensions", "documents_hits",
+           "tree_tokens_per_conversation", "documents_compressions", "documents_extensions", "documents_rebuilds",
+           "documents_replies", "documents_hits",
            "documents_resident", "documents_evictions", "documents_turns", "documents_turns_resident",
            "documents_history_rewritten", "errors"]
 
@@ -205,6 +220,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-head-budget", default="layer", choices=["uniform", "variable", "layer"],
                    help="of the compressing servers (KVzip's server: docs/quality.md)")
     p.add_argument("--configs", nargs="+", default=["plain", "per-request", "documents", "conversations"])
+    p.add_argument("--explain", action="store_true", help="questions that ask for an explanation: long answers")
+    p.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS, help="max_tokens of every answer")
+    p.add_argument("--decode", default="server", choices=["server", "rkv"],
+                   help="rkv: the compressing servers' requests decode with R-KV at --decode-budget")
+    p.add_argument("--decode-budget", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--tag", default="")
@@ -218,16 +238,20 @@ def main(argv: list[str] | None = None) -> None:
 
     model = str(ensure_smollm2())
     tok = AutoTokenizer.from_pretrained(model)
-    conversations, lengths = make_conversations(tok, args.conversations, args.document_tokens, args.turns, args.seed)
-    pool = pool_tokens(lengths, args.turns, args.ratio, args.chunk)
+    conversations, lengths = make_conversations(tok, args.conversations, args.document_tokens, args.turns, args.seed,
+                                                args.explain)
+    pool = pool_tokens(lengths, args.turns, args.ratio, args.chunk, per_turn=args.answer_tokens + 28)
     k = math.ceil(args.ratio * max(lengths))
     common, kvc = server_flags(model, args.dtype, pool, args.chunk, args.kv_head_budget)
     launch = [sys.executable, "-m", "sgl_kvc.launch"]
+    # --decode rkv: decoded by R-KV at its own budget beyond the document, the prompt still by KVzip
+    decode = {"policy": "rkv", "prompt_policy": "kvzip", "budget": args.decode_budget} if args.decode == "rkv" else {}
+    document = {**decode, "document": {"ratio": args.ratio}}
     configs = {
         "plain": ([*launch, *common, "--policy", "none"], {}),
         "per-request": ([*launch, *kvc], {"kv_compression": {"budget": k}}),
-        "documents": ([*launch, *kvc, "--kv-document-extend", "off"], {"kv_compression": {"document": {"ratio": args.ratio}}}),
-        "conversations": ([*launch, *kvc], {"kv_compression": {"document": {"ratio": args.ratio}}}),
+        "documents": ([*launch, *kvc, "--kv-document-extend", "off"], {"kv_compression": document}),
+        "conversations": ([*launch, *kvc], {"kv_compression": document}),
     }
     logs = Path(tempfile.mkdtemp(prefix="conversations-"))
     print(f"{args.conversations} conversations x {args.turns} turns over documents of {lengths} tokens; pool {pool}; "
@@ -238,14 +262,15 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.configs:
         flags, extra = configs[name]
         results[name], texts[name] = run(name, flags, extra, conversations, args.turns, args.clients,
-                                         logs / f"{name}.log")
+                                         logs / f"{name}.log", args.answer_tokens)
     plain = results.get("plain")
     rows = [row(name, r, args.conversations, plain[r.turn - 1] if plain else None)
             for name, turns in results.items() for r in turns]
     stem = "conversations" + (f"-{args.tag}" if args.tag else "")
     args.out.mkdir(parents=True, exist_ok=True)
     setup = {"conversations": args.conversations, "turns": args.turns, "document_tokens": lengths,
-             "ratio": args.ratio, "entries": k, "pool": pool, "clients": args.clients, "max_tokens": ANSWER_TOKENS,
+             "ratio": args.ratio, "entries": k, "pool": pool, "clients": args.clients, "max_tokens": args.answer_tokens,
+             "explain": args.explain, "decode": decode or "server",
              "dtype": args.dtype, "kv_head_budget": args.kv_head_budget, "chunk": args.chunk, "kv_budget": BUDGET,
              "kvzip_chunk": KVZIP_CHUNK, "wall_seconds": round(time.perf_counter() - t0)}
     (args.out / f"{stem}.json").write_text(json.dumps(

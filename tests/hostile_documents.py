@@ -62,6 +62,9 @@ RESERVED = (NAMESPACE, NAMESPACE + "0" * 64, NAMESPACE + "/x", NAMESPACE + " ")
 NEAR = ("", "tenant-a", "sgl-kvc/document", "sgl-kvc/documents/a", " sgl-kvc/document/a", "SGL-KVC/DOCUMENT/a",
         "sgl-kvc\\document\\a", "sgl-kvc/document\u2215a", "sgl-kvc/doc")
 QUESTION = 12  # tokens after a document
+# a long answer's tokens: past what its row holds before R-KV compacts it (its document's entries,
+# its budget of the floor + 2 and the servers' --kv-buffer of 128, after its question)
+REPLY = 150
 
 
 @dataclass(frozen=True)
@@ -436,10 +439,10 @@ def _extensions(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Ho
 
 def _turns(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Hostile]:
     """A conversation's next turns, sent after its first answer: the document is the prompt and
-    answer (a finished turn, often resident), a template's tail of 0-2 tokens, or the answer's
-    last token changed, or ending exactly where the turn does; with prompt log-probabilities,
-    another namespace, `n`, a budget of the floor, `max_tokens` 0 or 1, or hanging up; and a third
-    turn after the second's answer."""
+    answer (a finished turn, often resident, or a reply compacted while it decoded), a template's
+    tail of 0-2 tokens, or the answer's last token changed, or ending exactly where the turn
+    does; with prompt log-probabilities, another namespace, `n`, a budget of the floor,
+    `max_tokens` 0 or 1, or hanging up; and a third turn after the second's answer."""
     doc = rng.choice(docs[1:-1])
     spec = rng.choice([{"ratio": 0.3}, {"ratio": 0.5}, {"budget": t.floor + 2}])
     rng = random.Random(rng.random())  # its own: the next turns are drawn in the thread that sends them
@@ -449,6 +452,10 @@ def _turns(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Hostile
         kv = {"prompt_policy": "kvzip", "document": {"tokens": d, **spec}}
         what = f"turn {depth} after a document of {d} tokens, {spec}"
         answer = rng.choice([1, 3])
+        if rng.random() < 0.3 and len(prompt) + REPLY <= t.max_prompt:
+            # a reply compacted while it decodes (R-KV, a small budget of its own): kept as a reply
+            answer, kv = REPLY, {**kv, "policy": "rkv", "budget": t.floor + 2}
+            what += ", its reply compacted"
         then = (lambda body: _next_turns(prompt, body, depth)) if depth < 3 else None
         return Hostile(what, GENERATE, _body(t, GENERATE, prompt, answer, kv), tokens=answer, then=then)
 

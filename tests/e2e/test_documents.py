@@ -657,6 +657,8 @@ def test_a_documents_metadata_is_int32_and_within_its_reservation(servers, name:
     pool holds. Before, the positions and units were int64 and reserved nowhere."""
     server = servers[name]
     assert _documents(server)["metadata_budget"] > 0
+    # none of the other tests' documents (a reply keeps no scores: 4 bytes per entry)
+    assert server.post("/flush_cache?timeout=30", json={}).status_code == 200
     for i in range(MANY):
         _ask(server, _tokens(1700 + i, DOC), _tokens(1800 + i, QUESTION), ratio=LARGE if i else 0.3)
         docs = _documents(server)
@@ -1002,6 +1004,81 @@ def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace:
     assert len(failed["output_ids"]) == 4 and _documents(server)["turns"] == turns
     _, _, prefilled = ask(doc2 + _tokens(6015, QUESTION) + failed["output_ids"] + tail, 6016)
     assert prefilled == QUESTION + 4 + TAIL + QUESTION
+
+    assert server.post("/flush_cache?timeout=30", json={}).status_code == 200
+    docs = _documents(server)
+    assert docs["resident"] == 0 and docs["turns_resident"] == 0, docs
+    assert_pool_whole(server.wait_idle())
+    assert generate(server, tenant, 4)["output_ids"] == quiet
+
+
+REPLY = 150  # output tokens: past the row's budget + buffer (40 + 16 + 128) after 12 question tokens
+
+
+@pytest.mark.parametrize("name", ["uniform", "variable"])
+def test_a_reply_compacted_during_decode_is_where_the_next_turn_starts(
+    servers, name: str, trace: Path, demo_model_path: str
+) -> None:
+    """A request that declared a document compacts its row while it decodes (R-KV, its own
+    budget): its row no longer holds the document's entries and its question and answer exact,
+    so it keeps no turn; at release its kept entries become a document of their own (a reply,
+    over what its last pass covered) and what it decoded since a turn after it. The next turn
+    starts from them, prefills only the answer's last token, the template's tail and its
+    question, and answers as a dense reference that replays the first request's compactions;
+    it compresses the reply and its own turn again (KVzip over them all: a rebuild), which the
+    next request on that conversation starts from exactly. A failure while the reply is kept
+    loses it only. The pool adds up after flushing; another tenant's answer is unchanged.
+    (`whole` is left out: its context length, 192, is below what this reply needs.)"""
+    server = servers[name]
+    tenant = _tokens(6100, DOC + QUESTION)
+    quiet = generate(server, tenant, 4)["output_ids"]
+    doc, tail = _tokens(6101, DOC), _tokens(6102, TAIL)
+    rkv = {"policy": "rkv", "prompt_policy": "kvzip", "budget": 16}
+    before = _documents(server)
+
+    def ask(document: list[int], seed: int, n: int = 4, **extra) -> tuple[dict, list[int], int]:
+        was = server.stats()["prefix_cache"]["prefilled_tokens"]
+        prompt = document + _tokens(seed, QUESTION)
+        spec = {**rkv, "document": {"tokens": len(document), "budget": 40}}
+        out = generate(server, prompt, n, sampling={"custom_params": {"sgl_kvc": spec}}, **extra)
+        return out, prompt, server.stats()["prefix_cache"]["prefilled_tokens"] - was
+
+    def events(out: dict, moment: str) -> list[dict]:
+        return [e for e in trace_events(trace, out["meta_info"]["id"]) if e["moment"] == moment]
+
+    first, prompt1, _ = ask(doc, 6110, REPLY)
+    (root,), decoded = events(first, "document"), events(first, "decode")
+    assert decoded, "the reply was not compacted while it decoded"
+    end1 = len(prompt1) + REPLY - 1
+    after1 = _documents(server)
+    assert after1["replies"] == before["replies"] + 1 and after1["turns"] == before["turns"] + 1, after1
+
+    doc2 = prompt1 + first["output_ids"] + tail
+    second, prompt2, prefilled = ask(doc2, 6111)
+    assert prefilled == 1 + TAIL + QUESTION and second["meta_info"]["cached_tokens"] == end1, prefilled
+    after2 = _documents(server)
+    assert after2["rebuilds"] == after1["rebuilds"] + 1, after2
+    err = logprob_error(demo_model_path, prompt2, second, [root, *decoded])()
+    print(f"turn 2 after a compacted reply: max |logprob error| {err:.2e}")
+    assert err < TOLERANCE
+    (rebuilt,) = events(second, "document")
+    kept = [set(head) for layer in rebuilt["kept_positions"] for head in layer]
+    assert max(map(max, kept)) < len(doc2) and min(map(min, kept)) < DOC  # among them all
+
+    # the same conversation, another question: from the rebuilt document, exactly
+    again, prompt, prefilled = ask(doc2, 6112)
+    assert prefilled == QUESTION and again["meta_info"]["cached_tokens"] == len(doc2)
+    error = logprob_error(demo_model_path, prompt, again, [root, *decoded, rebuilt])
+    err, unrebuilt = error(), error([root, *decoded])
+    print(f"a hit on the rebuilt reply: max |logprob error| {err:.2e}; from the reply {unrebuilt:.3f}")
+    assert err < TOLERANCE and unrebuilt > 10 * TOLERANCE
+
+    # a failure while the reply is kept loses it only: its next turn reads its extension itself
+    replies = _documents(server)["replies"]
+    failed, prompt3, _ = ask(doc, 6113, REPLY, rid=f"failpoint-turn-reply-{name}")
+    assert len(failed["output_ids"]) == REPLY and _documents(server)["replies"] == replies
+    _, _, prefilled = ask(prompt3 + failed["output_ids"] + tail, 6114)
+    assert prefilled == QUESTION + REPLY + TAIL + QUESTION
 
     assert server.post("/flush_cache?timeout=30", json={}).status_code == 200
     docs = _documents(server)

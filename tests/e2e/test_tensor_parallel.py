@@ -304,6 +304,35 @@ def test_a_finished_turn_is_kept_on_both_ranks(tp_server) -> None:
     assert_pool_whole(after)
 
 
+def test_a_compacted_reply_is_kept_on_both_ranks(tp_server) -> None:
+    """A request that declared a document compacts its row while it decodes (R-KV): both ranks
+    keep its kept entries as a reply and what it decoded since as a turn after it (each rank its
+    own heads' positions, the same slots), and the next turn starts from them on both, prefilling
+    only the answer's last token, a template's tail and its question, and compresses them again."""
+    doc = [(43 * i + 7) % 1900 + 10 for i in range(48)]
+
+    def ask(prompt: list[int], document: int, n: int) -> dict:
+        r = tp_server.post("/generate", json={"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": n, "temperature": 0.0, "ignore_eos": True,
+            "custom_params": {"sgl_kvc": {"prompt_policy": "kvzip", "document": {"tokens": document}}}}})
+        assert r.status_code == 200, r.text[:300]
+        return r.json()
+
+    before = tp_server.wait_idle()["documents"]
+    prompt = doc + [(23 * i + 3) % 1900 + 10 for i in range(8)]
+    out = ask(prompt, len(doc), 80)  # past the document's entries + 32 + 16: compacted while decoding
+    assert tp_server.wait_idle()["documents"]["replies"] == before["replies"] + 1
+    said = prompt + out["output_ids"]
+    prompt = said + [11, 12] + [(29 * i + 5) % 1900 + 10 for i in range(8)]
+    was = tp_server.stats()["prefix_cache"]["prefilled_tokens"]
+    out = ask(prompt, len(said) + 2, 4)
+    assert out["meta_info"]["cached_tokens"] == len(said) - 1
+    assert tp_server.stats()["prefix_cache"]["prefilled_tokens"] - was == 1 + 2 + 8
+    after = tp_server.wait_idle()
+    assert after["documents"]["rebuilds"] == before["rebuilds"] + 1, after["documents"]
+    assert_pool_whole(after)
+
+
 def test_requests_wait_for_a_document_alike_on_both_ranks(tp_server) -> None:
     """Requests of one document sent at once, its 150 tokens read in three chunks: one compresses
     it, the others wait for it, held back alike on both ranks (whether each waited past

@@ -43,3 +43,12 @@ def test_a_turns_row_counts_answers_kept_against_plain_sglangs() -> None:
     assert r["kept"] == "1/2" and r["right"] == 2 and r["errors"] == 1
     assert r["prefilled_per_request"] == 20 and r["ttft_p50"] == 0.6  # per served request
     assert r["tree_tokens_per_conversation"] == 200 and r["documents_compressions"] == 3
+
+
+def test_long_answers_ask_for_an_explanation_and_get_their_room(tok) -> None:
+    conversations, _ = make_conversations(tok, 2, 512, 3, seed=0, explain=True)
+    short, _ = make_conversations(tok, 2, 512, 3, seed=0)
+    assert all("explain" in q for c in conversations for q in c.questions)
+    assert [c.answers for c in conversations] == [c.answers for c in short]  # the same facts asked
+    lengths = [1000] * 4
+    assert pool_tokens(lengths, 4, 0.3, 512, per_turn=220) - pool_tokens(lengths, 4, 0.3, 512) > 4 * 4 * 180 / 3

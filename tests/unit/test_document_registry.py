@@ -699,3 +699,84 @@ def test_a_finished_turn_stays_in_the_tree_with_its_own_slots() -> None:
     assert tree.documents.snapshot()["resident"] == 1
     invariants.check_documents(tree)
     assert without([(30, 84)], (30, 84)) == [] and without([(0, 10), (20, 90)], (30, 84)) == [(0, 10), (20, 30), (84, 90)]
+
+
+def test_a_compacted_reply_stays_in_the_tree_as_a_reply_and_a_turn() -> None:
+    """A finished request whose row its own passes compacted (R-KV while it decoded) gives its
+    row back: its kept entries stay as a document of their own over what they cover (a reply,
+    under the root), what it decoded since as a turn after it, nothing of the row is freed, and
+    the next turn starts from the turn and compresses the reply again. A packed row publishes
+    only where its units are where a document of its slots has them; the registry's `recompress`
+    never keeps more than the reply and its extension hold."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH, ReqKvInfo
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sgl_kvc.adapter.documents import ExtensionRule, packed_units
+    from sgl_kvc.core.request_state import Budget, ReqKvState
+
+    allocator = SegmentFreeRecorder()
+    rows = SimpleNamespace(req_to_token=torch.zeros(4, 256, dtype=torch.int32))
+    tree = KvcRadixCache(CacheInitParams(disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=allocator,
+                                         page_size=1))
+    prompt, output = list(range(10, 160)), list(range(400, 420))  # a document of 100 tokens, a question of 50
+
+    def finished(row: int, k: int, units: torch.Tensor | None = None, lens: torch.Tensor | None = None,
+                 answer: list[int] = output):
+        """A request that compacted its row to k kept slots at logical 155, then read 14 exact."""
+        req = _declaring_own(prompt, 100)
+        req.output_ids, req.finished_reason, req.finished = answer, FINISH_LENGTH(20), lambda: True
+        req.skip_radix_cache_insert = True
+        n = k + 14
+        rows.req_to_token[row, :n] = torch.arange(1000 * row, 1000 * row + n, dtype=torch.int32)
+        req.kv = ReqKvInfo(req_pool_idx=row, cache_protected_len=0, kv_committed_len=n, kv_allocated_len=n)
+        state = ReqKvState(policy=SimpleNamespace(name="rkv"), budget=Budget(16), offset=155 - k, passes=2)
+        state.kept_positions = torch.sort(torch.randperm(155)[: 2 * (units.shape[-1] if units is not None else k)]
+                                          .reshape(2, 1, -1)).values
+        if units is not None:
+            state.units, state.unit_lens, state.packed = units, lens, k
+        req_state.of(req).state = state
+        return req
+
+    def release(req) -> list[int]:
+        allocator.freed = []
+        assert tree.claim_kv_row(req) is False
+        tree.free_kv_row(req.kv, [(0, req.kv.kv_committed_len)])
+        return allocator.freed
+
+    req = finished(1, 40)
+    assert release(req) == []
+    reply = [d for d in tree.documents.by_key.values() if d.key.reply]
+    assert len(reply) == 1 and reply[0].node.parent is tree.root_node and reply[0].parent is None
+    assert (reply[0].key.tokens, reply[0].slots, reply[0].offset, reply[0].key.entries) == (155, 40, 115, 40)
+    assert torch.equal(reply[0].kept_positions, req_state.of(req).state.kept_positions.int())
+    (turn,) = [d for d in tree.documents.by_key.values() if d.exact]
+    assert turn.parent is reply[0] and turn.key.tokens == 169 and turn.slots == 14
+    assert torch.equal(turn.node.value, torch.arange(1040, 1054))
+    invariants.check_documents(tree)
+    assert release(finished(2, 40)) == list(range(2000, 2054))  # the same reply again: freed
+
+    said = prompt + output
+    follow = _declaring_own(said + [1, 2] + list(range(300, 320)), len(said) + 2)
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", follow.origin_input_ids)), req=follow))
+    assert m.last_device_node is turn.node and m.device_prefix_len == 54
+    key = documents.declared(follow)
+    assert key.rebuilds and key.parent == reply[0].key.digest
+    assert key.entries == 52  # 0.3 of its 172 tokens (the default ratio), fewer than the 40 + 17 it holds
+
+    # packed: canonical units publish, others do not (their row is freed whole)
+    lens = torch.tensor([[3], [5]])
+    slots = torch.arange(3000, 3004)
+    _, units = packed_units(slots, lens, 5)
+    assert release(finished(3, 4, units.int(), lens, answer=[7] + output[1:])) == []
+    packed = tree.documents.get(next(d.key for d in tree.documents.by_key.values() if d.key.reply and d.unit_lens is not None))
+    assert torch.equal(packed.tables()[1], units.int())
+    invariants.check_documents(tree)
+    shuffled = units.clone()
+    shuffled[0, 0, :2] = shuffled[0, 0, :2].flip(0)
+    assert len(release(finished(3, 4, shuffled.int(), lens, answer=[8] + output[1:]))) == 4 + 14
+
+    rule = ExtensionRule(ratio=0.3, budget=None, floor=13, limit=None)
+    assert rule.recompress(40, 200, 17) == 57 and rule.recompress(400, 200, 17) == 60
+    assert ExtensionRule(None, 60, 13, 64).recompress(400, 500, 65) is None  # over one chunk

@@ -131,6 +131,9 @@ class DocumentKey:
     # `parent` as an extension's does, and chooses its `entries` among the parent's and its own
     # tokens' together (none held); the document stands alone (no parent: `parent_entries` 0).
     rebuilds: bool = False
+    # A finished request's compacted row (`adapter/documents/replies.py`): what its own passes kept
+    # of its conversation, for its own question; the next turn compresses it again (`recompress`).
+    reply: bool = False
 
 
 @dataclass(eq=False)
@@ -208,19 +211,11 @@ class Document:
             if self.parent is None:
                 return self.kept_positions, None, None
             return torch.cat([self.parent.tables()[0], self.kept_positions.to(torch.int32)], dim=-1), None, None
-        lens = self.unit_lens.long()
-        layers, heads = lens.shape
-        cols = torch.arange(self.width, device=lens.device)
-        valid = cols < lens[..., None]
-        flat = lens.reshape(-1)
-        starts = (torch.cumsum(flat, 0) - flat).reshape(layers, heads)
-        rel = torch.where(valid, starts[..., None] + cols, 0)  # entry e of each (layer, head, column)
-        per_slot = layers * heads
-        slots = self.node.value.to(device=lens.device, dtype=torch.int64)
-        units = (slots[rel // per_slot] * per_slot + rel % per_slot) * valid
+        rel, units = packed_units(self.node.value, self.unit_lens, self.width)
+        valid = rel >= 0
         # int32: a unit pool of 2^31 units would hold 512 GB of K and V at head_dim 64 (256 GB in
         # FP8), on one device (variable budgets run without tensor parallelism)
-        positions, units = self.kept_positions[rel] * valid, units.to(torch.int32)
+        positions, units = self.kept_positions[rel.clamp(min=0)] * valid, units.to(torch.int32)
         if self.parent is None:
             return positions, units, self.unit_lens
         # an extension: each head's entries of the chain above, then its own
@@ -295,6 +290,24 @@ class Document:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def packed_units(slots: Tensor, unit_lens: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """Where a packed document of `slots` whose heads keep `unit_lens` [L, H_kv] entries has them:
+    entry e of the (layer, head, column) order in unit e of its slots, slot e // (L x H_kv) first
+    (`core/moves.unit_moves` packs so). Returns each (layer, head, column)'s entry number e
+    ([L, H_kv, width], -1 past its head's length) and unit (int64, 0 there)."""
+    lens = unit_lens.long()
+    layers, heads = lens.shape
+    cols = torch.arange(width, device=lens.device)
+    valid = cols < lens[..., None]
+    flat = lens.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).reshape(layers, heads)
+    rel = torch.where(valid, starts[..., None] + cols, 0)
+    per_slot = layers * heads
+    slots = slots.to(device=lens.device, dtype=torch.int64)
+    units = (slots[(rel // per_slot).clamp(max=max(len(slots) - 1, 0))] * per_slot + rel % per_slot) * valid
+    return torch.where(valid, rel, -1), units
+
+
 def after_heads(first: Tensor, first_lens: Tensor, then: Tensor, then_lens: Tensor) -> Tensor:
     """Per (layer, head) tables [L, H, *]: each head's first `first_lens` columns of `first`, then
     its first `then_lens` of `then`, 0 after (a chain's tables, its ancestors' entries first)."""
@@ -322,6 +335,7 @@ class DocumentStats:
     compressions: int = 0  # documents compressed and published
     extensions: int = 0  # of them: documents published as the extension of a resident one
     rebuilds: int = 0  # of them: chains at their budget compressed again (`ExtensionRule.rebuild`)
+    replies: int = 0  # finished requests' compacted rows kept as documents (`replies.py`)
     hits: int = 0  # requests that started from a resident document
     evictions: int = 0  # documents the tree evicted (LRU) or dropped
     not_published: int = 0  # compressed documents not published: no free slots, no room for its metadata, or a failure
@@ -384,6 +398,10 @@ class DocumentRegistry:
         self.by_key[doc.key.digest] = doc
         if doc.exact:
             self.stats.turns += 1
+            return
+        if doc.key.reply:  # kept as its request left it, compressed by no document pass
+            self.stats.replies += 1
+            self._emit("reply")
             return
         self.publishers.pop(doc.key.digest, None)
         self.stats.compressions += 1
@@ -524,6 +542,20 @@ class ExtensionRule:
         if self.entries(parent_entries, tokens) is not None:
             return None
         return max(self.budget, self.floor)
+
+    def recompress(self, parent_entries: int, tokens: int, extension: int) -> int | None:
+        """The entries per (layer, KV head) of the document over `tokens` tokens that compresses a
+        reply (`DocumentKey.reply`, keeping `parent_entries`) and the `extension` tokens after it
+        again: the budget, or the ratio of them all, never more than they hold; None where the
+        extension is too long to extend anything."""
+        if self.limit is not None and extension > self.limit:
+            return None
+        if self.budget is not None:
+            wanted = max(self.budget, self.floor)
+        else:
+            ratio = DEFAULT_DOCUMENT_RATIO if self.ratio is None else self.ratio
+            wanted = max(self.floor, math.ceil(ratio * tokens))
+        return min(parent_entries + extension, wanted)
 
 
 def may_start_from(req: Any) -> bool:

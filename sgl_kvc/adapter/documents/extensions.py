@@ -65,11 +65,17 @@ def resident_turn(registry: DocumentRegistry, req: Any, parent: Document, own: D
 def extendable(registry: DocumentRegistry, req: Any, own: DocumentKey) -> tuple[Document, int, bool] | None:
     """The longest resident document that `req`'s own (`own`) extends, the entries per (layer,
     KV head) its extension keeps of its own (`ExtensionRule.entries`), or, where that would
-    exceed the chain's budget, in all (`ExtensionRule.rebuild`: True), or None."""
+    exceed the chain's budget or it extends a reply, in all (`ExtensionRule.rebuild`,
+    `recompress`: True), or None."""
     rule = req_state.of(req).extension
     candidates = [doc for doc in registry.by_key.values()
                   if not doc.exact and doc.key.family == own.family and doc.key.tokens < own.tokens]
     for doc in _begun_with(req, candidates, own.family):
+        if doc.key.reply:  # a reply is compressed again with what follows it
+            entries = rule.recompress(doc.key.entries, own.tokens, own.tokens - doc.key.tokens)
+            if entries is not None:
+                return doc, entries, True
+            continue
         entries = rule.entries(doc.key.entries, own.tokens - doc.key.tokens)
         if entries is not None:
             return doc, entries, False

@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.registry import (
 )
 
 from sgl_kvc import req_state
-from sgl_kvc.adapter.documents import DocumentRegistry, match_limit, may_start_from, turns
+from sgl_kvc.adapter.documents import DocumentRegistry, match_limit, may_start_from, replies, turns
 from sgl_kvc.adapter.documents.extensions import resident_start
 
 logger = logging.getLogger(__name__)
@@ -90,10 +90,11 @@ class KvcRadixCache(RadixCache):
 
     def claim_kv_row(self, req: Any) -> bool:
         # a finished request's question and answer after its document stay in the tree, a turn
-        # the next one starts from (`turns.publish`): its slots are not freed with its row
+        # the next one starts from (`turns.publish`); a row compacted since, as a reply and a turn
+        # (`replies.publish`): its slots are not freed with its row
         if not self.disable:
             try:
-                taken = turns.publish(self, self.documents, req)
+                taken = turns.publish(self, self.documents, req) or replies.publish(self, self.documents, req)
             except Exception:  # a turn lost, never the release (it inserts nothing before its checks pass)
                 logger.exception("a finished turn of %s was not kept", getattr(req, "rid", "?"))
                 taken = None

@@ -29,9 +29,9 @@ compressed, and a conversation holds one turn exact, not all of them. A branch f
 next question) then reads the last question and answer itself, as before.
 
 Only a row that holds those tokens exact publishes them: not one compacted since it started (its
-own passes, R-KV during decode), nor one whose tokens after the document are partly the tree's
-(a matched prefix). Everything here follows from SGLang's fields and the registry, alike on
-every tensor-parallel rank.
+own passes; one R-KV compacted while it decoded is a reply, `replies.py`), nor one whose tokens
+after the document are partly the tree's (a matched prefix). Everything here follows from
+SGLang's fields and the registry, alike on every tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def without(ranges: list[tuple[int, int]], kept: tuple[int, int]) -> list[tuple[
 def _turn(registry: DocumentRegistry, req: Any) -> tuple[Document, DocumentKey, int, int] | None:
     """The document `req`'s turn follows, its key, and the range of its row it holds, or None."""
     fields = req_state.of(req)
-    if fields.extension is None or not _answered(req):
+    if fields.extension is None or not answered(req):
         return None
     parent = registry.get(fields.document)
     if parent is None or parent.exact:
@@ -129,7 +129,7 @@ def turn_key(parent: Document, tokens: list[int]) -> DocumentKey:
                        parent=parent.key.digest, parent_entries=parent.key.entries)
 
 
-def _answered(req: Any) -> bool:
+def answered(req: Any) -> bool:
     """Whether `req` finished by a stop token or its length: its output is what the client got
     (not cut at a stop string, nor aborted)."""
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH, FINISH_MATCHED_TOKEN

@@ -24,8 +24,9 @@ on. `name@R` plants the fault on tensor-parallel rank R only (a fault one rank s
   `failpoint-document` raises after its pass, before its entries are copied into the node's slots
   or its cut row becomes the node (`document_raise@R`: on rank R only, so that the ranks must agree
   not to publish it).
-- `turn_raise`: keeping the finished turn of a request whose id starts with `failpoint-turn`
-  raises after its checks, before its node is inserted (SGLang's release then frees its row whole).
+- `turn_raise`: keeping the finished turn (or compacted reply) of a request whose id starts with
+  `failpoint-turn` raises after its checks, before its node is inserted (SGLang's release then
+  frees its row whole).
 - `tp_local_scores`: with tensor parallelism, each rank chooses the shared selection of a
   request whose id starts with `failpoint-tp` from its own heads' scores.
 - `skip_compaction`: the compaction of a request whose id starts with `failpoint-skip-<moment>`
