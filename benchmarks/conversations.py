@@ -3,7 +3,7 @@ each turn one more question.
 
     python -m benchmarks.conversations                     # docs/benchmarks.md has the results
     python -m benchmarks.conversations --conversations 8 --turns 8 --document-tokens 3072
-    python -m benchmarks.conversations --explain --answer-tokens 192 --decode rkv   # long answers
+    python -m benchmarks.conversations --explain --answer-tokens 192 --decode rkv --kv-buffer 16  # long answers
 
 
 `--conversations` conversations, each over its own document (`benchmarks.shared_documents`'s
@@ -32,8 +32,8 @@ compressing its document needs, `pool_tokens`):
   last question and answer's entries as an extension of that document
   (adapter/documents/extensions.py).
 With `--decode rkv`, the compressing servers' requests decode with R-KV at `--decode-budget`
-entries beyond their document (their prompts still by KVzip): a long answer is compacted while it
-is decoded, and on `conversations` the next turn starts from what it kept (a reply,
+entries beyond their document (their prompts still by KVzip; `--kv-buffer`: the servers' buffer
+above it): a long answer is compacted while it is decoded, and on `conversations` the next turn starts from what it kept (a reply,
 adapter/documents/replies.py), compressing it again.
 Recorded per server and turn: prompt tokens prefilled per request (`/v1/kvc/stats`, before and
 after the turn), TTFT p50, answers right (and kept, against `plain`'s), the radix tree's tokens per
@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode", default="server", choices=["server", "rkv"],
                    help="rkv: the compressing servers' requests decode with R-KV at --decode-budget")
     p.add_argument("--decode-budget", type=int, default=32)
+    p.add_argument("--kv-buffer", type=int, default=None,
+                   help="--kv-buffer of the compressing servers (decode tokens above the budget before a pass)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--tag", default="")
@@ -243,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     pool = pool_tokens(lengths, args.turns, args.ratio, args.chunk, per_turn=args.answer_tokens + 28)
     k = math.ceil(args.ratio * max(lengths))
     common, kvc = server_flags(model, args.dtype, pool, args.chunk, args.kv_head_budget)
+    if args.kv_buffer is not None:
+        kvc = [*kvc, "--kv-buffer", str(args.kv_buffer)]
     launch = [sys.executable, "-m", "sgl_kvc.launch"]
     # --decode rkv: decoded by R-KV at its own budget beyond the document, the prompt still by KVzip
     decode = {"policy": "rkv", "prompt_policy": "kvzip", "budget": args.decode_budget} if args.decode == "rkv" else {}
@@ -270,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     setup = {"conversations": args.conversations, "turns": args.turns, "document_tokens": lengths,
              "ratio": args.ratio, "entries": k, "pool": pool, "clients": args.clients, "max_tokens": args.answer_tokens,
-             "explain": args.explain, "decode": decode or "server",
+             "explain": args.explain, "decode": decode or "server", "kv_buffer": args.kv_buffer,
              "dtype": args.dtype, "kv_head_budget": args.kv_head_budget, "chunk": args.chunk, "kv_budget": BUDGET,
              "kvzip_chunk": KVZIP_CHUNK, "wall_seconds": round(time.perf_counter() - t0)}
     (args.out / f"{stem}.json").write_text(json.dumps(
