@@ -426,6 +426,23 @@ class CarriedScores:
         return [*self.layers, *(self.lengths or [])]
 
 
+def carry_through(carried: CarriedScores, selection: HeadSelection) -> CarriedScores:
+    """What `carried` (a shared document's scores, its entries the row's first columns) gives the
+    entries a later pass of the request keeps (its decode passes: `selection`'s columns index the
+    row's): a kept entry it covers keeps its score, one read after it (past `end`, which the next
+    prompt pass over this row repeats and scores afresh) gets 0, as any context entry starts."""
+    layers, lengths = [], []
+    for layer, s in enumerate(carried.layers):
+        idx = selection.indices[layer].to(s.device)
+        covered = s.shape[-1] if carried.lengths is None else carried.lengths[layer].to(s.device)[:, None]
+        inside = (idx >= 0) & (idx < covered)
+        picked = s.gather(1, idx.clamp(min=0, max=max(s.shape[-1] - 1, 0))) if s.shape[-1] else torch.zeros(idx.shape)
+        layers.append(torch.where(inside, picked.to(s.device), 0.0).to(torch.float32))
+        lengths.append(selection.lengths[layer].to(s.device))
+    return CarriedScores(carried.end, layers, lengths if carried.lengths is not None else None, cut=carried.cut,
+                         repeated=carried.repeated)
+
+
 def carry_scores(scores: PassScores, selection: HeadSelection, per_head_lengths: bool) -> CarriedScores:
     """The scores of the entries `selection` keeps (its columns index the scores' columns), for
     the request compacted to it at a cut between chunks; `per_head_lengths`: heads keep different

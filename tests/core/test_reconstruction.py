@@ -15,6 +15,7 @@ from sgl_kvc.core.reconstruction import (
     ReconstructionChunk,
     ReconstructionPrompt,
     carry_scores,
+    carry_through,
     context_range,
     fold_chunk,
     initial_scores,
@@ -246,3 +247,21 @@ def test_a_cuts_question_forward_reads_the_prompts_end_never_what_it_has_read() 
     assert (plan.start, plan.end, plan.repeated, plan.tokens) == (512, 512, 0, 64)
     with pytest.raises(ValueError):
         plan_question(list(range(2000)), 512, 0)
+
+
+def test_a_documents_scores_are_carried_through_a_decode_pass() -> None:
+    """A row that started from a document whose 3 entries carry scores keeps, through a decode
+    pass, each kept entry's score where the document covered it, and 0 (a context entry's start,
+    scored afresh by the next pass, which repeats from `end`) for one read after it; packed, a
+    head's entries are its first `lengths` columns only."""
+    scores = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    carried = CarriedScores(end=90, layers=[scores], repeated=7)
+    pad = HeadSelection.PAD
+    kept = HeadSelection(indices=torch.tensor([[[0, 2, 4], [1, 3, pad]]]), lengths=torch.tensor([[3, 2]]), n=6)
+    out = carry_through(carried, kept)
+    assert out.end == 90 and out.repeated == 7 and out.lengths is None and not out.cut
+    assert torch.equal(out.layers[0], torch.tensor([[1.0, 3.0, 0.0], [5.0, 0.0, 0.0]]))
+    packed = CarriedScores(end=90, layers=[scores], lengths=[torch.tensor([1, 3])])
+    out = carry_through(packed, kept)  # head 0 holds one document entry: its column 2 is read after it
+    assert torch.equal(out.layers[0], torch.tensor([[1.0, 0.0, 0.0], [5.0, 0.0, 0.0]]))
+    assert torch.equal(out.lengths[0], torch.tensor([3, 2]))

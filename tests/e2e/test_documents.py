@@ -1025,7 +1025,8 @@ def test_a_reply_compacted_during_decode_is_where_the_next_turn_starts(
     over what its last pass covered) and what it decoded since a turn after it. The next turn
     starts from them, prefills only the answer's last token, the template's tail and its
     question, and answers as a dense reference that replays the first request's compactions;
-    it compresses the reply and its own turn again (KVzip over them all: a rebuild), which the
+    it compresses the reply and its own turn again (KVzip over them all: a rebuild, repeating only
+    what the first request's document did not cover, whose scores its entries carry), which the
     next request on that conversation starts from exactly. A failure while the reply is kept
     loses it only. The pool adds up after flushing; another tenant's answer is unchanged.
     (`whole` is left out: its context length, 192, is below what this reply needs.)"""
@@ -1054,10 +1055,14 @@ def test_a_reply_compacted_during_decode_is_where_the_next_turn_starts(
     assert after1["replies"] == before["replies"] + 1 and after1["turns"] == before["turns"] + 1, after1
 
     doc2 = prompt1 + first["output_ids"] + tail
+    repeated = server.stats()["compression"]["reconstruction"]["context_tokens"]
     second, prompt2, prefilled = ask(doc2, 6111)
     assert prefilled == 1 + TAIL + QUESTION and second["meta_info"]["cached_tokens"] == end1, prefilled
     after2 = _documents(server)
     assert after2["rebuilds"] == after1["rebuilds"] + 1, after2
+    # KVzip repeated only what the reply's document did not cover (its entries carry its scores)
+    repeated = server.stats()["compression"]["reconstruction"]["context_tokens"] - repeated
+    assert 0 < repeated <= len(doc2) - DOC, repeated
     err = logprob_error(demo_model_path, prompt2, second, [root, *decoded])()
     print(f"turn 2 after a compacted reply: max |logprob error| {err:.2e}")
     assert err < TOLERANCE

@@ -12,9 +12,10 @@ output token). At release those slots go to the tree instead of the pool (`publi
 [0, D) (a *reply*, `DocumentKey.reply`, under the root: its entries are no chain's), the rest as a
 finished turn after it. The next turn starts from the reply and that turn, as after any turn,
 and compresses [0, D') again query-agnostically (`ExtensionRule.recompress`): the reply's entries
-were chosen for its own question, with its own request's budget, and carry no reconstruction
-scores (KVzip repeats the whole conversation in that pass, once: the document it publishes
-carries the scores of every entry it keeps, as any rebuilt chain's).
+were chosen for its own question, with its own request's budget. KVzip: those its request's
+document kept carry that document's scores through its decode passes
+(`reconstruction.carry_through`), so that pass repeats only what the document did not cover (the
+last question and answer, as an extension's), and scores the rest afresh.
 
 Only rows the tree can read as a document publish: per-head kept positions (as every document
 request's), and a packed row (variable budgets) only where its units are those a document of its
@@ -55,12 +56,16 @@ def publish(tree: Any, registry: DocumentRegistry, req: Any) -> tuple[int, int] 
     failpoints.check("turn_raise", req)
     slots = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : int(req.kv.kv_committed_len)]
     slots = slots.to(torch.int64).clone()
+    carried = req_state.of(req).state.reconstructed  # KVzip: its document's scores, through its passes
+    if carried is not None and any(layer.shape[-1] < positions.shape[-1] for layer in carried.layers):
+        carried = None  # not in its columns: none (the next pass repeats the whole conversation)
     heads = int(positions.shape[0] * positions.shape[1])
     entries = int(unit_lens.sum()) if unit_lens is not None else int(positions.numel())
-    if not tree.make_document_room(compact_bytes(entries, heads, unit_lens is not None)):
+    if not tree.make_document_room(compact_bytes(entries, heads, unit_lens is not None, carried is not None)):
         registry.stats.not_published += 1
         return None
-    doc = Document.compact(key, None, positions, k, unit_lens)  # made first: nothing raises once inserted
+    # made first: nothing raises once inserted
+    doc = Document.compact(key, None, positions, k, unit_lens, carried)
     doc.node = insert_document(tree, key, slots[:k])
     registry.add(doc)
     fields = req_state.of(req)

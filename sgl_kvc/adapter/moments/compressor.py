@@ -59,6 +59,7 @@ from sgl_kvc.adapter.telemetry.trace import CompactionTrace
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.passes import DueCompaction, StepWork, advance_uniform, advance_variable, start_pass
 from sgl_kvc.core.query_moments import QueryMoments
+from sgl_kvc.core.reconstruction import carry_through
 from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.core.views import layer_views, prompt_moments, prompt_reconstruction, with_gaps
@@ -700,8 +701,16 @@ class Compressor:
             state.stats = d.stats
         state.kept_positions = d.kept_positions
         # between chunks, the scores of the kept entries' reconstruction (the next prompt pass
-        # repeats only what is read since); nothing after the prompt
-        state.reconstructed = d.carried if d.moment == "chunk" else None
+        # repeats only what is read since); nothing after the prompt, but a shared document's
+        # scores its row started with, through its decode passes: a conversation's next turn
+        # starts from what its reply kept (`adapter/documents/replies.py`) and repeats only what
+        # the document did not cover
+        if d.moment == "chunk":
+            state.reconstructed = d.carried
+        elif d.moment in ("decode", "preempt") and state.reconstructed is not None and isinstance(d.selection, HeadSelection):
+            state.reconstructed = carry_through(state.reconstructed, d.selection)
+        else:
+            state.reconstructed = None
         if outcome.units is not None:  # packed into the unit pool
             state.units, state.unit_lens, state.packed = outcome.units, d.selection.lengths, outcome.kept
         if self.trace:
