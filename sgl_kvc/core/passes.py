@@ -320,9 +320,10 @@ def _choose_variable(p: PendingPass, scores: Tensor, protected: Tensor, lens: Te
 
 
 def _carried(p: PendingPass, selection: HeadSelection, per_head_lengths: bool) -> CarriedScores | None:
-    """Between chunks, the reconstruction scores of what the pass keeps (the next prompt pass
-    repeats only the context read since); after the prompt, nothing is carried."""
-    if p.reconstruction is None or p.moment != "chunk":
+    """At a prompt moment, the reconstruction scores of what the pass keeps: between chunks, the
+    next prompt pass repeats only the context read since; after the prompt, a conversation's
+    request keeps them for its reply (the adapter drops them for any other)."""
+    if p.reconstruction is None or p.moment not in ("chunk", "prefill"):
         return None
     return carry_scores(p.reconstruction, selection, per_head_lengths)
 

@@ -1037,10 +1037,10 @@ def test_a_reply_compacted_during_decode_is_where_the_next_turn_starts(
     rkv = {"policy": "rkv", "prompt_policy": "kvzip", "budget": 16}
     before = _documents(server)
 
-    def ask(document: list[int], seed: int, n: int = 4, **extra) -> tuple[dict, list[int], int]:
+    def ask(document: list[int], seed: int, n: int = 4, budget: int = 16, **extra) -> tuple[dict, list[int], int]:
         was = server.stats()["prefix_cache"]["prefilled_tokens"]
         prompt = document + _tokens(seed, QUESTION)
-        spec = {**rkv, "document": {"tokens": len(document), "budget": 40}}
+        spec = {**rkv, "budget": budget, "document": {"tokens": len(document), "budget": 40}}
         out = generate(server, prompt, n, sampling={"custom_params": {"sgl_kvc": spec}}, **extra)
         return out, prompt, server.stats()["prefix_cache"]["prefilled_tokens"] - was
 
@@ -1077,6 +1077,17 @@ def test_a_reply_compacted_during_decode_is_where_the_next_turn_starts(
     err, unrebuilt = error(), error([root, *decoded])
     print(f"a hit on the rebuilt reply: max |logprob error| {err:.2e}; from the reply {unrebuilt:.3f}")
     assert err < TOLERANCE and unrebuilt > 10 * TOLERANCE
+
+    # its prefill pass cut the first request's row too (a budget of 8 below its question): the
+    # reply's entries carry that pass's scores, and the next turn again repeats only the answer
+    doc = _tokens(6115, DOC)
+    first, prompt1, _ = ask(doc, 6116, REPLY, budget=8)
+    assert events(first, "prefill") and events(first, "decode")
+    repeated = server.stats()["compression"]["reconstruction"]["context_tokens"]
+    doc2 = prompt1 + first["output_ids"] + tail
+    _, _, prefilled = ask(doc2, 6117, budget=8)
+    repeated = server.stats()["compression"]["reconstruction"]["context_tokens"] - repeated
+    assert prefilled == 1 + TAIL + QUESTION and 0 < repeated <= 2 * (len(doc2) - DOC), repeated
 
     # a failure while the reply is kept loses it only: its next turn reads its extension itself
     replies = _documents(server)["replies"]

@@ -558,6 +558,13 @@ class ExtensionRule:
         return min(parent_entries + extension, wanted)
 
 
+def may_reply(req: Any) -> bool:
+    """Whether `req` may keep its row as a reply when it finishes (`replies.py`): it declared a
+    document on a server that extends them."""
+    fields = req_state.of(req)
+    return fields.extension is not None and fields.own_document is not None
+
+
 def may_start_from(req: Any) -> bool:
     """Whether `req` may start from its resident document's node. Not a request that asks for its
     prompt's log-probabilities: a hit's prefix is k slots standing for D tokens, so SGLang would

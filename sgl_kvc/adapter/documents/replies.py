@@ -12,10 +12,10 @@ output token). At release those slots go to the tree instead of the pool (`publi
 [0, D) (a *reply*, `DocumentKey.reply`, under the root: its entries are no chain's), the rest as a
 finished turn after it. The next turn starts from the reply and that turn, as after any turn,
 and compresses [0, D') again query-agnostically (`ExtensionRule.recompress`): the reply's entries
-were chosen for its own question, with its own request's budget. KVzip: those its request's
-document kept carry that document's scores through its decode passes
-(`reconstruction.carry_through`), so that pass repeats only what the document did not cover (the
-last question and answer, as an extension's), and scores the rest afresh.
+were chosen for its own question, with its own request's budget. KVzip: its entries carry the
+scores of the document its request started from, or of its prefill pass, through its decode
+passes (`reconstruction.carry_through`, `Compressor._commit`), so that pass repeats only what
+those did not cover (the last answer, as an extension's), and scores the rest afresh.
 
 Only rows the tree can read as a document publish: per-head kept positions (as every document
 request's), and a packed row (variable budgets) only where its units are those a document of its

@@ -701,16 +701,18 @@ class Compressor:
             state.stats = d.stats
         state.kept_positions = d.kept_positions
         # between chunks, the scores of the kept entries' reconstruction (the next prompt pass
-        # repeats only what is read since); nothing after the prompt, but a shared document's
-        # scores its row started with, through its decode passes: a conversation's next turn
-        # starts from what its reply kept (`adapter/documents/replies.py`) and repeats only what
-        # the document did not cover
+        # repeats only what is read since); after the prompt, nothing, but for a conversation's
+        # request (one that may keep a reply, `adapter/documents/replies.py`) the scores of its
+        # prefill pass or of the document it started from, through its decode passes: its next
+        # turn starts from what the reply kept and repeats only what they do not cover
         if d.moment == "chunk":
             state.reconstructed = d.carried
-        elif d.moment in ("decode", "preempt") and state.reconstructed is not None and isinstance(d.selection, HeadSelection):
-            state.reconstructed = carry_through(state.reconstructed, d.selection)
-        else:
+        elif not documents.may_reply(req):
             state.reconstructed = None
+        elif d.moment == "prefill":
+            state.reconstructed = d.carried
+        elif state.reconstructed is not None:
+            state.reconstructed = carry_through(state.reconstructed, d.selection)
         if outcome.units is not None:  # packed into the unit pool
             state.units, state.unit_lens, state.packed = outcome.units, d.selection.lengths, outcome.kept
         if self.trace:
