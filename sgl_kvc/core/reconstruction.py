@@ -433,24 +433,33 @@ def carry_through(carried: CarriedScores, selection: HeadSelection) -> CarriedSc
     prompt pass over this row repeats and scores afresh) gets 0, as any context entry starts."""
     layers, lengths = [], []
     for layer, s in enumerate(carried.layers):
-        idx = selection.indices[layer].to(s.device)
-        covered = s.shape[-1] if carried.lengths is None else carried.lengths[layer].to(s.device)[:, None]
-        inside = (idx >= 0) & (idx < covered)
-        picked = s.gather(1, idx.clamp(min=0, max=max(s.shape[-1] - 1, 0))) if s.shape[-1] else torch.zeros(idx.shape)
-        layers.append(torch.where(inside, picked.to(s.device), 0.0).to(torch.float32))
+        covered = None if carried.lengths is None else carried.lengths[layer]
+        layers.append(_kept_scores(s, selection.indices[layer], covered))
         lengths.append(selection.lengths[layer].to(s.device))
     return CarriedScores(carried.end, layers, lengths if carried.lengths is not None else None, cut=carried.cut,
                          repeated=carried.repeated)
 
 
+def _kept_scores(scores: Tensor, indices: Tensor, covered: Tensor | None = None) -> Tensor:
+    """[H_kv, k]: the scores [H_kv, W] of the kept columns `indices` [H_kv, k]; 0 for a padding
+    column, or one past the scored ones (W, or each head's `covered`): an entry the pass did not
+    score (read after its context), which the next pass that covers it scores afresh."""
+    idx = indices.to(scores.device)
+    width = int(scores.shape[-1])
+    if not width:
+        return torch.zeros(idx.shape, dtype=torch.float32, device=scores.device)
+    limit = width if covered is None else covered.to(scores.device)[:, None]
+    picked = scores.gather(1, idx.clamp(min=0, max=width - 1))
+    return torch.where((idx >= 0) & (idx < limit), picked, 0.0).to(torch.float32)
+
+
 def carry_scores(scores: PassScores, selection: HeadSelection, per_head_lengths: bool) -> CarriedScores:
-    """The scores of the entries `selection` keeps (its columns index the scores' columns), for
-    the request compacted to it at a cut between chunks; `per_head_lengths`: heads keep different
-    numbers (unit pool)."""
+    """The scores of the entries `selection` keeps (its columns index the scores' columns; one
+    past them, as the question a prefill pass also holds, gets 0), for the request compacted to it
+    at a prompt moment; `per_head_lengths`: heads keep different numbers (unit pool)."""
     layers, lengths = [], []
     for layer, s in enumerate(scores.layers):
-        idx = selection.indices[layer].to(s.device)
-        layers.append(s.gather(1, idx.clamp(min=0)))
+        layers.append(_kept_scores(s, selection.indices[layer]))
         lengths.append(selection.lengths[layer].to(s.device))
     return CarriedScores(scores.end, layers, lengths if per_head_lengths else None, cut=True,
                          repeated=scores.repeated)

@@ -265,3 +265,12 @@ def test_a_documents_scores_are_carried_through_a_decode_pass() -> None:
     out = carry_through(packed, kept)  # head 0 holds one document entry: its column 2 is read after it
     assert torch.equal(out.layers[0], torch.tensor([[1.0, 0.0, 0.0], [5.0, 0.0, 0.0]]))
     assert torch.equal(out.lengths[0], torch.tensor([3, 2]))
+
+
+def test_a_prefill_pass_carries_no_score_for_an_entry_it_did_not_score() -> None:
+    """A prefill pass's table also holds its question's entries, past the reconstruction's scored
+    columns: kept, they carry 0 (the next pass that covers them scores them), never an error."""
+    scores = PassScores(layers=[torch.tensor([[1.0, 2.0], [3.0, 4.0]])], end=40, repeated=40)
+    kept = HeadSelection(indices=torch.tensor([[[1, 2], [0, HeadSelection.PAD]]]), lengths=torch.tensor([[2, 1]]), n=3)
+    out = carry_scores(scores, kept, per_head_lengths=True)
+    assert torch.equal(out.layers[0], torch.tensor([[2.0, 0.0], [3.0, 0.0]])) and out.cut and out.end == 40
