@@ -505,6 +505,11 @@ def content_digest(tokens_digest: str, family: str) -> str:
     return hashlib.sha256(f"{family}/{tokens_digest}".encode()).hexdigest()
 
 
+def tokens_content(tokens: list[int], family: str) -> str:
+    """`DocumentKey.content` of a document of `tokens` (all of them, from the first)."""
+    return content_digest(hashlib.sha256(array("q", tokens).tobytes()).hexdigest(), family)
+
+
 @dataclass(frozen=True)
 class ExtensionRule:
     """What a request's document keeps where it extends a resident one (`entries`), and

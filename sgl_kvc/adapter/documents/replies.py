@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from array import array
 from typing import Any
 
 import torch
@@ -37,10 +36,10 @@ from torch import Tensor
 
 from sgl_kvc import req_state
 from sgl_kvc.adapter.documents import (
-    Document, DocumentKey, DocumentRegistry, compact_bytes, content_digest, packed_units,
+    Document, DocumentKey, DocumentRegistry, compact_bytes, packed_units, tokens_content,
 )
 from sgl_kvc.adapter.documents.nodes import insert_child, insert_document
-from sgl_kvc.adapter.documents.turns import answered, turn_key
+from sgl_kvc.adapter.documents.turns import answered, supersedes, turn_key
 from sgl_kvc.adapter.safety import failpoints
 
 logger = logging.getLogger(__name__)
@@ -52,7 +51,7 @@ def publish(tree: Any, registry: DocumentRegistry, req: Any) -> tuple[int, int] 
     found = _reply(tree, registry, req)
     if found is None:
         return None
-    key, positions, unit_lens, k, end = found
+    key, positions, unit_lens, k, sequence = found
     failpoints.check("turn_raise", req)
     slots = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : int(req.kv.kv_committed_len)]
     slots = slots.to(torch.int64).clone()
@@ -68,13 +67,11 @@ def publish(tree: Any, registry: DocumentRegistry, req: Any) -> tuple[int, int] 
     doc = Document.compact(key, None, positions, k, unit_lens, carried)
     doc.node = insert_document(tree, key, slots[:k])
     registry.add(doc)
-    fields = req_state.of(req)
-    hit = fields.hit
-    fields.superseded_turn = hit if hit is not None and hit.exact else None
+    supersedes(req)
     if len(slots) == k:
         return 0, k
     try:  # the reply is the tree's now: a failure here loses the turn after it only
-        tkey = turn_key(doc, [*req.origin_input_ids, *req.output_ids][:end])
+        tkey = turn_key(doc, sequence)
         registry.add(Document.turn(tkey, insert_child(tree, doc, tkey, slots[k:]), doc))
     except Exception:
         logger.exception("the turn after the reply of %s was not kept", getattr(req, "rid", "?"))
@@ -85,15 +82,16 @@ def publish(tree: Any, registry: DocumentRegistry, req: Any) -> tuple[int, int] 
 def reply_key(declared: DocumentKey, tokens: list[int], entries: int, decode_policy: str) -> DocumentKey:
     """The key of a reply over `tokens` (all of them, from the first), in `declared`'s family,
     keeping `entries` per (layer, KV head) (on average, packed), by the request's decode policy."""
-    content = content_digest(hashlib.sha256(array("q", tokens).tobytes()).hexdigest(), declared.family)
+    content = tokens_content(tokens, declared.family)
     digest = hashlib.sha256(repr(("reply", content, decode_policy)).encode()).hexdigest()
     return DocumentKey(digest=digest, tokens=len(tokens), entries=entries, policy=declared.policy,
                        family=declared.family, content=content, reply=True)
 
 
-def _reply(tree: Any, registry: DocumentRegistry, req: Any) -> tuple[DocumentKey, Tensor, Tensor | None, int, int] | None:
+def _reply(tree: Any, registry: DocumentRegistry, req: Any) -> tuple[DocumentKey, Tensor, Tensor | None, int, list[int]] | None:
     """What `req`'s reply publishes: its key, kept positions (uniform [L, H_kv, k]; packed
-    [L, H_kv, K], 0 past each head's length), packed lengths, the slots k it fills, and L; or None."""
+    [L, H_kv, K], 0 past each head's length), packed lengths, the slots k it fills, and the L
+    tokens its row holds; or None."""
     fields = req_state.of(req)
     state, declared = fields.state, fields.document
     if fields.extension is None or declared is None or state is None or not answered(req):
@@ -120,10 +118,11 @@ def _reply(tree: Any, registry: DocumentRegistry, req: Any) -> tuple[DocumentKey
             return None
         entries = math.ceil(int(unit_lens.sum()) / (layers * heads))
         positions = positions * (torch.arange(positions.shape[-1], device=positions.device) < unit_lens[..., None])
-    key = reply_key(declared, [*req.origin_input_ids, *req.output_ids][: k + state.offset], entries, state.policy.name)
+    sequence = [*req.origin_input_ids, *req.output_ids][:end]
+    key = reply_key(declared, sequence[: k + state.offset], entries, state.policy.name)
     if registry.get(key) is not None:
         return None
-    return key, positions, unit_lens, k, end
+    return key, positions, unit_lens, k, sequence
 
 
 def _canonical(units: Tensor, unit_lens: Tensor, slots: Tensor) -> bool:

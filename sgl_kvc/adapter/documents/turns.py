@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from sgl_kvc import req_state
-from sgl_kvc.adapter.documents import Document, DocumentKey, DocumentRegistry, content_digest
+from sgl_kvc.adapter.documents import Document, DocumentKey, DocumentRegistry, tokens_content
 from sgl_kvc.adapter.documents.nodes import insert_child
 from sgl_kvc.adapter.safety import failpoints
 
@@ -60,9 +60,16 @@ def publish(tree: Any, registry: DocumentRegistry, req: Any) -> tuple[int, int] 
     slots = tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end].to(torch.int64).clone()
     node = insert_child(tree, parent, key, slots)
     registry.add(Document.turn(key, node, parent))
-    hit = req_state.of(req).hit
-    req_state.of(req).superseded_turn = hit if hit is not None and hit.exact else None
+    supersedes(req)
     return start, end
+
+
+def supersedes(req: Any) -> None:
+    """`req` kept its own turn: the turn it started from, if any, is dropped at its release
+    (`superseded`)."""
+    fields = req_state.of(req)
+    hit = fields.hit
+    fields.superseded_turn = hit if hit is not None and hit.exact else None
 
 
 def superseded(registry: DocumentRegistry, req: Any) -> Document | None:
@@ -118,8 +125,7 @@ def _turn(registry: DocumentRegistry, req: Any) -> tuple[Document, DocumentKey, 
 
 def turn_key(parent: Document, tokens: list[int]) -> DocumentKey:
     """The key of the turn of `tokens` (all of them, from the first) after `parent`."""
-    h = hashlib.sha256(array("q", tokens).tobytes())
-    content = content_digest(h.hexdigest(), parent.key.family)
+    content = tokens_content(tokens, parent.key.family)
     own = hashlib.sha256(parent.key.digest.encode())
     own.update(array("q", tokens[parent.key.tokens:]).tobytes())
     own.update(b"turn")
