@@ -137,7 +137,7 @@ def test_torch_native_attention_reads_the_pool_like_a_tensor() -> None:
     v = outlier_rows(n, 2, 32, seed=4).to(torch.bfloat16)
     slots = torch.arange(10, 10 + n)
     pool.set_kv_buffer(_Layer(0), slots, k.reshape(n, -1), v.reshape(n, -1))
-    q = torch.randn(1, 4, 32).to(torch.bfloat16)
+    q = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     out = torch.empty_like(q)
     req_to_token = torch.zeros(2, 16, dtype=torch.int32)
     req_to_token[1, :n] = slots.to(torch.int32)
