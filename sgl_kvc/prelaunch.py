@@ -119,8 +119,11 @@ def _differs(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:
 
 
 def _preimport() -> None:
-    """What `launch.main` has imported when it loads SGLang's plugins: no more (a module that bound
-    a hooked function by name before the hooks were applied would keep the original), no less."""
+    """What `launch.main` has imported when it loads SGLang's plugins, and SGLang's model registry,
+    which each scheduler otherwise imports (every model module: about 2 s of CPU a server). No
+    more: a module that bound a hooked function by name before the hooks were applied would keep
+    the original; the model modules hold none (every hook target is a class attribute, read
+    through its class: `test_every_hook_target_is_a_class_attribute`)."""
     if os.environ.get("SGLANG_USE_CPU_ENGINE") is None:
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # as the launcher sets it on CPU before its imports
     import sglang.launch_server  # noqa: F401
@@ -128,6 +131,7 @@ def _preimport() -> None:
     import sglang.srt.plugins  # noqa: F401
     import sglang.srt.server_args  # noqa: F401
     import sglang.srt.utils  # noqa: F401
+    import sglang.srt.models.registry  # noqa: F401  (imports every model module)
 
     import sgl_kvc.config  # noqa: F401
 

@@ -63,3 +63,29 @@ def test_an_exited_prelauncher_is_not_waited_for(tmp_path: Path, monkeypatch: py
     assert forked([*LAUNCH, "--help"], dict(os.environ), tmp_path / "x.log") is None
     assert time.monotonic() - start < 5
     gone.wait()
+
+
+def test_every_hook_target_is_a_class_attribute() -> None:
+    """The prelauncher imports SGLang's model modules before the hooks are applied: safe only while
+    each hook patches an attribute of a class (which those modules read through the class), not a
+    module-level function they could have bound by name (`prelaunch._preimport`)."""
+    import importlib
+    import itertools
+
+    from sgl_kvc.compat import standins
+
+    standins.install()
+    from sgl_kvc.adapter import hook_table
+    from sgl_kvc.config import KvcConfig
+
+    configs = [KvcConfig(policy="none", kv_cache_dtype="fp8_e4m3")] + [
+        KvcConfig(policy="rkv", kv_head_budget=budget, kv_cache_dtype=dtype)
+        for budget, dtype in itertools.product(("uniform", "variable", "layer"), ("auto", "fp8_e4m3"))
+    ]
+    targets = {hook.target for config in configs for hook in hook_table(config)}
+    assert len(targets) > 10
+    for target in sorted(targets):
+        owner_path, attr = target.rsplit(".", 1)
+        module_path, owner = owner_path.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module_path), owner)
+        assert isinstance(cls, type) and attr in vars(cls), target
