@@ -54,11 +54,16 @@ test: install
 	# Bytecode for our own sources (pip compiled the installed packages'): where
 	# PYTHONDONTWRITEBYTECODE is set, each process would compile every module it imports again.
 	$(PY) -m compileall -q sgl_kvc kernels server loadtest benchmarks > /dev/null
-	# The plain-torch core (and the compressor's moments on stand-ins) first, with SGLang made
+	# The plain-torch core (and the compressor's moments on stand-ins) with SGLang made
 	# unimportable: they must run on PyTorch alone (a GPU machine may have PyTorch and Triton but
-	# no SGLang: `.ci/gpu`). Then everything else.
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --without-sglang $(NO_SGLANG_TESTS) $(PYTEST_ARGS)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(NO_SGLANG_TESTS:%=--ignore=%) $(PYTEST_ARGS)
+	# no SGLang: `.ci/gpu`). One process on one thread beside everything else, whose live servers
+	# leave a core idle a tenth of the time (start-ups, waits); its report follows theirs.
+	@core_log=$$(mktemp); \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -p no:xdist --without-sglang $(NO_SGLANG_TESTS) $(PYTEST_ARGS) \
+		> $$core_log 2>&1 & core=$$!; \
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(NO_SGLANG_TESTS:%=--ignore=%) $(PYTEST_ARGS); rest=$$?; \
+	wait $$core; status=$$?; echo "== the plain-torch core (SGLang unimportable) =="; cat $$core_log; \
+	rm -f $$core_log; test $$rest -eq 0 && test $$status -eq 0
 
 # The offline GPU kit (gpu/README.md): SGLang + sgl-kvc wheels for a CUDA machine without a
 # package registry, built into .gpu-kit/ (downloads), and the GPU serving table's model folder
