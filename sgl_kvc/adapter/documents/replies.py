@@ -36,7 +36,7 @@ from torch import Tensor
 
 from sgl_kvc import req_state
 from sgl_kvc.adapter.documents import (
-    Document, DocumentKey, DocumentRegistry, compact_bytes, packed_units, tokens_content,
+    Document, DocumentKey, DocumentRegistry, compact_bytes, may_reply, packed_units, tokens_content,
 )
 from sgl_kvc.adapter.documents.nodes import insert_child, insert_document
 from sgl_kvc.adapter.documents.turns import answered, supersedes, turn_key
@@ -94,7 +94,7 @@ def _reply(tree: Any, registry: DocumentRegistry, req: Any) -> tuple[DocumentKey
     tokens its row holds; or None."""
     fields = req_state.of(req)
     state, declared = fields.state, fields.document
-    if fields.extension is None or declared is None or state is None or not answered(req):
+    if not may_reply(req) or declared is None or state is None or not answered(req):
         return None
     if int(req.kv.cache_protected_len) or not getattr(req, "skip_radix_cache_insert", False):
         return None  # a row its compaction never rewrote (it holds the tree's slots)
