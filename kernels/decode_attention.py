@@ -19,6 +19,15 @@ read (no transposed copy), and read once more by the two products (faster than i
 "CPU decode"). The softmax attention is returned too: H2O,
 Batch-Max and KV-Compress add it to their statistics and pay no second q.K.
 
+Requests that hold nothing compressed are what plain SGLang would serve, and are read as it
+reads them (`plain_decode`): one `scaled_dot_product_attention` call per request in the model's
+dtype, over keys and values gathered once for the block. In bfloat16 PyTorch's CPU flash kernel
+rounds the softmax weights to bfloat16 before their product with the values, and sums in an
+order of oneDNN's; the float32 kernel below is more exact but a different rounding, one bfloat16
+step in a few outputs of every layer, which through 30 layers of SmolLM2 moved decode
+log-probabilities up to 0.25 nats from plain SGLang's with nothing evicted. In float32 the two
+agree to float32 rounding (4e-6 over 48 SmolLM2 tokens), so the batched kernel serves there.
+
 Padding: entry j >= a request's length is masked out of the softmax, and its slot must hold
 finite values (`DecodeStep.build` points it at the request's own first entry): a weight of 0
 times a stale inf or NaN would still be NaN, and masking the values instead costs a pass over
@@ -32,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.functional import scaled_dot_product_attention
 
 
 def gather_heads(cache: Any, slots: Tensor) -> Tensor:
@@ -80,3 +90,40 @@ def decode_attention(
     probs = torch.softmax(_logits(q, keys, pad, scale), dim=-1)
     out = torch.matmul(probs, values)  # [b, H_kv, G, d_v]
     return out.reshape(b, h_q, -1).to(q.dtype), probs
+
+
+def rounds_like_sdpa(dtype: torch.dtype) -> bool:
+    """Whether a model of `dtype` needs `plain_decode` to answer as plain SGLang does: PyTorch's
+    CPU SDPA rounds the softmax weights of reduced floating types, not of float32."""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def plain_decode(
+    q: Tensor, k_cache: Any, v_cache: Any, slots: Tensor, lens: list[int] | tuple[int, ...], scale: float,
+    pad: Tensor | None = None, probs_rows: Tensor | None = None, want_probs: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Decode attention as plain SGLang's CPU backend computes it (`torch_native`,
+    `_run_sdpa_forward_decode`): for each request, one `scaled_dot_product_attention` of its
+    query [1, H_q, 1, d] over its first `lens[i]` entries [1, H_kv, n, d], in the query's dtype,
+    the same call on the same values, so bit for bit the same output. The keys and values of the
+    block are gathered once (`k_cache[slots]`: [b, n, H_kv, d]; an FP8 pool dequantizes there).
+
+    Returns the output [b, H_q, d_v] in q's dtype and, with `want_probs`, the float32 attention
+    [k, H_kv, G, n] of the statistics rows (`probs_rows`, else every row; `pad` masks them),
+    computed from the same keys, for the policies that keep statistics."""
+    b, h_q, _ = q.shape
+    keys, values = k_cache[slots], v_cache[slots]
+    if keys.dtype != q.dtype:  # as SGLang: SDPA takes one dtype
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+    gqa = h_q != keys.shape[2]
+    out = q.new_empty((b, h_q, values.shape[-1]))
+    for i, n in enumerate(lens):
+        out[i] = scaled_dot_product_attention(
+            q[i, :, None, :].unsqueeze(0), keys[i, :n].movedim(0, 1).unsqueeze(0),
+            values[i, :n].movedim(0, 1).unsqueeze(0), scale=scale, enable_gqa=gqa,
+        )[0, :, 0]
+    if not want_probs:
+        return out, None
+    rows = slice(None) if probs_rows is None else probs_rows
+    stat_keys = keys[rows].float().transpose(1, 2)  # [k, H_kv, n, d]
+    return out, torch.softmax(_logits(q[rows], stat_keys, pad[rows], scale), dim=-1)

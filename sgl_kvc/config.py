@@ -37,7 +37,9 @@ MOMENTS: tuple[str, ...] = ("prefill", "chunk", "chunk-always", "decode", "preem
 # chunk over the budget.
 DEFAULT_MOMENTS: tuple[str, ...] = ("prefill", "chunk", "decode", "preempt")
 FP8_KV_DTYPES: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2")  # served by sgl-kvc's FP8 pool
-DECODE_ATTENTION: tuple[str, ...] = ("batched", "sglang")
+DECODE_ATTENTION: tuple[str, ...] = ("batched", "batched-float32", "sglang")
+# The values of `--kv-decode-attention` whose decode attention is sgl-kvc's kernel.
+KERNEL_DECODE_ATTENTION: tuple[str, ...] = ("batched", "batched-float32")
 # The observation window of a pass that cuts a prompt between its chunks (`--kv-chunk-window`):
 # its question's queries, from one forward of the prompt's end (`core/reconstruction.QUESTION_TOKENS`),
 # or the chunk's.
@@ -116,7 +118,10 @@ class KvcConfig:
         metadata=_flag(
             "Decode attention of a compressing server on SGLang's CPU backend: batched (sgl-kvc's "
             "kernel, one padded computation per layer, whose attention also feeds the statistics "
-            "policies) or sglang (SGLang's loop over requests). Other backends keep their own."
+            "policies; a request that holds nothing compressed is attended as SGLang attends it, bit "
+            "for bit in bfloat16), batched-float32 (the kernel for every request, its softmax in "
+            "float32: within the dtype's rounding of SGLang's, not bit for bit) or sglang (SGLang's "
+            "loop over requests). Other backends keep their own."
         ),
     )
     kv_chunk_window: str = field(
@@ -250,7 +255,7 @@ class KvcConfig:
             # batched kernel reads them through per-head tables (docs/per-head-eviction.md).
             if self.kv_selection != "per-head":
                 raise ValueError(f"--kv-head-budget {self.kv_head_budget} needs --kv-selection per-head")
-            if self.kv_decode_attention != "batched":
+            if self.kv_decode_attention not in KERNEL_DECODE_ATTENTION:
                 raise ValueError(f"--kv-head-budget {self.kv_head_budget} needs --kv-decode-attention batched")
         object.__setattr__(self, "compress_on", tuple(self.compress_on))
         bad = [m for m in self.compress_on if m not in MOMENTS]

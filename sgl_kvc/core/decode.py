@@ -35,7 +35,7 @@ from torch import Tensor
 from sgl_kvc.core.host import host_tensor, to_device
 from sgl_kvc.core.request_state import block_tables
 from sgl_kvc.core.stat_slab import StatGroup, StepSlab, add_attention, plan_group, plan_slab
-from sgl_kvc.kernels.decode_attention import decode_attention, decode_probs
+from sgl_kvc.kernels.decode_attention import decode_attention, decode_probs, plain_decode, rounds_like_sdpa
 from sgl_kvc.kernels.per_head_attention import (
     SPLIT_COLUMNS, DecodeLogits, HeadTables, LogitRows, SplitPlan, fast_per_head_decode, flat_heads, row_tables,
 )
@@ -126,6 +126,10 @@ class DecodeBlock:
     logit_rows: LogitRows | None = None
     # A fused block: how the Triton kernel splits each request (its workspace follows them).
     splits: SplitPlan | None = None
+    # A block of intact requests (`ReqKvState.intact`, read through `slots`): their lengths.
+    # Where the model's dtype rounds as SDPA does (bfloat16), they are attended as plain SGLang
+    # attends them (`plain_decode`), so that they answer as plain SGLang answers.
+    plain_lens: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,7 @@ class DecodeStep:
         cls, rows: list[int], lens: list[int], states: dict[int, "ReqKvState"], req_to_token: Tensor,
         token_elems: int, attends: bool, units: tuple[int, int] | None = None, first_layer: int = 0,
         fused: bool = False, kv_heads: int = 1, num_layers: int = 1, group: int = 8,
-        block_bytes: int | None = None,
+        block_bytes: int | None = None, intact_apart: bool = True,
     ) -> "DecodeStep":
         """`rows`/`lens`: the batch's `req_to_token` rows and their lengths (slots), in batch
         order (host-side lists: no device sync); `token_elems`: key elements per slot and layer
@@ -160,7 +164,8 @@ class DecodeStep:
         whose blocks get per-head tables (as wide as their widest table); `fused`: see the class
         (its tables over a slot cache need its `kv_heads`); `num_layers`: the layers of this
         rank (the statistics' slab); `group`: query heads per KV head and `block_bytes` what a fused
-        block may allocate per layer call (default `FUSED_BLOCK_BYTES`)."""
+        block may allocate per layer call (default `FUSED_BLOCK_BYTES`); `intact_apart`: the
+        requests that hold nothing compressed in blocks of their own (`DecodeBlock.plain_lens`)."""
         stats = {i for i, row in enumerate(rows) if (s := states.get(row)) is not None and s.policy.uses_stats}
         picked = list(range(len(rows))) if attends else sorted(stats)
         if not picked:
@@ -175,9 +180,14 @@ class DecodeStep:
             shape = DecodeShape(kv_heads=kv_heads, group=group, head_dim_v=head_dim,
                                 table_layers=0 if units is None else units[0])
             runs = _fused_blocks(picked, lens, stats, shape, FUSED_BLOCK_BYTES if block_bytes is None else block_bytes)
+            plain: set[int] = set()
         else:
-            picked.sort(key=lambda i: -lens[i])
-            runs = _blocks(picked, lens, max(1, DECODE_BLOCK_ELEMS // max(1, token_elems)))
+            # Intact requests in blocks of their own (read as plain SGLang reads them, where the
+            # dtype asks for it), the others after them; each longest first.
+            plain = {i for i in picked if attends and intact_apart and _intact(states.get(rows[i]))}
+            per_block = max(1, DECODE_BLOCK_ELEMS // max(1, token_elems))
+            runs = [run for part in ([i for i in picked if i in plain], [i for i in picked if i not in plain])
+                    for run in _blocks(sorted(part, key=lambda i: -lens[i]), lens, per_block)]
         keeping_order = [i for run in runs for i in run if i in stats]
         slab = None
         if keeping_order:
@@ -194,14 +204,15 @@ class DecodeStep:
             groups = _stat_groups(members, keeping, rows, lens, states, start_of, device)
             probs_rows = None if len(keeping) == len(members) or not keeping else host_tensor(keeping, device)
             logit_rows = None
-            if keeping and (units is not None or fused):  # per-head kernels write logits for these rows
+            is_plain = members[0] in plain
+            if keeping and (units is not None or fused) and not is_plain:  # per-head kernels write their logits
                 slot_of = [-1] * len(members)
                 for r, j in enumerate(keeping):
                     slot_of[j] = r
                 slots_d, rows_d = host_tensor(slot_of + keeping, device).split([len(members), len(keeping)])
                 logit_rows = LogitRows(slots=slots_d, rows=rows_d, count=len(keeping),
                                        width=max(lens[members[j]] for j in keeping))
-            if units is not None:  # read through per-head tables: no slot rows to gather
+            if units is not None and not is_plain:  # read through per-head tables: no slot rows to gather
                 m_rows = [row_lens[i] for i in members]
                 block_units, block_lens = block_tables(
                     [states.get(rows[i]) for i in members], req_to_token[b_rows, : max(1, max(m_rows))],
@@ -225,7 +236,8 @@ class DecodeStep:
             # Padding reads the request's own first entry: finite, so its weight 0 stays 0 (the
             # kernel does not mask the values; a stale slot may hold anything).
             slots = torch.where(pad, slots[:, :1], slots)
-            blocks.append(DecodeBlock(index=index, slots=slots, pad=pad, groups=groups, probs_rows=probs_rows))
+            blocks.append(DecodeBlock(index=index, slots=slots, pad=pad, groups=groups, probs_rows=probs_rows,
+                                      plain_lens=tuple(lens[i] for i in members) if is_plain else None))
         return cls(blocks=tuple(blocks), attends=attends, size=len(rows), first_layer=first_layer, fused=fused,
                    slab=slab)
 
@@ -248,6 +260,9 @@ class DecodeStep:
                                                      splits=block.splits)
                 else:  # no statistics to feed: the kernel writes no logits
                     o = fast_per_head_decode(qb, k_units, v_units, tables, scale, splits=block.splits)
+            elif block.plain_lens is not None and rounds_like_sdpa(q.dtype):
+                o, probs = plain_decode(qb, k_cache, v_cache, block.slots, block.plain_lens, scale, block.pad,
+                                        block.probs_rows, want_probs=bool(block.groups))
             else:
                 o, probs = decode_attention(qb, k_cache, v_cache, block.slots, block.pad, scale)
                 if block.probs_rows is not None:
@@ -300,6 +315,11 @@ class DecodeStep:
         them: one update per policy class, in place in the step's slab."""
         for g in block.groups:
             add_attention(self.slab.slab, layer - self.first_layer, g, probs=probs, logits=logits)
+
+
+def _intact(state: "ReqKvState | None") -> bool:
+    """A request sgl-kvc holds nothing of (no state), or whose row is whole (`ReqKvState.intact`)."""
+    return state is None or state.intact
 
 
 def _blocks(picked: list[int], lens: list[int], per_block: int) -> list[list[int]]:

@@ -199,6 +199,12 @@ class ReqKvState:
         return self.passes > 0
 
     @property
+    def intact(self) -> bool:
+        """Whether its row holds every token it processed, in order, each in every head: what
+        plain SGLang's row would hold (nothing evicted, no compressed document it started from)."""
+        return self.kept_positions is None and self.offset == 0 and self.units is None
+
+    @property
     def per_head(self) -> bool:
         return self.selection == "per-head"
 

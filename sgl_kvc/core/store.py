@@ -55,6 +55,9 @@ class KvcStore:
         # Whether sgl-kvc's batched kernel computes decode attention (set by the compressor for
         # backends whose decode it replaces); otherwise only statistics requests are planned.
         self.attends = False
+        # Whether a decode step reads the requests that hold nothing compressed as plain SGLang
+        # reads them, where the dtype needs it (`DecodeStep`, `plain_decode`); else its kernel does.
+        self.intact_as_sglang = True
         self.attended_layers = 0  # decode layer calls the kernel served (stats)
         # The unit pool's flat K [U, d] and V [U, d_v] (`--kv-head-budget variable`), else None.
         self.unit_pools: tuple[Any, Any] | None = (
@@ -309,7 +312,7 @@ class KvcStore:
                              units=self.unit_layout, first_layer=self.first_layer, fused=self.fused,
                              kv_heads=self.kv_heads, num_layers=self.num_layers - self.first_layer,
                              group=max(1, self.q_heads // max(1, self.kv_heads)) if self.q_heads else 8,
-                             block_bytes=self.block_bytes)
+                             block_bytes=self.block_bytes, intact_apart=self.intact_as_sglang)
             if self.attends or self.stats_rows else None
         )  # fmt: skip
 

@@ -157,8 +157,15 @@ def test_decode_step_tables_are_each_requests_own(device, rows, layers, heads, t
     step = DecodeStep.build(list(range(len(rows))), lens, states, r2t, token_elems, True, units=(layers, heads))
     seen = []
     for block in step.blocks:
-        assert block.slots is None and block.pad is None
         members = range(len(rows)) if block.index is None else block.index.tolist()
+        if block.plain_lens is not None:  # intact requests: their rows, read as plain SGLang reads them
+            assert block.units is None and all(i not in states or states[i].intact for i in members)
+            assert [block.slots[j, : lens[i]].tolist() for j, i in enumerate(members)] == \
+                [r2t[i, : lens[i]].long().tolist() for i in members]
+            assert list(block.plain_lens) == [lens[i] for i in members]
+            seen += list(members)
+            continue
+        assert block.slots is None and block.pad is None
         for j, i in enumerate(members):
             seen.append(i)
             slots = r2t[i, : lens[i]]
@@ -204,7 +211,10 @@ def test_decode_reads_packed_requests_through_their_tables(device: torch.device)
     store.begin(1, ReqKvState(policy=get_policy("snapkv"), budget=Budget(4), device=device))
     packed.stats = [None] * layers
     store.begin_decode([0, 1], lens)
-    [block] = store.decode_step.blocks
+    # The unpacked request is intact: on a CPU it is read through its row as plain SGLang reads it
+    # (a block of its own); a fused plan reads both through tables.
+    block = next(b for b in store.decode_step.blocks if b.units is not None)
+    assert len(store.decode_step.blocks) == (2 if device.type == "cpu" else 1)
     # Layers differ in width: the torch kernel reads each only as wide as its widest head (on
     # CUDA the plan leaves them unread: the Triton kernel walks each head's own length).
     assert block.widths == ((8, 7) if device.type == "cpu" else None) and block.units.shape[-1] == 8
@@ -212,7 +222,7 @@ def test_decode_reads_packed_requests_through_their_tables(device: torch.device)
     k_units, v_units = pool.unit_buffers()
     for layer in range(layers):
         out = torch.full_like(q, float("nan"))
-        store.attend_decode(layer, store.decode_step, q, None, None, 0.5, out)
+        store.attend_decode(layer, store.decode_step, q, *pool.get_kv_buffer(layer), 0.5, out)
         for b, row in enumerate([0, 1]):
             tables = store.states[row].tables(r2t[row, : lens[b]], layers, heads)
             for h in range(heads):

@@ -56,7 +56,7 @@ from sgl_kvc.adapter.scheduling.chunk_pressure import needs_compression
 from sgl_kvc.adapter.scheduling.requests import chunk_compressible, insert_exact_prefix, is_middle_chunk, on_release
 from sgl_kvc.adapter.telemetry.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.adapter.telemetry.trace import CompactionTrace
-from sgl_kvc.config import KvcConfig
+from sgl_kvc.config import KERNEL_DECODE_ATTENTION, KvcConfig
 from sgl_kvc.core.passes import DueCompaction, StepWork, advance_uniform, advance_variable, start_pass
 from sgl_kvc.core.query_moments import QueryMoments
 from sgl_kvc.core.reconstruction import carry_through
@@ -155,7 +155,8 @@ class Compressor:
             # Only a compressing server observes attention: with --policy none the backend does
             # exactly what SGLang's does (per-request compression is refused on such a server).
             backend.kvc_store = self.store
-            self.store.attends = config.kv_decode_attention == "batched" and backend.kvc_attends
+            self.store.attends = config.kv_decode_attention in KERNEL_DECODE_ATTENTION and backend.kvc_attends
+            self.store.intact_as_sglang = config.kv_decode_attention == "batched"
 
     # --- per request --------------------------------------------------------------------------
     def policy(self, name: str, budget: int) -> Policy:
