@@ -219,15 +219,21 @@ def _around_max_prefix(config: KvcConfig):
             limit = min(limit, cap)
         if "prefill" not in config.compress_on or not resolved(req, config).compressing:
             return limit
-        policy = policy_class(resolved(req, config).policy)
+        settings = resolved(req, config)
+        budget = settings.budget.at(input_len)
+        policy = policy_class(settings.policy)
         if policy.accumulate_prefill and not getattr(req.kv, "holds_kv", False):
             # H2O / Batch-Max score by the attention every prompt query paid each token; a prefix
             # served from the tree was never attended by this request's queries. Such a request
-            # computes its whole prompt (its own earlier chunks, held in its row, still count).
-            return 0
-        # Recompute the last `window` prompt tokens even on a prefix hit: their queries are
-        # the observation window that scores the prompt right after prefill, so a cached
-        # prefix must not change what a compressing request keeps.
+            # computes its whole prompt (its own earlier chunks, held in its row, still count),
+            # unless it can never be compressed: its prompt and all its output within its budget.
+            return limit if input_len + int(req.sampling_params.max_new_tokens or 0) <= budget else 0
+        # Recompute the last `window` prompt tokens even on a prefix hit when their queries may
+        # score the prompt (the observation window): by the pass after prefill, or by a later
+        # pass, before `window` decode queries have taken their place in the window. A prompt
+        # that stays within its budget for that long matches exactly as on plain SGLang.
+        if input_len + config.kv_window <= budget:
+            return limit
         return min(limit, max(input_len - config.kv_window, 0))
 
     return hook
