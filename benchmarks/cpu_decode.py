@@ -20,6 +20,7 @@ import json
 import random
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,16 @@ SGLKVC = {
     "plain SGLang (--policy none, float32)": "--policy none --dtype float32",
 }
 USERS = (1, 16)
+# `--exactness`: what answering as plain SGLang costs (`--kv-decode-attention`): sgl-kvc's kernel
+# reading the requests that hold nothing compressed as SGLang reads them (the default), against
+# the kernel's float32 softmax for every request; plain SGLang beside them. bfloat16, where the two
+# differ (in float32 both are the batched kernel).
+EXACTNESS = {
+    "sgl-kvc rkv, intact requests as SGLang (batched)": "--policy rkv --dtype bfloat16 --kv-decode-attention batched",
+    "sgl-kvc rkv, float32 softmax for all (batched-float32)":
+        "--policy rkv --dtype bfloat16 --kv-decode-attention batched-float32",
+    "plain SGLang (--policy none)": "--policy none --dtype bfloat16",
+}
 
 
 def prompts(n: int, words: int, seed: int) -> list[str]:
@@ -126,10 +137,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--openvino-python", default="")
     p.add_argument("--openvino-model", default="")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--exactness", type=int, default=0, metavar="ROUNDS",
+                   help="instead: the `EXACTNESS` configurations, ROUNDS times interleaved (cpu-decode-exactness.*)")
     args = p.parse_args(argv)
     meta = run_metadata("benchmarks.cpu_decode", argv)
     texts = prompts(max(USERS), args.prompt_words, args.seed)
     logs = Path(tempfile.mkdtemp(prefix="cpu-decode-"))
+    if args.exactness:
+        return exactness(args, meta, texts, logs)
     results: list[dict] = []
     for name, flags in SGLKVC.items():
         results += sglkvc_run(flags, texts, args.output_len, logs, name)
@@ -155,6 +170,36 @@ def main(argv: list[str] | None = None) -> dict:
     (args.out / "cpu-decode.json").write_text(json.dumps(data, indent=1) + "\n")
     text = f"{metadata_markdown(meta)}\n{markdown(data)}"
     (args.out / "cpu-decode.md").write_text(text)
+    print(text, flush=True)
+    return data
+
+
+def exactness(args: argparse.Namespace, meta: dict, texts: list[str], logs: Path) -> dict:
+    """The `EXACTNESS` configurations, `args.exactness` rounds interleaved (round 1 of each, then
+    round 2, ...): the machine's drift between rounds enters no comparison within a round."""
+    results: list[dict] = []
+    for round_ in range(args.exactness):
+        for name, flags in EXACTNESS.items():
+            for row in sglkvc_run(flags, texts, args.output_len, logs, f"{name} #{round_ + 1}"):
+                results.append({**row, "name": name, "round": round_ + 1})
+    data = {"meta": meta, "setup": {"machine": machine(), "output_len": args.output_len, "seed": args.seed,
+                                    "rounds": args.exactness}, "results": results}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cpu-decode-exactness.json").write_text(json.dumps(data, indent=1) + "\n")
+    lines = [
+        f"SmolLM2-135M-Instruct in bfloat16, {args.output_len} greedy output tokens (ignore_eos) per user, "
+        f"{args.exactness} rounds interleaved, every configuration alone on the machine. Output tokens/s over the "
+        "whole run, each round's, then the median.\n",
+        "| configuration | users | " + " | ".join(f"round {r + 1}" for r in range(args.exactness)) + " | median |",
+        "| --- | ---: |" + " ---: |" * (args.exactness + 1),
+    ]
+    for name in EXACTNESS:
+        for users in USERS:
+            runs = [r["tokens_per_s"] for r in results if r["name"] == name and r["users"] == users]
+            cells = " | ".join(f"{x:.1f}" for x in runs)
+            lines.append(f"| {name} | {users} | {cells} | {statistics.median(runs):.1f} |")
+    text = f"{metadata_markdown(meta)}\n" + "\n".join(lines) + "\n"
+    (args.out / "cpu-decode-exactness.md").write_text(text)
     print(text, flush=True)
     return data
 
