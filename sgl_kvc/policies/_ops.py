@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import LayerView
+if TYPE_CHECKING:  # a leaf at run time: `base` imports this module
+    from .base import LayerView
 
 
 def require_queries(view: LayerView, policy: str, window: int) -> Tensor:

@@ -34,6 +34,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from ._ops import group_probs
+
 
 def _check_int(name: str, value: object, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
@@ -362,8 +364,6 @@ class Policy(ABC):
     # ---- statistics ----------------------------------------------------------------------------
     def accumulate(self, stats: Tensor | None, probs: Tensor, n_kv_heads: int) -> Tensor:
         """Updated statistic [H_kv, n] from ``probs`` [H_q, q_len, n] of new queries."""
-        from ._ops import group_probs  # (_ops imports this module)
-
         grouped, base = group_probs(stats, probs, n_kv_heads)
         return base + self.contribution(grouped)
 

@@ -47,20 +47,32 @@ def _graph() -> tuple[dict[str, set[str]], list[str]]:
     private = []
     for module, path in modules.items():
         for node in _run_time_nodes(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sgl_kvc"):
+            source = _absolute(node, module, path) if isinstance(node, ast.ImportFrom) else None
+            if source is not None and source.startswith("sgl_kvc"):
                 for alias in node.names:
-                    full = f"{node.module}.{alias.name}"
-                    target = full if full in modules else _owner(node.module, modules)
+                    full = f"{source}.{alias.name}"
+                    target = full if full in modules else _owner(source, modules)
                     if target and target != module:
                         edges[module].add(target)
                         if full not in modules and alias.name.startswith("_"):
-                            private.append(f"{module}: from {node.module} import {alias.name}")
+                            private.append(f"{module}: from {source} import {alias.name}")
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     target = _owner(alias.name, modules) if alias.name.startswith("sgl_kvc") else None
                     if target and target != module:
                         edges[module].add(target)
     return edges, private
+
+
+def _absolute(node: ast.ImportFrom, module: str, path: Path) -> str | None:
+    """The module an `import from` names, a relative one (`from ._ops import x`) resolved from
+    the importing `module` (a package's `__init__` is the package itself)."""
+    if not node.level:
+        return node.module
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{node.module}" if node.module else package
 
 
 def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -113,6 +125,16 @@ def test_no_import_circles() -> None:
 
 def test_the_check_finds_a_circle() -> None:
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_relative_imports_are_read_as_their_modules() -> None:
+    """`from ._ops import x` inside a function of `sgl_kvc.policies.base` is an edge to
+    `sgl_kvc.policies._ops`: a circle through a relative import is a circle."""
+    tree = ast.parse("def f():\n    from ._ops import x\nfrom . import rkv\nfrom ..core import decode")
+    found = [_absolute(n, "sgl_kvc.policies.base", Path("base.py")) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert sorted(found) == ["sgl_kvc.core", "sgl_kvc.policies", "sgl_kvc.policies._ops"]
+    assert _absolute(ast.parse("from .base import y").body[0], "sgl_kvc.policies", Path("__init__.py")) == \
+        "sgl_kvc.policies.base"
 
 
 def test_no_module_imports_another_modules_private_names() -> None:
