@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 if TYPE_CHECKING:  # a leaf at run time: `base` imports this module
-    from .base import LayerView
+    from sgl_kvc.policies.base import LayerView
 
 
 def require_queries(view: LayerView, policy: str, window: int) -> Tensor:
