@@ -50,6 +50,10 @@ DOCUMENT_EXTENDS: tuple[str, ...] = ("resident", "off")
 # Seconds at most a request waits for another to publish the shared document it declares
 # (`--kv-document-wait`); a waiter that reaches it reads the document itself (adapter/documents/__init__.py).
 DEFAULT_DOCUMENT_WAIT = 10.0
+# Compressed documents at most in one chain (`--kv-document-depth`): a client must not grow one
+# without bound (each link is a node, and a request starting from a chain reads every link's
+# tables); the next turn of a chain that deep compresses it again as one.
+DEFAULT_DOCUMENT_DEPTH = 16
 _P = PolicyParams()
 
 
@@ -218,6 +222,13 @@ class KvcConfig:
             "compressed whole)."
         ),
     )
+    kv_document_depth: int = field(
+        default=DEFAULT_DOCUMENT_DEPTH,
+        metadata=_flag(
+            "The most compressed documents one chain holds (a conversation's document and its "
+            "extensions): the next turn of a chain that deep compresses it again as one document."
+        ),
+    )
 
     def __post_init__(self) -> None:
         # An earlier policy name (e.g. avgattn) is stored as the policy's name.
@@ -272,6 +283,9 @@ class KvcConfig:
             raise ValueError(f"--kvzip-chunk must be an integer >= 1, got {self.kvzip_chunk!r}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"--kv-cache-memory-gb must be > 0, got {self.kv_cache_memory_gb}")
+        if isinstance(self.kv_document_depth, bool) or not isinstance(self.kv_document_depth, int) \
+                or self.kv_document_depth < 1:
+            raise ValueError(f"--kv-document-depth must be an integer >= 1, got {self.kv_document_depth!r}")
         if isinstance(self.kv_document_wait, bool) or not isinstance(self.kv_document_wait, (int, float)) \
                 or not 0.0 <= self.kv_document_wait < float("inf"):
             raise ValueError(f"--kv-document-wait must be a number of seconds >= 0, got {self.kv_document_wait!r}")

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sgl_kvc.adapter.documents import Document, DocumentKey, ExtensionRule
+    from sgl_kvc.adapter.documents.links import Document
+    from sgl_kvc.adapter.documents.plan import DocumentPlan
+    from sgl_kvc.adapter.documents.rules import ExtensionRule
     from sgl_kvc.core.request_state import ReqKvState
     from sgl_kvc.footprint import Sizes
     from sgl_kvc.request_settings import RequestCompression
@@ -31,23 +33,21 @@ class KvcReq:
     # no room in the pool
     sizes: Sizes | None = None
     prefix_cap: int | None = None
+    # `adapter/hooks` (the prefix-match limit): it must compute its whole prompt (H2O, Batch-Max:
+    # their statistic sums every prompt query's attention), matching no node but a document's
+    whole_prompt: bool = False
     # `adapter/moments/compressor`: its compression state while it holds a row
     state: ReqKvState | None = None
     # `adapter/safety/failures`: the message it is aborted with, once sgl-kvc failed it
     failure: str | None = None
-    # `adapter/documents`: the document it declares, the one its matched prefix is, and how it reads it
-    # (`own_document`: by its own key, set when it enters the queue; `document`: the one it
-    # compresses, that or, where it starts from a resident document its own extends, the
-    # extension's, set at each match; `extension`: how its own may extend a resident one;
-    # `prefix_contents`: the content digests of its prompt's first tokens, by their number)
-    document: DocumentKey | None = None
-    own_document: DocumentKey | None = None
-    extension: ExtensionRule | None = None
+    # `adapter/documents/plan`: what it does with the document it declares (its role, the node
+    # its row starts from, the document it compresses), made when it enters the queue and at each
+    # match; `rule`: how its document may extend a resident one; `prefix_contents`: the content
+    # digests of its prompt's first tokens, by their number (`matching.py`)
+    plan: DocumentPlan | None = None
+    rule: ExtensionRule | None = None
     prefix_contents: dict[int, str] | None = None
-    hit: Document | None = None
-    split: bool = False  # its document is compressed at a chunk ending at D
-    abstains: bool = False  # it reads its prompt whole where documents are cut between chunks
-    cuts: int = 0  # its row's cuts inside its document so far
+    cuts: int = 0  # its row's cuts inside its document so far (`chunks.py`)
     wait_since: float | None = None  # when it first waited for another's publication
     waited_out: bool = False  # it waited its bound out, and waits no more
     # `adapter/documents/radix_cache`: the document node its use was counted for

@@ -159,7 +159,7 @@ def _before_free(pool: Any, req: Req, *args: Any, **kwargs: Any) -> None:
 def _around_batch_result(config: KvcConfig):
     def hook(original: Callable[..., Any], scheduler: Scheduler, batch: ScheduleBatch, *args: Any, **kwargs: Any):
         compressor = compressor_of(scheduler.tp_worker.model_runner, config)
-        compressor.scheduler = scheduler
+        compressor.serve(scheduler)
         extend = batch.forward_mode.is_extend()
         if extend:  # shared documents, while every request of the batch still holds its row
             compressor.before_prefill_result(batch)
@@ -176,7 +176,7 @@ def _around_update_running(config: KvcConfig):
         model_runner = scheduler.tp_worker.model_runner
         compressor = compressor_of(model_runner, config)  # None with --policy none
         if compressor is not None:
-            compressor.scheduler = scheduler
+            compressor.serve(scheduler)
             if "decode" in config.compress_on:
                 compressor.before_decode(batch)
             if "preempt" in config.compress_on and not batch.check_decode_mem():
@@ -214,6 +214,7 @@ def _around_add_to_queue(config: KvcConfig):
 def _around_max_prefix(config: KvcConfig):
     def hook(original: Callable[..., Any], req: Req, input_len: int, *args: Any, **kwargs: Any):
         limit = original(req, input_len, *args, **kwargs)
+        req_state.of(req).whole_prompt = False
         cap = admission.prefix_cap(req)  # a longer prefix would leave it no room in the pool
         if cap is not None:
             limit = min(limit, cap)
@@ -227,7 +228,11 @@ def _around_max_prefix(config: KvcConfig):
             # served from the tree was never attended by this request's queries. Such a request
             # computes its whole prompt (its own earlier chunks, held in its row, still count),
             # unless it can never be compressed: its prompt and all its output within its budget.
-            return limit if input_len + int(req.sampling_params.max_new_tokens or 0) <= budget else 0
+            # Only a shared document it declares may stand for part of it: its entries have no
+            # statistic by design, theirs start at its end (`KvcRadixCache.match_prefix`).
+            if input_len + int(req.sampling_params.max_new_tokens or 0) > budget:
+                req_state.of(req).whole_prompt = True
+            return limit
         # Recompute the last `window` prompt tokens even on a prefix hit when their queries may
         # score the prompt (the observation window): by the pass after prefill, or by a later
         # pass, before `window` decode queries have taken their place in the window. A prompt

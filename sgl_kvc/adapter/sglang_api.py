@@ -66,6 +66,8 @@ INTERNALS: tuple[Internal, ...] = (
         "multimodal_inputs", "discard_output_reason",
     ), why="per-request settings, rows, tree locks, finish and abort; chunks"),
     Internal(f"{_MGR}.schedule_batch.Req.finished", (), why="skip finished requests"),
+    Internal(f"{_MGR}.schedule_batch.Req.owned_kv_len", (),
+             why="what of a finished row SGLang frees (--strip-thinking-cache): a turn keeps only a row it owns whole"),
     Internal(f"{_MGR}.schedule_batch.Req.set_finish_with_abort", ("error_msg", "status_code"),
              why="a bad per-request setting is a 400"),
     Internal(f"{_MGR}.schedule_batch.FINISH_ABORT", ("message", "status_code", "err_type"),

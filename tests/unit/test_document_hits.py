@@ -11,7 +11,7 @@ import torch
 
 from fakes import FakeAllocator, LayeredKvPool
 from sgl_kvc.adapter import documents
-from sgl_kvc.adapter.documents import Document, DocumentKey, DocumentRegistry
+from sgl_kvc.adapter.documents import Compressed, DocumentKey, DocumentRegistry, RootDocument
 from sgl_kvc.adapter.moments import compressor as compressor_module
 from sgl_kvc.adapter.scheduling.admission import _with_document, sizes_of
 from sgl_kvc.config import KvcConfig
@@ -41,11 +41,11 @@ def _compressor(monkeypatch, config: KvcConfig):
     return compressor_module.Compressor(config, runner), FakeAllocator(256, pool)
 
 
-def _document(key: DocumentKey, slots: torch.Tensor) -> Document:
+def _document(key: DocumentKey, slots: torch.Tensor) -> RootDocument:
     g = torch.Generator().manual_seed(1)
     kept = torch.stack([torch.randperm(DOC, generator=g)[: key.entries].sort().values
                         for _ in range(LAYERS * H_KV)]).reshape(LAYERS, H_KV, key.entries)
-    return Document(key=key, node=SimpleNamespace(value=slots), kept_positions=kept, slots=key.entries)
+    return RootDocument(key=key, node=SimpleNamespace(value=slots), kept_positions=kept, slots=key.entries)
 
 
 @pytest.mark.parametrize("hit", [True, False], ids=["hit", "read-whole"])
@@ -123,10 +123,10 @@ def test_a_documents_metadata_is_int32_and_charged_per_pool_token() -> None:
     key = DocumentKey(digest="cd" * 32, tokens=1000, entries=300, policy="kvzip")
     positions = torch.randint(0, 1000, (30, 3, 300))  # what a pass gives: int64
     scores = CarriedScores(1000, list(torch.rand(30, 3, 300).unbind(0)))
-    doc = Document.compact(key, None, positions, 300, carried=scores)
+    doc = Compressed.compact(key, None, positions, 300, carried=scores)
     assert doc.kept_positions.dtype == torch.int32 and torch.equal(doc.kept_positions.long(), positions)
     assert doc.metadata_bytes == 300 * reserved.per_document_token == documents.compact_bytes(positions.numel(), 90, False, True)
-    unscored = Document.compact(key, None, positions, 300)
+    unscored = Compressed.compact(key, None, positions, 300)
     assert unscored.metadata_bytes == doc.metadata_bytes // 2 == documents.compact_bytes(positions.numel(), 90, False)
     memory = 1 << 30
     fit = fit_pool(memory, cell, tokens=memory // cell, requests=64, r=reserved)
@@ -157,7 +157,7 @@ def test_a_packed_documents_tables_follow_from_its_positions_lengths_and_slots()
     valid = selection.valid()
     positions = torch.randint(0, 200, (layers, heads, width), generator=g) * valid
     key = DocumentKey(digest="ef" * 32, tokens=200, entries=20, policy="kvzip")
-    doc = Document.compact(key, SimpleNamespace(value=dest), positions, int(dest.numel()), lengths)
+    doc = Compressed.compact(key, SimpleNamespace(value=dest), positions, int(dest.numel()), lengths)
     assert doc.metadata_bytes == 4 * selection.total + 4 * layers * heads
     assert doc.metadata_bytes <= 4 * layers * heads * (doc.slots + 1) < 4 * layers * heads * width
     kept, table, lens = doc.tables()
@@ -183,7 +183,7 @@ def _tree_with_documents(count: int, slots: int = 30):
     for i in range(count):
         key = DocumentKey(digest=f"{i:02x}" * 32, tokens=100, entries=slots, policy="kvzip")
         node = tree.insert(InsertParams(key=node_key(key, slots), value=torch.arange(slots) + 100 * i)).last_device_node
-        doc = Document.compact(key, node, torch.randint(0, 100, (LAYERS, H_KV, slots)), slots)
+        doc = Compressed.compact(key, node, torch.randint(0, 100, (LAYERS, H_KV, slots)), slots)
         tree.documents.add(doc)
         docs.append(doc)
         time.sleep(0.001)  # distinct access times: the LRU order is the publication order
@@ -240,7 +240,7 @@ def test_a_kvzip_documents_scores_are_what_a_request_starting_from_it_carries() 
     key = DocumentKey(digest="ab" * 32, tokens=90, entries=12, policy="kvzip")
     positions = torch.randint(0, 90, (3, 2, 12))
     layers = [torch.rand(2, 12) for _ in range(3)]
-    carried = Document.compact(key, None, positions, 12, carried=CarriedScores(86, layers)).carried()
+    carried = Compressed.compact(key, None, positions, 12, carried=CarriedScores(86, layers)).carried()
     assert carried.end == 86 and carried.lengths is None
     assert all(torch.equal(a, b) for a, b in zip(carried.layers, layers))
 
@@ -254,7 +254,7 @@ def test_a_kvzip_documents_scores_are_what_a_request_starting_from_it_carries() 
     unit_moves(selection, torch.randint(0, 1 << 10, (3, 2, 20), generator=g), dest)
     valid = selection.valid()
     wide = [torch.rand(2, width, generator=g) for _ in range(3)]
-    doc = Document.compact(key, SimpleNamespace(value=dest), torch.randint(0, 90, (3, 2, width)) * valid,
+    doc = Compressed.compact(key, SimpleNamespace(value=dest), torch.randint(0, 90, (3, 2, width)) * valid,
                            int(dest.numel()), lengths, CarriedScores(86, wide, list(lengths.unbind(0))))
     assert doc.metadata_bytes == 8 * selection.total + 4 * 6
     carried = doc.carried()

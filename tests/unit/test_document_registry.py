@@ -14,7 +14,9 @@ import torch
 
 from sgl_kvc import req_state
 from sgl_kvc.adapter import documents
-from sgl_kvc.adapter.documents import Document, DocumentKey, node_key, request_key
+from sgl_kvc.adapter.documents import (
+    Document, DocumentKey, DocumentPlan, Extension, ExtensionRule, Kind, Role, RootDocument, node_key, request_key,
+)
 from sgl_kvc.adapter.documents.radix_cache import KvcRadixCache
 from sgl_kvc.adapter.safety import invariants
 from sgl_kvc.config import KvcConfig
@@ -24,10 +26,9 @@ from fakes import SegmentFreeRecorder
 KVZIP = KvcConfig(policy="snapkv", prompt_policy="kvzip")
 
 
-def _declaring(req: SimpleNamespace, key: DocumentKey | None) -> SimpleNamespace:
+def _declaring(req: SimpleNamespace, key: DocumentKey | None, role: Role = Role.WHOLE) -> SimpleNamespace:
     """`req`, declaring the document `key` (as `documents.declare` records it)."""
-    fields = req_state.of(req)
-    fields.document = fields.own_document = key
+    req_state.of(req).plan = DocumentPlan(role=role, own=key, key=key, mode=role)
     return req
 
 
@@ -106,14 +107,21 @@ def test_a_resident_document_is_matched_locked_and_evicted_like_a_node() -> None
     key = DocumentKey(digest="ab" * 32, tokens=100, entries=30, policy="kvzip")
     slots = torch.arange(500, 530)
     node = tree.insert(InsertParams(key=node_key(key, 30), value=slots)).last_device_node
-    tree.documents.add(Document(key=key, node=node, kept_positions=torch.randint(0, 100, (2, 1, 30)), slots=30))
+    doc = RootDocument(key=key, node=node, kept_positions=torch.randint(0, 100, (2, 1, 30)), slots=30)
+    tree.documents.add(doc)
     invariants.check_documents(tree)
     assert tree.evictable_size() == 30 and tree.documents.snapshot()["resident"] == 1
 
     tokens = array("q", range(10, 115))
     req = _declaring(SimpleNamespace(), key)
-    match = tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens, limit=60), req=req))
+    match = tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens, limit=104), req=req))
     assert match.device_prefix_len == 30 and match.last_device_node is node
+    # SGLang's limit on the match (a compressing request's observation window: `len(key)` honours
+    # it) inside the document: a compressed document cannot be read again in part, and its
+    # request's budget applies beyond it: it starts from it, reading what is left
+    for limit in (60, 100):
+        assert tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens, limit=limit), req=req)).device_prefix_len == 30
+        assert documents.hit(req) is doc and documents.declared(req) == key
     assert torch.equal(tree.path_device_indices(node), slots)
     # the same tokens without the declaration match nothing (the node's key is its own)
     assert tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens), req=SimpleNamespace())).device_prefix_len == 0
@@ -141,7 +149,7 @@ def test_a_registered_document_missing_from_the_tree_is_a_violation() -> None:
     tree, _ = _tree()
     key = DocumentKey(digest="cd" * 32, tokens=50, entries=20, policy="kvzip")
     node = tree.insert(InsertParams(key=node_key(key, 20), value=torch.arange(20))).last_device_node
-    tree.documents.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 20, dtype=torch.int64), slots=20))
+    tree.documents.add(RootDocument(key=key, node=node, kept_positions=torch.zeros(1, 1, 20, dtype=torch.int64), slots=20))
     node.parent.children.clear()  # as if the tree lost it without telling the registry
     with pytest.raises(invariants.InvariantViolation, match="not in the tree"):
         invariants.check_documents(tree)
@@ -191,7 +199,7 @@ def test_a_request_compressing_its_document_between_chunks_stops_a_chunk_at_its_
 
     key = documents.declared(req)
     node = tree.insert(InsertParams(key=node_key(key, 30), value=torch.arange(200, 230))).last_device_node
-    tree.documents.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64), slots=30))
+    tree.documents.add(RootDocument(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64), slots=30))
     match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=req))
     assert match.last_device_node is node  # resident: it starts from it
     documents.started_from(req, doc_of(node))
@@ -232,7 +240,7 @@ def test_concurrent_first_requests_wait_for_the_one_compressing_their_document()
     assert documents.held_back([d], registry) == []
     documents.compressing([d], registry)
     node = tree.insert(InsertParams(key=node_key(key, 30), value=torch.arange(30))).last_device_node
-    registry.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64), slots=30))
+    registry.add(RootDocument(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64), slots=30))
     assert documents.held_back([req(key), req(key)], registry) == []  # resident: every one starts from it
     assert not documents.waits_in_round(req(key), [req(key)], registry)
     assert key.digest not in registry.publishers
@@ -301,7 +309,7 @@ def test_a_request_asking_for_prompt_logprobs_never_starts_from_a_document() -> 
     prompt = list(range(10, 130))
     key = DocumentKey(digest="7b" * 32, tokens=100, entries=30, policy="kvzip")
     node = tree.insert(InsertParams(key=node_key(key, 30), value=torch.arange(30))).last_device_node
-    tree.documents.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64), slots=30))
+    tree.documents.add(RootDocument(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64), slots=30))
 
     def req(return_logprob: bool, start: int) -> SimpleNamespace:
         return _declaring(SimpleNamespace(origin_input_ids=prompt, return_logprob=return_logprob,
@@ -357,7 +365,7 @@ def test_a_document_hit_is_a_use_for_lfu_eviction() -> None:
     def publish(digest: str, slots: torch.Tensor) -> DocumentKey:
         key = DocumentKey(digest=digest * 32, tokens=100, entries=30, policy="kvzip")
         node = tree.insert(InsertParams(key=node_key(key, 30), value=slots)).last_device_node
-        tree.documents.add(Document(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64),
+        tree.documents.add(RootDocument(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64),
                                     slots=30))
         return key
 
@@ -515,7 +523,7 @@ def test_where_a_document_is_cut_is_decided_by_its_key() -> None:
     assert (key.entries, key.every, key.between) == (60, 256, 90)
     assert documents.declared(req(600, budget=8)) == key  # the request's own budget is no part of it
     assert request_key(long, config).digest != key.digest  # cut at 256 and 512: not the document read at once
-    assert documents.chunk_cap(long) == 256 and documents.match_limit(long, resident=False) == 255
+    assert documents.chunk_cap(long) == 256 and documents.match_limit(long) == 255
     long.prefix_len = 100  # its first 100 tokens were matched in the tree
     assert documents.chunk_cap(long) == 156  # its first chunk still ends at 256
     assert [documents.cut_at(long, end) for end in (200, 256, 300, 512, 599, 600, 601)] == [0, 90, 0, 90, 0, 60, None]
@@ -527,7 +535,7 @@ def test_where_a_document_is_cut_is_decided_by_its_key() -> None:
     assert tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=fresh)).device_prefix_len == 255
 
     short = req(200)
-    assert documents.declared(short).every == 0 and documents.match_limit(short, resident=False) == 199
+    assert documents.declared(short).every == 0 and documents.match_limit(short) == 199
     assert [documents.cut_at(short, end) for end in (100, 200)] == [0, 20]
     whole = req(200, split=False)  # reads its prompt whole: never registered as compressing it
     assert not documents.publishes_whole(whole) and not documents.publishes_whole(short)  # short: between chunks
@@ -536,7 +544,6 @@ def test_where_a_document_is_cut_is_decided_by_its_key() -> None:
 
 
 def test_extension_entries_from_a_ratio_or_what_is_left_of_a_budget() -> None:
-    from sgl_kvc.adapter.documents import ExtensionRule
 
     ratio = ExtensionRule(ratio=0.3, budget=None, floor=13, limit=None)
     assert ratio.entries(30, 100) == 30 and ratio.entries(30, 20) == 13 and ratio.entries(30, 8) == 8  # kept whole
@@ -546,15 +553,14 @@ def test_extension_entries_from_a_ratio_or_what_is_left_of_a_budget() -> None:
     assert ExtensionRule(ratio=0.3, budget=None, floor=13, limit=64).entries(30, 65) is None  # over one chunk
 
 
-def _declaring_own(prompt: list[int], tokens: int, extra_key: str | None = None) -> SimpleNamespace:
-    """A request declaring its prompt's first `tokens` as its document, on a server that extends."""
-    from sgl_kvc.adapter.documents import ExtensionRule
+def _declaring_own(prompt: list[int], tokens: int, extra_key: str | None = None, settings: str = "") -> SimpleNamespace:
+    """A request declaring its prompt's first `tokens` as its document, on a server that extends
+    (`settings`: its decode settings' digest, which a reply it starts from must share)."""
 
     req = _req(prompt, extra_key)
     req.sampling_params.custom_params[CUSTOM_PARAMS_KEY]["document"] = {"tokens": tokens}
-    fields = req_state.of(req)
-    fields.document = fields.own_document = request_key(req, KVZIP)
-    fields.extension = ExtensionRule(None, None, 13, None)
+    _declaring(req, request_key(req, KVZIP))
+    req_state.of(req).rule = ExtensionRule(None, None, 13, None, settings=settings)
     return req
 
 
@@ -567,7 +573,7 @@ def test_a_document_that_extends_a_resident_one_is_matched_through_it_and_evicte
     root_key = request_key(_declaring_own(prompt, 100), KVZIP)
     slots = torch.arange(500, 530)
     root = tree.insert(InsertParams(key=node_key(root_key, 30), value=slots)).last_device_node
-    tree.documents.add(Document(key=root_key, node=root, kept_positions=torch.randint(0, 100, (2, 1, 30)), slots=30))
+    tree.documents.add(RootDocument(key=root_key, node=root, kept_positions=torch.randint(0, 100, (2, 1, 30)), slots=30))
 
     def match(req) -> object:
         return tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", req.origin_input_ids)), req=req))
@@ -588,8 +594,8 @@ def test_a_document_that_extends_a_resident_one_is_matched_through_it_and_evicte
     child = tree.insert(InsertParams(key=RadixKey(path, extra_key=root.key.extra_key),
                                      value=torch.cat([slots, own]))).last_device_node
     assert child.parent is root
-    doc = Document(key=key, node=child, kept_positions=torch.randint(100, 140, (2, 1, 13)), slots=13,
-                   parent=doc_of(root))
+    doc = Extension(key=key, node=child, kept_positions=torch.randint(100, 140, (2, 1, 13)), slots=13,
+                    parent=doc_of(root))
     tree.documents.add(doc)
     invariants.check_documents(tree)
     assert doc.tables()[0].shape == (2, 1, 43) and doc.offset == 140 - 43
@@ -614,7 +620,6 @@ def test_a_document_that_extends_a_resident_one_is_matched_through_it_and_evicte
 
 
 def test_a_chain_at_its_budget_is_compressed_again_to_it() -> None:
-    from sgl_kvc.adapter.documents import ExtensionRule
 
     budget = ExtensionRule(ratio=None, budget=60, floor=13, limit=None)
     assert budget.rebuild(30, 100) is None  # extended: 30 of its own fit
@@ -634,7 +639,7 @@ def test_a_finished_turn_stays_in_the_tree_with_its_own_slots() -> None:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sgl_kvc.adapter.documents.turns import without
+    from sgl_kvc.adapter.documents.release import without
 
     allocator = SegmentFreeRecorder()
     rows = SimpleNamespace(req_to_token=torch.zeros(4, 256, dtype=torch.int32))
@@ -644,18 +649,19 @@ def test_a_finished_turn_stays_in_the_tree_with_its_own_slots() -> None:
     key = request_key(_declaring_own(prompt, 100), KVZIP)
     doc_slots = torch.arange(500, 530)
     node = tree.insert(InsertParams(key=node_key(key, 30), value=doc_slots)).last_device_node
-    tree.documents.add(Document(key=key, node=node, kept_positions=torch.randint(0, 100, (2, 1, 30)), slots=30))
+    tree.documents.add(RootDocument(key=key, node=node, kept_positions=torch.randint(0, 100, (2, 1, 30)), slots=30))
 
     def finished(output: list[int], row: int, reason=None) -> SimpleNamespace:
         """A request that started from the document (30 slots for 100 tokens) and read the rest exact."""
         req = _declaring_own(prompt, 100)
-        req_state.of(req).hit = doc_of(node)
+        documents.started_from(req, doc_of(node))
         read = len(prompt) + len(output) - 1 - 70
         rows.req_to_token[row, :30] = doc_slots.int()
         rows.req_to_token[row, 30:read] = torch.arange(1000 * (row + 1), 1000 * (row + 1) + read - 30, dtype=torch.int32)
         req.output_ids, req.finished_reason = output, reason or FINISH_LENGTH(len(output))
         req.finished = lambda: True
         req.kv = ReqKvInfo(req_pool_idx=row, cache_protected_len=30, kv_committed_len=read, kv_allocated_len=read)
+        req.owned_kv_len = lambda: req.kv.kv_committed_len  # SGLang's: all of it (no stripped thinking)
         return req
 
     def release(req) -> list[int]:
@@ -688,7 +694,7 @@ def test_a_finished_turn_stays_in_the_tree_with_its_own_slots() -> None:
     said = prompt + output
     m, req = match(said + [1, 2] + list(range(300, 320)), len(said) + 2)  # the template's tail, a question
     assert m.last_device_node is turn[0].node and m.device_prefix_len == 84
-    req_state.of(req).hit = doc_of(m.last_device_node)  # as `documents.matched` sets it
+    assert documents.hit(req) is doc_of(m.last_device_node)  # the plan names the node it matched
     assert documents.declared(req).parent == key.digest and documents.extends(req) is doc_of(node)
     m, _ = match(said[:-2] + [99, 7, 1, 2] + list(range(300, 320)), len(said) + 2)  # another answer
     assert m.last_device_node is node and m.device_prefix_len == 30
@@ -698,7 +704,7 @@ def test_a_finished_turn_stays_in_the_tree_with_its_own_slots() -> None:
     assert sorted(allocator.freed) == sorted(own.tolist()) and tree.documents.stats.turns_evicted == 1
     assert tree.documents.snapshot()["resident"] == 1
     invariants.check_documents(tree)
-    assert without([(30, 84)], (30, 84)) == [] and without([(0, 10), (20, 90)], (30, 84)) == [(0, 10), (20, 30), (84, 90)]
+    assert without([(30, 84)], [(30, 84)]) == [] and without([(0, 10), (20, 90)], [(30, 84)]) == [(0, 10), (20, 30), (84, 90)]
 
 
 def test_a_compacted_reply_stays_in_the_tree_as_a_reply_and_a_turn() -> None:
@@ -713,7 +719,7 @@ def test_a_compacted_reply_stays_in_the_tree_as_a_reply_and_a_turn() -> None:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sgl_kvc.adapter.documents import ExtensionRule, packed_units
+    from sgl_kvc.adapter.documents import packed_units
     from sgl_kvc.core.request_state import Budget, ReqKvState
 
     allocator = SegmentFreeRecorder()
@@ -731,6 +737,7 @@ def test_a_compacted_reply_stays_in_the_tree_as_a_reply_and_a_turn() -> None:
         n = k + 14
         rows.req_to_token[row, :n] = torch.arange(1000 * row, 1000 * row + n, dtype=torch.int32)
         req.kv = ReqKvInfo(req_pool_idx=row, cache_protected_len=0, kv_committed_len=n, kv_allocated_len=n)
+        req.owned_kv_len = lambda: req.kv.kv_committed_len
         state = ReqKvState(policy=SimpleNamespace(name="rkv"), budget=Budget(16), offset=155 - k, passes=2)
         state.kept_positions = torch.sort(torch.randperm(155)[: 2 * (units.shape[-1] if units is not None else k)]
                                           .reshape(2, 1, -1)).values
@@ -747,7 +754,7 @@ def test_a_compacted_reply_stays_in_the_tree_as_a_reply_and_a_turn() -> None:
 
     req = finished(1, 40)
     assert release(req) == []
-    reply = [d for d in tree.documents.by_key.values() if d.key.reply]
+    reply = [d for d in tree.documents.by_key.values() if d.key.kind is Kind.REPLY]
     assert len(reply) == 1 and reply[0].node.parent is tree.root_node and reply[0].parent is None
     assert (reply[0].key.tokens, reply[0].slots, reply[0].offset, reply[0].key.entries) == (155, 40, 115, 40)
     assert torch.equal(reply[0].kept_positions, req_state.of(req).state.kept_positions.int())
@@ -762,7 +769,7 @@ def test_a_compacted_reply_stays_in_the_tree_as_a_reply_and_a_turn() -> None:
     m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", follow.origin_input_ids)), req=follow))
     assert m.last_device_node is turn.node and m.device_prefix_len == 54
     key = documents.declared(follow)
-    assert key.rebuilds and key.parent == reply[0].key.digest
+    assert key.kind is Kind.REBUILD and key.parent == reply[0].key.digest
     assert key.entries == 52  # 0.3 of its 172 tokens (the default ratio), fewer than the 40 + 17 it holds
 
     # packed: canonical units publish, others do not (their row is freed whole)
@@ -770,7 +777,7 @@ def test_a_compacted_reply_stays_in_the_tree_as_a_reply_and_a_turn() -> None:
     slots = torch.arange(3000, 3004)
     _, units = packed_units(slots, lens, 5)
     assert release(finished(3, 4, units.int(), lens, answer=[7] + output[1:])) == []
-    packed = tree.documents.get(next(d.key for d in tree.documents.by_key.values() if d.key.reply and d.unit_lens is not None))
+    packed = tree.documents.get(next(d.key for d in tree.documents.by_key.values() if d.key.kind is Kind.REPLY and d.unit_lens is not None))
     assert torch.equal(packed.tables()[1], units.int())
     invariants.check_documents(tree)
     shuffled = units.clone()

@@ -1,4 +1,4 @@
-"""Compressing a shared document and publishing it to the radix tree (`adapter/documents/__init__.py`).
+"""Compressing a shared document and publishing it to the radix tree (`adapter/documents/`).
 
 Between chunks (`publish_cut_rows`), on a server that compresses there: a chunk of the request that
 declares the document ended at the document's end, and the chunk moment cut its row to the
@@ -19,6 +19,12 @@ was, and the document is simply not published (the next request that declares it
 
 There the k fresh slots come from the free pool or from evicting unlocked tree nodes (LRU), like any tree
 insert: the node is unlocked cache at once, evicted before any request is retracted.
+
+With tensor parallelism, vote, then act: every rank chooses each document's entries (its pass,
+which may fail on one rank alone), the ranks vote, and only the documents chosen on every rank are
+given room (evicting documents and tree nodes, alike on every rank: their trees are the same),
+copied and voted on again before anything is inserted. A failure on one rank loses that document
+on every rank, never another, and the ranks' trees stay the same.
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import torch
 from torch import Tensor
 
-from sgl_kvc.adapter.documents import (
-    Document, DocumentKey, cuts, declared, publishes_whole, registry_of, started_from,
-)
-from sgl_kvc.adapter.documents import compact_bytes
+from sgl_kvc.adapter.documents.chunks import cuts
+from sgl_kvc.adapter.documents.keys import DocumentKey
+from sgl_kvc.adapter.documents.links import Compressed, compact_bytes
 from sgl_kvc.adapter.documents.nodes import insert_document
+from sgl_kvc.adapter.documents.plan import declared, publishes_whole, started_from
+from sgl_kvc.adapter.documents.registry import registry_of
 from sgl_kvc.adapter.safety import failpoints, invariants
 from sgl_kvc.adapter.safety.failures import failure
 from sgl_kvc.adapter.safety.tp import anywhere
@@ -105,14 +112,27 @@ def to_publish(compressor: Host, batch: ScheduleBatch, read: list[int]) -> list[
 
 
 @dataclass
-class _Ready:
+class Chosen:
+    """A document's entries chosen by its pass over a request's row (`slots`), not yet copied:
+    what `copy_kept` copies (the selection, and packed, its units) and what the node keeps."""
+
     i: int
     key: DocumentKey
-    dest: Tensor  # k (or G, packed) fresh slots, the kept entries copied in
+    slots: Tensor
+    selection: Any  # HeadSelection: the entries it copies
+    units: Tensor | None  # packed: the units of the selection's columns
     kept_positions: Tensor
-    units: Tensor | None = None  # packed: the document's tables and each head's entries
-    unit_lens: Tensor | None = None
-    carried: CarriedScores | None = None  # KVzip: the kept entries' reconstruction scores
+    carried: CarriedScores | None
+    metadata: int  # its node's metadata bytes (`compact_bytes`)
+    unit_lens: Tensor | None = None  # packed: each head's entries
+    parent: Any = None  # an extension's: the document it extends
+
+
+@dataclass
+class Ready:
+    chosen: Chosen
+    dest: Tensor  # the fresh slots the kept entries were copied into (packed: G slots)
+    table: Tensor | None  # packed: the units each kept entry went to
 
 
 def publish_copies(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]]) -> None:
@@ -121,57 +141,78 @@ def publish_copies(compressor: Host, batch: ScheduleBatch, items: list[tuple[int
     if not items:
         return
     store = compressor.store
-    # The document alone, as a request that has read D tokens and compressed nothing.
-    states = {i: ReqKvState(policy=compressor.policy(key.policy, key.entries), budget=Budget(key.entries),
-                            selection="per-head", device=store.device) for i, key in items}
     registry = registry_of(batch.tree_cache)
-    copy_and_publish(compressor, batch, items, states, lambda i, key: key.tokens,
-                     lambda i, key, state: _prepare(compressor, batch, i, key, state),
+
+    def state(i: int, key: DocumentKey) -> ReqKvState:  # the document alone, as a request that read D tokens
+        return ReqKvState(policy=compressor.policy(key.policy, key.entries), budget=Budget(key.entries),
+                          selection="per-head", device=store.device)
+
+    copy_and_publish(compressor, batch, items, state, lambda i, key: key.tokens,
+                     lambda i, key, st: _choose(compressor, batch, i, key, st),
                      lambda r: _insert(compressor, batch, r, registry))
 
 
 def copy_and_publish(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]],
-                     states: dict[int, ReqKvState], entries: Callable[[int, DocumentKey], int],
-                     prepare: Callable[[int, DocumentKey, ReqKvState], Any], insert: Callable[[Any], None]) -> None:
+                     state: Callable[[int, DocumentKey], ReqKvState], entries: Callable[[int, DocumentKey], int],
+                     choose: Callable[[int, DocumentKey, ReqKvState], Chosen], insert: Callable[[Ready], None]) -> None:
     """Publishing documents copied out of their requests' rows (`publish_copies`, and an
-    extension's, `extension_pass.publish`): each item's reconstruction over its row's first
-    `entries(i, key)` entries where its policy reads one (KVzip), then `prepare(i, key, state)`
-    (its pass and copies: a result with the request's index `i` and fresh slots `dest`, or None),
-    the ranks' vote, and `insert(result)`. A failure loses that document only, never the request,
-    whose row was only read; the requests waiting for it go either way."""
+    extension's, `extension_pass.publish`): each item's pass state (`state(i, key)`), its
+    reconstruction over its row's first `entries(i, key)` entries where its policy reads one
+    (KVzip), `choose(i, key, state)` (its pass, no side effect), the ranks' vote; then, for the
+    documents chosen everywhere, their room and copies (`copy_kept`), the ranks' vote again, and
+    `insert(ready)`. A failure loses that document only, never the request, whose row was only
+    read; the requests waiting for it go either way."""
     t0 = time.perf_counter()
     registry = registry_of(batch.tree_cache)
-    registry.metrics = compressor.metrics
-    registry.metadata_budget = compressor.document_bytes
     failed: dict[int, BaseException] = {}
-    recon = [(i, states[i], "prefill", entries(i, key)) for i, key in items if states[i].policy.uses_reconstruction]
+    states: dict[int, ReqKvState] = {}
+    for i, key in items:
+        try:
+            states[i] = state(i, key)
+        except Exception as e:  # noqa: BLE001 - that document only
+            failed[i] = e
+    recon = [(i, states[i], "prefill", entries(i, key)) for i, key in items
+             if i in states and states[i].policy.uses_reconstruction]
     if recon:
         compressor.reconstructor.run(compressor.scheduler, batch, recon, lambda req, e: failed.setdefault(
             batch.reqs.index(req), e))
 
-    def ready(i: int, key: DocumentKey) -> Any:
+    def chosen(i: int, key: DocumentKey) -> Chosen:
         if i in failed:
             raise failed[i]
         if compressor.state(batch.reqs[i]) is None:
             raise RuntimeError("its request failed on this rank")
-        return prepare(i, key, states[i])
+        return choose(i, key, states[i])
 
-    votes = voted(compressor, batch, items, ready)
-    for r, absent in votes:
-        if r is not None and absent:
-            batch.token_to_kv_pool_allocator.free(r.dest)
-        elif r is not None:
-            try:
-                insert(r)
-            except Exception:  # noqa: BLE001 - never the request's: its row was only read
-                logger.exception("sgl-kvc: document of %s not published", batch.reqs[r.i].rid)
+    choices = [c for c, absent in voted(compressor, batch, items, chosen) if c is not None and not absent]
+    copies = [(c, *_guarded(batch, c.i, copy_kept, compressor, batch, c)) for c in choices]
+    agreed = anywhere(compressor.failures.vote, [r is None for _, r, _ in copies])
+    not_published = len(items) - len(choices)
+    for (c, r, _), absent in zip(copies, agreed):
+        if r is None or absent:
+            if r is not None:
                 batch.token_to_kv_pool_allocator.free(r.dest)
-                registry.stats.not_published += 1
-    registry.stats.not_published += sum(1 for _, absent in votes if absent)
+            not_published += 1
+            continue
+        try:
+            insert(r)
+        except Exception:  # noqa: BLE001 - never the request's: its row was only read
+            logger.exception("sgl-kvc: document of %s not published", batch.reqs[c.i].rid)
+            batch.token_to_kv_pool_allocator.free(r.dest)
+            not_published += 1
+    registry.stats.not_published += not_published
     settle(batch, items, registry)
     if invariants.enabled():
         invariants.check_documents(batch.tree_cache)
     registry.stats.seconds += compressor.account(time.perf_counter() - t0)
+
+
+def _guarded(batch: ScheduleBatch, i: int, fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
+    try:
+        return fn(*args), None
+    except Exception as e:  # noqa: BLE001 - that document only
+        logger.exception("sgl-kvc: document of %s not published", batch.reqs[i].rid)
+        return None, e
 
 
 def settle(batch: ScheduleBatch, items: list[tuple[int, DocumentKey]], registry: Any) -> None:
@@ -184,20 +225,12 @@ def voted(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, Documen
           prepare: Callable[[int, DocumentKey], Any]) -> list[tuple[Any, bool]]:
     """`prepare(i, key)` of each item (None where it raises here: logged, the document is not
     published, its request goes on), and whether it is missing on any rank (the ranks' vote)."""
-    ready = []
-    for i, key in items:
-        try:
-            ready.append(prepare(i, key))
-        except Exception:  # noqa: BLE001
-            logger.exception("sgl-kvc: document of %s not published", batch.reqs[i].rid)
-            ready.append(None)
+    ready = [_guarded(batch, i, prepare, i, key)[0] for i, key in items]
     return list(zip(ready, anywhere(compressor.failures.vote, [r is None for r in ready])))
 
 
-def _prepare(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey,
-             state: ReqKvState) -> _Ready | None:
-    """The document's pass over the request's first D entries, and its kept entries copied into
-    k fresh slots (None: no free slots for them)."""
+def _choose(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, state: ReqKvState) -> Chosen:
+    """The document's pass over the request's first D entries: what it keeps (nothing copied)."""
     store = compressor.store
     req = batch.reqs[i]
     row = req.kv.req_pool_idx
@@ -207,7 +240,7 @@ def _prepare(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey,
     packed = store.unit_layout is not None  # variable / layer budgets: one sort over every head
     tables = state.tables(slots, *store.unit_layout) if packed else None
     state.pending = start_pass(store, row, state, state.policy, d, k, "prefill", tables)
-    scores = state.pending.reconstruction  # KVzip's, kept with the document (`Document.carried`)
+    scores = state.pending.reconstruction  # KVzip's, kept with the document (`Compressed.carried`)
     if packed:
         due = advance_variable(store, row, state, d, StepWork.unlimited(), compressor.config.kv_head_budget, i)
     else:
@@ -216,29 +249,22 @@ def _prepare(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey,
         raise RuntimeError("an unlimited document pass did not finish")
     entries = due.selection.total if packed else int(due.kept_positions.numel())
     carried = None if scores is None else carry_scores(scores, due.selection, per_head_lengths=packed)
-    copied = copy_kept(compressor, batch, due.selection, due.units, slots,
-                       compact_bytes(entries, due.selection.lengths.numel(), packed, carried is not None))
-    if copied is None:
-        return None
-    dest, table = copied
-    if packed:
-        return _Ready(i, key, dest, due.kept_positions, table, due.selection.lengths, carried)
-    return _Ready(i, key, dest, due.kept_positions, carried=carried)
+    metadata = compact_bytes(entries, due.selection.lengths.numel(), packed, carried is not None)
+    return Chosen(i, key, slots, due.selection, due.units, due.kept_positions, carried, metadata,
+                  unit_lens=due.selection.lengths if packed else None)
 
 
-def copy_kept(compressor: Host, batch: ScheduleBatch, selection: HeadSelection, units: Tensor | None,
-              slots: Tensor, metadata: int) -> tuple[Tensor, Tensor | None] | None:
-    """The entries `selection` keeps of a request's row (its `slots`; packed, the units of its
-    tables, `units`), copied per (layer, KV head) into fresh slots (packed, unit by unit into G
-    slots): those slots, and packed, the units each kept entry went to (in the selection's
-    columns); or None where the documents' metadata (`metadata` bytes more) or the pool has no
+def copy_kept(compressor: Host, batch: ScheduleBatch, chosen: Chosen) -> Ready | None:
+    """The entries `chosen` keeps of a request's row, copied per (layer, KV head) into fresh slots
+    (packed, unit by unit into G slots); or None where the documents' metadata or the pool has no
     room for them, after evicting unlocked documents and tree nodes (the request's own path is
-    locked: never evicted here)."""
+    locked: never evicted here). Alike on every rank: their trees and pools are the same."""
     from sgl_kvc.adapter.moments.compaction import make_room_in_tree
 
     tree, allocator = batch.tree_cache, batch.token_to_kv_pool_allocator
+    selection, units, slots = chosen.selection, chosen.units, chosen.slots
     g = packed_slots(selection) if units is not None else selection.max_keep
-    if not tree.make_document_room(metadata):
+    if not tree.make_document_room(chosen.metadata):
         return None  # its metadata would not fit its reservation: not published
     make_room_in_tree(tree, g)
     if allocator.available_size() < g:
@@ -248,30 +274,32 @@ def copy_kept(compressor: Host, batch: ScheduleBatch, selection: HeadSelection, 
         if units is not None:
             moves = unit_moves(selection, units, dest)
             move_unit_entries(compressor.store.unit_pools, [moves])
-            return dest, moves.table
+            return Ready(chosen, dest, moves.table)
         move_units_many(allocator.get_kvcache(), [(slots, selection.indices.to(slots.device), dest)])
     except BaseException:
         allocator.free(dest)
         raise
-    return dest, None
+    return Ready(chosen, dest, None)
 
 
-def _insert(compressor: Host, batch: ScheduleBatch, r: _Ready, registry: Any) -> None:
+def _insert(compressor: Host, batch: ScheduleBatch, r: Ready, registry: Any) -> None:
     """The document's node: plain tree inserts (the node is unlocked cache at once)."""
-    node = insert_document(batch.tree_cache, r.key, r.dest)
-    doc = Document.compact(r.key, node, r.kept_positions, int(r.dest.numel()), r.unit_lens, r.carried)
+    c = r.chosen
+    node = insert_document(batch.tree_cache, c.key, r.dest)
+    doc = Compressed.compact(c.key, node, c.kept_positions, int(r.dest.numel()), c.unit_lens, c.carried)
     registry.add(doc)
-    trace_document(compressor, batch.reqs[r.i], doc)
+    trace_document(compressor, batch.reqs[c.i], doc)
 
 
 def publish_cut_rows(compressor: Host, batch: ScheduleBatch, ends: list[tuple[int, DocumentKey]],
-                 passes_before: dict[int, int]) -> None:
+                     passes_before: dict[int, int]) -> None:
     """After the chunk moment: each request of `ends` (indices whose chunk ended at their
     document's end, found alike on every rank) whose row the moment cut to its document's entries
     (`passes_before`: its passes before, for those it was cut) publishes its row's first slots as
     the document's node. A document already resident (another request published it meanwhile) is
     not published again: that request goes on with its own copy. A failure loses the document, not
-    the request; with tensor parallelism a document is published only where every rank is ready."""
+    the request; with tensor parallelism a document is published only where every rank is ready,
+    voted before any document is evicted for its metadata."""
     registry = registry_of(getattr(batch, "tree_cache", None))
     if registry is None:
         return
@@ -280,13 +308,15 @@ def publish_cut_rows(compressor: Host, batch: ScheduleBatch, ends: list[tuple[in
     if not items:
         return  # (of several in one batch declaring one document, the first publishes it)
     t0 = time.perf_counter()
-    registry.metrics = compressor.metrics
-    registry.metadata_budget = compressor.document_bytes
     votes = voted(compressor, batch, items,
                   lambda i, key: _row_ready(compressor, batch, i, key, passes_before.get(i)))
-    for (i, key), (slots, absent) in zip(items, votes):
+    for (i, key), (ready, absent) in zip(items, votes):
         if absent:
             registry.stats.not_published += 1
+            continue
+        slots, metadata = ready
+        if not batch.tree_cache.make_document_room(metadata):
+            registry.stats.not_published += 1  # (alike on every rank) it goes on with its own row
             continue
         try:
             _adopt(compressor, batch, i, key, slots, registry)
@@ -300,10 +330,10 @@ def publish_cut_rows(compressor: Host, batch: ScheduleBatch, ends: list[tuple[in
 
 
 def _row_ready(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey,
-               passes_before: int | None) -> Tensor | None:
+               passes_before: int | None) -> tuple[Tensor, int] | None:
     """The slots of request i's row that hold its document's kept entries (a copy of its row's
-    first k, or G packed, slot numbers), or None where the chunk moment did not cut it to them (it
-    failed, or had no free slots for the copies)."""
+    first k, or G packed, slot numbers) and their metadata's bytes, or None where the chunk moment
+    did not cut it to them (it failed, or had no free slots for the copies). Nothing changes here."""
     req = batch.reqs[i]
     state = compressor.state(req)
     if state is None or failure(req) is not None or passes_before is None or state.passes <= passes_before:
@@ -314,16 +344,15 @@ def _row_ready(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey,
     if kept != expected or state.logical_len(kept) != key.tokens or int(req.kv.cache_protected_len):
         raise RuntimeError(f"its row holds {kept} slots (cut to {expected} expected) covering "
                            f"{state.logical_len(kept)} tokens, {int(req.kv.cache_protected_len)} of them the tree's")
-    if passes_before != cuts(req):  # never: only the key's cuts (`documents.cut_at`) cut a document
+    if passes_before != cuts(req):  # never: only the key's cuts (`chunks.cut_at`) cut a document
         raise RuntimeError(f"its row was cut {passes_before} times before the document's end, "
                            f"{cuts(req)} of them where its key says")
     packed = state.units is not None
     entries = int(state.unit_lens.sum()) if packed else int(state.kept_positions.numel())
     heads = int(state.unit_lens.numel()) if packed else 0
     scored = state.reconstructed is not None  # KVzip: the scores its cut carried
-    if not batch.tree_cache.make_document_room(compact_bytes(entries, heads, packed, scored)):
-        return None  # its metadata would not fit its reservation: it goes on with its own row
-    return compressor.store.req_to_token[req.kv.req_pool_idx, :kept].to(torch.int64, copy=True)
+    slots = compressor.store.req_to_token[req.kv.req_pool_idx, :kept].to(torch.int64, copy=True)
+    return slots, compact_bytes(entries, heads, packed, scored)
 
 
 def _adopt(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, slots: Tensor,
@@ -333,11 +362,11 @@ def _adopt(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, slo
     req, tree = batch.reqs[i], batch.tree_cache
     state = compressor.state(req)
     n = int(slots.numel())
-    node = insert_document(tree, key, slots)
+    doc = Compressed.compact(key, None, state.kept_positions, n, state.unit_lens, state.reconstructed)
+    doc.node = node = insert_document(tree, key, slots)
     tree.unlock(req.lock)  # the root's, or nothing: the cut already dropped a matched prefix's
     req.lock, req.last_node = tree.lock(node), node
     req.kv.cache_protected_len = n
-    doc = Document.compact(key, node, state.kept_positions, n, state.unit_lens, state.reconstructed)
     registry.add(doc)
     started_from(req, doc)
     # As a request that started from it: its next pass counts as its first, and KVzip's repeats
@@ -354,7 +383,7 @@ def _adopt(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, slo
     trace_document(compressor, req, doc)
 
 
-def trace_document(compressor: Host, req: Any, doc: Document) -> None:
+def trace_document(compressor: Host, req: Any, doc: Any) -> None:
     if not compressor.trace:  # tests only (SGLKVC_TRACE); the node is the tree's now, whatever happens here
         return
     try:

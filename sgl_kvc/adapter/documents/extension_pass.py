@@ -1,4 +1,4 @@
-"""Publishing a document that extends a resident one (`adapter/documents/extensions.py`).
+"""Publishing a document that extends a resident one (`matching.py`).
 
 A request that started from a resident document its own extends holds, right after the forward
 that read its extension (before SGLang processes the result, and before any pass of its own),
@@ -9,24 +9,26 @@ its tokens, scored in the context of what the parent kept (KVzip repeats only th
 resuming from the scores the parent carries, as a request starting from the parent would). The
 chosen entries are copied into fresh slots, which become a child node of the parent's in the
 tree. The request's row is only read: it goes on as it was, and whatever fails here loses the
-extension only (the next request that declares it tries again). A chain at its budget compressed
-again (`DocumentKey.rebuilds`) holds none of the parent's entries: the same pass keeps its budget
-among them all, into a document of its own (under the root, not under the parent).
+extension only (the next request that declares it tries again). A chain compressed again
+(`Kind.REBUILD`: at its budget or depth, or a reply) holds none of the parent's entries: the same
+pass keeps its budget among them all, into a document of its own (under the root, not under the
+parent). As every publication, voted before anything is evicted or inserted
+(`document_pass.copy_and_publish`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from sgl_kvc.adapter.documents import (
-    Document, DocumentKey, compact_bytes, declared, extends, extension_due, extension_lost, registry_of,
-)
-from sgl_kvc.adapter.documents.document_pass import Host, copy_and_publish, copy_kept, trace_document
+from sgl_kvc.adapter.documents.document_pass import Chosen, Host, Ready, copy_and_publish, trace_document
+from sgl_kvc.adapter.documents.keys import DocumentKey, Kind
+from sgl_kvc.adapter.documents.links import Compressed, Document, compact_bytes
 from sgl_kvc.adapter.documents.nodes import insert_child, insert_document, node_path
+from sgl_kvc.adapter.documents.plan import declared, extends, extension_due, extension_lost
+from sgl_kvc.adapter.documents.registry import registry_of
 from sgl_kvc.adapter.safety import failpoints
 from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
 from sgl_kvc.core.reconstruction import CarriedScores, carry_scores
@@ -60,27 +62,23 @@ def due(compressor: Host, batch: ScheduleBatch) -> list[tuple[int, DocumentKey]]
     return out
 
 
-@dataclass
-class _Ready:
-    i: int
-    key: DocumentKey
-    parent: Document
-    dest: Tensor  # the extension's own entries, copied in (packed: G slots)
-    kept_positions: Tensor  # [L, H_kv, own], or each head's own first (packed)
-    carried: CarriedScores | None  # KVzip: their reconstruction scores
-    unit_lens: Tensor | None = None  # packed: each head's own entries
-
-
 def publish(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]]) -> None:
-    """Choose, copy and publish each item's extension; a failure loses that extension only. With
-    tensor parallelism it is published only where every rank copied it."""
+    """Choose, copy and publish each item's extension; a failure (anywhere in it, on any rank)
+    loses that extension only."""
     if not items:
         return
-    parents = {i: extends(batch.reqs[i]) for i, _ in items}
-    states = {i: _chain_state(compressor, key, parents[i]) for i, key in items}
-    copy_and_publish(compressor, batch, items, states, lambda i, key: _row_entries(key, parents[i]),
-                     lambda i, key, state: _prepare(compressor, batch, i, key, parents[i], state),
+    copy_and_publish(compressor, batch, items,
+                     lambda i, key: _chain_state(compressor, key, _parent(batch, i)),
+                     lambda i, key: _row_entries(key, _parent(batch, i)),
+                     lambda i, key, state: _choose(compressor, batch, i, key, _parent(batch, i), state),
                      lambda r: _insert(compressor, batch, r))
+
+
+def _parent(batch: ScheduleBatch, i: int) -> Document:
+    parent = extends(batch.reqs[i])
+    if parent is None:
+        raise RuntimeError("it extends no resident document")
+    return parent
 
 
 def _row_entries(key: DocumentKey, parent: Document) -> int:
@@ -98,16 +96,16 @@ def _chain_state(compressor: Host, key: DocumentKey, parent: Document) -> ReqKvS
     return state
 
 
-def _prepare(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, parent: Document,
-             state: ReqKvState) -> _Ready | None:
-    """The extension's pass, and its own kept entries copied into fresh slots (None: no room)."""
+def _choose(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, parent: Document,
+            state: ReqKvState) -> Chosen:
+    """The extension's pass: its own kept entries (nothing copied)."""
     store = compressor.store
     req = batch.reqs[i]
     row = req.kv.req_pool_idx
     failpoints.check("document_raise", req)
     n = _row_entries(key, parent)
-    # a rebuild (a chain at its budget) holds none of the chain's entries: it chooses among them all
-    held = 0 if key.rebuilds else parent.chain_slots
+    # a rebuild holds none of the chain's entries: it chooses among them all
+    held = 0 if key.kind is Kind.REBUILD else parent.chain_slots
     own = key.entries - key.parent_entries
     slots = store.req_to_token[row, :n].to(torch.int64)
     if not torch.equal(slots[:parent.chain_slots].cpu(), node_path(parent.node)[1].cpu()):
@@ -140,11 +138,9 @@ def _prepare(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, p
         carried = CarriedScores(chain.end, [s.gather(1, c.to(at)) for s, c in zip(chain.layers, cols)], lengths)
     positions = due_pass.kept_positions
     positions = positions.gather(-1, cols.to(positions.device)) * mine.valid().to(positions.device)
-    copied = copy_kept(compressor, batch, mine, due_pass.units, slots,
-                       compact_bytes(mine.total, int(mine.lengths.numel()), packed, carried is not None))
-    if copied is None:
-        return None
-    return _Ready(i, key, parent, copied[0], positions, carried, mine.lengths if packed else None)
+    metadata = compact_bytes(mine.total, int(mine.lengths.numel()), packed, carried is not None)
+    return Chosen(i, key, slots, mine, due_pass.units, positions, carried, metadata,
+                  unit_lens=mine.lengths if packed else None, parent=parent)
 
 
 def _own_columns(selection: HeadSelection, held_lens: Tensor) -> Tensor:
@@ -169,14 +165,13 @@ def _own(selection: HeadSelection, held_lens: Tensor) -> tuple[HeadSelection, Te
     return HeadSelection(indices=torch.where(valid, own, HeadSelection.PAD), lengths=lengths, n=selection.n), cols
 
 
-def _insert(compressor: Host, batch: ScheduleBatch, r: _Ready) -> None:
+def _insert(compressor: Host, batch: ScheduleBatch, r: Ready) -> None:
     """The extension's node: a child of its parent's (`nodes.insert_child`); a rebuild's, a
-    document of its own (`insert_document`)."""
+    document of its own under the root (`insert_document`)."""
+    c = r.chosen
     tree = batch.tree_cache
-    if r.key.rebuilds:
-        node, parent = insert_document(tree, r.key, r.dest), None
-    else:
-        node, parent = insert_child(tree, r.parent, r.key, r.dest), r.parent
-    doc = Document.compact(r.key, node, r.kept_positions, int(r.dest.numel()), r.unit_lens, r.carried, parent=parent)
+    parent = None if c.key.kind is Kind.REBUILD else c.parent
+    doc = Compressed.compact(c.key, None, c.kept_positions, int(r.dest.numel()), c.unit_lens, c.carried, parent=parent)
+    doc.node = insert_document(tree, c.key, r.dest) if parent is None else insert_child(tree, parent, c.key, r.dest)
     registry_of(tree).add(doc)
-    trace_document(compressor, batch.reqs[r.i], doc)
+    trace_document(compressor, batch.reqs[c.i], doc)

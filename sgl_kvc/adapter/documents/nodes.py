@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sgl_kvc.adapter.documents import Document, DocumentKey, node_key
+from sgl_kvc.adapter.documents.keys import DocumentKey, node_key
+from sgl_kvc.adapter.documents.links import Document
 
 
 def node_path(node: Any) -> tuple[array, Tensor]:

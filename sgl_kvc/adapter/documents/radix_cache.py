@@ -13,6 +13,7 @@ SGLang's default `UnifiedRadixCache`. It also holds the compressed documents
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 import time
 from typing import Any
@@ -27,11 +28,14 @@ from sglang.srt.mem_cache.registry import (
 )
 
 from sgl_kvc import req_state
-from sgl_kvc.adapter.documents import DocumentRegistry, match_limit, may_start_from, replies, turns
-from sgl_kvc.adapter.documents.extensions import resident_start
+from sgl_kvc.adapter.documents import release, turns
+from sgl_kvc.adapter.documents.chunks import match_limit
+from sgl_kvc.adapter.documents.keys import NODE_ATTR
+from sgl_kvc.adapter.documents.links import Turn
+from sgl_kvc.adapter.documents.matching import plan_match
+from sgl_kvc.adapter.documents.registry import DocumentRegistry
 
 logger = logging.getLogger(__name__)
-
 
 
 def create(ctx: TreeCacheBuildContext) -> BasePrefixCache:
@@ -49,11 +53,12 @@ def create(ctx: TreeCacheBuildContext) -> BasePrefixCache:
 
 
 class KvcRadixCache(RadixCache):
-    """SGLang's `RadixCache` with compressed documents (`adapter/documents/__init__.py`): a request that
-    declares a resident document (or one its own extends) matches the document's node, whatever its tokens would match; one
-    that compresses its document between chunks matches less than the document, so that a chunk of
-    it ends at the document's end; a document's node leaves the registry when the tree deletes it;
-    a finished request's question and answer after its document stay as a turn (`turns.py`)."""
+    """SGLang's `RadixCache` with compressed documents (`adapter/documents/`): a request whose plan
+    starts from a resident node (`matching.plan_match`) matches that node, whatever its tokens
+    would match; one that compresses its document between chunks matches less than the document,
+    so that a chunk of it ends at the document's end; a document's node leaves the registry when
+    the tree deletes it; a finished request's question and answer after its document stay as a
+    turn (`release.py`)."""
 
     def reset(self) -> None:
         super().reset()
@@ -65,14 +70,13 @@ class KvcRadixCache(RadixCache):
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         req = params.req
-        # its own document, or the longest one its own extends (`extensions.resident_start`)
-        doc = None if req is None or self.disable else resident_start(self.documents, req)
-        # The request's prompt reaches past the document (`request_key` checked it); SGLang's
-        # cap on the match (the last token, the observation window) is about its own suffix, but
-        # its cap for prompt log-probabilities (`logprob_start_len`) is not: such a request
-        # reads its prompt itself (`may_start_from`).
-        if doc is not None and len(params.key.token_ids) > doc.key.tokens and may_start_from(req):
-            node = doc.node
+        # The node its plan starts from: a token of its prompt left to read after it (a finished
+        # turn: within the key's limit, `len(params.key)`: the observation window, the prompt's
+        # last token), never for a request asking for prompt log-probabilities (`may_start_from`).
+        plan = None if req is None or self.disable else plan_match(
+            self.documents, req, len(params.key.token_ids), len(params.key))
+        if plan is not None and plan.start is not None:
+            node = plan.start.node
             node.last_access_time = time.monotonic()  # LRU: a hit is a use
             if req_state.of(req).counted_use is not node:
                 # LFU (and SLRU's protected segment) read `hit_count`, which SGLang counts when a
@@ -81,37 +85,40 @@ class KvcRadixCache(RadixCache):
                 # here, once per request too (a waiting request is matched in every round).
                 self._inc_hit_count(node)
                 req_state.of(req).counted_use = node
-            return MatchResult(device_prefix_len=doc.chain_slots, last_device_node=node,
+            return MatchResult(device_prefix_len=plan.start.chain_slots, last_device_node=node,
                                last_host_node=node, best_match_node=node)
-        limit = None if req is None or self.disable else match_limit(req, resident=doc is not None)
+        limit = None if plan is None else match_limit(req)
+        fields = req_state.peek(req) if req is not None else None
+        if fields is not None and fields.whole_prompt:
+            limit = 0  # it reads its whole prompt itself (`hooks._around_max_prefix`)
         if limit is not None and len(params.key) > limit:
             params = dataclasses.replace(params, key=params.key[:limit])
         return super().match_prefix(params)
 
     def claim_kv_row(self, req: Any) -> bool:
         # a finished request's question and answer after its document stay in the tree, a turn
-        # the next one starts from (`turns.publish`); a row compacted since, as a reply and a turn
-        # (`replies.publish`): its slots are not freed with its row
+        # the next one starts from; a row compacted since, as a reply and a turn (`release.py`):
+        # their slots are not freed with its row
         if not self.disable:
-            try:
-                taken = turns.publish(self, self.documents, req) or replies.publish(self, self.documents, req)
-            except Exception:  # a turn lost, never the release (it inserts nothing before its checks pass)
-                logger.exception("a finished turn of %s was not kept", getattr(req, "rid", "?"))
-                taken = None
-            if taken is not None:
-                self.documents.taken[req.kv.req_pool_idx] = (req.kv, taken)
+            kept = release.keep(self, self.documents, req)
+            if kept:
+                self.documents.taken[req.kv.req_pool_idx] = (req.kv, kept)
         return super().claim_kv_row(req)
 
     def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
-        kept, taken = self.documents.taken.pop(kv.req_pool_idx, (None, None))
-        super().free_kv_row(kv, ranges if kept is not kv else turns.without(ranges, taken))
+        owner, kept = self.documents.taken.get(kv.req_pool_idx, (None, None))
+        super().free_kv_row(kv, ranges if owner is not kv else release.without(ranges, kept))
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
-        if not self.disable:  # the turn it started from, once it kept its own (`turns.superseded`)
-            doc = turns.superseded(self.documents, req)
-            if doc is not None:
-                self._evict_document(doc)
+        if self.disable:
+            return
+        owner, _ = self.documents.taken.get(req.kv.req_pool_idx, (None, None))
+        if owner is req.kv:  # every free of this release is done
+            del self.documents.taken[req.kv.req_pool_idx]
+        doc = turns.superseded(self.documents, req)  # the turn it started from, once it kept its own
+        if doc is not None:
+            self._evict_document(doc)
 
     def _evict_document(self, doc: Any) -> None:
         """Evict an unlocked document's leaf node as SGLang's own `evict` removes a leaf."""
@@ -132,7 +139,9 @@ class KvcRadixCache(RadixCache):
         takes. A document's slots are charged to the pool as any node's; its metadata is charged
         here, so that it never grows past what was reserved, however many documents tenants
         declare (`adapter/memory/kv_memory.py`: a slot's share is a position per (layer, KV head), and a
-        packed document's lengths are one slot's share more)."""
+        packed document's lengths are one slot's share more). One pass over the resident
+        documents and a heap of the evictable leaves: thousands of them cost one sort, not one
+        scan per eviction."""
         registry = self.documents
         budget = registry.metadata_budget
         if budget is None:
@@ -140,21 +149,32 @@ class KvcRadixCache(RadixCache):
         held = registry.metadata_bytes
         if held + nbytes <= budget:
             return True
-        # a document's node is a leaf under the root or under the document it extends (nothing
+        # a document's node is a leaf under the root or under the document it follows (nothing
         # else is inserted under its key), locked while a request starts from it: leaves first,
         # as SGLang's own `evict`, a chain's parent once its children are gone (a lock holds every
         # node up to the root: an unlocked document's children are unlocked too)
-        if held - sum(doc.metadata_bytes for doc in registry.by_key.values() if doc.node.lock_ref == 0) + nbytes > budget:
+        docs = list(registry.by_key.values())
+        if held - sum(doc.metadata_bytes for doc in docs if doc.node.lock_ref == 0) + nbytes > budget:
             return False  # the locked ones alone leave no room: evict nothing for nothing
-        while held + nbytes > budget:
-            candidates = [doc for doc in registry.by_key.values() if doc.node.lock_ref == 0 and not doc.node.children]
-            if not candidates:
-                return False
-            doc = min(candidates, key=lambda doc: self.eviction_strategy.get_priority(doc.node))
+        heap: list[tuple[Any, int, Any]] = []
+
+        def push(doc: Any) -> None:
+            if doc.node.lock_ref == 0 and not doc.node.children and registry.by_key.get(doc.key.digest) is doc:
+                heapq.heappush(heap, (self.eviction_strategy.get_priority(doc.node), id(doc), doc))
+
+        for doc in docs:
+            push(doc)
+        while held + nbytes > budget and heap:
+            *_, doc = heapq.heappop(heap)
+            if registry.by_key.get(doc.key.digest) is not doc or doc.node.children or doc.node.lock_ref:
+                continue
+            parent = getattr(doc.node.parent, NODE_ATTR, None)
             held -= doc.metadata_bytes
             self._evict_document(doc)
-            registry.stats.evicted_for_metadata += not doc.exact
-        return True
+            registry.stats.evicted_for_metadata += not isinstance(doc, Turn)
+            if parent is not None:
+                push(parent)
+        return held + nbytes <= budget
 
 
 def register(name: str) -> None:

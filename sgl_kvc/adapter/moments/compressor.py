@@ -59,7 +59,7 @@ from sgl_kvc.adapter.telemetry.trace import CompactionTrace
 from sgl_kvc.config import KERNEL_DECODE_ATTENTION, KvcConfig
 from sgl_kvc.core.passes import DueCompaction, StepWork, advance_uniform, advance_variable, start_pass
 from sgl_kvc.core.query_moments import QueryMoments
-from sgl_kvc.core.reconstruction import carry_through
+from sgl_kvc.core.reconstruction import carry_through, question_tokens
 from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.core.views import layer_views, prompt_moments, prompt_reconstruction, with_gaps
@@ -133,7 +133,8 @@ class Compressor:
         # with tensor parallelism the ranks vote on them before each forward (the model's
         # collectives need every rank in it)
         self.reconstructor = Reconstructor(config, self.store, vote=self.failures.vote)
-        self.scheduler: Any = None  # set by the scheduler hooks; read for the other running batch
+        self.scheduler: Any = None  # set by the scheduler hooks (`serve`); read for the other running batch
+        self._registry: Any = None  # the shared documents' registry `serve` wired
         self._due: list[DueCompaction] = []  # per-head compactions of the current moment
         self._step_seconds = 0.0  # compression work in this step so far
         self.metrics = maybe_metrics(model_runner, config.policy)
@@ -157,6 +158,18 @@ class Compressor:
             backend.kvc_store = self.store
             self.store.attends = config.kv_decode_attention in KERNEL_DECODE_ATTENTION and backend.kvc_attends
             self.store.intact_as_sglang = config.kv_decode_attention == "batched"
+
+    def serve(self, scheduler: Any) -> None:
+        """The scheduler this compressor runs in (set by its hooks, every step), and, once, its
+        shared documents' registry: their metrics, their metadata's reservation and the ranks'
+        vote, before anything is published."""
+        self.scheduler = scheduler
+        registry = documents.registry_of(getattr(scheduler, "tree_cache", None))
+        if registry is not None and self._registry is not registry:
+            self._registry = registry
+            registry.metrics = self.metrics
+            registry.metadata_budget = self.document_bytes
+            registry.vote = self.failures.vote
 
     # --- per request --------------------------------------------------------------------------
     def policy(self, name: str, budget: int) -> Policy:
@@ -235,7 +248,6 @@ class Compressor:
                 req.cached_tokens += doc.offset
             registry = documents.registry_of(tree_cache)
             if registry is not None:
-                registry.metrics = self.metrics
                 registry.count_hit()
         # A document request's own budget applies beyond its document: the document's k entries
         # (a hit), or its D tokens (the request that compresses it keeps its own copy whole). A
@@ -350,18 +362,24 @@ class Compressor:
             req, "compress", self._chunk_due, batch, req, state, n, keep
         ):
             due.chunks.append((i, state, keep))
-            slots = self.failures.guarded(req, "compress", self._question_slots, req)
+            slots = self.failures.guarded(req, "compress", self._question_slots, req, state, n)
             if slots and _room(batch) >= due.question_slots + slots:
                 due.questions.append(i)
                 due.question_slots += slots
 
-    def _question_slots(self, req: Req) -> int:
+    def _question_slots(self, req: Req, state: ReqKvState, n: int) -> int:
         """The slots the forward of `req`'s question holds if its cut between chunks reads it
         first (`--kv-chunk-window question`: its prompt policy, the chunk moment's, scores from its
         observation window, and its prompt is text), else 0. Admission reserved them with the
         cut's copies (`Sizes.question`); where they are not free, the chunk's own window chooses.
-        Never at a document's cuts: a shared document keeps what its key says, whatever the question."""
+        Never at a document's cuts: a shared document keeps what its key says, whatever the question.
+        Nor where nothing of the prompt is left to read after the row's `n` entries (a retracted
+        request read again in chunks past its prompt) or the row has no room for one token more:
+        the chunk's own window chooses there too."""
         if unscorable(req) is not None or getattr(req, "input_embeds", None) is not None:
+            return 0
+        unread = question_tokens(len(req.origin_input_ids), state.logical_len(n), self.config.kv_window)
+        if min(unread, int(self.store.req_to_token.shape[1]) - n) < 1:
             return 0
         return question_slots(self.config, resolved(req, self.config), len(req.origin_input_ids))
 

@@ -82,7 +82,17 @@ def check_documents(tree: Any) -> None:
     if budget is not None and registry.metadata_bytes > budget:
         raise InvariantViolation(f"documents' metadata {registry.metadata_bytes} B over the {budget} B "
                                  "the KV memory reserved for it")
+    held = sum(doc.metadata_bytes for doc in registry.by_key.values())
+    if held != registry.metadata_bytes:
+        raise InvariantViolation(f"documents' metadata counted {registry.metadata_bytes} B, held {held} B")
+    indexed = sum(len(docs) for docs in registry.by_content.values()) + \
+        sum(len(turns) for turns in registry.turns_after.values())
+    if indexed != len(registry.by_key):
+        raise InvariantViolation(f"{indexed} documents indexed, {len(registry.by_key)} registered")
     for digest, doc in registry.by_key.items():
+        above = doc.parent.lineage if doc.parent is not None else ()
+        if doc.lineage != above + (doc,) or doc.chain_slots != sum(d.slots for d in doc.lineage):
+            raise InvariantViolation(f"document {digest[:12]}: its chain is not its parent's and its own")
         node, k = doc.node, doc.entries
         if doc.parent is not None and (registry.by_key.get(doc.parent.key.digest) is not doc.parent
                                        or node.parent is not doc.parent.node):
@@ -96,7 +106,7 @@ def check_documents(tree: Any) -> None:
             raise InvariantViolation(f"document {digest[:12]}: {doc.slots} slots, node of {len(node.key)} keys "
                                      f"and {None if node.value is None else len(node.value)} values")
         if doc.exact:  # a finished turn: one slot per token after its parent, no tables
-            if doc.parent is None or doc.slots != doc.covers or doc.kept_positions.numel():
+            if doc.parent is None or doc.slots != doc.covers:
                 raise InvariantViolation(f"turn {digest[:12]}: {doc.slots} slots for {doc.covers} tokens")
             continue
         kept = doc.kept_positions

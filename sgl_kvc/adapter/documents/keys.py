@@ -1,0 +1,214 @@
+"""What identifies a document, and decides what it holds: its key (docs/architecture.md, "Shared
+documents").
+
+Every key is a digest of everything that decides its node's content: the tokens it covers, the
+namespace and settings it is compressed with, how many entries it keeps, and, for a link of a
+chain, the key of the link it follows. Two tenants that name the same document with the same
+settings get the same entries, whoever published it; a tenant with other settings gets another
+key, never another tenant's node.
+
+The kinds of node (`Kind`): a document compressed from a request's prompt (`ROOT`, also a chain
+compressed again as one, `REBUILD`), one that extends a resident one by a conversation's turn
+(`EXTENSION`), a finished request's compacted row (`REPLY`) and a finished turn's exact tokens
+after a document (`TURN`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Sequence
+
+from sgl_kvc.config import KvcConfig
+from sgl_kvc.request_settings import (
+    DocumentSpec, RequestSettingError, document_conflict, document_floor, document_prompt_conflict, of_request,
+    resolved,
+)
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+NODE_ATTR = "sgl_kvc_document"  # on a radix TreeNode: the Document it holds
+NAMESPACE = "sgl-kvc/document/"  # the extra_key prefix of a document node, reserved (`reserved_namespace`)
+
+
+class Kind(str, Enum):
+    ROOT = "root"  # compressed from a request's prompt, query-agnostically
+    EXTENSION = "extension"  # a resident document's entries, then a turn's own chosen among its tokens
+    REBUILD = "rebuild"  # a chain (or a reply) and a turn compressed again, as one document
+    REPLY = "reply"  # a finished request's compacted row: what its own passes kept
+    TURN = "turn"  # a finished turn's question and answer, exact, after a document
+
+
+class DocumentNamespace(str):
+    """The `extra_key` of a document's node: `NAMESPACE` + its key's digest, as a str (SGLang's
+    KV events and logs read it as one) that is equal only to another `DocumentNamespace`. A
+    client's `extra_key` is always a plain str: were the node's one too, a client that computed a
+    document's digest (its tokens are the client's, the key formula is public, k is in the stats)
+    could plant a node under it before the document was published, and the publication's insert
+    would split that node and share its slots (slots owned twice). A plain str never equals this
+    class (its reflected `__eq__` runs first) and hashes elsewhere, so SGLang's child keys
+    `(extra_key, token)` of a client's nodes and of a document's never meet in the tree."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is DocumentNamespace and str.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash((DocumentNamespace, str.__str__(self)))
+
+
+def reserved_namespace(field_name: str, value: Any) -> str | None:
+    """Why a client's `extra_key` or `cache_salt` (`field_name`) cannot be served, or None: the
+    document namespace is sgl-kvc's own (refused where requests enter, `server/body_guard.py` and
+    `adapter/scheduling/request_guard.py`; the node's key cannot be forged anyway, `DocumentNamespace`)."""
+    if isinstance(value, str) and value.startswith(NAMESPACE):
+        return (f"Invalid '{field_name}': values starting with '{NAMESPACE}' are reserved for "
+                "sgl-kvc's shared documents.")
+    return None
+
+
+@dataclass(frozen=True)
+class DocumentKey:
+    """What identifies a document and decides what it keeps: a hash of its tokens, the request's
+    namespace (`extra_key`, `cache_salt`) and how it is compressed (prompt policy, entries,
+    selection, the cuts before its end), and of the key of the link it follows."""
+
+    digest: str
+    tokens: int  # D: prompt tokens the document covers
+    entries: int  # k: entries each (layer, KV head) keeps (of the whole chain, for a link of one)
+    policy: str  # the prompt policy that compresses it
+    # Cut between chunks, a document longer than one chunk: its row is cut at every multiple of
+    # `every` (C, the server's chunk size) before D, to `between` entries (the chunk target of k,
+    # `--kv-chunk-keep`); 0: it is scored once, from its D exact entries.
+    every: int = 0
+    between: int = 0
+    # What a conversation's next document matches by (`matching.py`): a hash of the namespace and
+    # settings a document is compressed with but not of how many entries it keeps (`family`), and
+    # of that and its D tokens (`content`).
+    family: str = ""
+    content: str = ""
+    kind: Kind = Kind.ROOT
+    # The link it follows (by digest: in its own), which kept `parent_entries` per (layer, KV
+    # head) of the chain before it: an extension keeps those, then `entries - parent_entries` of
+    # its own; a turn follows it exact; a rebuild names the chain it compressed again (0 held).
+    parent: str = ""
+    parent_entries: int = 0
+    # A reply's: the digest of the decode settings that compressed it (`settings_digest`), which a
+    # request must share to start from it.
+    settings: str = ""
+
+
+def request_key(req: Req, config: KvcConfig, chunk: int | None = None) -> DocumentKey | None:
+    """The document a request declares, or None. Raises `RequestSettingError` (its 400) when the
+    document cannot be served for it. `chunk`: the server's chunk size where it compresses prompts
+    between chunks (`admission.server_chunk`), None where it reads them whole: a document longer
+    than a chunk is cut at every chunk boundary there, the same cuts for every request."""
+    spec = of_request(req).document
+    if spec is None:
+        return None
+    field_name = "kv_compression.document"
+    settings = resolved(req, config)
+    conflict = document_conflict(settings, config, field_name)
+    if conflict is not None:
+        raise conflict
+    prompt = req.origin_input_ids
+    conflict = document_prompt_conflict(spec, len(prompt), config, field_name)
+    if conflict is not None:
+        raise conflict
+    entries = document_entries(spec, config)
+    policy = settings.prompt_policy_name
+    # Everything that decides what the document keeps is in its key; the publisher's own budget,
+    # the pool's pressure and the chunks SGLang's rounds give it are not, so they decide nothing.
+    every = chunk if chunk and spec.tokens > chunk else 0
+    between = config.chunk_target(entries) if every else 0
+    h = hashlib.sha256(array("q", prompt[: spec.tokens]).tobytes())
+    family = hashlib.sha256(repr((getattr(req, "extra_key", None), getattr(req, "cache_salt", None), policy,
+                                  settings.selection, config.kv_head_budget)).encode()).hexdigest()
+    content = content_digest(h.hexdigest(), family)
+    h.update(repr((getattr(req, "extra_key", None), getattr(req, "cache_salt", None), policy, entries,
+                   settings.selection, config.kv_head_budget, every, between)).encode())
+    return DocumentKey(digest=h.hexdigest(), tokens=spec.tokens, entries=entries, policy=policy, every=every,
+                       between=between, family=family, content=content)
+
+
+def document_entries(spec: DocumentSpec, config: KvcConfig) -> int:
+    """k: never fewer than what the prompt policy always keeps (its sinks and window), + 1."""
+    return spec.entries(document_floor(config))
+
+
+def settings_digest(req: Any, config: KvcConfig) -> str:
+    """What of a request's own settings decides what its passes keep as it decodes (its decode
+    policy, its budget, its selection): a reply it leaves is keyed by it, and a later request
+    starts from that reply only with the same (`DocumentKey.settings`)."""
+    s = resolved(req, config)
+    return hashlib.sha256(repr((s.policy, s.budget.tokens, s.budget.ratio, s.budget.floor, s.selection,
+                                config.kv_head_budget)).encode()).hexdigest()
+
+
+def content_digest(tokens_digest: str, family: str) -> str:
+    """`DocumentKey.content` of a document whose tokens hash to `tokens_digest` (sha256)."""
+    return hashlib.sha256(f"{family}/{tokens_digest}".encode()).hexdigest()
+
+
+def tokens_content(tokens: Sequence[int], family: str) -> str:
+    """`DocumentKey.content` of a document of `tokens` (all of them, from the first)."""
+    return content_digest(hashlib.sha256(array("q", tokens).tobytes()).hexdigest(), family)
+
+
+def extension_key(own: DocumentKey, parent: DocumentKey, prompt: Sequence[int], entries: int,
+                  rebuilds: bool = False) -> DocumentKey:
+    """The key of the document over `own`'s tokens that keeps `parent`'s entries and `entries`
+    of its own tokens (per layer and KV head): a hash of the parent's key, of its own tokens, and
+    of how many it keeps. `rebuilds`: that keeps `entries` in all, chosen among the parent's
+    entries and its own tokens (a chain compressed again, under the root)."""
+    h = hashlib.sha256(parent.digest.encode())
+    h.update(array("q", prompt[parent.tokens: own.tokens]).tobytes())
+    h.update(repr(("rebuilds" if rebuilds else "extends", entries)).encode())
+    return DocumentKey(digest=h.hexdigest(), tokens=own.tokens, entries=entries if rebuilds else parent.entries + entries,
+                       policy=own.policy, family=own.family, content=own.content,
+                       kind=Kind.REBUILD if rebuilds else Kind.EXTENSION, parent=parent.digest,
+                       parent_entries=0 if rebuilds else parent.entries)
+
+
+def turn_key(parent: DocumentKey, tokens: Sequence[int]) -> DocumentKey:
+    """The key of the turn of `tokens` (all of them, from the first) after the document `parent`."""
+    content = tokens_content(tokens, parent.family)
+    own = hashlib.sha256(parent.digest.encode())
+    own.update(array("q", tokens[parent.tokens:]).tobytes())
+    own.update(b"turn")
+    n = len(tokens) - parent.tokens
+    return DocumentKey(digest=own.hexdigest(), tokens=len(tokens), entries=parent.entries + n,
+                       policy=parent.policy, family=parent.family, content=content, kind=Kind.TURN,
+                       parent=parent.digest, parent_entries=parent.entries)
+
+
+def reply_key(declared: DocumentKey, tokens: Sequence[int], entries: int, settings: str, start: str) -> DocumentKey:
+    """The key of a reply over `tokens` (all of them, from the first), in `declared`'s family,
+    keeping `entries` per (layer, KV head) (on average, packed), compressed by the decode
+    settings `settings` (`settings_digest`) from a row that started from the node `start` (its
+    digest; "" for none): what the reply holds follows from these alone."""
+    content = tokens_content(tokens, declared.family)
+    digest = hashlib.sha256(repr(("reply", content, entries, settings, start)).encode()).hexdigest()
+    return DocumentKey(digest=digest, tokens=len(tokens), entries=entries, policy=declared.policy,
+                       family=declared.family, content=content, kind=Kind.REPLY, settings=settings)
+
+
+def node_key(key: DocumentKey, slots: int) -> Any:
+    """The radix key of a document's node of `slots` slots: as many placeholder tokens, in the
+    document's own namespace (`extra_key`, a `DocumentNamespace` no client's key equals), so that
+    no request's tokens ever match into it and no client's node is ever under its key."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(array("q", bytes(8 * slots)), extra_key=DocumentNamespace(NAMESPACE + key.digest))
+
+
+def refusal(e: RequestSettingError) -> str:
+    """The 400's message of a document that cannot be served."""
+    return f"Invalid {e.param}: {e}"

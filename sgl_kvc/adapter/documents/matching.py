@@ -1,0 +1,148 @@
+"""What a request's row starts from, and which document it compresses: its plan at a match
+(`plan_match`, from `KvcRadixCache.match_prefix`).
+
+A request declares its document as its prompt's first D' tokens (on the chat route, by default,
+every message but the last: the conversation so far). Its own document resident: it starts from
+it (a hit). Else, on a server that extends documents, where one that its document begins with is
+resident (its first D < D' tokens, compressed in the same namespace and settings: the same
+`DocumentKey.content`), it starts from the longest such one: its row begins with that document's
+entries, it prefills only [D, D') and its question, and the document it compresses is the
+*extension*: what that one kept, then entries chosen among [D, D') alone, published as a child
+node of it (`extension_pass.py`). Where the last turn's request left its question and answer in
+the tree (a finished turn after that document, `turns.py`), it starts from that turn too: it reads
+only what its template adds after the answer, and its question. The next turn, whose document is
+one turn longer again, starts from the extension, and so on.
+
+A chain at its budget, at its depth (`--kv-document-depth`), or ending in a reply (a compacted
+row, `replies.py`, which a request starts from only where its own decode settings would have kept
+the same) is compressed again with the extension, as one document under the root (a *rebuild*):
+no chain grows past the depth, whatever a client sends.
+
+Every lookup goes through the registry's indexes (by content, by the document a turn follows),
+and what a request's prompt prefixes hash to is computed once per request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Any
+
+from sgl_kvc import req_state
+from sgl_kvc.adapter.documents.keys import DocumentKey, Kind, content_digest, extension_key
+from sgl_kvc.adapter.documents.links import Document
+from sgl_kvc.adapter.documents.plan import DocumentPlan, Role, may_start_from, plan_of
+from sgl_kvc.adapter.documents.registry import DocumentRegistry
+
+
+def plan_match(registry: DocumentRegistry, req: Any, read_len: int, match_len: int) -> DocumentPlan:
+    """`req`'s plan now (`plan.py`), set on it: the node it starts from, if any, and the document
+    it compresses. `read_len`: the tokens it reads (its prompt, a retracted one's output too);
+    `match_len`: the most of them SGLang lets it match (its key's limit: the observation window,
+    the prompt's last token). A compressed document is started from wherever a token is left to
+    read after it: its entries stand for its D tokens, which cannot be read again in part, and
+    its request's own budget applies beyond them. A finished turn (exact tokens) is started from
+    only within the limit, as a plain prefix is; else its document is."""
+    fields = req_state.of(req)
+    plan = plan_of(req).without_start()
+    own = plan.own
+    if own is not None and may_start_from(req):
+        plan = _plan(registry, req, plan, own, read_len, match_len)
+    fields.plan = plan
+    return plan
+
+
+def _plan(registry: DocumentRegistry, req: Any, plan: DocumentPlan, own: DocumentKey, read_len: int,
+          match_len: int) -> DocumentPlan:
+    def fits(doc: Document | None) -> bool:
+        if doc is None:
+            return False
+        return doc.key.tokens < (match_len if doc.key.kind is Kind.TURN else read_len)
+
+    doc = registry.get(own)
+    if doc is not None:
+        return DocumentPlan(role=Role.HIT, own=own, key=own, start=doc, mode=plan.mode) if fits(doc) else plan
+    rule = req_state.of(req).rule
+    if rule is None:
+        return plan
+    found = extendable(registry, req, own)
+    if found is None:
+        return plan
+    parent, entries, rebuilds = found
+    key = extension_key(own, parent.key, req.origin_input_ids, entries, rebuilds)
+    resident = registry.get(key)
+    if resident is not None:
+        return DocumentPlan(role=Role.HIT, own=own, key=key, start=resident, mode=plan.mode) if fits(resident) else plan
+    start = resident_turn(registry, req, parent, own) or parent
+    if not fits(start):
+        start = parent if fits(parent) else None
+    if start is None:
+        return plan
+    return DocumentPlan(role=Role.REBUILD if rebuilds else Role.EXTEND, own=own, key=key, start=start, parent=parent,
+                        mode=plan.mode)
+
+
+def resident_turn(registry: DocumentRegistry, req: Any, parent: Document, own: DocumentKey) -> Document | None:
+    """The longest finished turn after `parent` (`turns.py`) that `req`'s own document (`own`)
+    begins with, or None: its row then starts with the turn's exact tokens after the parent's
+    entries, and it reads only the rest of its extension and its question."""
+    turns = [doc for doc in registry.turns_after.get(parent.key.digest, {}).values() if doc.key.tokens <= own.tokens]
+    return next(iter(_begun_with(req, turns, own.family)), None)
+
+
+def extendable(registry: DocumentRegistry, req: Any, own: DocumentKey) -> tuple[Document, int, bool] | None:
+    """The longest resident document that `req`'s own (`own`) extends, and the entries per (layer,
+    KV head) its extension keeps of its own (`ExtensionRule.entries`), or, where it compresses
+    the chain again (a chain at its budget or depth, a reply), in all (True); or None. A reply
+    counts only where the request's own decode settings are the reply's."""
+    rule = req_state.of(req).rule
+    lengths = sorted((t for t in registry.lengths.get(own.family, {}) if t < own.tokens), reverse=True)
+    contents = _prefix_contents(req, lengths, own.family)
+    for tokens in lengths:
+        for doc in registry.by_content.get(contents[tokens], {}).values():
+            extension = own.tokens - tokens
+            if doc.key.kind is Kind.REPLY:
+                if doc.key.settings != rule.settings:
+                    continue  # another tenant's decode settings decided what it holds
+                entries = rule.recompress(doc.key.entries, own.tokens, extension)
+                if entries is not None:
+                    return doc, entries, True
+                continue
+            if doc.depth >= rule.depth:
+                entries = rule.recompress(doc.key.entries, own.tokens, extension)
+                if entries is not None:
+                    return doc, entries, True
+                continue
+            entries = rule.entries(doc.key.entries, extension)
+            if entries is not None:
+                return doc, entries, False
+            entries = rule.rebuild(doc.key.entries, extension)
+            if entries is not None:
+                return doc, entries, True
+    return None
+
+
+def _begun_with(req: Any, docs: list[Document], family: str) -> list[Document]:
+    """Those of `docs` whose tokens `req`'s prompt begins with (the same `DocumentKey.content`),
+    the longest first."""
+    if not docs:
+        return []
+    contents = _prefix_contents(req, sorted({doc.key.tokens for doc in docs}), family)
+    return sorted((doc for doc in docs if contents[doc.key.tokens] == doc.key.content), key=lambda d: -d.key.tokens)
+
+
+def _prefix_contents(req: Any, lengths: list[int], family: str) -> dict[int, str]:
+    """`DocumentKey.content` of the first T tokens of `req`'s prompt, for each T of `lengths`,
+    hashed once per request (one running hash over the prompt for those not known yet): SGLang
+    matches a waiting request in every round."""
+    fields = req_state.of(req)
+    known = fields.prefix_contents if fields.prefix_contents is not None else {}
+    missing = sorted(t for t in set(lengths) if t not in known)
+    if missing:
+        prompt, h, read = req.origin_input_ids, hashlib.sha256(), 0
+        for t in missing:
+            h.update(array("q", prompt[read:t]).tobytes())
+            read = t
+            known[t] = content_digest(h.copy().hexdigest(), family)
+        fields.prefix_contents = known
+    return known

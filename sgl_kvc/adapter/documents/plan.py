@@ -1,0 +1,246 @@
+"""What a request does with its document: one plan, made when it enters the queue and again at
+each match (`matching.plan_match`), read by every later step.
+
+`Role`, one value per request:
+- `NONE`: it declares no document;
+- `HIT`: its row starts from a resident node of its own document (or of the extension its own
+  would be): it publishes nothing;
+- `WHOLE`: it reads its prompt whole and publishes its document from a copy of its entries
+  (`document_pass.publish_copies`), on a server that never cuts documents between chunks;
+- `SPLIT`: it compresses its document between chunks, cut where its key says, and publishes its
+  row's first slots (`document_pass.publish_cut_rows`);
+- `ABSTAIN`: it reads its prompt whole where documents are cut between chunks (it asked for prompt
+  log-probabilities): it publishes nothing, since its entries would not be its key's;
+- `EXTEND`: it starts from a resident document its own extends (or a finished turn after it) and
+  publishes the extension (`extension_pass.py`);
+- `REBUILD`: the same, where the chain is at its budget or depth, or is a reply: it compresses the
+  chain and its extension again as one document.
+
+`DocumentPlan.start` is the node its row starts from (its `layout` the row's arithmetic),
+`parent` the document its key follows, `key` the document it compresses (or, a hit, the one it
+starts from), `own` the one it declared and `mode` how it reads that one without a start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from sgl_kvc import req_state
+from sgl_kvc.adapter.documents.keys import NODE_ATTR, DocumentKey, document_entries, refusal, request_key, settings_digest
+from sgl_kvc.adapter.documents.layout import RowLayout, fill_skip
+from sgl_kvc.adapter.documents.registry import registry_of
+from sgl_kvc.adapter.documents.rules import ExtensionRule
+from sgl_kvc.config import KvcConfig
+from sgl_kvc.request_settings import RequestSettingError, document_floor, of_request, refused_by_sglang
+
+if TYPE_CHECKING:
+    from sgl_kvc.adapter.documents.links import Document
+
+
+class Role(str, Enum):
+    NONE = "none"
+    HIT = "hit"
+    WHOLE = "whole"
+    SPLIT = "split"
+    ABSTAIN = "abstain"
+    EXTEND = "extend"
+    REBUILD = "rebuild"
+
+
+PUBLISHES = (Role.WHOLE, Role.SPLIT, Role.EXTEND, Role.REBUILD)
+
+
+@dataclass(frozen=True)
+class DocumentPlan:
+    role: Role = Role.NONE
+    own: DocumentKey | None = None
+    key: DocumentKey | None = None
+    start: "Document | None" = None
+    parent: "Document | None" = None
+    mode: Role = Role.WHOLE
+
+    @property
+    def layout(self) -> RowLayout:
+        return self.start.layout if self.start is not None else RowLayout()
+
+    def without_start(self) -> "DocumentPlan":
+        """Its own document read by itself, as it declared it (no resident node to start from)."""
+        if self.own is None:
+            return NO_PLAN
+        return DocumentPlan(role=self.mode, own=self.own, key=self.own, mode=self.mode)
+
+
+NO_PLAN = DocumentPlan()
+
+
+def plan_of(req: Any) -> DocumentPlan:
+    fields = req_state.peek(req)
+    return NO_PLAN if fields is None or fields.plan is None else fields.plan
+
+
+def set_plan(req: Any, plan: DocumentPlan) -> None:
+    req_state.of(req).plan = plan
+
+
+def declared(req: Any) -> DocumentKey | None:
+    """The document `req` compresses (its own, or its extension or rebuild), or, a hit, starts from."""
+    return plan_of(req).key
+
+
+def hit(req: Any) -> "Document | None":
+    """The node `req`'s row starts from, or None."""
+    return plan_of(req).start
+
+
+def splits(req: Any) -> bool:
+    """Whether `req` compresses its document itself, at a chunk that ends at the document's end."""
+    return plan_of(req).role is Role.SPLIT
+
+
+def publishes_whole(req: Any) -> bool:
+    """Whether `req` publishes its document read whole (`document_pass.publish_copies`)."""
+    return plan_of(req).role is Role.WHOLE
+
+
+def extends(req: Any) -> "Document | None":
+    """The resident document `req` starts from and extends (or compresses again) by a document of
+    its own, which it publishes (`extension_pass.py`), or None."""
+    plan = plan_of(req)
+    return plan.parent if plan.role in (Role.EXTEND, Role.REBUILD) else None
+
+
+def publishes(req: Any) -> bool:
+    """Whether admitted `req` compresses and publishes its document (unless another in flight
+    already is, `waiting.compressing`): not one that has answered (a retracted request re-read)."""
+    return plan_of(req).role in PUBLISHES and not req.output_ids
+
+
+def held_for_document(req: Any) -> int:
+    """Entries of a request's row that are its document's: the chain's after a hit or an extension's
+    start, k for a request that compresses it between chunks, D for one that reads it whole (0
+    without a document). Its own budget applies beyond them."""
+    plan = plan_of(req)
+    if plan.start is not None:
+        return plan.start.key.entries
+    if plan.key is None:
+        return 0
+    return plan.key.entries if plan.role is Role.SPLIT else plan.key.tokens
+
+
+def fill_offset(req: Any) -> int:
+    """Prompt tokens a request read beyond the slots of its matched prefix (0 without a start)."""
+    return plan_of(req).layout.offset
+
+
+def may_reply(req: Any) -> bool:
+    """Whether `req` may keep its row as a reply when it finishes (`replies.py`): it declared a
+    document on a server that extends them."""
+    fields = req_state.peek(req)
+    return fields is not None and fields.rule is not None and plan_of(req).own is not None
+
+
+def may_start_from(req: Any) -> bool:
+    """Whether `req` may start from a resident node. Not a request that asks for its prompt's
+    log-probabilities: a hit's prefix is k slots standing for D tokens, so SGLang would expect
+    log-probabilities of tokens it never reads and count the rest from k, not D (its assert in the
+    scheduler loop took the server down); such a request reads its prompt itself, exact, as on a
+    server without documents (and may publish the document from it, read whole)."""
+    from sgl_kvc.adapter.scheduling.requests import asks_prompt_logprobs
+
+    return not asks_prompt_logprobs(req, len(getattr(req, "origin_input_ids", ())))
+
+
+def extension_due(req: Any, n: int) -> "Document | None":
+    """The document `req` extends (`extends`) where its row of `n` entries holds its extension
+    exact after what it started from (nothing of it compacted since: its fill ids are shifted by
+    the start's offset alone) up to its own document's end, else None. From SGLang's fields,
+    alike on every tensor-parallel rank."""
+    plan = plan_of(req)
+    if extends(req) is None or fill_skip(req) != plan.layout.offset or n < plan.layout.held \
+            or plan.layout.tokens(n) < plan.key.tokens:
+        return None
+    return plan.parent
+
+
+def extension_lost(req: Any) -> bool:
+    """Whether `req`, which extends a resident document, compacted its row since it started from
+    it: it will not publish its extension."""
+    return extends(req) is not None and fill_skip(req) != plan_of(req).layout.offset
+
+
+def declare(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False, chunk: int | None = None) -> None:
+    """When a request enters the queue: the document it declares, its plan without a start, or
+    its 400 (SGLang's `set_finish_with_abort`) when that document cannot be served for it.
+    `split`: the request is compressed between chunks of its prompt (`admission.scheduler_chunk`);
+    `chunk`: the server's chunk size where it compresses prompts between chunks
+    (`admission.server_chunk`), else None (every request reads its prompt whole, and publishes its
+    document so)."""
+    fields = req_state.of(req)
+    fields.plan, fields.rule, fields.cuts = NO_PLAN, None, 0
+    if refused_by_sglang(req):  # SGLang's own refusal stands (its prompt is cut to one token)
+        return
+    try:
+        key = request_key(req, config, chunk)
+        if key is not None and registry_of(tree_cache) is None:
+            raise RequestSettingError("kv_compression.document", "shared documents live in sgl-kvc's prefix cache: "
+                                      "this server runs without it (--disable-radix-cache or the hierarchical cache)")
+    except RequestSettingError as e:
+        from http import HTTPStatus
+
+        req.set_finish_with_abort(refusal(e), status_code=HTTPStatus.BAD_REQUEST)
+        return
+    if key is None:
+        return
+    mode = Role.SPLIT if split else Role.ABSTAIN if chunk is not None else Role.WHOLE
+    fields.plan = DocumentPlan(role=mode, own=key, key=key, mode=mode)
+    if config.kv_document_extend == "resident":
+        spec = of_request(req).document
+        fields.rule = ExtensionRule(spec.ratio, spec.budget, document_floor(config), chunk,
+                                    depth=config.kv_document_depth, settings=settings_digest(req, config))
+    # Its exact KV never enters the tree: the document's compressed node is what later requests
+    # start from, and its whole prompt and answer (several times the node's size, and newer)
+    # would only push the node out of the LRU.
+    req.skip_radix_cache_insert = True
+
+
+def declared_part(req: Any, config: KvcConfig, split: bool) -> int:
+    """`held_for_document` of a request not yet in the queue (its document's settings unchecked:
+    0 if it declares none or an invalid one, which `admit` refuses)."""
+    spec = of_request(req).document
+    if spec is None or spec.tokens is None:
+        return 0
+    return document_entries(spec, config) if split else spec.tokens
+
+
+def unmatched(req: Any) -> None:
+    """Before SGLang matches `req` again (its tokens unshifted): no start."""
+    fields = req_state.peek(req)
+    if fields is not None and fields.plan is not None:
+        fields.plan = fields.plan.without_start()
+
+
+def matched(req: Any) -> None:
+    """After SGLang matched a request's prefix (`Req.init_next_round_input`): where its row starts
+    from the node its plan named, its fill ids start that node's offset later (SGLang reads its
+    extend at `prefix_len`, the chain's slots, in them) and nothing of it is ever inserted into
+    the tree under its tokens (its row does not hold their KV); else it reads its own document."""
+    fields = req_state.peek(req)
+    if fields is None or fields.plan is None or fields.plan.start is None:
+        return
+    plan = fields.plan
+    if getattr(getattr(req, "last_node", None), NODE_ATTR, None) is not plan.start:
+        fields.plan = plan.without_start()
+        return
+    from sgl_kvc.adapter.scheduling.requests import shifted_fill_ids
+
+    shifted_fill_ids(req, plan.layout.offset)
+    req.skip_radix_cache_insert = True
+
+
+def started_from(req: Any, doc: "Document") -> None:
+    """`req` published `doc` from its own row, which now starts with the document's node: it goes
+    on as a request that started from it."""
+    plan = plan_of(req)
+    set_plan(req, replace(plan, role=Role.HIT, key=doc.key, start=doc, parent=None))
