@@ -48,7 +48,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # name -> launcher flags; {budget} is --kv-budget
 ROWS: dict[str, str] = {
     "sglang": "--policy none --disable-cuda-graph",
-    "sglang-graphs": "--policy none",
+    # graphs captured for every batch the workload can run, no more (capturing costs start-up time)
+    "sglang-graphs": "--policy none --cuda-graph-max-bs-decode {requests}",
     "rkv": "--policy rkv --kv-budget {budget}",
     "rkv-fp8": "--policy rkv --kv-budget {budget} --kv-cache-dtype fp8_e4m3",
     "snapkv-variable": "--policy snapkv --kv-budget {budget} --kv-head-budget variable",
@@ -139,32 +140,35 @@ def main(argv: list[str] | None = None) -> None:
                              output_len=args.output_len, server_args=every, max_total_tokens=0, api="completions")
     logs = Path(tempfile.mkdtemp(prefix="gpu-serving-logs-"))
     tag = args.tag or next((w for w in gpu_name().split() if any(c.isdigit() for c in w)), "gpu").lower()
+    setup = {"gpu": gpu_name(), "machine": machine(), "requests": args.requests, "input_len": args.input_len,
+             "output_len": args.output_len, "kv_budget": args.kv_budget, "kv_cache_memory_gb": round(gb, 4),
+             "fit": args.fit, "model": "Llama-3.1-8B shape, random weights (--load-format dummy)",
+             "server_args": every[2:], "date": time.strftime("%Y-%m-%d")}
     rows: list[GpuRow] = []
     for name in args.rows:
-        flags = ROWS[name].format(budget=args.kv_budget).split()
+        flags = ROWS[name].format(budget=args.kv_budget, requests=args.requests).split()
         print(f"== {name}: {' '.join(flags)}", flush=True)
         log = logs / f"{name}.log"
         result = run_config(name, flags, run, log)
         rows.append(GpuRow(result, step_ms(log), result.total_tokens, result.pool_bytes,
                            result.pool_bytes / max(result.max_running, 1)))
         print(markdown(rows[-1:]), flush=True)
-    setup = {"gpu": gpu_name(), "machine": machine(), "requests": args.requests, "input_len": args.input_len,
-             "output_len": args.output_len, "kv_budget": args.kv_budget, "kv_cache_memory_gb": round(gb, 4),
-             "fit": args.fit, "model": "Llama-3.1-8B shape, random weights (--load-format dummy)",
-             "server_args": every[2:], "date": time.strftime("%Y-%m-%d")}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"gpu-serving-{tag}"
+        write(args.out / f"gpu-serving-{tag}", meta, setup, rows)
+    print(markdown(rows))
+
+
+def write(stem: Path, meta: dict, setup: dict, rows: list[GpuRow]) -> None:
+    """`<stem>.{json,md,png}`: the rows so far."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(
         {"meta": meta, "setup": setup, "rows": [{**asdict(r.result), **{k: v for k, v in asdict(r).items()
                                                                          if k != "result"}} for r in rows]},
         indent=2))
-    title = (f"{setup['gpu']}: {args.requests} requests of {args.input_len} prompt + {args.output_len} output "
-             f"tokens (ignore_eos), all at once; {setup['model']}; KV pool {gb:.2f} GiB (bf16: {args.fit} whole "
-             f"requests); budgets {args.kv_budget}")
-    table = markdown(rows)
-    stem.with_suffix(".md").write_text(f"{metadata_markdown(meta)}\n{title}\n\n{table}")
+    title = (f"{setup['gpu']}: {setup['requests']} requests of {setup['input_len']} prompt + {setup['output_len']} "
+             f"output tokens (ignore_eos), all at once; {setup['model']}; KV pool {setup['kv_cache_memory_gb']:.2f} "
+             f"GiB (bf16: {setup['fit']} whole requests); budgets {setup['kv_budget']}")
+    stem.with_suffix(".md").write_text(f"{metadata_markdown(meta)}\n{title}\n\n{markdown(rows)}")
     plot([r.result for r in rows], stem.with_suffix(".png"), title)
-    print(table)
 
 
 if __name__ == "__main__":
