@@ -109,7 +109,7 @@ def markdown(rows: list[GpuRow]) -> str:
     return "\n".join(lines + (["", "Why requests failed:", "", *errors] if errors else [])) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--write-model", type=Path, help="write the model folder here and exit")
     p.add_argument("--model", type=Path, help="the model folder (--write-model)")
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.write_model:
         print(write_model(args.write_model))
-        return
+        return 0
     if args.model is None:
         p.error("--model DIR (see --write-model)")
     meta = run_metadata("benchmarks.gpu_serving", argv)
@@ -145,30 +145,39 @@ def main(argv: list[str] | None = None) -> None:
              "fit": args.fit, "model": "Llama-3.1-8B shape, random weights (--load-format dummy)",
              "server_args": every[2:], "date": time.strftime("%Y-%m-%d")}
     rows: list[GpuRow] = []
+    failed: dict[str, str] = {}  # a row whose server did not start or serve: why (the next rows still run)
     for name in args.rows:
         flags = ROWS[name].format(budget=args.kv_budget, requests=args.requests).split()
         print(f"== {name}: {' '.join(flags)}", flush=True)
         log = logs / f"{name}.log"
-        result = run_config(name, flags, run, log)
-        rows.append(GpuRow(result, step_ms(log), result.total_tokens, result.pool_bytes,
-                           result.pool_bytes / max(result.max_running, 1)))
-        print(markdown(rows[-1:]), flush=True)
-        write(args.out / f"gpu-serving-{tag}", meta, setup, rows)
+        try:
+            result = run_config(name, flags, run, log)
+        except Exception as e:  # noqa: BLE001 - reported in the result files
+            failed[name] = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+            print(f"{name}: failed: {e}", flush=True)
+        else:
+            rows.append(GpuRow(result, step_ms(log), result.total_tokens, result.pool_bytes,
+                               result.pool_bytes / max(result.max_running, 1)))
+            print(markdown(rows[-1:]), flush=True)
+        write(args.out / f"gpu-serving-{tag}", meta, setup, rows, failed)
     print(markdown(rows))
+    return 1 if failed else 0
 
 
-def write(stem: Path, meta: dict, setup: dict, rows: list[GpuRow]) -> None:
-    """`<stem>.{json,md,png}`: the rows so far."""
+def write(stem: Path, meta: dict, setup: dict, rows: list[GpuRow], failed: dict[str, str]) -> None:
+    """`<stem>.{json,md,png}`: the rows so far, and those that failed."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "setup": setup, "rows": [{**asdict(r.result), **{k: v for k, v in asdict(r).items()
-                                                                         if k != "result"}} for r in rows]},
+        {"meta": meta, "setup": setup, "failed": failed,
+         "rows": [{**asdict(r.result), **{k: v for k, v in asdict(r).items() if k != "result"}} for r in rows]},
         indent=2))
     title = (f"{setup['gpu']}: {setup['requests']} requests of {setup['input_len']} prompt + {setup['output_len']} "
              f"output tokens (ignore_eos), all at once; {setup['model']}; KV pool {setup['kv_cache_memory_gb']:.2f} "
              f"GiB (bf16: {setup['fit']} whole requests); budgets {setup['kv_budget']}")
-    stem.with_suffix(".md").write_text(f"{metadata_markdown(meta)}\n{title}\n\n{markdown(rows)}")
-    plot([r.result for r in rows], stem.with_suffix(".png"), title)
+    why = "".join(f"\n- {name}: did not run: {reason}" for name, reason in failed.items())
+    stem.with_suffix(".md").write_text(f"{metadata_markdown(meta)}\n{title}\n\n{markdown(rows)}{why}\n")
+    if rows:
+        plot([r.result for r in rows], stem.with_suffix(".png"), title)
 
 
 if __name__ == "__main__":

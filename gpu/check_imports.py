@@ -31,7 +31,11 @@ MODULES: tuple[str, ...] = (
     "sglang.srt.layers.attention.torch_native_backend",
     "sgl_kvc.adapter",  # what the plugin installs into the scheduler process
 )
-CUDA_MODULES: tuple[str, ...] = ("sglang.srt.models.llama", "sglang.srt.layers.dual_gemm")
+CUDA_MODULES: tuple[str, ...] = (
+    "sglang.srt.models.llama", "sglang.srt.layers.dual_gemm",
+    # what capturing decode CUDA graphs imports (`DecodeCudaGraphRunner._forks_draft_metadata_prep`)
+    "sglang.srt.layers.attention.deepseek_v4_backend",
+)
 
 
 def simulate_cuda() -> None:

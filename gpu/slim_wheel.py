@@ -46,6 +46,9 @@ SGLANG_ROOTS: tuple[str, ...] = (
     "sglang.srt.model_executor.model_runner",
     "sglang.srt.layers.attention.triton_backend",
     "sglang.srt.layers.attention.torch_native_backend",
+    # imported inside a function by the decode CUDA-graph runner (`_forks_draft_metadata_prep`) at
+    # every capture, plain SGLang's default on CUDA: it imports `models.deepseek_v2` at module level
+    "sglang.srt.layers.attention.deepseek_v4_backend",
     "sglang.srt.models.llama",
     "sglang.srt.models.mistral",
     "sglang.srt.models.registry",

@@ -12,7 +12,9 @@ import torch
 
 from sgl_kvc.kernels.fp8 import Fp8Rows
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Triton runs its kernels on the GPU where there is one, and interprets them on the CPU only where
+# there is none (`tests/conftest.py` sets TRITON_INTERPRET): CPU tensors cannot reach a compiled kernel.
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
 def _backend_class():
