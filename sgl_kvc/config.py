@@ -54,6 +54,9 @@ DEFAULT_DOCUMENT_WAIT = 10.0
 # without bound (each link is a node, and a request starting from a chain reads every link's
 # tables); the next turn of a chain that deep compresses it again as one.
 DEFAULT_DOCUMENT_DEPTH = 16
+# Each link of a chain holds the chain's links above it (`documents/links.py`: flat, no walk), so a
+# chain's references grow with the square of its depth: bounded here, whatever an operator asks.
+MAX_DOCUMENT_DEPTH = 1024
 _P = PolicyParams()
 
 
@@ -284,8 +287,9 @@ class KvcConfig:
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"--kv-cache-memory-gb must be > 0, got {self.kv_cache_memory_gb}")
         if isinstance(self.kv_document_depth, bool) or not isinstance(self.kv_document_depth, int) \
-                or self.kv_document_depth < 1:
-            raise ValueError(f"--kv-document-depth must be an integer >= 1, got {self.kv_document_depth!r}")
+                or not 1 <= self.kv_document_depth <= MAX_DOCUMENT_DEPTH:
+            raise ValueError(f"--kv-document-depth must be an integer in [1, {MAX_DOCUMENT_DEPTH}], "
+                             f"got {self.kv_document_depth!r}")
         if isinstance(self.kv_document_wait, bool) or not isinstance(self.kv_document_wait, (int, float)) \
                 or not 0.0 <= self.kv_document_wait < float("inf"):
             raise ValueError(f"--kv-document-wait must be a number of seconds >= 0, got {self.kv_document_wait!r}")

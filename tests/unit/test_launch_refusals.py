@@ -38,6 +38,8 @@ from sgl_kvc.launch import build_sglang_argv, parse_args
         (["--policy", "rkv", "--kv-cache-dtype", "nvfp4"], "does not support --kv-cache-dtype nvfp4"),
         (["--policy", "h2o", "--kv-cache-dtype=fp4_mx_block16"], "does not support --kv-cache-dtype fp4_mx_block16"),
         (["--policy", "rkv", "--kv-cache-dtype", "mxfp8"], "does not support --kv-cache-dtype mxfp8"),
+        (["--policy", "rkv", "--kv-document-depth", "0"], "--kv-document-depth must be an integer in [1, 1024]"),
+        (["--policy", "rkv", "--kv-document-depth", "1025"], "--kv-document-depth must be an integer in [1, 1024]"),
         # split backends: SGLang's hybrid backend, which leaves the observation store unattached
         (["--policy", "rkv", "--prefill-attention-backend", "flashinfer"], "one attention backend for prefill and decode"),
         (["--policy", "snapkv", "--attention-backend", "flashinfer", "--decode-attention-backend", "torch_native"],

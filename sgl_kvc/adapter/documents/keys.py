@@ -101,7 +101,8 @@ class DocumentKey:
     parent: str = ""
     parent_entries: int = 0
     # A reply's: the digest of the decode settings that compressed it (`settings_digest`), which a
-    # request must share to start from it.
+    # request must share to start from it; inherited by every document made from it (an
+    # extension, a rebuild, a turn after it), whose entries its decode chose too.
     settings: str = ""
 
 
@@ -174,7 +175,7 @@ def extension_key(own: DocumentKey, parent: DocumentKey, prompt: Sequence[int], 
     return DocumentKey(digest=h.hexdigest(), tokens=own.tokens, entries=entries if rebuilds else parent.entries + entries,
                        policy=own.policy, family=own.family, content=own.content,
                        kind=Kind.REBUILD if rebuilds else Kind.EXTENSION, parent=parent.digest,
-                       parent_entries=0 if rebuilds else parent.entries)
+                       parent_entries=0 if rebuilds else parent.entries, settings=parent.settings)
 
 
 def turn_key(parent: DocumentKey, tokens: Sequence[int]) -> DocumentKey:
@@ -186,7 +187,7 @@ def turn_key(parent: DocumentKey, tokens: Sequence[int]) -> DocumentKey:
     n = len(tokens) - parent.tokens
     return DocumentKey(digest=own.hexdigest(), tokens=len(tokens), entries=parent.entries + n,
                        policy=parent.policy, family=parent.family, content=content, kind=Kind.TURN,
-                       parent=parent.digest, parent_entries=parent.entries)
+                       parent=parent.digest, parent_entries=parent.entries, settings=parent.settings)
 
 
 def reply_key(declared: DocumentKey, tokens: Sequence[int], entries: int, settings: str, start: str) -> DocumentKey:

@@ -47,7 +47,7 @@ class Document:
     key: DocumentKey
     node: Any
     slots: int
-    parent: "Document | None" = None
+    parent: "Document | None" = field(default=None, repr=False)  # (a repr never walks the chain)
     lineage: tuple["Document", ...] = field(init=False, repr=False)
     chain_slots: int = field(init=False)
     depth: int = field(init=False)

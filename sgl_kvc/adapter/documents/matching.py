@@ -93,17 +93,18 @@ def resident_turn(registry: DocumentRegistry, req: Any, parent: Document, own: D
 def extendable(registry: DocumentRegistry, req: Any, own: DocumentKey) -> tuple[Document, int, bool] | None:
     """The longest resident document that `req`'s own (`own`) extends, and the entries per (layer,
     KV head) its extension keeps of its own (`ExtensionRule.entries`), or, where it compresses
-    the chain again (a chain at its budget or depth, a reply), in all (True); or None. A reply
-    counts only where the request's own decode settings are the reply's."""
+    the chain again (a chain at its budget or depth, a reply), in all (True); or None. A reply,
+    and every document made from one, counts only where the request's own decode settings are
+    the reply's."""
     rule = req_state.of(req).rule
     lengths = sorted((t for t in registry.lengths.get(own.family, {}) if t < own.tokens), reverse=True)
     contents = _prefix_contents(req, lengths, own.family)
     for tokens in lengths:
         for doc in registry.by_content.get(contents[tokens], {}).values():
             extension = own.tokens - tokens
+            if doc.key.settings and doc.key.settings != rule.settings:
+                continue  # another tenant's decode settings decided what it holds (a reply, or made from one)
             if doc.key.kind is Kind.REPLY:
-                if doc.key.settings != rule.settings:
-                    continue  # another tenant's decode settings decided what it holds
                 entries = rule.recompress(doc.key.entries, own.tokens, extension)
                 if entries is not None:
                     return doc, entries, True
