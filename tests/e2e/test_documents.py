@@ -922,6 +922,28 @@ def test_a_conversation_at_its_budget_is_compressed_again(servers, name: str, tr
     assert prefilled == NEXT_TURN + QUESTION and _documents(server)["rebuilds"] == after["rebuilds"] + 1
     assert_pool_whole(server.wait_idle())
 
+def test_a_chain_never_grows_past_its_depth(documents_server) -> None:
+    """One client extends its document by one token at each request, one after another (the
+    sequence that once ended the server with a recursion 960 links deep): each request extends
+    the chain by a link, until the chain is at `--kv-document-depth` (16 by default) and the next
+    request compresses it again as one document. No chain is ever deeper, every request is
+    answered, the pool adds up and another tenant's answer is unchanged."""
+    server, depth = documents_server, 16
+    tenant = _tokens(5401, DOC + QUESTION)
+    quiet = generate(server, tenant, 4)["output_ids"]
+    tokens, question = _tokens(5402, DOC + depth + 4), _tokens(5403, QUESTION)
+    before, deepest = _documents(server), []
+    for i in range(depth + 4):
+        out = _ask(server, tokens[: DOC + i], question, n=1)
+        assert len(out["output_ids"]) == 1
+        deepest.append(_documents(server)["deepest_chain"])
+    after = _documents(server)
+    assert max(deepest) == depth and after["rebuilds"] > before["rebuilds"], (deepest, after)
+    assert after["extensions"] >= before["extensions"] + depth - 1, after
+    assert generate(server, tenant, 4)["output_ids"] == quiet
+    assert_pool_whole(server.wait_idle())
+
+
 TAIL = 2  # what a chat template renders after an answer (`<|im_end|>` and a newline, say)
 
 
@@ -1027,8 +1049,9 @@ def test_a_reply_compacted_during_decode_is_where_the_next_turn_starts(
     question, and answers as a dense reference that replays the first request's compactions;
     it compresses the reply and its own turn again (KVzip over them all: a rebuild, repeating only
     what the first request's document did not cover, whose scores its entries carry), which the
-    next request on that conversation starts from exactly. A failure while the reply is kept
-    loses it only. The pool adds up after flushing; another tenant's answer is unchanged.
+    next request on that conversation starts from exactly. A request of other decode settings
+    never starts from the reply. A failure while the reply is kept loses it only. The pool adds
+    up after flushing; another tenant's answer is unchanged.
     (`whole` is left out: its context length, 192, is below what this reply needs.)"""
     server = servers[name]
     tenant = _tokens(6100, DOC + QUESTION)
@@ -1055,6 +1078,12 @@ def test_a_reply_compacted_during_decode_is_where_the_next_turn_starts(
     assert after1["replies"] == before["replies"] + 1 and after1["turns"] == before["turns"] + 1, after1
 
     doc2 = prompt1 + first["output_ids"] + tail
+    # What the reply keeps, its decode settings decided (a budget of 16): a request of other
+    # settings in the same namespace never starts from it (nor from what is made from it), but
+    # from the document under it, reading the rest itself.
+    other, _, prefilled = ask(doc2, 6118, budget=24)
+    assert other["meta_info"]["cached_tokens"] == DOC and prefilled == len(doc2) - DOC + QUESTION, prefilled
+    after1 = _documents(server)
     repeated = server.stats()["compression"]["reconstruction"]["context_tokens"]
     second, prompt2, prefilled = ask(doc2, 6111)
     assert prefilled == 1 + TAIL + QUESTION and second["meta_info"]["cached_tokens"] == end1, prefilled

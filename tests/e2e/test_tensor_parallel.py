@@ -38,7 +38,7 @@ CMD = [
 # SGLang's CPU engine wants one NUMA node per rank unless cores are bound explicitly.
 ENV = {"SGLKVC_CHECK": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
        "SGLKVC_FAILPOINTS": "tp_local_scores,compress_raise@1,rewrite_raise@1,reconstruct_raise@1,document_raise@1,"
-                            "kvzip_plan_raise@1"}
+                            "kvzip_plan_raise@1,turn_raise@1"}
 POLICIES = ("rkv", "snapkv", "h2o", "kvcompress")
 
 
@@ -302,6 +302,22 @@ def test_a_finished_turn_is_kept_on_both_ranks(tp_server) -> None:
     docs, was = after["documents"], before["documents"]
     assert docs["turns"] == was["turns"] + 3 and docs["extensions"] == was["extensions"] + 2, docs
     assert_pool_whole(after)
+
+    # A failure on rank 1 alone while a turn is kept loses it on both ranks (they vote before
+    # either inserts it): the next turn starts from the document on both and reads the turn itself.
+    doc = [(53 * i + 5) % 1900 + 10 for i in range(48)]
+    prompt = doc + [(19 * i + 9) % 1900 + 10 for i in range(8)]
+    r = tp_server.post("/generate", json={"rid": "failpoint-turn-tp", "input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True,
+        "custom_params": {"sgl_kvc": {"prompt_policy": "kvzip", "document": {"tokens": len(doc)}}}}})
+    assert r.status_code == 200, r.text[:300]
+    assert tp_server.wait_idle()["documents"]["turns"] == docs["turns"]
+    said = prompt + r.json()["output_ids"]
+    was = tp_server.stats()["prefix_cache"]["prefilled_tokens"]
+    out = ask(said + [11, 12] + [(19 * i + 7) % 1900 + 10 for i in range(8)], len(said) + 2)
+    assert out["meta_info"]["cached_tokens"] == len(doc)
+    assert tp_server.stats()["prefix_cache"]["prefilled_tokens"] - was == len(said) - len(doc) + 2 + 8
+    assert_pool_whole(tp_server.wait_idle())
 
 
 def test_a_compacted_reply_is_kept_on_both_ranks(tp_server) -> None:
