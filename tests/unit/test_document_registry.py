@@ -686,6 +686,12 @@ def test_a_finished_turn_stays_in_the_tree_with_its_own_slots() -> None:
     compacted = finished([3, 4, 9], 3)
     compacted.kv.kv_committed_len -= 10
     assert len(release(compacted)) == 42 and tree.documents.snapshot()["turns"] == 1
+    # --strip-thinking-cache: SGLang owns only the prompt's slots of a reasoning request and frees
+    # the rest itself; nothing of its row is kept as a turn, so no slot is owned twice
+    stripped = finished([3, 4, 9], 3)
+    stripped.owned_kv_len = lambda: len(prompt) - 70
+    freed = release(stripped)
+    assert freed == rows.req_to_token[3, 30:82].tolist() and tree.documents.snapshot()["turns"] == 1
 
     def match(tokens: list[int], document: int):
         req = _declaring_own(tokens, document)
