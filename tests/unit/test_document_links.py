@@ -307,7 +307,8 @@ def test_an_extension_and_a_rebuild_of_the_same_tokens_differ_and_a_turn_follows
     doc = _resident(registry, RootDocument, parent)
     after = Turn(key=turn, node=SimpleNamespace(), slots=30, parent=doc)
     registry.add(after)
-    assert registry.turns_after[parent.digest] == {turn.digest: after} and after.covers == 30
+    assert registry.turns_after[parent.digest] == {turn.content: {turn.digest: after}} and after.covers == 30
+    assert registry.turn_lengths[parent.digest] == {130: 1}
     assert resident_turn(registry, SimpleNamespace(origin_input_ids=prompt), doc, own) is after
     other = SimpleNamespace(origin_input_ids=prompt[:120] + [1] * 70)  # another answer: not that turn
     assert resident_turn(registry, other, doc, own) is None

@@ -85,9 +85,18 @@ def _plan(registry: DocumentRegistry, req: Any, plan: DocumentPlan, own: Documen
 def resident_turn(registry: DocumentRegistry, req: Any, parent: Document, own: DocumentKey) -> Document | None:
     """The longest finished turn after `parent` (`turns.py`) that `req`'s own document (`own`)
     begins with, or None: its row then starts with the turn's exact tokens after the parent's
-    entries, and it reads only the rest of its extension and its question."""
-    turns = [doc for doc in registry.turns_after.get(parent.key.digest, {}).values() if doc.key.tokens <= own.tokens]
-    return next(iter(_begun_with(req, turns, own.family)), None)
+    entries, and it reads only the rest of its extension and its question. One lookup per length
+    the turns after `parent` have (`DocumentRegistry.turn_lengths`), however many turns there are."""
+    after = registry.turns_after.get(parent.key.digest)
+    if not after:
+        return None
+    lengths = sorted((t for t in registry.turn_lengths.get(parent.key.digest, {}) if t <= own.tokens), reverse=True)
+    contents = _prefix_contents(req, lengths, own.family)
+    for tokens in lengths:
+        same = after.get(contents[tokens])
+        if same:
+            return next(iter(same.values()))
+    return None
 
 
 def extendable(registry: DocumentRegistry, req: Any, own: DocumentKey) -> tuple[Document, int, bool] | None:
@@ -121,15 +130,6 @@ def extendable(registry: DocumentRegistry, req: Any, own: DocumentKey) -> tuple[
             if entries is not None:
                 return doc, entries, True
     return None
-
-
-def _begun_with(req: Any, docs: list[Document], family: str) -> list[Document]:
-    """Those of `docs` whose tokens `req`'s prompt begins with (the same `DocumentKey.content`),
-    the longest first."""
-    if not docs:
-        return []
-    contents = _prefix_contents(req, sorted({doc.key.tokens for doc in docs}), family)
-    return sorted((doc for doc in docs if contents[doc.key.tokens] == doc.key.content), key=lambda d: -d.key.tokens)
 
 
 def _prefix_contents(req: Any, lengths: list[int], family: str) -> dict[int, str]:

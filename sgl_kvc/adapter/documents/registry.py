@@ -53,10 +53,12 @@ class DocumentRegistry:
     # release: every `free_kv_row` of it in between frees what is left
     taken: dict[int, tuple[Any, list[tuple[int, int]]]] = field(default_factory=dict)
     # the indexes: compressed documents by content, and how many of each family cover how many
-    # tokens; turns by the digest of the document they follow
+    # tokens; turns by the document they follow and their content, and how many after each
+    # document cover how many tokens (a request looks up one content per length, never scans them)
     by_content: dict[str, dict[str, Document]] = field(default_factory=dict)
     lengths: dict[str, Counter] = field(default_factory=dict)
-    turns_after: dict[str, dict[str, Turn]] = field(default_factory=dict)
+    turns_after: dict[str, dict[str, dict[str, Turn]]] = field(default_factory=dict)
+    turn_lengths: dict[str, Counter] = field(default_factory=dict)
     # totals, kept as they change
     metadata_bytes: int = 0
     resident: int = 0  # compressed documents (not turns)
@@ -95,7 +97,8 @@ class DocumentRegistry:
         self.by_key[doc.key.digest] = doc
         self.metadata_bytes += doc.metadata_bytes
         if isinstance(doc, Turn):
-            self.turns_after.setdefault(doc.key.parent, {})[doc.key.digest] = doc
+            self.turns_after.setdefault(doc.key.parent, {}).setdefault(doc.key.content, {})[doc.key.digest] = doc
+            self.turn_lengths.setdefault(doc.key.parent, Counter())[doc.key.tokens] += 1
             self.turn_tokens += doc.covers
             self.stats.turns += 1
             return
@@ -135,9 +138,13 @@ class DocumentRegistry:
         self.metadata_bytes -= doc.metadata_bytes
         if isinstance(doc, Turn):
             after = self.turns_after.get(doc.key.parent, {})
-            after.pop(doc.key.digest, None)
+            same = after.get(doc.key.content, {})
+            same.pop(doc.key.digest, None)
+            if not same:
+                after.pop(doc.key.content, None)
             if not after:
                 self.turns_after.pop(doc.key.parent, None)
+            _uncount(self.turn_lengths, doc.key.parent, doc.key.tokens)
             self.turn_tokens -= doc.covers
             self.stats.turns_evicted += 1
             return
@@ -145,13 +152,7 @@ class DocumentRegistry:
         same.pop(doc.key.digest, None)
         if not same:
             self.by_content.pop(doc.key.content, None)
-        counts = self.lengths.get(doc.key.family)
-        if counts is not None:
-            counts[doc.key.tokens] -= 1
-            if counts[doc.key.tokens] <= 0:
-                del counts[doc.key.tokens]
-            if not counts:
-                del self.lengths[doc.key.family]
+        _uncount(self.lengths, doc.key.family, doc.key.tokens)
         self.resident -= 1
         self.resident_entries -= doc.entries
         self.resident_tokens -= doc.covers
@@ -179,6 +180,16 @@ class DocumentRegistry:
             "deepest_chain": max((d.depth for docs in self.by_content.values() for d in docs.values()), default=0),
             **asdict(self.stats),
         }
+
+
+def _uncount(index: dict[str, Counter], name: str, tokens: int) -> None:
+    counts = index.get(name)
+    if counts is not None:
+        counts[tokens] -= 1
+        if counts[tokens] <= 0:
+            del counts[tokens]
+        if not counts:
+            del index[name]
 
 
 def _gone(req: Any) -> bool:

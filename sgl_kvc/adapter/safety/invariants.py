@@ -86,9 +86,11 @@ def check_documents(tree: Any) -> None:
     if held != registry.metadata_bytes:
         raise InvariantViolation(f"documents' metadata counted {registry.metadata_bytes} B, held {held} B")
     indexed = sum(len(docs) for docs in registry.by_content.values()) + \
-        sum(len(turns) for turns in registry.turns_after.values())
-    if indexed != len(registry.by_key):
-        raise InvariantViolation(f"{indexed} documents indexed, {len(registry.by_key)} registered")
+        sum(len(same) for after in registry.turns_after.values() for same in after.values())
+    lengths = sum(sum(c.values()) for c in registry.lengths.values()) + \
+        sum(sum(c.values()) for c in registry.turn_lengths.values())
+    if indexed != len(registry.by_key) or lengths != len(registry.by_key):
+        raise InvariantViolation(f"{indexed} documents indexed ({lengths} by length), {len(registry.by_key)} registered")
     for digest, doc in registry.by_key.items():
         above = doc.parent.lineage if doc.parent is not None else ()
         if doc.lineage != above + (doc,) or doc.chain_slots != sum(d.slots for d in doc.lineage):
