@@ -65,6 +65,8 @@ QUESTION = 12  # tokens after a document
 # a long answer's tokens: past what its row holds before R-KV compacts it (its document's entries,
 # its budget of the floor + 2 and the servers' --kv-buffer of 128, after its question)
 REPLY = 150
+# decode policies a reply may be compacted by (each keeps what it keeps: the reply's key says which)
+REPLY_POLICIES = ("rkv", "h2o", "snapkv", "kvcompress", "streamingllm")
 
 
 @dataclass(frozen=True)
@@ -453,9 +455,11 @@ def _turns(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Hostile
         what = f"turn {depth} after a document of {d} tokens, {spec}"
         answer = rng.choice([1, 3])
         if rng.random() < 0.3 and len(prompt) + REPLY <= t.max_prompt:
-            # a reply compacted while it decodes (R-KV, a small budget of its own): kept as a reply
-            answer, kv = REPLY, {**kv, "policy": "rkv", "budget": t.floor + 2}
-            what += ", its reply compacted"
+            # a reply compacted while it decodes (a decode policy, a small budget of its own, down to
+            # 1): kept as a reply, which the next turns (the server's own settings) never start from
+            policy, budget = rng.choice(REPLY_POLICIES), rng.choice([1, 2, t.floor + 2])
+            answer, kv = REPLY, {**kv, "policy": policy, "budget": budget}
+            what += f", its reply compacted ({policy}, budget {budget})"
         then = (lambda body: _next_turns(prompt, body, depth)) if depth < 3 else None
         return Hostile(what, GENERATE, _body(t, GENERATE, prompt, answer, kv), tokens=answer, then=then)
 
