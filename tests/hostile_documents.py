@@ -503,6 +503,26 @@ def _turns(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Hostile
     return [first(doc + _tokens(rng, rng.choice([1, QUESTION])), d, 1)]
 
 
+def _chain(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Hostile]:
+    """One client declaring its document one token longer at each request, one after another (a
+    chain grown a link a request: the sequence that once recursed the server to its end), KVzip at
+    a ratio, one token out: the chain stops at `--kv-document-depth` and is compressed again."""
+    doc = docs[2]
+    grow = _tokens(rng, 8)
+    question = _tokens(rng, QUESTION)
+    if _nothing_to_compress(t, len(doc) + 1, {"ratio": 0.3}):
+        return []
+
+    def link(j: int) -> Hostile:
+        d = len(doc) + j
+        kv = {"prompt_policy": "kvzip", "document": {"tokens": d, "ratio": 0.3}}
+        then = (lambda body: [link(j + 1)]) if j < len(grow) else None
+        return Hostile(f"a chain's link {j}: a document of {d} tokens", GENERATE,
+                       _body(t, GENERATE, doc + grow[:j] + question, 1, kv), tokens=1, then=then)
+
+    return [link(1)]
+
+
 def _impersonate(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Hostile]:
     """Another tenant's namespace and document (`tenant_answers`), with settings of its own, its
     prompt log-probabilities, or hanging up: the tenant's answers must not change."""
@@ -528,7 +548,7 @@ def _impersonate(rng: random.Random, t: Target, docs: list[list[int]]) -> list[H
 CASES: tuple[tuple[Callable[..., list[Hostile]], int], ...] = (
     (_namespace, 3), (_lora, 2), (_prompt_logprobs, 4), (_samples, 2), (_max_tokens, 2), (_stop, 2),
     (_budgets, 3), (_document_tokens, 2), (_chat_document, 3), (_question_policy, 1), (_batch, 1),
-    (_impersonate, 2), (_extensions, 3), (_turns, 3),
+    (_impersonate, 2), (_extensions, 3), (_turns, 3), (_chain, 1),
 )
 
 
