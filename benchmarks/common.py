@@ -15,10 +15,11 @@ import platform
 import shlex
 import subprocess
 import sys
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 # CPU flags that change how fast a CPU runs this project: AVX2 / AVX-512 for float32 matrix
@@ -200,3 +201,30 @@ def machine() -> str:
     """A short description of the machine for plot titles."""
     m = machine_info()
     return f"{m['cpu']}, {m['cores']} cores, {m['os']} (GPU: {gpu_name()})"
+
+
+@contextmanager
+def commit_launcher(commit: str, repo: Path = REPO) -> Iterator[tuple[list[str], dict[str, str], str]]:
+    """The launcher of sgl-kvc at another commit of this repository, beside the working tree's, for
+    before / after rows in one run: that commit's tree (a git worktree) staged as the package
+    installs (`kernels/` and `server/` are its subpackages, pyproject's package-dir) and run with
+    Python's -P, so that the working directory's `sgl_kvc` does not shadow it. Yields the command,
+    the environment it needs and the commit's short name; removes the worktree after."""
+    import shutil
+    import tempfile
+
+    short = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", commit], check=True,
+                           capture_output=True, text=True).stdout.strip()
+    tmp = Path(tempfile.mkdtemp(prefix=f"sgl-kvc-{short}-"))
+    tree, stage = tmp / "tree", tmp / "stage" / "sgl_kvc"
+    subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", "--quiet", str(tree), commit], check=True)
+    try:
+        stage.mkdir(parents=True)
+        for f in (tree / "sgl_kvc").iterdir():
+            (stage / f.name).symlink_to(f)
+        for sub in ("kernels", "server"):
+            (stage / sub).symlink_to(tree / sub)
+        yield [sys.executable, "-P", "-m", "sgl_kvc.launch"], {"PYTHONPATH": str(stage.parent)}, short
+    finally:
+        subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=False)
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -30,7 +30,9 @@ compressing its document needs, `pool_tokens`):
   last question and answer its request left in the tree (a turn, adapter/documents/turns.py),
   reads only what the template renders after that answer and its own question, and publishes the
   last question and answer's entries as an extension of that document
-  (adapter/documents/extensions.py).
+  (adapter/documents/matching.py, extension_pass.py).
+`--baseline COMMIT` runs every compressing config again on sgl-kvc at another commit, right after
+its own (`NAME@COMMIT`): the same requests, before and after a change, in one run.
 With `--decode rkv`, the compressing servers' requests decode with R-KV at `--decode-budget`
 entries beyond their document (their prompts still by KVzip; `--kv-buffer`: the servers' buffer
 above it): a long answer is compacted while it is decoded, and on `conversations` the next turn starts from what it kept (a reply,
@@ -45,6 +47,7 @@ published and resident. Writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -57,7 +60,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine, metadata_markdown, run_metadata
+from benchmarks.common import commit_launcher, machine, metadata_markdown, run_metadata
 from benchmarks.quality_samples import code_question
 from benchmarks.shared_documents import (
     BUDGET, KVZIP_CHUNK, STYLES, Question, ask, document_text, message_tokens, server_flags,
@@ -120,13 +123,14 @@ def pool_tokens(lengths: list[int], turns: int, ratio: float, chunk: int, per_tu
 
 
 def run(config: str, flags: list[str], extra: dict[str, Any], conversations: list[Conversation], turns: int,
-        clients: int, log: Path, answer_tokens: int = ANSWER_TOKENS) -> tuple[list[TurnResult], list[list[str]]]:
+        clients: int, log: Path, answer_tokens: int = ANSWER_TOKENS,
+        env: dict[str, str] | None = None) -> tuple[list[TurnResult], list[list[str]]]:
     """Every turn of every conversation on one server: the per-turn results, and each
     conversation's answers in order."""
     history: list[list[dict[str, str]]] = [[{"role": "user", "content": c.document}] for c in conversations]
     texts: list[list[str]] = [[] for _ in conversations]
     results = []
-    with ServerProcess.launch(flags, log_path=log) as server:
+    with ServerProcess.launch(flags, env=env, log_path=log) as server:
         for t in range(turns):
             before = server.stats()
             questions = [Question(c.index, t, tuple(history[c.index] + [{"role": "user", "content": c.questions[t]}]),
@@ -230,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--tag", default="")
+    p.add_argument("--baseline", default=None, metavar="COMMIT",
+                   help="also run every compressing config on sgl-kvc at COMMIT, each right after its own (NAME@COMMIT)")
     args = p.parse_args(argv)
     meta = run_metadata("benchmarks.conversations", argv)
     print(metadata_markdown(meta), flush=True)
@@ -263,10 +269,17 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     results: dict[str, list[TurnResult]] = {}
     texts: dict[str, list[list[str]]] = {}
-    for name in args.configs:
-        flags, extra = configs[name]
-        results[name], texts[name] = run(name, flags, extra, conversations, args.turns, args.clients,
-                                         logs / f"{name}.log", args.answer_tokens)
+    with contextlib.ExitStack() as stack:
+        baseline = stack.enter_context(commit_launcher(args.baseline)) if args.baseline else None
+        for name in args.configs:
+            flags, extra = configs[name]
+            runs = [(name, flags, None)]
+            if baseline is not None and name != "plain":  # the same flags on the other commit's launcher
+                before, env, short = baseline
+                runs.append((f"{name}@{short}", [*before, *flags[len(launch):]], env))
+            for label, cmd, env in runs:
+                results[label], texts[label] = run(label, cmd, extra, conversations, args.turns, args.clients,
+                                                   logs / f"{label}.log", args.answer_tokens, env)
     plain = results.get("plain")
     rows = [row(name, r, args.conversations, plain[r.turn - 1] if plain else None)
             for name, turns in results.items() for r in turns]

@@ -4,9 +4,9 @@ number of resident nodes.
 
     python -m benchmarks.document_rounds                  # benchmarks/results/document-rounds.{json,md}
 
-One document of 1,000 tokens is resident, with N finished one-slot turns after it (N answers of
-one token each to it, as a client that asks the same document N times leaves them) and N resident
-compressed documents of other contents; 64 requests wait, each declaring a document that begins
+One document of 1,000 tokens is resident, with T finished one-slot turns after it (T answers of
+one token each to it, as a client that asks the same document T times leaves them) and R resident
+compressed documents of other contents (of 7 lengths); 64 requests wait, each declaring a document that begins
 with the resident one (a conversation's next turn, on a server that extends documents). A round
 matches every waiting request once (SGLang matches each waiting request in every prefill round:
 `matching.plan_match`, what `KvcRadixCache.match_prefix` runs first). The first round of a
@@ -42,16 +42,16 @@ def _key(prompt: list[int], tokens: int, entries: int) -> DocumentKey:
                        family=FAMILY, content=content)
 
 
-def _registry(prompt: list[int], n: int) -> DocumentRegistry:
+def _registry(prompt: list[int], turns: int, others: int) -> DocumentRegistry:
     registry = DocumentRegistry()
     node = SimpleNamespace
     root = RootDocument(key=_key(prompt, DOC, 300), node=node(), slots=300,
                         kept_positions=torch.zeros(1, 1, 300, dtype=torch.int32))
     registry.add(root)
-    for i in range(n):  # N answers of one token to the same document: one-slot turns after it
+    for i in range(turns):  # answers of one token to the same document: one-slot turns after it
         said = prompt[:DOC] + [50_000 + i]
         registry.add(Turn(key=turn_key(root.key, said), node=node(), slots=1, parent=root))
-    for i in range(n):  # N other documents of the same family, resident
+    for i in range(others):  # other documents of the same family, resident
         other = [60_000 + i] + prompt[1:DOC]
         registry.add(RootDocument(key=_key(other, DOC - i % 7, 300), node=node(), slots=300,
                                   kept_positions=torch.zeros(1, 1, 300, dtype=torch.int32)))
@@ -69,9 +69,9 @@ def _waiting(prompt: list[int], k: int) -> SimpleNamespace:
     return req
 
 
-def one(n: int, rounds: int) -> dict:
+def one(turns: int, others: int, rounds: int) -> dict:
     prompt = list(range(10, 10 + DOC + 100))
-    registry = _registry(prompt, n)
+    registry = _registry(prompt, turns, others)
     reqs = [_waiting(prompt, k) for k in range(WAITING)]
     times = []
     for _ in range(rounds):
@@ -80,19 +80,20 @@ def one(n: int, rounds: int) -> dict:
         times.append(time.perf_counter() - t0)
     assert all(p.role is Role.EXTEND and p.parent is not None for p in plans), plans[0]
     later = times[1:] or times
-    return {"resident_turns": n, "resident_documents": n + 1, "waiting": WAITING, "first_round_ms": 1000 * times[0],
+    return {"resident_turns": turns, "resident_documents": others + 1, "waiting": WAITING, "first_round_ms": 1000 * times[0],
             "round_ms_p50": 1000 * statistics.median(later), "per_request_us": 1e6 * statistics.median(later) / WAITING}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--resident", type=int, nargs="+", default=[0, 100, 1000, 10000])
+    p.add_argument("--resident", nargs="+", default=["0:0", "1000:0", "10000:0", "1000:1000", "10000:10000"],
+                   help="TURNS:DOCUMENTS resident, one row each")
     p.add_argument("--rounds", type=int, default=21)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
     meta = run_metadata("benchmarks.document_rounds", argv)
-    one(0, 3)  # warm-up: imports, first allocations
-    rows = [one(n, args.rounds) for n in args.resident]
+    one(0, 0, 3)  # warm-up: imports, first allocations
+    rows = [one(*map(int, r.split(":")), args.rounds) for r in args.resident]
     lines = ["| resident turns | resident documents | waiting | first round (ms) | round p50 (ms) | per request (µs) |",
              "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r['resident_turns']} | {r['resident_documents']} | {r['waiting']} | {r['first_round_ms']:.2f} "

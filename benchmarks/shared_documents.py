@@ -26,6 +26,8 @@ request compressing its document between chunks needs, see `pool_tokens`):
 - `documents-on-pressure`: the same with the default moments (between chunks only when the next
   would not fit): the first request of a document reads it whole where memory allows and cuts it
   once, at its end.
+`--baseline COMMIT` runs every compressing config again on sgl-kvc at another commit, right after
+its own (`NAME@COMMIT`): the same requests, before and after a change, in one run.
 Recorded per server: answers right (and kept, against `plain`'s, the full cache's), TTFT p50 /
 p99, output tokens per second over the run, prompt tokens prefilled (`/v1/kvc/stats`), documents
 compressed, hit, evicted and resident at the end, and the wall time. Writes
@@ -35,6 +37,7 @@ compressed, hit, evicted and resident at the end, and the wall time. Writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -47,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import metadata_markdown, run_metadata
+from benchmarks.common import commit_launcher, metadata_markdown, run_metadata
 from benchmarks.quality_fillers import FILLERS
 from benchmarks.quality_samples import CODES_HEAD, code_fact, code_objects, code_question
 from loadtest.server import ServerProcess
@@ -191,8 +194,8 @@ def ask(url: str, q: Question, extra: dict[str, Any], max_tokens: int) -> Answer
 
 
 def run(config: str, flags: list[str], extra: dict[str, Any], questions: list[Question], clients: int,
-        max_tokens: int, log: Path) -> Result:
-    with ServerProcess.launch(flags, log_path=log) as server:
+        max_tokens: int, log: Path, env: dict[str, str] | None = None) -> Result:
+    with ServerProcess.launch(flags, env=env, log_path=log) as server:
         result = Result(config)
         t0 = time.perf_counter()
         lock, queue = threading.Lock(), list(questions)
@@ -274,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--tag", default="")
+    p.add_argument("--baseline", default=None, metavar="COMMIT",
+                   help="also run every compressing config on sgl-kvc at COMMIT, each right after its own (NAME@COMMIT)")
     args = p.parse_args(argv)
     meta = run_metadata("benchmarks.shared_documents", argv)
     print(metadata_markdown(meta), flush=True)
@@ -304,10 +309,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(questions)} questions on {args.documents} documents of {lengths} tokens; pool {pool}; "
           f"server logs {logs}", flush=True)
     results: dict[str, Result] = {}
-    for name in args.configs:
-        flags, extra = configs[name]
-        results[name] = run(name, flags, extra, questions, args.clients, args.max_tokens, logs / f"{name}.log")
-        print(table([results[name].summary(results.get("plain"))]), flush=True)
+    with contextlib.ExitStack() as stack:
+        baseline = stack.enter_context(commit_launcher(args.baseline)) if args.baseline else None
+        for name in args.configs:
+            flags, extra = configs[name]
+            runs = [(name, flags, None)]
+            if baseline is not None and name != "plain":  # the same flags on the other commit's launcher
+                before, env, short = baseline
+                runs.append((f"{name}@{short}", [*before, *flags[len(launch):]], env))
+            for label, cmd, env in runs:
+                results[label] = run(label, cmd, extra, questions, args.clients, args.max_tokens,
+                                     logs / f"{label}.log", env)
+                print(table([results[label].summary(results.get("plain"))]), flush=True)
     rows = [r.summary(results.get("plain")) for r in results.values()]
     stem = "shared-documents" + (f"-{args.tag}" if args.tag else "")
     args.out.mkdir(parents=True, exist_ok=True)
