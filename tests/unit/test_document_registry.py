@@ -693,9 +693,9 @@ def test_a_finished_turn_stays_in_the_tree_with_its_own_slots() -> None:
     freed = release(stripped)
     assert freed == rows.req_to_token[3, 30:82].tolist() and tree.documents.snapshot()["turns"] == 1
 
-    def match(tokens: list[int], document: int):
+    def match(tokens: list[int], document: int, limit: int | None = None):
         req = _declaring_own(tokens, document)
-        return tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)), req=req)), req
+        return tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens), limit=limit), req=req)), req
 
     said = prompt + output
     m, req = match(said + [1, 2] + list(range(300, 320)), len(said) + 2)  # the template's tail, a question
@@ -704,6 +704,13 @@ def test_a_finished_turn_stays_in_the_tree_with_its_own_slots() -> None:
     assert documents.declared(req).parent == key.digest and documents.extends(req) is doc_of(node)
     m, _ = match(said[:-2] + [99, 7, 1, 2] + list(range(300, 320)), len(said) + 2)  # another answer
     assert m.last_device_node is node and m.device_prefix_len == 30
+    # SGLang's limit on the match (the observation window it recomputes) inside the turn: the turn's
+    # exact tokens are read again, from its document (a compressed document cannot be read in part)
+    tokens = said + [1, 2] + list(range(300, 320))
+    m, req = match(tokens, len(said) + 2, limit=len(said) - 5)
+    assert m.last_device_node is node and m.device_prefix_len == 30 and documents.hit(req) is doc_of(node)
+    m, _ = match(tokens, len(said) + 2, limit=len(said))  # just past the turn's last token: it
+    assert m.last_device_node is turn[0].node  # (the turn covers all but the answer's last token)
 
     allocator.freed = []
     tree.evict(EvictParams(num_tokens=54))  # a leaf, as any
