@@ -45,7 +45,7 @@ KERNEL_DECODE_ATTENTION: tuple[str, ...] = ("batched", "batched-float32")
 # or the chunk's.
 CHUNK_WINDOWS: tuple[str, ...] = ("question", "chunk")
 # A shared document that begins with a resident one starts from it (`--kv-document-extend`,
-# adapter/documents/extensions.py), or is read whole.
+# adapter/documents/matching.py), or is read whole.
 DOCUMENT_EXTENDS: tuple[str, ...] = ("resident", "off")
 # Seconds at most a request waits for another to publish the shared document it declares
 # (`--kv-document-wait`); a waiter that reaches it reads the document itself (adapter/documents/__init__.py).
