@@ -15,6 +15,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import contextlib
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from importlib import metadata
@@ -228,3 +229,22 @@ def commit_launcher(commit: str, repo: Path = REPO) -> Iterator[tuple[list[str],
     finally:
         subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=False)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def config_runs(names: list[str], configs: dict[str, tuple[list[str], Any]], launch: list[str],
+                baseline: str | None) -> Iterator[list[tuple[str, list[str], Any, dict[str, str] | None]]]:
+    """(label, command, request extras, environment) of each config of `names`, in order; with a
+    `baseline` commit, each compressing one (not `plain`) followed by the same flags on sgl-kvc at
+    that commit (`NAME@COMMIT`, `commit_launcher`). `configs`: name -> (command starting with
+    `launch`, extras)."""
+    with contextlib.ExitStack() as stack:
+        other = stack.enter_context(commit_launcher(baseline)) if baseline else None
+        runs = []
+        for name in names:
+            flags, extra = configs[name]
+            runs.append((name, flags, extra, None))
+            if other is not None and name != "plain":  # the same flags on the other commit's launcher
+                before, env, short = other
+                runs.append((f"{name}@{short}", [*before, *flags[len(launch):]], extra, env))
+        yield runs

@@ -47,7 +47,6 @@ published and resident. Writes
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import random
@@ -60,7 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import commit_launcher, machine, metadata_markdown, run_metadata
+from benchmarks.common import config_runs, machine, metadata_markdown, run_metadata
 from benchmarks.quality_samples import code_question
 from benchmarks.shared_documents import (
     BUDGET, KVZIP_CHUNK, STYLES, Question, ask, document_text, message_tokens, server_flags,
@@ -269,17 +268,10 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     results: dict[str, list[TurnResult]] = {}
     texts: dict[str, list[list[str]]] = {}
-    with contextlib.ExitStack() as stack:
-        baseline = stack.enter_context(commit_launcher(args.baseline)) if args.baseline else None
-        for name in args.configs:
-            flags, extra = configs[name]
-            runs = [(name, flags, None)]
-            if baseline is not None and name != "plain":  # the same flags on the other commit's launcher
-                before, env, short = baseline
-                runs.append((f"{name}@{short}", [*before, *flags[len(launch):]], env))
-            for label, cmd, env in runs:
-                results[label], texts[label] = run(label, cmd, extra, conversations, args.turns, args.clients,
-                                                   logs / f"{label}.log", args.answer_tokens, env)
+    with config_runs(args.configs, configs, launch, args.baseline) as runs:
+        for label, cmd, extra, env in runs:
+            results[label], texts[label] = run(label, cmd, extra, conversations, args.turns, args.clients,
+                                               logs / f"{label}.log", args.answer_tokens, env)
     plain = results.get("plain")
     rows = [row(name, r, args.conversations, plain[r.turn - 1] if plain else None)
             for name, turns in results.items() for r in turns]

@@ -37,7 +37,6 @@ compressed, hit, evicted and resident at the end, and the wall time. Writes
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import random
@@ -50,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import commit_launcher, metadata_markdown, run_metadata
+from benchmarks.common import config_runs, metadata_markdown, run_metadata
 from benchmarks.quality_fillers import FILLERS
 from benchmarks.quality_samples import CODES_HEAD, code_fact, code_objects, code_question
 from loadtest.server import ServerProcess
@@ -309,18 +308,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(questions)} questions on {args.documents} documents of {lengths} tokens; pool {pool}; "
           f"server logs {logs}", flush=True)
     results: dict[str, Result] = {}
-    with contextlib.ExitStack() as stack:
-        baseline = stack.enter_context(commit_launcher(args.baseline)) if args.baseline else None
-        for name in args.configs:
-            flags, extra = configs[name]
-            runs = [(name, flags, None)]
-            if baseline is not None and name != "plain":  # the same flags on the other commit's launcher
-                before, env, short = baseline
-                runs.append((f"{name}@{short}", [*before, *flags[len(launch):]], env))
-            for label, cmd, env in runs:
-                results[label] = run(label, cmd, extra, questions, args.clients, args.max_tokens,
-                                     logs / f"{label}.log", env)
-                print(table([results[label].summary(results.get("plain"))]), flush=True)
+    with config_runs(args.configs, configs, launch, args.baseline) as runs:
+        for label, cmd, extra, env in runs:
+            results[label] = run(label, cmd, extra, questions, args.clients, args.max_tokens, logs / f"{label}.log", env)
+            print(table([results[label].summary(results.get("plain"))]), flush=True)
     rows = [r.summary(results.get("plain")) for r in results.values()]
     stem = "shared-documents" + (f"-{args.tag}" if args.tag else "")
     args.out.mkdir(parents=True, exist_ok=True)
