@@ -30,13 +30,13 @@ compressing its document needs, `pool_tokens`):
   last question and answer its request left in the tree (a turn, adapter/documents/turns.py),
   reads only what the template renders after that answer and its own question, and publishes the
   last question and answer's entries as an extension of that document
-  (adapter/documents/matching.py, extension_pass.py).
+  (adapter/documents/matching.py, turns.py).
 `--baseline COMMIT` runs every compressing config again on sgl-kvc at another commit, right after
 its own (`NAME@COMMIT`): the same requests, before and after a change, in one run.
 With `--decode rkv`, the compressing servers' requests decode with R-KV at `--decode-budget`
 entries beyond their document (their prompts still by KVzip; `--kv-buffer`: the servers' buffer
 above it): a long answer is compacted while it is decoded, and on `conversations` the next turn starts from what it kept (a reply,
-adapter/documents/replies.py), compressing it again.
+adapter/documents/turns.py), compressing it again.
 Recorded per server and turn: prompt tokens prefilled per request (`/v1/kvc/stats`, before and
 after the turn), TTFT p50, answers right (and kept, against `plain`'s), the radix tree's tokens per
 conversation after the turn, and the documents compressed, resident and evicted, and turns

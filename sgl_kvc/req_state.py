@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sgl_kvc.adapter.documents.links import Document
     from sgl_kvc.adapter.documents.plan import DocumentPlan
-    from sgl_kvc.adapter.documents.rules import ExtensionRule
+    from sgl_kvc.adapter.documents.keys import ExtensionRule
     from sgl_kvc.core.request_state import ReqKvState
     from sgl_kvc.footprint import Sizes
     from sgl_kvc.request_settings import RequestCompression
@@ -47,7 +47,7 @@ class KvcReq:
     plan: DocumentPlan | None = None
     rule: ExtensionRule | None = None
     prefix_contents: dict[int, str] | None = None
-    cuts: int = 0  # its row's cuts inside its document so far (`chunks.py`)
+    cuts: int = 0  # its row's cuts inside its document so far (`plan.py`)
     wait_since: float | None = None  # when it first waited for another's publication
     waited_out: bool = False  # it waited its bound out, and waits no more
     # `adapter/documents/radix_cache`: the document node its use was counted for

@@ -82,7 +82,7 @@ class PendingPass:
     protected: list[Tensor] = field(default_factory=list)
     # Entries every head keeps, the first `held` (uniform) or `held_lens[l, h]` of each head's
     # table (variable): a document extended by another is kept as it is, only what extends it is
-    # chosen, `target` of its entries per head (`adapter/documents/extension_pass.py`).
+    # chosen, `target` of its entries per head (`adapter/documents/turns.py`).
     held: int = 0
     held_lens: Tensor | None = None
 

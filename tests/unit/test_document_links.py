@@ -376,7 +376,7 @@ def test_a_reply_is_extended_only_by_a_request_of_its_own_decode_settings() -> N
 def test_a_rebuild_of_another_tenants_reply_is_not_extended() -> None:
     """Tenant A's next turn (100 tokens) compressed its reply again (a rebuild: chosen among the
     reply's entries, which A's budget of 1 decided, and its extension), published under the root
-    as `extension_pass._insert` does. Tenant B's later turn (120 tokens) must not start from it:
+    as `turns._insert` does. Tenant B's later turn (120 tokens) must not start from it:
     it would keep what A's reply kept: the rebuild's key (`extension_key(..., rebuilds=True)`)
     inherits the reply's `settings`, which `extendable` checks for every kind of document."""
     prompt = list(range(1000, 1200))

@@ -588,7 +588,7 @@ def test_a_document_that_extends_a_resident_one_is_matched_through_it_and_evicte
     assert match(_declaring_own(prompt[:150], 140, extra_key="lora")).device_prefix_len == 0
     assert match(_declaring_own([7] + prompt[1:150], 140)).device_prefix_len == 0
 
-    # its extension published as the root's child (`extension_pass._insert` does so)
+    # its extension published as the root's child (`turns._insert` does so)
     own = torch.arange(600, 613)
     path = array("q", root.key.token_ids) + array("q", [int(key.digest[:15], 16)] * 13)
     child = tree.insert(InsertParams(key=RadixKey(path, extra_key=root.key.extra_key),
@@ -639,7 +639,7 @@ def test_a_finished_turn_stays_in_the_tree_with_its_own_slots() -> None:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sgl_kvc.adapter.documents.release import without
+    from sgl_kvc.adapter.documents.radix_cache import without
 
     allocator = SegmentFreeRecorder()
     rows = SimpleNamespace(req_to_token=torch.zeros(4, 256, dtype=torch.int32))

@@ -151,3 +151,12 @@ def test_every_package_folder_installs() -> None:
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {name for name, path in _modules().items() if path.name == "__init__.py"}
     assert folders == listed
+
+
+def test_the_documents_modules_stay_small() -> None:
+    """Each module of the documents package is one concern a newcomer reads whole: none over 400
+    lines (`python -m benchmarks.turn_files` measures which of them one conversation turn runs)."""
+    folder = REPO / "sgl_kvc" / "adapter" / "documents"
+    sizes = {p.name: len(p.read_text().splitlines()) for p in folder.glob("*.py")}
+    assert len(sizes) > 5, "the documents package was not found"
+    assert {name: n for name, n in sizes.items() if n > 400} == {}

@@ -4,48 +4,48 @@ A request says that its prompt's first D tokens are a document to keep compresse
 (`kv_compression.document`). The first such request compresses it, by its question-free prompt
 policy (KVzip repeats the document alone), to k entries per (layer, KV head), and publishes them to
 the radix tree as one node (`document_pass.py`): cut between chunks where the server compresses
-there (`chunks.py`), else from a copy of the entries of its prompt read whole. Every later request
-that begins with the same D tokens (and the same namespace and settings, the document's *key*,
-`keys.py`) starts from that node instead of reading the tokens: its row starts with the node's k
-slots, and it prefills only its own suffix, at logical positions D, D+1, ... (`layout.py`). A
+there, else from a copy of the entries of its prompt read whole. Every later request that begins
+with the same D tokens (and the same namespace and settings, the document's *key*, `keys.py`)
+starts from that node instead of reading the tokens: its row starts with the node's k slots, and
+it prefills only its own suffix, at logical positions D, D+1, ... (`links.RowLayout`). A
 conversation's next turn starts from the longest document its own begins with and publishes only
-its extension (`matching.py`, `extension_pass.py`); a finished turn's question and answer, and a
-row compacted as it decoded, stay in the tree at its release (`release.py`, `turns.py`,
-`replies.py`). What each request does is one plan (`plan.py`), made when it enters the queue and at
-each match, read by every later step.
+its extension (`matching.py`, `turns.py`); a finished turn's question and answer, and a row
+compacted as it decoded, stay in the tree at its release (`radix_cache.keep`, `turns.py`). What
+each request does is one plan (`plan.py`), made when it enters the queue and at each match, read
+by every later step.
 
-The modules, one concern each: `keys` (what identifies a document and decides what it holds),
-`links` (the resident nodes, one type per kind, and the flat chain a node ends), `layout` (a row's
-arithmetic), `rules` (how much an extension keeps), `registry` (the resident documents and their
-indexes), `plan` and `matching` (what a request does), `chunks` (where a document is cut),
-`waiting` (concurrent first requests), `document_pass` and `extension_pass` (compressing and
-publishing), `release`, `turns` and `replies` (what a finished row leaves), `nodes` (their radix
-nodes), `radix_cache` (sgl-kvc's prefix cache), `chat_documents` (documents named by messages).
+The modules, one concern each, in the order a turn meets them: `plan` (what a request does with
+its document, and where its chunks are cut), `keys` (what identifies a node and decides what it
+holds, and how much an extension keeps), `matching` (where a waiting request starts, and whether
+it waits for another that compresses its document), `links` (the resident nodes, one type per
+kind, the flat chain a node ends, and a row's layout), `registry` (the resident nodes, their
+indexes and their radix nodes), `document_pass` (compressing a document and publishing it, voted
+across ranks), `turns` (a conversation's extension, finished turn and reply), `radix_cache`
+(sgl-kvc's prefix cache: matching, release), and `chat_documents` (documents named by messages,
+in the HTTP process).
 
 This module is the package's API for the rest of the adapter.
 """
 
 from __future__ import annotations
 
-from sgl_kvc.adapter.documents.chunks import chunk_cap, cut, cut_at, cut_inside, cuts, ends_here, match_limit, next_cut
 from sgl_kvc.adapter.documents.keys import (
-    NAMESPACE, NODE_ATTR, DocumentKey, DocumentNamespace, Kind, content_digest, node_key, request_key,
-    reserved_namespace, tokens_content,
+    NAMESPACE, NODE_ATTR, DocumentKey, DocumentNamespace, ExtensionRule, Kind, content_digest, node_key,
+    request_key, reserved_namespace, tokens_content,
 )
-from sgl_kvc.adapter.documents.layout import RowLayout, fill_skip, prompt_read
 from sgl_kvc.adapter.documents.links import (
-    Compressed, Document, Extension, Reply, RootDocument, Turn, compact_bytes, packed_units,
+    Compressed, Document, Extension, Reply, RootDocument, RowLayout, Turn, compact_bytes, fill_skip,
+    packed_units, prompt_read,
 )
-from sgl_kvc.adapter.documents.plan import (
-    DocumentPlan, Role, declare, declared, declared_part, extends, extension_due, extension_lost, fill_offset,
-    held_for_document, hit, matched, may_reply, may_start_from, plan_of, publishes, publishes_whole, splits,
-    started_from, unmatched,
-)
-from sgl_kvc.adapter.documents.registry import DocumentRegistry, DocumentStats, registry_of
-from sgl_kvc.adapter.documents.rules import ExtensionRule
-from sgl_kvc.adapter.documents.waiting import (
+from sgl_kvc.adapter.documents.matching import (
     compressing, held_back, overdue, stop_waiting, waited_out, waits_in_round,
 )
+from sgl_kvc.adapter.documents.plan import (
+    DocumentPlan, Role, chunk_cap, cut, cut_at, cut_inside, cuts, declare, declared, declared_part, ends_here,
+    extends, extension_due, extension_lost, fill_offset, held_for_document, hit, match_limit, matched,
+    may_reply, may_start_from, next_cut, plan_of, publishes, publishes_whole, splits, started_from, unmatched,
+)
+from sgl_kvc.adapter.documents.registry import DocumentRegistry, DocumentStats, registry_of
 
 __all__ = [
     "NAMESPACE", "NODE_ATTR", "Compressed", "Document", "DocumentKey", "DocumentNamespace", "DocumentPlan",

@@ -37,12 +37,10 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 import torch
 from torch import Tensor
 
-from sgl_kvc.adapter.documents.chunks import cuts
 from sgl_kvc.adapter.documents.keys import DocumentKey
 from sgl_kvc.adapter.documents.links import Compressed, compact_bytes
-from sgl_kvc.adapter.documents.nodes import insert_document
-from sgl_kvc.adapter.documents.plan import declared, publishes_whole, started_from
-from sgl_kvc.adapter.documents.registry import registry_of
+from sgl_kvc.adapter.documents.plan import cuts, declared, publishes_whole, started_from
+from sgl_kvc.adapter.documents.registry import insert_document, registry_of
 from sgl_kvc.adapter.safety import failpoints, invariants
 from sgl_kvc.adapter.safety.failures import failure
 from sgl_kvc.adapter.safety.tp import anywhere
@@ -156,7 +154,7 @@ def copy_and_publish(compressor: Host, batch: ScheduleBatch, items: list[tuple[i
                      state: Callable[[int, DocumentKey], ReqKvState], entries: Callable[[int, DocumentKey], int],
                      choose: Callable[[int, DocumentKey, ReqKvState], Chosen], insert: Callable[[Ready], None]) -> None:
     """Publishing documents copied out of their requests' rows (`publish_copies`, and an
-    extension's, `extension_pass.publish`): each item's pass state (`state(i, key)`), its
+    extension's, `turns.publish`): each item's pass state (`state(i, key)`), its
     reconstruction over its row's first `entries(i, key)` entries where its policy reads one
     (KVzip), `choose(i, key, state)` (its pass, no side effect), the ranks' vote; then, for the
     documents chosen everywhere, their room and copies (`copy_kept`), the ranks' vote again, and

@@ -12,13 +12,14 @@ each match (`matching.plan_match`), read by every later step.
 - `ABSTAIN`: it reads its prompt whole where documents are cut between chunks (it asked for prompt
   log-probabilities): it publishes nothing, since its entries would not be its key's;
 - `EXTEND`: it starts from a resident document its own extends (or a finished turn after it) and
-  publishes the extension (`extension_pass.py`);
+  publishes the extension (`turns.py`);
 - `REBUILD`: the same, where the chain is at its budget or depth, or is a reply: it compresses the
   chain and its extension again as one document.
 
 `DocumentPlan.start` is the node its row starts from (its `layout` the row's arithmetic),
 `parent` the document its key follows, `key` the document it compresses (or, a hit, the one it
 starts from), `own` the one it declared and `mode` how it reads that one without a start.
+Below the plan, where a `SPLIT` request's chunks end and what its row is cut to at each end.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from sgl_kvc import req_state
-from sgl_kvc.adapter.documents.keys import NODE_ATTR, DocumentKey, document_entries, refusal, request_key, settings_digest
-from sgl_kvc.adapter.documents.layout import RowLayout, fill_skip
+from sgl_kvc.adapter.documents.keys import (
+    NODE_ATTR, DocumentKey, ExtensionRule, document_entries, refusal, request_key, settings_digest,
+)
+from sgl_kvc.adapter.documents.links import RowLayout, fill_skip, prompt_read
 from sgl_kvc.adapter.documents.registry import registry_of
-from sgl_kvc.adapter.documents.rules import ExtensionRule
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.request_settings import RequestSettingError, document_floor, of_request, refused_by_sglang
 
@@ -106,7 +108,7 @@ def publishes_whole(req: Any) -> bool:
 
 def extends(req: Any) -> "Document | None":
     """The resident document `req` starts from and extends (or compresses again) by a document of
-    its own, which it publishes (`extension_pass.py`), or None."""
+    its own, which it publishes (`turns.py`), or None."""
     plan = plan_of(req)
     return plan.parent if plan.role in (Role.EXTEND, Role.REBUILD) else None
 
@@ -135,7 +137,7 @@ def fill_offset(req: Any) -> int:
 
 
 def may_reply(req: Any) -> bool:
-    """Whether `req` may keep its row as a reply when it finishes (`replies.py`): it declared a
+    """Whether `req` may keep its row as a reply when it finishes (`turns.py`): it declared a
     document on a server that extends them."""
     fields = req_state.peek(req)
     return fields is not None and fields.rule is not None and plan_of(req).own is not None
@@ -244,3 +246,83 @@ def started_from(req: Any, doc: "Document") -> None:
     on as a request that started from it."""
     plan = plan_of(req)
     set_plan(req, replace(plan, role=Role.HIT, key=doc.key, start=doc, parent=None))
+
+
+# Where a `SPLIT` request's document is cut: as its key says, never as the pool's pressure or its
+# publisher's budget would. It reads the document in chunks, one of which ends exactly at D
+# (`chunk_cap`), where its row is cut to the document's k entries before any of its question is
+# read; a document longer than a chunk (C) is also cut at every multiple of C before D, to
+# `DocumentKey.between` entries (`cut_at`). All read from SGLang's fields, alike on every rank.
+
+
+def chunk_cap(req: Any) -> int | None:
+    """The most tokens `req`'s next chunk may read so that one chunk ends at its document's end
+    (and, a document longer than a chunk, one at each of its cuts, `cut_at`), or None: it
+    compresses its document between chunks and has not read all of it."""
+    if not splits(req):
+        return None
+    key, read = declared(req), prompt_read(req)
+    left = key.tokens - read
+    if left > 0 and key.every:
+        left = min(left, key.every - read % key.every)
+    return left if left > 0 else None
+
+
+def cut_at(req: Any, end: int) -> int | None:
+    """The entries the row of `req` is cut to where a chunk of it ends at prompt position `end`,
+    as its document's key says: k at the document's end, `between` at a multiple of `every` before
+    it, 0 elsewhere before it (not cut); None where the document decides nothing (the request
+    does not compress one between chunks, or `end` is past it)."""
+    if not splits(req):
+        return None
+    key = declared(req)
+    if end > key.tokens:
+        return None
+    if end == key.tokens:
+        return key.entries
+    return key.between if key.every and end % key.every == 0 else 0
+
+
+def cut_inside(req: Any) -> int | None:
+    """`cut_at` where the chunk of `req` that just ran ended, before its document's end (which
+    `ends_here` finds), else None."""
+    if not splits(req):
+        return None
+    end = fill_skip(req) + int(req.extend_end)
+    return cut_at(req, end) if end < declared(req).tokens else None
+
+
+def next_cut(req: Any) -> int | None:
+    """`cut_at` where the next chunk of `req` ends at the latest (`chunk_cap`), or None: what its
+    admission counts that cut's copies and reconstruction forward by."""
+    cap = chunk_cap(req)
+    return None if cap is None else cut_at(req, prompt_read(req) + cap)
+
+
+def cut(req: Any) -> None:
+    """`req`'s row was cut inside its document (`cut_inside`)."""
+    req_state.of(req).cuts += 1
+
+
+def cuts(req: Any) -> int:
+    """The cuts of `req`'s row inside its document: its passes before the one at the document's
+    end, if it followed its key's procedure (`document_pass.publish_cut_rows` checks it)."""
+    return req_state.of(req).cuts
+
+
+def ends_here(req: Any) -> DocumentKey | None:
+    """The document whose end the chunk of `req` that just ran ended at, or None."""
+    if not splits(req):
+        return None
+    key = declared(req)
+    return key if fill_skip(req) + int(req.extend_end) == key.tokens else None
+
+
+def match_limit(req: Any) -> int | None:
+    """The most prompt tokens `req` may match in the tree, or None (no limit): one that compresses
+    its document between chunks matches fewer than D, so that a chunk of it ends at D, and fewer
+    than its first cut (`every`), so that its row is cut there as its key says."""
+    if not splits(req):
+        return None
+    key = declared(req)
+    return min(key.tokens, key.every or key.tokens) - 1

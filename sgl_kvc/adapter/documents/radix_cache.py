@@ -28,12 +28,14 @@ from sglang.srt.mem_cache.registry import (
 )
 
 from sgl_kvc import req_state
-from sgl_kvc.adapter.documents import release, turns
-from sgl_kvc.adapter.documents.chunks import match_limit
+from sgl_kvc.adapter.documents import turns
 from sgl_kvc.adapter.documents.keys import NODE_ATTR
 from sgl_kvc.adapter.documents.links import Turn
 from sgl_kvc.adapter.documents.matching import plan_match
+from sgl_kvc.adapter.documents.plan import match_limit, plan_of
 from sgl_kvc.adapter.documents.registry import DocumentRegistry
+from sgl_kvc.adapter.safety import failpoints
+from sgl_kvc.adapter.safety.tp import everywhere
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +60,7 @@ class KvcRadixCache(RadixCache):
     would match; one that compresses its document between chunks matches less than the document,
     so that a chunk of it ends at the document's end; a document's node leaves the registry when
     the tree deletes it; a finished request's question and answer after its document stay as a
-    turn (`release.py`)."""
+    turn (`keep`)."""
 
     def reset(self) -> None:
         super().reset()
@@ -97,17 +99,17 @@ class KvcRadixCache(RadixCache):
 
     def claim_kv_row(self, req: Any) -> bool:
         # a finished request's question and answer after its document stay in the tree, a turn
-        # the next one starts from; a row compacted since, as a reply and a turn (`release.py`):
+        # the next one starts from; a row compacted since, as a reply and a turn (`keep`):
         # their slots are not freed with its row
         if not self.disable:
-            kept = release.keep(self, self.documents, req)
+            kept = keep(self, self.documents, req)
             if kept:
                 self.documents.taken[req.kv.req_pool_idx] = (req.kv, kept)
         return super().claim_kv_row(req)
 
     def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
         owner, kept = self.documents.taken.get(kv.req_pool_idx, (None, None))
-        super().free_kv_row(kv, ranges if owner is not kv else release.without(ranges, kept))
+        super().free_kv_row(kv, ranges if owner is not kv else without(ranges, kept))
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
@@ -180,3 +182,44 @@ class KvcRadixCache(RadixCache):
 def register(name: str) -> None:
     if get_radix_cache_factory(name) is None:
         register_radix_cache_backend(name, create)
+
+
+# Release (`KvcRadixCache.claim_kv_row`): what a finished request leaves in the tree.
+
+def keep(tree: Any, registry: DocumentRegistry, req: Any) -> list[tuple[int, int]]:
+    """Publish what the finished `req` leaves (a turn, or a reply and a turn) and return the
+    ranges of its row whose slots the tree now owns (SGLang must not free them); [] for none."""
+    fields = req_state.peek(req)
+    if fields is None or fields.rule is None or plan_of(req).own is None or not turns.answered(req):
+        return []  # (alike on every rank: none of them votes)
+    found = None
+    try:
+        found = turns.turn_candidate(registry, req) or turns.reply_candidate(tree, registry, req)
+        if found is not None:
+            failpoints.check("turn_raise", req)
+    except Exception:  # noqa: BLE001 - a turn lost, never the release
+        logger.exception("a finished turn of %s was not kept", getattr(req, "rid", "?"))
+        found = None
+    if registry.vote is not None:
+        found = found if everywhere(registry.vote, [found is not None])[0] else None
+    if found is None:
+        return []
+    try:
+        return found.publish(tree, registry)
+    except Exception:  # noqa: BLE001 - publish inserts nothing before its checks pass
+        logger.exception("a finished turn of %s was not kept", getattr(req, "rid", "?"))
+        return []
+
+
+def without(ranges: list[tuple[int, int]], kept: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`ranges` (half-open) less every range of `kept`."""
+    out = list(ranges)
+    for k0, k1 in kept:
+        cut = []
+        for a, b in out:
+            if a < k0:
+                cut.append((a, min(b, k0)))
+            if b > k1:
+                cut.append((max(a, k1), b))
+        out = [(a, b) for a, b in cut if a < b]
+    return out

@@ -5,15 +5,20 @@ documents its prompt may begin with: `by_content`, over the token counts its fam
 have, `lengths`) or by the document a turn follows (`turns_after`), never a scan of every
 resident document: a tenant may keep thousands resident (one-slot turns) and SGLang matches every
 waiting request in every round. Totals the stats and metrics read are kept as they change.
+Below, how a document's node is inserted into the tree (`insert_document`, `insert_child`).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sgl_kvc.adapter.documents.keys import NODE_ATTR, DocumentKey, Kind
+import torch
+from torch import Tensor
+
+from sgl_kvc.adapter.documents.keys import NODE_ATTR, DocumentKey, Kind, node_key
 from sgl_kvc.adapter.documents.links import Document, Turn
 
 
@@ -22,7 +27,7 @@ class DocumentStats:
     compressions: int = 0  # documents compressed and published
     extensions: int = 0  # of them: documents published as the extension of a resident one
     rebuilds: int = 0  # of them: chains compressed again as one (at their budget or depth, or after a reply)
-    replies: int = 0  # finished requests' compacted rows kept as documents (`replies.py`)
+    replies: int = 0  # finished requests' compacted rows kept as documents (`turns.py`)
     hits: int = 0  # requests that started from a resident document
     evictions: int = 0  # documents the tree evicted (LRU) or dropped
     not_published: int = 0  # compressed documents not published: no free slots, no room for its metadata, or a failure
@@ -46,10 +51,10 @@ class DocumentRegistry:
     # None: nothing reserved (a pool layout without one cost per token), not bounded
     metadata_budget: int | None = None
     # the tensor-parallel group's vote (`adapter/safety/tp.RankVote`), None with one rank: what a
-    # release keeps is voted before anything is inserted (`release.py`)
+    # release keeps is voted before anything is inserted (`radix_cache.keep`)
     vote: Any = None
     # a finishing request's row (its pool index) -> its kv record and the ranges of the row whose
-    # slots the tree kept (`release.py`), from SGLang's `claim_kv_row` to `on_release` of one
+    # slots the tree kept (`radix_cache.keep`), from SGLang's `claim_kv_row` to `on_release` of one
     # release: every `free_kv_row` of it in between frees what is left
     taken: dict[int, tuple[Any, list[tuple[int, int]]]] = field(default_factory=dict)
     # the indexes: compressed documents by content, and how many of each family cover how many
@@ -200,3 +205,50 @@ def _gone(req: Any) -> bool:
 def registry_of(tree_cache: Any) -> DocumentRegistry | None:
     """The document registry of SGLang's tree cache (sgl-kvc's prefix cache), or None."""
     return getattr(tree_cache, "documents", None)
+
+
+# A document's node in SGLang's radix tree: under the root, in a namespace of its own
+# (`insert_document`), or under the document it follows: a child of its node, in the chain's
+# namespace, its own placeholder tokens a number of its digest (siblings differ at their first
+# token, `insert_child`).
+
+
+def node_path(node: Any) -> tuple[array, Tensor]:
+    """The radix key tokens and slots from the root down to `node`."""
+    nodes = []
+    while node.parent is not None:
+        nodes.append(node)
+        node = node.parent
+    nodes.reverse()
+    tokens = array("q")
+    for n in nodes:
+        tokens.extend(n.key.token_ids)
+    return tokens, torch.cat([n.value for n in nodes])
+
+
+def insert_child(tree: Any, parent: Document, key: DocumentKey, slots: Tensor) -> Any:
+    """Insert `slots` as the node of the document `key` under `parent`'s node; its node. The path
+    matches down to the parent's node and no child of it begins with this one's first token, so
+    the insert adds exactly one node, these slots (raises where such a child exists)."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    namespace = parent.node.key.extra_key
+    mine = RadixKey(array("q", [int(key.digest[:15], 16)] * int(slots.numel())), extra_key=namespace)
+    if mine.child_key(tree.page_size) in parent.node.children:
+        raise RuntimeError(f"a document after {parent.key.digest[:12]} under the same first key exists")
+    tokens, values = node_path(parent.node)
+    tokens.extend(mine.token_ids)
+    result = tree.insert(InsertParams(key=RadixKey(tokens, extra_key=namespace),
+                                      value=torch.cat([values.to(slots.device), slots])))
+    return result.last_device_node
+
+
+def insert_document(tree: Any, key: DocumentKey, slots: Tensor) -> Any:
+    """Insert `slots` as the node of the document `key`, under the root (`node_key`); its node."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    result = tree.insert(InsertParams(key=node_key(key, int(slots.numel())), value=slots))
+    if result.prefix_len:  # cannot happen: a node under this key is registered, hence never re-published
+        raise RuntimeError(f"a document node under key {key.digest[:12]} exists unregistered")
+    return result.last_device_node

@@ -57,7 +57,7 @@ scores a KVzip reconstruction gives a request's entries (a float32 per entry, la
 its row), held from its reconstruction to the end of its pass (over several steps when the pass is
 staged), for every request whose pass is due, and by a conversation's request (a document declared
 on a server that extends them) until it finishes, for the reply it may keep
-(`adapter/documents/replies.py`); bounded by their rows, not by a reservation.
+(`adapter/documents/turns.py`); bounded by their rows, not by a reservation.
 """
 
 from __future__ import annotations

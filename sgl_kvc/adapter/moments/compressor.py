@@ -35,7 +35,7 @@ import torch
 
 from sgl_kvc import req_state
 from sgl_kvc.adapter import documents
-from sgl_kvc.adapter.documents import document_pass, extension_pass
+from sgl_kvc.adapter.documents import document_pass, turns
 from sgl_kvc.adapter.kvzip.reconstruction import Reconstructor, is_reconstruction, question_slots, unscorable
 from sgl_kvc.adapter.memory.kv_memory import DECODE_BYTES_ATTR, DOCUMENT_BYTES_ATTR, FORWARD_ENTRIES_ATTR, MOMENT_SLOTS_ATTR
 from sgl_kvc.adapter.moments.compaction import (
@@ -298,7 +298,7 @@ class Compressor:
         read_at = [i for i, req in enumerate(batch.reqs) if not is_middle_chunk(batch, req)]
         document_pass.publish_copies(self, batch, document_pass.to_publish(self, batch, read_at))
         # and the extensions of resident documents read by now, before any pass of their rows
-        extension_pass.publish(self, batch, extension_pass.due(self, batch))
+        turns.publish(self, batch, turns.due(self, batch))
 
     def after_prefill(self, batch: ScheduleBatch) -> None:
         """After an extend, each request's moment: the chunk moment for a request between two
@@ -721,7 +721,7 @@ class Compressor:
         state.kept_positions = d.kept_positions
         # between chunks, the scores of the kept entries' reconstruction (the next prompt pass
         # repeats only what is read since); after the prompt, nothing, but for a conversation's
-        # request (one that may keep a reply, `adapter/documents/replies.py`) the scores of its
+        # request (one that may keep a reply, `adapter/documents/turns.py`) the scores of its
         # prefill pass or of the document it started from, through its decode passes: its next
         # turn starts from what the reply kept and repeats only what they do not cover
         if d.moment == "chunk":
