@@ -90,7 +90,7 @@ def trace_turn(model: str, words: int, answer_tokens: int, log: Path) -> dict:
         (Path(tmp) / "sitecustomize.py").write_text(SITECUSTOMIZE)
         out = Path(tmp) / "trace"
         env = {**os.environ, "SGLKVC_TURN_TRACE": str(out),
-               "PYTHONPATH": os.pathsep.join([tmp, os.environ.get("PYTHONPATH", "")])}
+               "PYTHONPATH": os.pathsep.join(p for p in (tmp, os.environ.get("PYTHONPATH")) if p)}
         cmd = [sys.executable, "-m", "sgl_kvc.launch", "--model-path", model, "--policy", "rkv",
                "--dtype", "float32"]
         with ServerProcess.launch(cmd, env=env, log_path=log) as server:
@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = run_metadata("benchmarks.turn_files", argv)
-    result = trace_turn(str(ensure_smollm2()), args.words, args.answer_tokens, args.out / "turn-files.log")
+    result = trace_turn(str(ensure_smollm2()), args.words, args.answer_tokens,
+                        Path(tempfile.mkdtemp(prefix="turn-files-")) / "server.log")
     (args.out / "turn-files.json").write_text(json.dumps({"meta": meta, **result}, indent=1) + "\n")
     (args.out / "turn-files.md").write_text(markdown(result, meta))
     print(markdown(result, meta))
