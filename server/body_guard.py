@@ -18,7 +18,9 @@ An ASGI middleware on `POST /v1/chat/completions`, `POST /v1/completions` and SG
   score them (KVzip, per request or the server's; the scheduler refuses it too, on every entry
   point).
 A good body goes on unchanged (or with `kv_compression` moved into `custom_params`); the
-response, streamed or not, is never touched here. Out-of-vocabulary token ids are checked
+response, streamed or not, is untouched but for one header (`x-sgl-kvc-warning`) where the request's
+prompt policy is served with less than its own allocation (`request_settings.allocation_warning`:
+KVzip with uniform head budgets), so that no request loses quality silently. Out-of-vocabulary token ids are checked
 later, where every entry point passes (`sgl_kvc.adapter.scheduling.request_guard`).
 """
 
@@ -32,9 +34,9 @@ from typing import Any, Callable
 import orjson
 
 from sgl_kvc.config import KvcConfig
-from sgl_kvc.request_settings import RequestSettingError, json_type_name
+from sgl_kvc.request_settings import WARNING_HEADER, RequestSettingError, json_type_name
 from sgl_kvc.server.errors import FIELDS_SCOPE_KEY, describe_validation_errors, openai_error
-from sgl_kvc.server.settings import apply_openai_settings, check_generate_body
+from sgl_kvc.server.settings import apply_openai_settings, body_warning, check_generate_body
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -224,9 +226,11 @@ def _validate_openai(route: str, data: dict, body: bytes) -> None:
     check_ranges(vars(parsed), ranges, route)
 
 
-def inspect_body(route: str, body: bytes, config: KvcConfig | None, fields: dict | None = None) -> bytes:
+def inspect_body(route: str, body: bytes, config: KvcConfig | None, fields: dict | None = None,
+                 warnings: list[str] | None = None) -> bytes:
     """The body to forward (possibly rewritten), or `BodyError` for the client. `fields`, when
-    given, gets the names the client gave the prompt and its output length (`client_fields`)."""
+    given, gets the names the client gave the prompt and its output length (`client_fields`);
+    `warnings`, what the response is to say of how the request is served (`body_warning`)."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as e:
@@ -250,11 +254,14 @@ def inspect_body(route: str, body: bytes, config: KvcConfig | None, fields: dict
             check_generate_body(data, config, multimodal=_multimodal())
             _check_generate_token_ids(data.get("input_ids"))
             _check_logprob_start(data)
-            return body
-        _validate_openai(route, data, body)
-        changed = apply_openai_settings(data, config, chat=route == CHAT, multimodal=_multimodal())
+            changed = False
+        else:
+            _validate_openai(route, data, body)
+            changed = apply_openai_settings(data, config, chat=route == CHAT, multimodal=_multimodal())
     except RequestSettingError as e:
         raise BodyError(400, _sentence(f"Invalid '{e.param}': {e}"), e.param) from None
+    if warnings is not None and (warning := body_warning(data, config, generate=route == GENERATE)):
+        warnings.append(warning)
     return orjson.dumps(data) if changed else body
 
 
@@ -423,17 +430,30 @@ class RequestBodyGuard:
         body = b"".join(chunks)
         del chunks
         fields: dict[str, str] = {}
+        warnings: list[str] = []
         try:
-            new_body = inspect_body(route, body, self.config, fields)
+            new_body = inspect_body(route, body, self.config, fields, warnings)
         except BodyError as e:
             await _reject(scope, receive, send, e)
             return
+        if warnings:
+            send = _with_header(send, WARNING_HEADER, warnings[0])
         scope = {**scope, FIELDS_SCOPE_KEY: fields}
         if new_body is not body:
             headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
             headers.append((b"content-length", str(len(new_body)).encode()))
             scope = {**scope, "headers": headers}
         await self.app(scope, _replay(new_body, receive), send)
+
+
+def _with_header(send: Callable, name: str, value: str) -> Callable:
+    """`send` with one more header on the response's start, streamed or not."""
+    async def sending(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), (name.encode(), value.encode())]}
+        await send(message)
+
+    return sending
 
 
 def _too_large() -> str:

@@ -17,6 +17,7 @@ from typing import Any
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.request_settings import (
     CUSTOM_PARAMS_KEY,
+    allocation_warning,
     FIELD,
     RequestCompression,
     RequestSettingError,
@@ -101,6 +102,24 @@ def check_generate_body(data: dict, config: KvcConfig | None, multimodal: bool =
                                  f"{prefix}.custom_params.{CUSTOM_PARAMS_KEY}")
     elif media:  # the server's own settings
         _check_media(RequestCompression(), config, f"sampling_params.custom_params.{CUSTOM_PARAMS_KEY}")
+
+
+def body_warning(data: dict, config: KvcConfig | None, generate: bool) -> str | None:
+    """The allocation warning (`request_settings.allocation_warning`) of a checked body's
+    compression settings (on `/generate`, any prompt's of a batch), or None."""
+    if generate:
+        params = data.get("sampling_params")
+        customs = [one.get("custom_params") if isinstance(one, dict) else None
+                   for one in (params if isinstance(params, list) and params else [params])]
+    else:
+        customs = [data.get("custom_params")]
+    for custom in customs:
+        own = custom.get(CUSTOM_PARAMS_KEY) if isinstance(custom, dict) else None
+        if isinstance(own, dict):  # its document decides nothing of it (and may name chat messages)
+            custom = {CUSTOM_PARAMS_KEY: {k: v for k, v in own.items() if k != "document"}}
+        if warning := allocation_warning(from_custom_params(custom), config):
+            return warning
+    return None
 
 
 def apply_openai_settings(data: dict, config: KvcConfig | None, chat: bool = False,

@@ -24,6 +24,8 @@ from sgl_kvc.compat import standins
 standins.install()  # before anything imports SGLang (also re-run in spawned children)
 
 from sgl_kvc.config import KvcConfig  # noqa: E402
+from sgl_kvc.request_settings import RequestCompression  # noqa: E402
+from sgl_kvc.request_settings import allocation_warning as request_allocation_warning  # noqa: E402
 
 logger = logging.getLogger("sgl_kvc.launch")
 
@@ -207,13 +209,11 @@ KVC_POOL_BACKENDS: tuple[str, ...] = ("torch_native", "triton")
 
 
 def allocation_warning(config: KvcConfig) -> str | None:
-    """A server whose prompt policy is KVzip with uniform head budgets: served, but KVzip's scores
-    are for one sort over every head (docs/quality.md, "Which allocation each policy gets")."""
-    if config.compressing and config.prompt_policy_name == "kvzip" and config.kv_head_budget == "uniform":
-        return ("sgl-kvc: --prompt-policy kvzip with uniform head budgets keeps one set of tokens for every head, "
-                "which needs about 1.5x the budget of one sort over every head (docs/quality.md); start with "
-                "--kv-head-budget layer for KVzip")
-    return None
+    """A server whose own prompt policy is KVzip with uniform head budgets: served, but KVzip's
+    scores are for one sort over every head (`request_settings.allocation_warning`, which every such
+    request's response carries too)."""
+    warning = request_allocation_warning(RequestCompression(), config)
+    return None if warning is None else f"sgl-kvc: {warning}"
 
 
 def torch_native_on_gpu(config: KvcConfig, argv: list[str]) -> str | None:

@@ -1130,3 +1130,26 @@ def test_a_reply_compacted_during_decode_is_where_the_next_turn_starts(
     assert docs["resident"] == 0 and docs["turns_resident"] == 0, docs
     assert_pool_whole(server.wait_idle())
     assert generate(server, tenant, 4)["output_ids"] == quiet
+
+
+def test_a_kvzip_request_on_uniform_head_budgets_is_warned(servers) -> None:
+    """The README's chat-over-an-upload request (a KVzip document) on a server whose heads all keep
+    the same number of entries is served, and its response says in a header that KVzip keeps one set
+    of tokens for every head there (docs/quality.md); on the variable server, no such header, and a
+    request whose prompt policy is not KVzip gets none either."""
+    from openai import OpenAI
+
+    text = " ".join(f"Fact {i}: the {w} is {i * 7 % 13}." for i, w in enumerate(["river", "lamp", "seed"] * 6))
+    messages = [{"role": "user", "content": text}, {"role": "user", "content": "What is the lamp?"}]
+
+    def headers(name: str, settings: dict) -> dict:
+        client = OpenAI(base_url=servers[name].url + "/v1", api_key="-")
+        raw = client.chat.completions.with_raw_response.create(
+            model="demo", max_tokens=2, temperature=0, messages=messages, extra_body={"kv_compression": settings})
+        assert raw.parse().usage.completion_tokens == 2
+        return raw.headers
+
+    kvzip = {"prompt_policy": "kvzip", "document": {"ratio": 0.3}}
+    assert "--kv-head-budget layer" in headers("uniform", kvzip).get("x-sgl-kvc-warning", "")
+    assert "x-sgl-kvc-warning" not in headers("variable", kvzip)
+    assert "x-sgl-kvc-warning" not in headers("uniform", {"prompt_policy": "snapkv"})

@@ -345,3 +345,47 @@ def test_middleware_refuses_huge_bodies(monkeypatch: pytest.MonkeyPatch) -> None
     chunks = [{"type": "http.request", "body": b" " * 60, "more_body": True}] * 3
     sent, seen = _run(guard, _scope(), chunks)
     assert sent[0]["status"] == 413 and not seen
+
+
+def _response_headers(config: KvcConfig, path: str, obj: dict) -> dict[bytes, bytes]:
+    """The headers a response to `obj` goes out with, the app answering 200 in two messages."""
+    sent: list[dict] = []
+    queue = [{"type": "http.request", "body": _body(obj)}]
+
+    async def receive() -> dict:
+        return queue.pop(0) if queue else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def app(scope: dict, receive, send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n"})
+
+    asyncio.run(RequestBodyGuard(app, config=config)(_scope(path), receive, send))
+    assert sent[0]["status"] == 200 and sent[1]["body"] == b"data: {}\n\n"
+    return dict(sent[0]["headers"])
+
+
+def test_kvzip_on_uniform_head_budgets_is_warned_per_request() -> None:
+    """KVzip's scores need one sort over every head (docs/quality.md): a request whose prompt
+    policy is KVzip, its own or the server's, on a server whose heads all keep the same number of
+    entries is served with a warning header; not with per-head budgets, another prompt policy, or
+    shared selection (which the client chose). The response is otherwise unchanged."""
+    warning = b"x-sgl-kvc-warning"
+    kvzip = {"prompt_policy": "kvzip", "document": {"ratio": 0.3}}
+    layer = KvcConfig(policy="rkv", kv_head_budget="layer")
+    two = [{"role": "user", "content": "a document"}, {"role": "user", "content": "a question"}]
+    got = _response_headers(RKV, CHAT, chat(messages=two, kv_compression=kvzip))
+    assert b"--kv-head-budget layer" in got[warning] and got[b"content-type"] == b"text/event-stream"
+    assert warning in _response_headers(RKV, COMPLETIONS, {"prompt": "a b", "kv_compression": {"prompt_policy": "kvzip"}})
+    assert warning in _response_headers(RKV, GENERATE, {"text": "a", "sampling_params": [
+        {}, {"custom_params": {"sgl_kvc": {"prompt_policy": "kvzip"}}}]})
+    server_kvzip = KvcConfig(policy="snapkv", prompt_policy="kvzip")
+    assert warning in _response_headers(server_kvzip, CHAT, chat())
+    for config, obj in ((layer, chat(messages=two, kv_compression=kvzip)), (RKV, chat()),
+                        (RKV, chat(kv_compression={"prompt_policy": "snapkv"})),
+                        (RKV, chat(kv_compression={"prompt_policy": "kvzip", "selection": "shared"})),
+                        (server_kvzip, chat(kv_compression={"prompt_policy": "snapkv"}))):
+        assert warning not in _response_headers(config, CHAT, obj), obj
