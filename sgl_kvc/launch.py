@@ -24,8 +24,7 @@ from sgl_kvc.compat import standins
 standins.install()  # before anything imports SGLang (also re-run in spawned children)
 
 from sgl_kvc.config import KvcConfig  # noqa: E402
-from sgl_kvc.request_settings import RequestCompression  # noqa: E402
-from sgl_kvc.request_settings import allocation_warning as request_allocation_warning  # noqa: E402
+from sgl_kvc.request_settings import RequestCompression, allocation_warning as request_allocation_warning  # noqa: E402
 
 logger = logging.getLogger("sgl_kvc.launch")
 

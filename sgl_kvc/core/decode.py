@@ -61,8 +61,9 @@ class DecodeShape:
     @property
     def table_bytes_per_column(self) -> int:
         """Table bytes per request and column: none for a slot cache; on the unit pool one
-        int64 per layer and head (twice: `block_tables` builds them in a scratch copy)."""
-        return 2 * 8 * self.table_layers * self.kv_heads
+        int64 per layer and head, three times (`block_tables` holds at most two temporaries of the
+        tables' size while it builds them)."""
+        return 3 * 8 * self.table_layers * self.kv_heads
 
 
 def fused_block_bytes(lens: list[int], keeping: list[int], shape: DecodeShape) -> int:

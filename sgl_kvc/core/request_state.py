@@ -94,44 +94,55 @@ def block_tables(
 
     `slots`: [b, >= max(row_lens)] each request's row; `row_lens`: its cached entries; `width`:
     columns to return (>= every request's `table_width`). Returns units [L, b, H_kv, width] and
-    lens [L, b, H_kv], on the slots' device."""
+    lens [L, b, H_kv], on the slots' device, 0 past each head's length.
+
+    A fixed number of operations whatever the batch (a GPU launches each once), each over the
+    tables' entries at most once, with at most two temporaries of the tables' size alive at once
+    (`DecodeShape.table_bytes_per_column`): a decode step builds these for every layer, and on a
+    CPU their size (L x b x H_kv x width int64) is what the step pays for them."""
     device = slots.device
-    b = len(states)
-    units = torch.zeros(num_layers, b, num_heads, width + 1, dtype=torch.int64, device=device)
-    head_lens = torch.zeros(num_layers, b, num_heads, dtype=torch.int64, device=device)
+    b, L, H = len(states), num_layers, num_heads
+    units = torch.zeros(L, b, H, width, dtype=torch.int64, device=device)
+    head_lens = torch.zeros(L, b, H, dtype=torch.int64, device=device)
     packed = [0 if state is None or state.units is None else state.packed for state in states]
     tables = [j for j, state in enumerate(states) if state is not None and state.units is not None]
-    if tables:  # the packed tables, copied in with a fixed number of operations
+    if tables:  # the packed tables side by side, then a zero column for the columns past a table's width
         own = [states[j] for j in tables]
         widths = [int(state.units.shape[-1]) for state in own]
-        k_max = max(widths)
-        # [L, H_kv, sum(widths)], int64 (a shared document's tables are int32, `Document`)
-        joined = torch.cat([state.units for state in own], dim=-1).long()
+        k_max, total = max(widths), sum(widths)
+        # int64 (a shared document's tables are int32, `Document`)
+        joined = torch.cat([*(state.units.long() for state in own),
+                            torch.zeros(L, H, 1, dtype=torch.int64, device=device)], dim=-1)
         starts = torch.tensor(list(itertools.accumulate([0] + widths[:-1])), dtype=torch.int64, device="cpu")
         cols = torch.arange(k_max, dtype=torch.int64, device="cpu")
-        inside = cols[None, :] < torch.tensor(widths, dtype=torch.int64, device="cpu")[:, None]  # [p, k_max]
-        src = torch.where(inside, starts[:, None] + cols, 0)  # past its width: any column, zeroed below
-        picked = joined[:, :, to_device(src.reshape(-1), device)].reshape(num_layers, num_heads, len(own), k_max)
-        picked = picked.transpose(1, 2) * to_device(inside, device)[None, :, None, :]  # [L, p, H_kv, k_max]
+        inside = cols[None, :] < torch.tensor(widths, dtype=torch.int64, device="cpu")[:, None]
+        src = torch.where(inside, starts[:, None] + cols, total)
+        picked = joined[:, :, to_device(src.reshape(-1), device)].view(L, H, len(own), k_max)
         at = host_tensor(tables, device)
-        units[:, at, :, :k_max] = picked
+        units[:, at, :, :k_max] = picked.transpose(1, 2)
         head_lens[:, at] = torch.stack([state.unit_lens for state in own], dim=1).long()
+        del joined, picked  # at most the tables' size each, freed before the tails' two
     tails = [n - g for n, g in zip(row_lens, packed)]
-    t_max = max(tails, default=0)
-    if t_max:
-        cols = torch.arange(t_max, device=device)
-        tail_lens = host_tensor(tails, device)
+    items = sum(tails)
+    if items:
+        # one item per (request, tail entry): its slot's unit in every (layer, head), written at
+        # column head_lens[l, req, h] + its index in the tail (shapes from the host's lists: no sync)
+        counts = torch.tensor(tails, dtype=torch.int64, device="cpu")
+        req = torch.repeat_interleave(torch.arange(b, device="cpu"), counts, output_size=items)
+        starts = torch.tensor(list(itertools.accumulate([0] + tails[:-1])), dtype=torch.int64, device="cpu")
+        col = torch.arange(items, device="cpu") - torch.repeat_interleave(starts, counts, output_size=items)
+        req, col = to_device(req, device), to_device(col, device)
         first = host_tensor(packed, device)
-        valid = cols[None, :] < tail_lens[:, None]  # [b, T]
-        src = torch.where(valid, first[:, None] + cols, 0)
-        tail_slots = slots.gather(1, src)  # [b, T]
-        tail_units = unit_index(tail_slots.reshape(-1), num_layers, num_heads)  # [L, H, b x T]
-        tail_units = tail_units.reshape(num_layers, num_heads, b, t_max).transpose(1, 2)
-        dst = head_lens[..., None] + cols  # after each head's own entries
-        dst = torch.where(valid[None, :, None, :], dst, width)  # padding -> the spare column
-        units.scatter_(-1, dst, tail_units)
-        head_lens += tail_lens[None, :, None]
-    return units[..., :width].contiguous(), head_lens
+        tail_slots = slots[req, first[req] + col].to(torch.int64)
+        layer_head = torch.arange(L, device=device)[:, None] * H + torch.arange(H, device=device)[None, :]
+        values = (tail_slots * (L * H))[None, None, :] + layer_head[..., None]  # `unit_index`, [L, H, items]
+        dst = head_lens.permute(0, 2, 1)[:, :, req]  # [L, H, items]: the flat index in `units`
+        dst += ((torch.arange(L, device=device)[:, None] * (b * H) + torch.arange(H, device=device)[None, :])
+                * width)[..., None]
+        dst += (req * (H * width) + col)[None, None, :]
+        units.view(-1).scatter_(0, dst.view(-1), values.view(-1))
+        head_lens += to_device(counts, device)[None, :, None]
+    return units, head_lens
 
 
 @dataclass

@@ -283,3 +283,59 @@ def test_a_failed_variable_compaction_gives_back_the_slots_it_allocated(
     assert isinstance(outcome, RuntimeError) and "planted" in str(outcome)  # the request fails, alone
     assert allocator.available_size() == free_before  # the new slots came back
     assert torch.equal(batch.req_to_token_pool.req_to_token[0, :n], row) and batch.seq_lens_cpu.tolist() == [n]
+
+
+def _reference_tables(states, slots, row_lens, layers, heads, width):
+    """`block_tables` one (request, layer, head) at a time: a packed request's own entries, then
+    its tail's units (`unit_index`), then zeros."""
+    b = len(states)
+    units = torch.zeros(layers, b, heads, width, dtype=torch.int64)
+    lens = torch.zeros(layers, b, heads, dtype=torch.int64)
+    for j, (state, n) in enumerate(zip(states, row_lens)):
+        packed = state is not None and state.units is not None
+        first = state.packed if packed else 0
+        tail = unit_index(slots[j, first:n].cpu(), layers, heads)
+        for layer in range(layers):
+            for head in range(heads):
+                own = state.units[layer, head, : int(state.unit_lens[layer, head])].cpu().long() if packed else \
+                    torch.zeros(0, dtype=torch.int64)
+                row = torch.cat([own, tail[layer, head]])
+                units[layer, j, head, : row.numel()] = row
+                lens[layer, j, head] = row.numel()
+    return units, lens
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 12), st.integers(0, 6)), min_size=1, max_size=6),
+    layers=st.integers(1, 3), heads=st.integers(1, 3), spare=st.integers(0, 3), seed=st.integers(0, 10_000),
+)
+def test_block_tables_against_one_head_at_a_time(device, rows, layers, heads, spare, seed) -> None:
+    """The batched tables (`block_tables`) equal a reference built one (request, layer, head) at a
+    time, for requests with no state, unpacked, packed (int64 tables, or int32 as a shared
+    document's) and tails of any length, in a table `spare` columns wider than it needs."""
+    from sgl_kvc.core.request_state import block_tables
+
+    g = torch.Generator().manual_seed(seed)
+    states, lens = [], []
+    for kind, k, tail in rows:
+        if kind == 0:
+            states.append(None)
+            lens.append(k + tail)
+            continue
+        state = SimpleNamespace(units=None, unit_lens=None, packed=0)
+        if kind >= 2:
+            unit_lens = torch.randint(0, k + 1, (layers, heads), generator=g)
+            units = torch.randint(0, 9999, (layers, heads, k), generator=g) * (torch.arange(k) < unit_lens[..., None])
+            state.units = (units.int() if kind == 3 else units).to(device)
+            state.unit_lens = unit_lens.to(device)
+            state.packed = math.ceil(int(unit_lens.sum()) / (layers * heads))
+        states.append(state)
+        lens.append(state.packed + tail if kind >= 2 else k + tail)
+    slots = torch.randint(0, 500, (len(rows), max(lens) + 1), generator=g)
+    width = spare + max((int(s.units.shape[-1]) + n - s.packed) if s is not None and s.units is not None else n
+                        for s, n in zip(states, lens))
+    units, head_lens = block_tables(states, slots.to(device), lens, layers, heads, width)
+    want_units, want_lens = _reference_tables(states, slots, lens, layers, heads, width)
+    assert units.device.type == torch.device(device).type
+    assert torch.equal(units.cpu(), want_units) and torch.equal(head_lens.cpu(), want_lens)
