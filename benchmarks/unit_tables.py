@@ -11,7 +11,8 @@ every layer and KV head) and a padding mask. On the unit pool (`--kv-head-budget
 every slot appended since, after each head's own. Both are timed here alone (median of `--reps`
 calls, one thread), with B requests that each keep between `budget / 2` and `budget` entries per head
 and hold up to `--buffer` more since their last compaction, for three model shapes: the demo model
-of the throughput benchmark, SmolLM2-135M and Llama-3.1-8B.
+of the throughput benchmark, SmolLM2-135M and Llama-3.1-8B. `--baseline COMMIT` times that
+commit's `block_tables` too, in the same run, on the same requests (`per_head_ms@COMMIT`).
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Callable
 
 import torch
 
-from benchmarks.common import metadata_markdown, run_metadata
+from benchmarks.common import REPO, metadata_markdown, run_metadata
 from sgl_kvc.core.request_state import block_tables
 
 SHAPES = {"demo (2 layers, 2 KV heads)": (2, 2), "SmolLM2-135M (30, 3)": (30, 3), "Llama-3.1-8B (32, 8)": (32, 8)}
@@ -44,7 +47,19 @@ def _median_ms(fn: Callable[[], object], reps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def case(layers: int, heads: int, batch: int, budget: int, buffer: int, reps: int, seed: int = 0) -> dict:
+def baseline_block_tables(commit: str) -> Callable:
+    """`block_tables` as `core/request_state.py` was at `commit` (its source run as a module of its
+    own, beside this checkout's package)."""
+    source = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}:sgl_kvc/core/request_state.py"],
+                            check=True, capture_output=True, text=True).stdout
+    module = ModuleType(f"request_state_{commit}")
+    sys.modules[module.__name__] = module  # its dataclasses look their module up
+    exec(compile(source, f"{commit}:sgl_kvc/core/request_state.py", "exec"), module.__dict__)
+    return module.block_tables
+
+
+def case(layers: int, heads: int, batch: int, budget: int, buffer: int, reps: int, seed: int = 0,
+         baselines: dict[str, Callable] | None = None) -> dict:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     states, row_lens = [], []
@@ -58,8 +73,8 @@ def case(layers: int, heads: int, batch: int, budget: int, buffer: int, reps: in
     width = max(int(s.units.shape[-1]) + n - s.packed for s, n in zip(states, row_lens))
     rows = torch.arange(batch)
 
-    def per_head() -> object:
-        return block_tables(states, req_to_token[rows, : max(row_lens)], row_lens, layers, heads, width)
+    def per_head(build: Callable = block_tables) -> object:
+        return build(states, req_to_token[rows, : max(row_lens)], row_lens, layers, heads, width)
 
     # a uniform row of as many entries per head (budget, then its tail): what `DecodeStep.build` makes
     uniform_lens = [budget + n - s.packed for s, n in zip(states, row_lens)]
@@ -72,9 +87,11 @@ def case(layers: int, heads: int, batch: int, budget: int, buffer: int, reps: in
         pad = torch.arange(n_max)[None, :] >= lens[:, None]
         return torch.where(pad, slots[:, :1], slots), pad
 
-    return {"batch": batch, "per_head_ms": round(_median_ms(per_head, reps), 3),
-            "uniform_ms": round(_median_ms(uniform, reps), 3),
-            "table_mib": round(layers * batch * heads * (width + 1) * 8 / 2**20, 2)}
+    out = {"batch": batch, "per_head_ms": round(_median_ms(per_head, reps), 3)}
+    for name, build in (baselines or {}).items():
+        out[f"per_head_ms@{name}"] = round(_median_ms(lambda: per_head(build), reps), 3)
+    return {**out, "uniform_ms": round(_median_ms(uniform, reps), 3),
+            "table_mib": round(layers * batch * heads * width * 8 / 2**20, 2)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,16 +100,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget", type=int, default=64)
     p.add_argument("--buffer", type=int, default=128)
     p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--baseline", default=None, metavar="COMMIT", help="also time block_tables as it was at COMMIT")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    baselines = {args.baseline: baseline_block_tables(args.baseline)} if args.baseline else {}
     meta = run_metadata("benchmarks.unit_tables", argv)
-    rows = [{"shape": name, **case(layers, heads, b, args.budget, args.buffer, args.reps)}
+    rows = [{"shape": name, **case(layers, heads, b, args.budget, args.buffer, args.reps, baselines=baselines)}
             for name, (layers, heads) in SHAPES.items() for b in args.batches]
     args.out.mkdir(parents=True, exist_ok=True)
-    setup = {"budget": args.budget, "buffer": args.buffer, "reps": args.reps, "threads": 1}
+    setup = {"budget": args.budget, "buffer": args.buffer, "reps": args.reps, "threads": 1, "baseline": args.baseline}
     (args.out / "unit-tables.json").write_text(json.dumps({"meta": meta, "setup": setup, "rows": rows}, indent=1) + "\n")
-    head = ["shape", "batch", "per_head_ms", "uniform_ms", "table_mib"]
+    head = list(rows[0])
     body = "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
                       *("| " + " | ".join(str(r[h]) for h in head) + " |" for r in rows)])
     (args.out / "unit-tables.md").write_text(
