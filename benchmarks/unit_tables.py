@@ -9,7 +9,7 @@ every layer and KV head) and a padding mask. On the unit pool (`--kv-head-budget
 `variable`) it is a per-head table of units for every layer (`core/request_state.block_tables`:
 [L, b, H_kv, N]), each request's packed entries (a compaction's, `unit_lens[l, h]` per head) then
 every slot appended since, after each head's own. Both are timed here alone (median of `--reps`
-calls, one thread), with B requests that each keep between `budget / 2` and `budget` entries per head
+calls each, interleaved, one thread), with B requests that each keep between `budget / 2` and `budget` entries per head
 and hold up to `--buffer` more since their last compaction, for three model shapes: the demo model
 of the throughput benchmark, SmolLM2-135M and Llama-3.1-8B. `--baseline COMMIT` times that
 commit's `block_tables` too, in the same run, on the same requests (`per_head_ms@COMMIT`).
@@ -36,15 +36,20 @@ from sgl_kvc.core.request_state import block_tables
 SHAPES = {"demo (2 layers, 2 KV heads)": (2, 2), "SmolLM2-135M (30, 3)": (30, 3), "Llama-3.1-8B (32, 8)": (32, 8)}
 
 
-def _median_ms(fn: Callable[[], object], reps: int) -> float:
+def _median_ms(fns: list[Callable[[], object]], reps: int) -> list[float]:
+    """The median milliseconds of each of `fns`, timed interleaved (one call of each per round,
+    the order turned every round), so that the machine's drift meets them alike."""
     for _ in range(max(3, reps // 10)):
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(reps):
+        order = list(range(len(fns)))
+        for i in order[r % len(fns):] + order[: r % len(fns)]:
+            t = time.perf_counter()
+            fns[i]()
+            times[i].append(time.perf_counter() - t)
+    return [1e3 * statistics.median(ts) for ts in times]
 
 
 def baseline_block_tables(commit: str) -> Callable:
@@ -87,11 +92,10 @@ def case(layers: int, heads: int, batch: int, budget: int, buffer: int, reps: in
         pad = torch.arange(n_max)[None, :] >= lens[:, None]
         return torch.where(pad, slots[:, :1], slots), pad
 
-    out = {"batch": batch, "per_head_ms": round(_median_ms(per_head, reps), 3)}
-    for name, build in (baselines or {}).items():
-        out[f"per_head_ms@{name}"] = round(_median_ms(lambda: per_head(build), reps), 3)
-    return {**out, "uniform_ms": round(_median_ms(uniform, reps), 3),
-            "table_mib": round(layers * batch * heads * width * 8 / 2**20, 2)}
+    names = ["per_head_ms", *(f"per_head_ms@{name}" for name in baselines or {}), "uniform_ms"]
+    fns = [per_head, *(lambda build=build: per_head(build) for build in (baselines or {}).values()), uniform]
+    out = {"batch": batch, **{n: round(ms, 3) for n, ms in zip(names, _median_ms(fns, reps))}}
+    return {**out, "table_mib": round(layers * batch * heads * width * 8 / 2**20, 2)}
 
 
 def main(argv: list[str] | None = None) -> None:
