@@ -18,10 +18,11 @@ An ASGI middleware on `POST /v1/chat/completions`, `POST /v1/completions` and SG
   score them (KVzip, per request or the server's; the scheduler refuses it too, on every entry
   point).
 A good body goes on unchanged (or with `kv_compression` moved into `custom_params`); the
-response, streamed or not, is untouched but for one header (`x-sgl-kvc-warning`) where the request's
-prompt policy is served with less than its own allocation (`request_settings.allocation_warning`:
-KVzip with uniform head budgets), so that no request loses quality silently. Out-of-vocabulary token ids are checked
-later, where every entry point passes (`sgl_kvc.adapter.scheduling.request_guard`).
+response, streamed or not, is untouched but for one header (`x-sgl-kvc-warning`) where the
+request's prompt policy is served with less than its own allocation
+(`request_settings.allocation_warning`: KVzip with uniform head budgets), so that no request loses
+quality silently. Out-of-vocabulary token ids are checked later, where every entry point passes
+(`sgl_kvc.adapter.scheduling.request_guard`).
 """
 
 from __future__ import annotations
@@ -258,10 +259,10 @@ def inspect_body(route: str, body: bytes, config: KvcConfig | None, fields: dict
         else:
             _validate_openai(route, data, body)
             changed = apply_openai_settings(data, config, chat=route == CHAT, multimodal=_multimodal())
+        if warnings is not None and (warning := body_warning(data, config, generate=route == GENERATE)):
+            warnings.append(warning)
     except RequestSettingError as e:
         raise BodyError(400, _sentence(f"Invalid '{e.param}': {e}"), e.param) from None
-    if warnings is not None and (warning := body_warning(data, config, generate=route == GENERATE)):
-        warnings.append(warning)
     return orjson.dumps(data) if changed else body
 
 

@@ -17,10 +17,10 @@ from typing import Any
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.request_settings import (
     CUSTOM_PARAMS_KEY,
-    allocation_warning,
     FIELD,
     RequestCompression,
     RequestSettingError,
+    allocation_warning,
     from_custom_params,
     multimodal_conflict,
     parse_kv_compression,
@@ -115,9 +115,10 @@ def body_warning(data: dict, config: KvcConfig | None, generate: bool) -> str | 
         customs = [data.get("custom_params")]
     for custom in customs:
         own = custom.get(CUSTOM_PARAMS_KEY) if isinstance(custom, dict) else None
-        if isinstance(own, dict):  # its document decides nothing of it (and may name chat messages)
-            custom = {CUSTOM_PARAMS_KEY: {k: v for k, v in own.items() if k != "document"}}
-        if warning := allocation_warning(from_custom_params(custom), config):
+        # checked already; its document decides nothing of it (and may name chat messages); a
+        # shape left to SGLang's own validation counts as none (the server's settings)
+        own = {k: v for k, v in own.items() if k != "document"} if isinstance(own, dict) else None
+        if warning := allocation_warning(from_custom_params(None if own is None else {CUSTOM_PARAMS_KEY: own}), config):
             return warning
     return None
 

@@ -389,3 +389,8 @@ def test_kvzip_on_uniform_head_budgets_is_warned_per_request() -> None:
                         (RKV, chat(kv_compression={"prompt_policy": "kvzip", "selection": "shared"})),
                         (server_kvzip, chat(kv_compression={"prompt_policy": "snapkv"}))):
         assert warning not in _response_headers(config, CHAT, obj), obj
+    # shapes left to SGLang's own validation are forwarded as before, with the server's settings
+    for body in ({"text": "a", "sampling_params": [1, "x", None]}, {"text": "a", "sampling_params": "x"},
+                 {"text": "a", "sampling_params": []}, {"text": "a", "sampling_params": [{"custom_params": None}]}):
+        assert warning in _response_headers(server_kvzip, GENERATE, body)
+        assert warning not in _response_headers(RKV, GENERATE, body)
