@@ -273,9 +273,9 @@ def demo_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def openai_client(kvc_server: ServerProcess):
-    import openai
+    from request_mix import openai_client
 
-    return openai.OpenAI(base_url=kvc_server.url + "/v1", api_key="none", max_retries=0)
+    return openai_client(kvc_server.url, timeout=600)
 
 
 def pytest_report_header(config: pytest.Config) -> str:

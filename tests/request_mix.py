@@ -221,6 +221,22 @@ def problems(req: MixRequest, answer: Answer, pool_limited: bool = False) -> lis
     return found
 
 
+# SGLang closes a connection idle for SGLANG_TIMEOUT_KEEP_ALIVE (5 s); httpx keeps one idle for 5 s
+# too, so a request sent on a connection idle that long races the server's close and fails with
+# "Connection error." (the clients here never retry). The client drops idle connections first.
+CLIENT_KEEPALIVE_S = 2.0
+
+
+def openai_client(url: str, timeout: float = 300) -> openai.OpenAI:
+    """An OpenAI client of the server at `url` that never retries and never reuses a connection
+    the server may be closing (`CLIENT_KEEPALIVE_S`)."""
+    import httpx
+
+    http = openai.DefaultHttpxClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100,
+                                                         keepalive_expiry=CLIENT_KEEPALIVE_S))
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout, http_client=http)
+
+
 def run_bursts(
     server: Any, seed: int, bursts: int, per_burst: int, max_words: int = 300, pool_limited: bool = False,
 ) -> dict[str, int]:
@@ -229,7 +245,7 @@ def run_bursts(
     `pool_limited`: the server's pool is smaller than some prompts of the mix (see `POOL_LIMITS`)."""
     before = server.wait_idle()
     policy, model = before["policy"], server.get("/v1/models").json()["data"][0]["id"]
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    client = openai_client(server.url)
     counts = {"requests": 0, "ok": 0, "rejected": 0, "streamed": 0, "disconnected": 0}
     for burst in range(bursts):
         mix = make_mix(seed + burst, per_burst, model, policy, max_words=max_words, prompt_policy_now=before["prompt_policy"])
