@@ -30,6 +30,8 @@ from typing import Any, Callable
 import openai
 import requests
 
+from request_mix import openai_client
+
 GENERATE, COMPLETIONS, CHAT, SCORE = "/generate", "/v1/completions", "/v1/chat/completions", "/v1/score"
 
 # What differs between any two responses, even of one server: request ids, timestamps, latencies.
@@ -70,7 +72,7 @@ class Target:
 
     @classmethod
     def at(cls, url: str) -> "Target":
-        return cls(url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300))
+        return cls(url, openai_client(url))
 
 
 def _with_kvc(case: Case, kvc: dict[str, Any] | None) -> dict[str, Any]:

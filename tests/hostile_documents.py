@@ -47,11 +47,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-import openai
 import requests
 
 from kvc_reference import assert_pool_whole
-from request_mix import WORDS, make_mix
+from request_mix import WORDS, make_mix, openai_client
 from request_mix import problems as mix_problems
 from request_mix import send as mix_send
 from sgl_kvc.request_settings import MAX_BUDGET
@@ -734,7 +733,7 @@ def run_bursts(server: Any, t: Target, seed: int, bursts: int, hostile: int, ord
     context = t.max_prompt < SHORT_CONTEXT
     before = server.wait_idle()
     quiet = tenant_answers(server, t)
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    client = openai_client(server.url)
     counts = {"hostile": 0, "served": 0, "refused": 0, "hung_up": 0, "ordinary": 0}
     for burst in range(bursts):
         s = seed + burst
