@@ -145,6 +145,16 @@ def start_pass(
     )
 
 
+def advance(
+    store: KvcStore, row: int, state: ReqKvState, n: int, work: StepWork, mode: str, i: int = 0,
+) -> DueCompaction | None:
+    """Score what `work` allows of the request's pending pass: `advance_variable` where it reads
+    per-head tables (the unit pool, `mode` its `--kv-head-budget`), else `advance_uniform`."""
+    if state.pending.tables is not None:
+        return advance_variable(store, row, state, n, work, mode, i)
+    return advance_uniform(store, row, state, n, work, i)
+
+
 def advance_uniform(
     store: KvcStore, row: int, state: ReqKvState, n: int, work: StepWork, i: int = 0,
 ) -> DueCompaction | None:

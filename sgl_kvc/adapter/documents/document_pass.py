@@ -45,7 +45,7 @@ from sgl_kvc.adapter.safety import failpoints, invariants
 from sgl_kvc.adapter.safety.failures import failure
 from sgl_kvc.adapter.safety.tp import anywhere
 from sgl_kvc.core.moves import move_unit_entries, move_units_many, packed_slots, unit_moves
-from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
+from sgl_kvc.core.passes import StepWork, advance, start_pass
 from sgl_kvc.core.reconstruction import CarriedScores, carry_scores
 from sgl_kvc.core.request_state import Budget, ReqKvState
 
@@ -239,10 +239,7 @@ def _choose(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, st
     tables = state.tables(slots, *store.unit_layout) if packed else None
     state.pending = start_pass(store, row, state, state.policy, d, k, "prefill", tables)
     scores = state.pending.reconstruction  # KVzip's, kept with the document (`Compressed.carried`)
-    if packed:
-        due = advance_variable(store, row, state, d, StepWork.unlimited(), compressor.config.kv_head_budget, i)
-    else:
-        due = advance_uniform(store, row, state, d, StepWork.unlimited(), i)
+    due = advance(store, row, state, d, StepWork.unlimited(), compressor.config.kv_head_budget, i)
     if due is None:
         raise RuntimeError("an unlimited document pass did not finish")
     entries = due.selection.total if packed else int(due.kept_positions.numel())

@@ -59,7 +59,7 @@ from sgl_kvc.adapter.documents.links import Compressed, Document, Turn, compact_
 from sgl_kvc.adapter.documents.plan import declared, extends, extension_due, extension_lost, may_reply, plan_of
 from sgl_kvc.adapter.documents.registry import DocumentRegistry, insert_child, insert_document, node_path, registry_of
 from sgl_kvc.adapter.safety import failpoints
-from sgl_kvc.core.passes import StepWork, advance_uniform, advance_variable, start_pass
+from sgl_kvc.core.passes import StepWork, advance, start_pass
 from sgl_kvc.core.reconstruction import CarriedScores, carry_scores
 from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.policies import HeadSelection
@@ -148,10 +148,7 @@ def _choose(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, pa
     state.pending = start_pass(store, row, state, state.policy, n, own if packed else held + own, "prefill",
                                tables, held=held)
     scores = state.pending.reconstruction
-    if packed:
-        due_pass = advance_variable(store, row, state, n, StepWork.unlimited(), compressor.config.kv_head_budget, i)
-    else:
-        due_pass = advance_uniform(store, row, state, n, StepWork.unlimited(), i)
+    due_pass = advance(store, row, state, n, StepWork.unlimited(), compressor.config.kv_head_budget, i)
     if due_pass is None:
         raise RuntimeError("an unlimited extension pass did not finish")
     selection = due_pass.selection

@@ -57,7 +57,7 @@ from sgl_kvc.adapter.scheduling.requests import chunk_compressible, insert_exact
 from sgl_kvc.adapter.telemetry.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.adapter.telemetry.trace import CompactionTrace
 from sgl_kvc.config import KERNEL_DECODE_ATTENTION, KvcConfig
-from sgl_kvc.core.passes import DueCompaction, StepWork, advance_uniform, advance_variable, start_pass
+from sgl_kvc.core.passes import DueCompaction, StepWork, advance, start_pass
 from sgl_kvc.core.query_moments import QueryMoments
 from sgl_kvc.core.reconstruction import carry_through, question_tokens
 from sgl_kvc.core.request_state import ReqKvState
@@ -586,10 +586,7 @@ class Compressor:
         t0 = time.perf_counter()
         row = batch.reqs[i].kv.req_pool_idx
         n = int(batch.seq_lens_cpu[i])
-        if state.pending.tables is not None:
-            due = advance_variable(self.store, row, state, n, work, self.config.kv_head_budget, i)
-        else:
-            due = advance_uniform(self.store, row, state, n, work, i)
+        due = advance(self.store, row, state, n, work, self.config.kv_head_budget, i)
         if due is not None:
             self._due.append(due)
         self.account(time.perf_counter() - t0)
