@@ -134,8 +134,7 @@ def block_tables(
         req, col = to_device(req, device), to_device(col, device)
         first = host_tensor(packed, device)
         tail_slots = slots[req, first[req] + col].to(torch.int64)
-        layer_head = torch.arange(L, device=device)[:, None] * H + torch.arange(H, device=device)[None, :]
-        values = (tail_slots * (L * H))[None, None, :] + layer_head[..., None]  # `unit_index`, [L, H, items]
+        values = unit_index(tail_slots, L, H)  # [L, H, items]
         dst = head_lens.permute(0, 2, 1)[:, :, req]  # [L, H, items]: the flat index in `units`
         dst += ((torch.arange(L, device=device)[:, None] * (b * H) + torch.arange(H, device=device)[None, :])
                 * width)[..., None]
