@@ -57,6 +57,8 @@ DEFAULT_DOCUMENT_DEPTH = 16
 # Each link of a chain holds the chain's links above it (`documents/links.py`: flat, no walk), so a
 # chain's references grow with the square of its depth: bounded here, whatever an operator asks.
 MAX_DOCUMENT_DEPTH = 1024
+# `--kv-head-budget auto`: the launcher picks `policy` where the unit pool can serve, else `uniform`.
+HEAD_BUDGET_AUTO = "auto"
 _P = PolicyParams()
 
 
@@ -93,15 +95,18 @@ class KvcConfig:
         ),
     )
     kv_head_budget: str = field(
-        default="uniform",
+        default=HEAD_BUDGET_AUTO,
         metadata=_flag(
             "Per-head selection's budget: uniform (every (layer, KV head) keeps --kv-budget "
-            "tokens), layer (Ada-SnapKV: one sort per layer, each layer keeping --kv-budget x KV "
-            "heads) or variable (KV-Compress: the request keeps --kv-budget x layers x KV heads "
-            "entries in all, one sort over layer x head x token for KV-Compress, per layer for the "
-            "attention sums of the others). KVzip sorts every head at once under variable and layer, "
-            "and keeps the same tokens in every head under uniform. variable and layer need the "
-            "torch_native backend and batched decode attention."
+            "tokens; KVzip keeps the same tokens in every head), policy (the unit pool: KVzip sorts "
+            "every head at once, as its paper does; every other policy keeps --kv-budget per head, "
+            "as under uniform, and decodes as fast), layer (Ada-SnapKV: one sort per layer, each "
+            "layer keeping --kv-budget x KV heads) or variable (KV-Compress: the request keeps "
+            "--kv-budget x layers x KV heads entries in all, one sort over layer x head x token for "
+            "KV-Compress, per layer for the attention sums of the others). KVzip sorts every head at "
+            "once under policy, layer and variable, which need one rank, the torch_native or triton "
+            "backend and batched decode attention. auto (the default): policy where the server can "
+            "have it, else uniform; the launcher says which in one line."
         ),
     )
     kv_pass_work: int = field(
@@ -260,9 +265,9 @@ class KvcConfig:
             )
         if self.kv_selection not in SELECTIONS:
             raise ValueError(f"--kv-selection must be one of {list(SELECTIONS)}, got {self.kv_selection!r}")
-        if self.kv_head_budget not in BUDGET_MODES:
+        if self.kv_head_budget not in (HEAD_BUDGET_AUTO, *BUDGET_MODES):
             raise ValueError(
-                f"--kv-head-budget must be one of {list(BUDGET_MODES)}, got {self.kv_head_budget!r}"
+                f"--kv-head-budget must be one of {[HEAD_BUDGET_AUTO, *BUDGET_MODES]}, got {self.kv_head_budget!r}"
             )
         if self.variable_budget:
             # Heads of a packed request hold different numbers of entries: only sgl-kvc's
@@ -320,9 +325,10 @@ class KvcConfig:
 
     @property
     def variable_budget(self) -> bool:
-        """Heads keep different numbers of entries (`--kv-head-budget variable` or `layer`),
-        served from the unit pool."""
-        return self.compressing and self.kv_head_budget != "uniform"
+        """Heads may keep different numbers of entries (`--kv-head-budget policy`, `variable` or
+        `layer`), served from the unit pool. `auto` is resolved by the launcher
+        (`launch.resolve_head_budget`); a config that reaches a server unresolved is uniform."""
+        return self.compressing and self.kv_head_budget not in ("uniform", HEAD_BUDGET_AUTO)
 
     @property
     def fp8_kv(self) -> str | None:
@@ -390,7 +396,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "kv_decode_attention": DECODE_ATTENTION,
     "kv_chunk_window": CHUNK_WINDOWS,
     "kv_document_extend": DOCUMENT_EXTENDS,
-    "kv_head_budget": BUDGET_MODES,
+    "kv_head_budget": (HEAD_BUDGET_AUTO, *BUDGET_MODES),
     "rkv_exemption": RKV_EXEMPTIONS,
 }
 

@@ -23,7 +23,7 @@ from sgl_kvc.compat import standins
 
 standins.install()  # before anything imports SGLang (also re-run in spawned children)
 
-from sgl_kvc.config import KvcConfig  # noqa: E402
+from sgl_kvc.config import HEAD_BUDGET_AUTO, KERNEL_DECODE_ATTENTION, KvcConfig  # noqa: E402
 from sgl_kvc.request_settings import RequestCompression, allocation_warning as request_allocation_warning  # noqa: E402
 
 logger = logging.getLogger("sgl_kvc.launch")
@@ -66,6 +66,17 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _gpu_capability() -> tuple[int, int] | None:
+    """The GPU's compute capability, or None where it cannot be read."""
+    import torch
+
+    try:
+        major, minor = torch.cuda.get_device_capability()
+    except (AssertionError, RuntimeError):
+        return None
+    return int(major), int(minor)
 
 
 def flashinfer_installed() -> bool:
@@ -195,8 +206,11 @@ def parse_args(argv: list[str]) -> tuple[KvcConfig, list[str]]:
         )
 
     on_gpu = _cuda_available()
-    default = default_attention_backend(on_gpu, config.fp8_kv is not None, config.variable_budget,
-                                        flashinfer_installed() if on_gpu else True)
+    flashinfer = flashinfer_installed() if on_gpu else True
+    config, line = resolve_head_budget(config, rest, on_gpu, flashinfer, _gpu_capability() if on_gpu else None)
+    if line:
+        logger.warning(line)
+    default = default_attention_backend(on_gpu, config.fp8_kv is not None, config.variable_budget, flashinfer)
     problem = unsupported(config, rest, default_backend=default)
     if problem:
         parser.error(problem)
@@ -205,6 +219,48 @@ def parse_args(argv: list[str]) -> tuple[KvcConfig, list[str]]:
 
 # The attention backends that read sgl-kvc's own pools (FP8, and the unit pool of variable budgets).
 KVC_POOL_BACKENDS: tuple[str, ...] = ("torch_native", "triton")
+
+
+def unit_pool_unavailable(config: KvcConfig, argv: list[str], on_gpu: bool, flashinfer: bool = True,
+                          capability: tuple[int, int] | None = None) -> str | None:
+    """Why a compressing server with SGLang flags `argv` cannot have the unit pool, in a few words;
+    None if it can. `flashinfer`: whether FlashInfer is installed (on a GPU: a server that names no
+    backend keeps FlashInfer, which reads SGLang's own pool only); `capability`: the GPU's."""
+    if config.kv_selection != "per-head":
+        return f"--kv-selection {config.kv_selection}"
+    if config.kv_decode_attention not in KERNEL_DECODE_ATTENTION:
+        return f"--kv-decode-attention {config.kv_decode_attention}"
+    tp = _flag_value(argv, "--tp-size") or _flag_value(argv, "--tensor-parallel-size") or "1"
+    if tp != "1":
+        return f"--tp-size {tp}"
+    main = _flag_value(argv, "--attention-backend") or default_attention_backend(
+        on_gpu, config.fp8_kv is not None, False, flashinfer)
+    for flag in ("--attention-backend", "--decode-attention-backend", "--prefill-attention-backend"):
+        value = _flag_value(argv, flag) or main
+        if value not in KVC_POOL_BACKENDS:
+            return f"{flag} {value}"
+    if on_gpu and capability is not None and gpu_unsupported(replace(config, kv_head_budget="policy"), capability):
+        return f"a GPU of compute capability {capability[0]}.{capability[1]}"
+    return None
+
+
+def resolve_head_budget(config: KvcConfig, argv: list[str], on_gpu: bool, flashinfer: bool = True,
+                        capability: tuple[int, int] | None = None) -> tuple[KvcConfig, str | None]:
+    """`--kv-head-budget auto` made explicit: `policy` (the unit pool; KVzip gets its one sort over
+    every head, every other policy uniform rows) where the server can have the unit pool, else
+    `uniform`; and the line the launcher logs about it (None: nothing to say)."""
+    if config.kv_head_budget != HEAD_BUDGET_AUTO:
+        return config, None
+    if not config.compressing:
+        return config, None  # no pool of sgl-kvc's: `auto` is uniform (`KvcConfig.variable_budget`)
+    why = unit_pool_unavailable(config, argv, on_gpu, flashinfer, capability)
+    if why is None:
+        return replace(config, kv_head_budget="policy"), (
+            "sgl-kvc: --kv-head-budget policy (auto): the unit pool; KVzip sorts every head at once, "
+            "the other policies keep --kv-budget per head (--kv-head-budget uniform: SGLang's own pool)")
+    return replace(config, kv_head_budget="uniform"), (
+        f"sgl-kvc: --kv-head-budget uniform (auto): {why} rules the unit pool out, so KVzip keeps "
+        "the same tokens in every head")
 
 
 def allocation_warning(config: KvcConfig) -> str | None:

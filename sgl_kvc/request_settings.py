@@ -204,11 +204,11 @@ def allocation_warning(settings: RequestCompression, config: "KvcConfig | None")
     """Why a request with valid `settings` is served on a server started with `config` with less
     than its prompt policy's own allocation, in one line; None where it is not. A policy whose
     scores are made for one sort over every head (`Policy.global_sort`: KVzip) keeps, where every
-    head keeps the same number of entries (`--kv-head-budget uniform`), one set of tokens for every
+    head keeps the same number of entries (`--kv-head-budget uniform`, or `auto` unresolved), one set of tokens for every
     head instead, which lost facts one sort keeps (docs/quality.md, "Which allocation each policy
     gets"). The HTTP layer sends it with the response (`WARNING_HEADER`), the launcher logs it for
     the server's own prompt policy: served, but never silently."""
-    if config is None or not config.compressing or config.kv_head_budget != "uniform":
+    if config is None or not config.compressing or config.variable_budget:
         return None
     resolved = settings.resolve(config)
     if not resolved.compressing or resolved.selection != "per-head":
@@ -218,7 +218,8 @@ def allocation_warning(settings: RequestCompression, config: "KvcConfig | None")
         return None
     return (f"prompt policy {name} on a server with uniform head budgets keeps one set of tokens for every head, "
             "not its one sort over every head, and can lose facts that sort keeps (docs/quality.md); "
-            "a server started with --kv-head-budget layer serves it as its paper does")
+            "a server with the unit pool (--kv-head-budget policy, the default on one rank with the "
+            "torch_native or triton backend) serves it as its paper does")
 
 
 def server_conflict(settings: RequestCompression, config: "KvcConfig | None", field: str = FIELD) -> RequestSettingError | None:

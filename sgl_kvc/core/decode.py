@@ -182,13 +182,18 @@ class DecodeStep:
                                 table_layers=0 if units is None else units[0])
             runs = _fused_blocks(picked, lens, stats, shape, FUSED_BLOCK_BYTES if block_bytes is None else block_bytes)
             plain: set[int] = set()
+            tabled = set(picked) if units is not None else set()
         else:
             # Intact requests in blocks of their own (read as plain SGLang reads them, where the
             # dtype asks for it), the others after them; each longest first.
             plain = {i for i in picked if attends and intact_apart and _intact(states.get(rows[i]))}
+            # On the unit pool, a request whose heads keep equal numbers (not packed) is read
+            # through its row as on a uniform pool, in blocks of its own: no tables to build.
+            tabled = set() if units is None else {i for i in picked if i not in plain and _packed(states.get(rows[i]))}
             per_block = max(1, DECODE_BLOCK_ELEMS // max(1, token_elems))
-            runs = [run for part in ([i for i in picked if i in plain], [i for i in picked if i not in plain])
-                    for run in _blocks(sorted(part, key=lambda i: -lens[i]), lens, per_block)]
+            parts = ([i for i in picked if i in plain], [i for i in picked if i not in plain and i not in tabled],
+                     [i for i in picked if i in tabled])
+            runs = [run for part in parts for run in _blocks(sorted(part, key=lambda i: -lens[i]), lens, per_block)]
         keeping_order = [i for run in runs for i in run if i in stats]
         slab = None
         if keeping_order:
@@ -206,14 +211,14 @@ class DecodeStep:
             probs_rows = None if len(keeping) == len(members) or not keeping else host_tensor(keeping, device)
             logit_rows = None
             is_plain = members[0] in plain
-            if keeping and (units is not None or fused) and not is_plain:  # per-head kernels write their logits
+            if keeping and (members[0] in tabled or fused) and not is_plain:  # per-head kernels write their logits
                 slot_of = [-1] * len(members)
                 for r, j in enumerate(keeping):
                     slot_of[j] = r
                 slots_d, rows_d = host_tensor(slot_of + keeping, device).split([len(members), len(keeping)])
                 logit_rows = LogitRows(slots=slots_d, rows=rows_d, count=len(keeping),
                                        width=max(lens[members[j]] for j in keeping))
-            if units is not None and not is_plain:  # read through per-head tables: no slot rows to gather
+            if members[0] in tabled:  # read through per-head tables: no slot rows to gather
                 m_rows = [row_lens[i] for i in members]
                 block_units, block_lens = block_tables(
                     [states.get(rows[i]) for i in members], req_to_token[b_rows, : max(1, max(m_rows))],
@@ -316,6 +321,11 @@ class DecodeStep:
         them: one update per policy class, in place in the step's slab."""
         for g in block.groups:
             add_attention(self.slab.slab, layer - self.first_layer, g, probs=probs, logits=logits)
+
+
+def _packed(state: "ReqKvState | None") -> bool:
+    """A request whose kept entries are packed in the unit pool (`ReqKvState.units`)."""
+    return state is not None and state.units is not None
 
 
 def _intact(state: "ReqKvState | None") -> bool:

@@ -242,13 +242,22 @@ def _layer_view(store: KvcStore, row: int, state: ReqKvState, p: PendingPass, la
 
 
 def allocation(policy: Policy, mode: str) -> str:
-    """How a pass of `policy` on a unit-pool server in `mode` (`--kv-head-budget variable` or
-    `layer`) allocates the request's entries: "variable", one sort over layer x head x entry, for
-    scores made for it (`Policy.global_sort` on either server, `Policy.variable_sort` under
-    variable); "layer" otherwise, each layer keeping its share (Ada-KV)."""
+    """How a pass of `policy` on a unit-pool server in `mode` (`--kv-head-budget policy`,
+    `variable` or `layer`) allocates the request's entries: "variable", one sort over layer x head
+    x entry, for scores made for it (`Policy.global_sort` on any of them, `Policy.variable_sort`
+    under variable); "layer" otherwise, each layer keeping its share (Ada-KV)."""
     if policy.global_sort or (mode == "variable" and policy.variable_sort):
         return "variable"
     return "layer"
+
+
+def reads_tables(mode: str, policy: Policy, packed: bool) -> bool:
+    """Whether a pass of `policy` over a request on a unit-pool server in `mode` reads it through
+    per-head tables, and packs what it keeps (else it keeps `--kv-budget` in every head, in the
+    request's row, as on a uniform server, and the request decodes as fast). Under `policy` only a
+    policy whose scores are sorted once over every head (KVzip) packs, and a request packed once
+    stays packed (its heads hold different numbers); under `variable` and `layer` every pass packs."""
+    return mode != "policy" or policy.global_sort or packed
 
 
 def advance_variable(

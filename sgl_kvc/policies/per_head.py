@@ -63,8 +63,8 @@ from torch import Tensor
 
 from .base import LayerView, Policy
 
-BudgetMode = Literal["uniform", "variable", "layer"]
-BUDGET_MODES: tuple[str, ...] = ("uniform", "variable", "layer")
+BudgetMode = Literal["uniform", "policy", "variable", "layer"]
+BUDGET_MODES: tuple[str, ...] = ("uniform", "policy", "variable", "layer")
 # How a request's kept tokens are chosen: each (layer, KV head) its own ("per-head", what the
 # papers do), or one set for the whole request ("shared": scores averaged over heads and layers).
 SELECTIONS: tuple[str, ...] = ("per-head", "shared")

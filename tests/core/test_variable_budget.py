@@ -48,7 +48,7 @@ def _batch(allocator: FakeAllocator, n: int, state: ReqKvState):
     """A batch of one request of n entries, on the allocator's device (`seq_lens_cpu` is
     SGLang's host-side copy)."""
     device = allocator.device
-    r2t = torch.zeros(2, 256, dtype=torch.int32, device=device)
+    r2t = torch.zeros(3, 256, dtype=torch.int32, device=device)
     r2t[0, :n] = allocator.alloc(n).to(torch.int32)
     kv = SimpleNamespace(req_pool_idx=0, cache_protected_len=0)
     req = SimpleNamespace(kv=kv, state=state)
@@ -125,14 +125,16 @@ def test_variable_compactions_pack_every_heads_kept_entries(device, n, budget, l
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    rows=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 12), st.integers(0, 6)), min_size=1, max_size=6),
+    rows=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 12), st.integers(0, 6)), min_size=1, max_size=6),
     layers=st.integers(1, 3), heads=st.integers(1, 3), token_elems=st.sampled_from([1, 1 << 20]),
     seed=st.integers(0, 10_000),
 )
 def test_decode_step_tables_are_each_requests_own(device, rows, layers, heads, token_elems, seed) -> None:
     """The decode plan builds a block's per-head tables at once (`block_tables`); for every
-    request (packed, unpacked, or with no state) they equal what `ReqKvState.tables` gives it
-    alone, in every block size (`token_elems` of 2^20 puts each request in its own block)."""
+    packed request they equal what `ReqKvState.tables` gives it alone, in every block size
+    (`token_elems` of 2^20 puts each request in its own block). Requests whose heads all hold
+    their row (intact, with no state, or compressed to the same number in every head, as under
+    `--kv-head-budget policy`) are read through their rows as on SGLang's pool: no tables."""
     g = torch.Generator().manual_seed(seed)
     r2t = torch.randint(1, 500, (len(rows), 64), generator=g, dtype=torch.int32).to(device)
     states: dict[int, ReqKvState] = {}
@@ -151,6 +153,9 @@ def test_decode_step_tables_are_each_requests_own(device, rows, layers, heads, t
             state.kept_positions = torch.zeros(layers, heads, k, dtype=torch.int64, device=device)
             state.packed = math.ceil(int(state.unit_lens.sum()) / (layers * heads))
             lens.append(state.packed + tail)
+        elif kind == 3:  # compressed into its row, every head keeping k (a uniform pass)
+            state.kept_positions = torch.arange(k, device=device).expand(layers, heads, k) * 2
+            lens.append(k + tail)
         else:
             lens.append(k + tail)
         states[row] = state
@@ -165,7 +170,13 @@ def test_decode_step_tables_are_each_requests_own(device, rows, layers, heads, t
             assert list(block.plain_lens) == [lens[i] for i in members]
             seen += list(members)
             continue
-        assert block.slots is None and block.pad is None
+        if block.slots is not None:  # compressed into rows: read as on SGLang's pool
+            assert block.units is None and all(rows[i][0] == 3 for i in members)
+            assert [block.slots[j, : lens[i]].tolist() for j, i in enumerate(members)] == \
+                [r2t[i, : lens[i]].long().tolist() for i in members]
+            seen += list(members)
+            continue
+        assert block.pad is None and all(rows[i][0] == 2 for i in members)
         for j, i in enumerate(members):
             seen.append(i)
             slots = r2t[i, : lens[i]]
@@ -203,36 +214,42 @@ def test_decode_reads_packed_requests_through_their_tables(device: torch.device)
     r2t = batch.req_to_token_pool.req_to_token
     r2t[0, g : g + 3] = allocator.alloc(3).to(torch.int32)  # three tokens decoded since
     r2t[1, :3] = allocator.alloc(3).to(torch.int32)  # an unpacked request of 3 entries
-    lens = [g + 3, 3]
+    r2t[2, :5] = allocator.alloc(5).to(torch.int32)  # one compressed into its row (a uniform pass)
+    lens = [g + 3, 3, 5]
     store = KvcStore(layers, 4, r2t, pool)
     assert store.unit_layout == (layers, heads)
     store.attends = True
     store.begin(0, packed)
     store.begin(1, ReqKvState(policy=get_policy("snapkv"), budget=Budget(4), device=device))
+    rows_kept = ReqKvState(policy=get_policy("h2o"), budget=Budget(4), device=device)
+    store.begin(2, rows_kept)
+    rows_kept.kept_positions = torch.tensor([0, 3, 4, 8, 9], device=device).expand(layers, heads, 5)
     packed.stats = [None] * layers
-    store.begin_decode([0, 1], lens)
-    # The unpacked request is intact: on a CPU it is read through its row as plain SGLang reads it
-    # (a block of its own); a fused plan reads both through tables.
+    rows_kept.stats = [torch.zeros(heads, 4, device=device) for _ in range(layers)]
+    store.begin_decode([0, 1, 2], lens)
+    # The unpacked requests are read through their rows on a CPU, the intact one as plain SGLang
+    # reads it, each in a block of its own; a fused plan reads all three through tables.
     block = next(b for b in store.decode_step.blocks if b.units is not None)
-    assert len(store.decode_step.blocks) == (2 if device.type == "cpu" else 1)
+    assert len(store.decode_step.blocks) == (3 if device.type == "cpu" else 1)
     # Layers differ in width: the torch kernel reads each only as wide as its widest head (on
     # CUDA the plan leaves them unread: the Triton kernel walks each head's own length).
     assert block.widths == ((8, 7) if device.type == "cpu" else None) and block.units.shape[-1] == 8
-    q = torch.randn(2, heads * group, D, generator=torch.Generator().manual_seed(9)).to(device)
+    q = torch.randn(3, heads * group, D, generator=torch.Generator().manual_seed(9)).to(device)
     k_units, v_units = pool.unit_buffers()
     for layer in range(layers):
         out = torch.full_like(q, float("nan"))
         store.attend_decode(layer, store.decode_step, q, *pool.get_kv_buffer(layer), 0.5, out)
-        for b, row in enumerate([0, 1]):
+        for b, row in enumerate([0, 1, 2]):
             tables = store.states[row].tables(r2t[row, : lens[b]], layers, heads)
             for h in range(heads):
                 units = tables.units[layer, h, : int(tables.lens[layer, h])]
                 keys, values = k_units[units], v_units[units]
                 probs = torch.softmax(q[b, h * group : (h + 1) * group] @ keys.T * 0.5, dim=-1)
                 assert torch.allclose(out[b, h * group : (h + 1) * group], probs @ values, atol=1e-5)
-                if row == 0:  # H2O: attention summed over the query group (eq. 2)
-                    assert packed.stats[layer].shape == (heads, tables.width)
-                    stat = packed.stats[layer][h, : units.numel()]
+                if row in (0, 2):  # H2O: attention summed over the query group (eq. 2)
+                    state = store.states[row]
+                    assert state.stats[layer].shape == (heads, tables.width)
+                    stat = state.stats[layer][h, : units.numel()]
                     assert torch.allclose(stat, probs.sum(0), atol=1e-5)
 
 

@@ -36,6 +36,7 @@ CMD = [
     sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--dtype", "float32",
     "--policy", "snapkv", "--prompt-policy", "kvzip", "--kv-budget", "64", "--kv-window", "4",
     "--kvzip-chunk", "48", "--max-total-tokens", str(POOL), "--chunked-prefill-size", "256", "--enable-metrics",
+    "--kv-head-budget", "uniform",  # SGLang's own pool (the default, policy, packs KVzip as variable does)
 ]
 # a context length far below the demo model's 16384 positions: a prompt near it leaves its
 # reconstruction forward room in the row only because sgl-kvc widens the rows
@@ -1150,6 +1151,6 @@ def test_a_kvzip_request_on_uniform_head_budgets_is_warned(servers) -> None:
         return raw.headers
 
     kvzip = {"prompt_policy": "kvzip", "document": {"ratio": 0.3}}
-    assert "--kv-head-budget layer" in headers("uniform", kvzip).get("x-sgl-kvc-warning", "")
+    assert "--kv-head-budget policy" in headers("uniform", kvzip).get("x-sgl-kvc-warning", "")
     assert "x-sgl-kvc-warning" not in headers("variable", kvzip)
     assert "x-sgl-kvc-warning" not in headers("uniform", {"prompt_policy": "snapkv"})

@@ -103,8 +103,10 @@ def test_capacity_at_the_same_memory_budget(servers, demo_model_path: str) -> No
     stats = servers["e4m3_rkv"].stats()
     pool = stats["pool"]
     context = json.loads((Path(demo_model_path) / "config.json").read_text())["max_position_embeddings"]
-    config = KvcConfig(policy="rkv")
+    config = KvcConfig(policy="rkv", kv_head_budget="policy")  # `auto` on one CPU rank: the unit pool
+    assert stats["head_budget"] == "policy"
     reserve = Reservation.for_model(window=WINDOW, num_layers=2, q_heads=4, kv_heads=2, head_dim=32, q_bytes=2,
+                                    unit_tables=True,  # a step's per-head tables (packed KVzip requests)
                                     row_room=forward_room(config),  # its rows' room for KVzip
                                     forward_entries=forward_entries(config, context),  # a KVzip forward's keys
                                     documents=True)  # shared documents' metadata (radix cache on)

@@ -2,7 +2,8 @@
 scheduler, keeps what a float64 reference of its score keeps, leaves nothing allocated, and a
 failure inside it fails only its request.
 
-One server (demo model, float32): SnapKV for decoding, KVzip for prompts, a budget of 16 entries
+One server (demo model, float32, uniform head budgets; the unit pool's one sort over every head:
+test_documents.py, test_variable_budget_serving.py): SnapKV for decoding, KVzip for prompts, a budget of 16 entries
 per (layer, KV head), reconstruction chunks of 24 tokens (a short prompt is repeated in several
 forwards), prompts read in chunks of 128 and compressed after every chunk.
 """
@@ -38,7 +39,7 @@ def kvzip_server(trace: Path):
         sys.executable, "-m", "sgl_kvc.launch", "--model-path", "demo", "--dtype", "float32",
         "--policy", "snapkv", "--prompt-policy", "kvzip", "--kv-budget", str(BUDGET), "--kv-window", str(WINDOW),
         "--kvzip-chunk", str(RECON_CHUNK), "--chunked-prefill-size", str(CHUNK),
-        "--compress-on", "chunk-always,prefill,decode,preempt",
+        "--compress-on", "chunk-always,prefill,decode,preempt", "--kv-head-budget", "uniform",
     ]
     env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1", "SGLKVC_FAILPOINTS": "reconstruct_raise"}
     with ServerProcess.launch(cmd, env=env) as server:

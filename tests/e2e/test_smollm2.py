@@ -164,10 +164,9 @@ def test_kvzip_and_snapkv_keep_pass_keys_at_an_eighth_of_the_prompt(servers, smo
     """1K-token pass-key prompts (the key at 10 and 90% depth) on the default server: SnapKV keeps
     them at 128 entries per head, about 13% of the prompt, and KVzip (no question needed) at 192.
     A copy head's flat KVzip scores crowd the key out of a per-head top-k (docs/quality.md, "Which
-    allocation each policy gets"): KVzip keeps one set of tokens for every head on the default
-    server (uniform head budgets), which needs about 1.5 times the entries of the layer server's
-    global sort. Measured 2 of 2 each; KVzip per head 0 of 2, and at 128 0 of 2. Fails if either
-    drops to 0 of the keys the full cache answers."""
+    allocation each policy gets"): the default server sorts KVzip's scores once over every head.
+    Measured 2 of 2 each; KVzip per head 0 of 2. Fails if either drops to 0 of the keys the full
+    cache answers."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)

@@ -378,7 +378,7 @@ def test_kvzip_on_uniform_head_budgets_is_warned_per_request() -> None:
     layer = KvcConfig(policy="rkv", kv_head_budget="layer")
     two = [{"role": "user", "content": "a document"}, {"role": "user", "content": "a question"}]
     got = _response_headers(RKV, CHAT, chat(messages=two, kv_compression=kvzip))
-    assert b"--kv-head-budget layer" in got[warning] and got[b"content-type"] == b"text/event-stream"
+    assert b"--kv-head-budget policy" in got[warning] and got[b"content-type"] == b"text/event-stream"
     assert warning in _response_headers(RKV, COMPLETIONS, {"prompt": "a b", "kv_compression": {"prompt_policy": "kvzip"}})
     assert warning in _response_headers(RKV, GENERATE, {"text": "a", "sampling_params": [
         {}, {"custom_params": {"sgl_kvc": {"prompt_policy": "kvzip"}}}]})

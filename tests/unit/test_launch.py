@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from dataclasses import replace
 import sys
 
 import pytest
@@ -172,7 +173,8 @@ def test_flag_defaults_come_from_policy_params() -> None:
     assert parse_args(["--kv-decode-attention", "sglang"])[0].kv_decode_attention == "sglang"
     assert config.kv_chunk_window == "question"  # a cut between chunks scores by the question
     assert parse_args(["--kv-chunk-window", "chunk"])[0].kv_chunk_window == "chunk"
-    assert config.kv_head_budget == "uniform" and not config.variable_budget
+    assert config.kv_head_budget == "auto" and not config.variable_budget  # --policy none: SGLang's pool
+    assert parse_args(["--policy", "rkv"])[0].kv_head_budget == "policy"  # the unit pool, on this CPU
     variable = parse_args(["--policy", "rkv", "--kv-head-budget", "variable", "--model-path", "/m"])
     assert variable[0].variable_budget
     # the unit pool is read by sgl-kvc's kernel: in the Triton backend on a GPU
@@ -262,6 +264,47 @@ def test_kvzip_with_uniform_head_budgets_is_warned_about() -> None:
     def warning(*flags: str) -> str | None:
         return allocation_warning(parse_args(["--model-path", "demo", *flags])[0])
 
-    assert "--kv-head-budget layer" in warning("--policy", "snapkv", "--prompt-policy", "kvzip")
-    assert warning("--policy", "snapkv", "--prompt-policy", "kvzip", "--kv-head-budget", "variable") is None
-    assert warning("--policy", "rkv") is None and warning() is None
+    kvzip = ("--policy", "snapkv", "--prompt-policy", "kvzip")
+    assert "--kv-head-budget policy" in warning(*kvzip, "--kv-head-budget", "uniform")
+    assert "--kv-head-budget policy" in warning(*kvzip, "--tp-size", "2")  # auto: uniform there
+    assert warning(*kvzip, "--kv-head-budget", "variable") is None and warning(*kvzip) is None
+    assert warning("--policy", "rkv", "--kv-head-budget", "uniform") is None and warning() is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "on_gpu", "flashinfer", "capability", "mode", "why"),
+    [
+        ((), False, True, None, "policy", None),
+        (("--kv-head-budget", "uniform"), False, True, None, "uniform", None),
+        (("--kv-head-budget", "layer"), False, True, None, "layer", None),
+        (("--tp-size", "2"), False, True, None, "uniform", "--tp-size 2"),
+        (("--kv-selection", "shared"), False, True, None, "uniform", "--kv-selection shared"),
+        (("--kv-decode-attention", "sglang"), False, True, None, "uniform", "--kv-decode-attention sglang"),
+        (("--attention-backend", "flashinfer"), True, True, (9, 0), "uniform", "--attention-backend flashinfer"),
+        ((), True, True, (9, 0), "uniform", "--attention-backend flashinfer"),  # FlashInfer's default kept
+        ((), True, False, (9, 0), "policy", None),  # no FlashInfer: triton reads the unit pool
+        ((), True, False, (7, 5), "uniform", "compute capability 7.5"),
+        (("--kv-cache-dtype", "fp8_e4m3"), True, True, (8, 0), "uniform", "compute capability 8.0"),
+        (("--kv-cache-dtype", "fp8_e4m3"), True, True, (9, 0), "policy", None),
+    ],
+)
+def test_auto_head_budgets_take_the_unit_pool_where_the_server_can_have_it(
+    flags, on_gpu, flashinfer, capability, mode, why,
+) -> None:
+    """`--kv-head-budget auto` (the default) resolves, in the launcher, to `policy` where one rank,
+    per-head selection, batched decode attention and a backend that reads sgl-kvc's pools (the one
+    asked for, or the one the server gets) allow it, else to `uniform`, saying which in one line."""
+    from sgl_kvc.launch import resolve_head_budget
+
+    config, rest = parse_args(["--model-path", "demo", "--policy", "rkv", *flags])
+    # parse_args resolved it for this (CPU) machine; resolve the flags again as the given machine
+    asked = replace(config, kv_head_budget=dict(zip(flags[::2], flags[1::2])).get("--kv-head-budget", "auto"))
+    resolved, line = resolve_head_budget(asked, rest, on_gpu, flashinfer, capability)
+    assert resolved.kv_head_budget == mode
+    if "--kv-head-budget" in flags:
+        assert line is None
+    else:
+        assert line is not None and "\n" not in line and f"--kv-head-budget {mode} (auto)" in line
+        assert (why is None) == (mode == "policy") and (why is None or why in line)
+    none, _ = parse_args(["--model-path", "demo", "--policy", "none"])
+    assert not none.variable_budget and resolve_head_budget(none, [], False)[1] is None

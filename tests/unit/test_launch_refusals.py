@@ -82,7 +82,7 @@ def test_supported_setups_pass(argv) -> None:
          "--kv-head-budget layer with --kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9"),
         (["--policy", "rkv", "--kv-head-budget", "variable", "--kv-cache-dtype", "fp8_e5m2"], (9, 0), None),
         (["--policy", "rkv", "--kv-head-budget", "variable"], (8, 0), None),
-        (["--policy", "rkv"], (7, 0), None),  # uniform budgets decode through SGLang's kernels
+        (["--policy", "rkv", "--kv-head-budget", "uniform"], (7, 0), None),  # SGLang's kernels decode
     ],
 )
 def test_a_gpu_the_triton_kernel_cannot_compile_for_is_refused(argv, capability, message) -> None:

@@ -114,8 +114,8 @@ RUNS: dict[str, Callable[[dict, ModuleType], set[Cell]]] = {
         lambda p, m: serves("rkv", "prefill", "decode", UNIFORM, "FP8"),
     "test_fp8_serving.py::test_accuracy_against_the_bf16_cache":
         lambda p, m: serves("none", "FP8"),
-    "test_fp8_serving.py::test_a_shared_document_matches_a_dense_fp8_reference":
-        lambda p, m: serves({"prompt_policy": "kvzip"}, UNIFORM, "FP8"),
+    "test_fp8_serving.py::test_a_shared_document_matches_a_dense_fp8_reference":  # the default: KVzip sorted once
+        lambda p, m: serves({"prompt_policy": "kvzip"}, "FP8"),
     "test_tensor_parallel.py::test_ranks_keep_the_same_tokens_or_choose_per_head":
         lambda p, m: each(m.POLICIES, "chunk", "prefill", "decode", UNIFORM, "shared", "TP = 2"),
     "test_tensor_parallel.py::test_kvzip_reconstruction_runs_on_both_ranks_in_step":

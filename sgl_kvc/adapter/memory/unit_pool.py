@@ -18,8 +18,9 @@ them ([S+1, L, H_kv]): a unit is then one code row and its scale, so a packed re
 move as they are (no re-quantization) and the flat unit pool is an `Fp8Rows` that dequantizes
 only the units it is indexed with.
 
-Installed only with `--kv-head-budget variable` (`register`; the FP8 variant by
-`fp8_pool.register`), through the same pool-class resolution hook as the FP8 pool.
+Installed with `--kv-head-budget policy` (the default where a server can have it), `layer` or
+`variable` (`hook_table`; the FP8 variant by `fp8_pool.hook_table`), through the same pool-class
+resolution hook as the FP8 pool.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def unsupported_model(model: Any, is_encoder_decoder: bool, flag: str) -> str | 
                "cross-attention" if getattr(module, "is_cross_attention", False) else None)
         if why:
             return (f"{flag} does not support this model: its attention layer {module.layer_id} uses "
-                    f"{why}, which sgl-kvc's per-head decode kernel does not implement")
+                    f"{why}, which sgl-kvc's per-head decode kernel does not implement "
+                    "(--kv-head-budget uniform serves it)")
     return None
 
 
