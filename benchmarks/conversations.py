@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--chunk", type=int, default=512, help="--chunked-prefill-size of every server")
-    p.add_argument("--kv-head-budget", default="layer", choices=["uniform", "variable", "layer"],
+    p.add_argument("--kv-head-budget", default="layer", choices=["policy", "uniform", "variable", "layer"],
                    help="of the compressing servers (KVzip's server: docs/quality.md)")
     p.add_argument("--configs", nargs="+", default=["plain", "per-request", "documents", "conversations"])
     p.add_argument("--explain", action="store_true", help="questions that ask for an explanation: long answers")

@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--chunk", type=int, default=512, help="--chunked-prefill-size of every server")
-    p.add_argument("--kv-head-budget", default="variable", choices=["uniform", "variable", "layer"],
+    p.add_argument("--kv-head-budget", default="variable", choices=["policy", "uniform", "variable", "layer"],
                    help="of the compressing servers (KVzip's gain comes from variable budgets)")
     p.add_argument("--configs", nargs="+",
                    default=["plain", "per-request", "own-copy", "documents", "documents-on-pressure"])

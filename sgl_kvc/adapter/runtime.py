@@ -159,7 +159,7 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
         "compression": compression,
         # compressed documents shared through the prefix cache (adapter/documents/__init__.py)
         "documents": _documents(tree, model_runner),
-        # per-head budgets: uniform, or variable / layer (packed in the unit pool)
+        # per-head budgets: uniform, or policy / variable / layer (the unit pool)
         "head_budget": runtime.config.kv_head_budget if store is not None and store.unit_pools is not None else "uniform",
         # who computes decode attention: sgl-kvc's batched kernel (CPU, compressing servers) or
         # SGLang's backend; `layers` counts the layer calls the kernel served
