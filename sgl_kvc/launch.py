@@ -221,6 +221,11 @@ def parse_args(argv: list[str]) -> tuple[KvcConfig, list[str]]:
 KVC_POOL_BACKENDS: tuple[str, ...] = ("torch_native", "triton")
 
 
+def _tp_size(argv: list[str]) -> str:
+    """`--tp-size` as given (either spelling), "1" where it is not."""
+    return _flag_value(argv, "--tp-size") or _flag_value(argv, "--tensor-parallel-size") or "1"
+
+
 def unit_pool_unavailable(config: KvcConfig, argv: list[str], on_gpu: bool, flashinfer: bool = True,
                           capability: tuple[int, int] | None = None) -> str | None:
     """Why a compressing server with SGLang flags `argv` cannot have the unit pool, in a few words;
@@ -230,7 +235,7 @@ def unit_pool_unavailable(config: KvcConfig, argv: list[str], on_gpu: bool, flas
         return f"--kv-selection {config.kv_selection}"
     if config.kv_decode_attention not in KERNEL_DECODE_ATTENTION:
         return f"--kv-decode-attention {config.kv_decode_attention}"
-    tp = _flag_value(argv, "--tp-size") or _flag_value(argv, "--tensor-parallel-size") or "1"
+    tp = _tp_size(argv)
     if tp != "1":
         return f"--tp-size {tp}"
     main = _flag_value(argv, "--attention-backend") or default_attention_backend(
@@ -334,7 +339,7 @@ def unsupported(config: KvcConfig, argv: list[str], default_backend: str = "torc
     dtype = _flag_value(argv, "--kv-cache-dtype")
     if dtype in _BLOCK_SCALED_KV:
         return f"--policy {config.policy} does not support --kv-cache-dtype {dtype}: {_BLOCK_SCALED_KV[dtype]}"
-    tp = _flag_value(argv, "--tp-size") or _flag_value(argv, "--tensor-parallel-size") or "1"
+    tp = _tp_size(argv)
     if config.variable_budget and tp != "1":
         return (f"--kv-head-budget {config.kv_head_budget} does not support --tp-size {tp}: staged "
                 "passes are priced from each rank's own tables, so ranks could finish a pass in "
