@@ -28,9 +28,9 @@ compressing its document needs, `pool_tokens`):
 - `conversations`: the same requests on a server that extends resident documents (the default
   `--kv-document-extend resident`): each turn starts from the last turn's document and from the
   last question and answer its request left in the tree (a turn, adapter/documents/turns.py),
-  reads only what the template renders after that answer and its own question, and publishes the
-  last question and answer's entries as an extension of that document
-  (adapter/documents/matching.py, turns.py).
+  reads only what the template renders after that answer, publishes the last question and
+  answer's entries as an extension of that document (adapter/documents/matching.py,
+  extensions.py), and reads its own question from that extension.
 `--baseline COMMIT` runs every compressing config again on sgl-kvc at another commit, right after
 its own (`NAME@COMMIT`): the same requests, before and after a change, in one run.
 With `--decode rkv`, the compressing servers' requests decode with R-KV at `--decode-budget`
@@ -38,7 +38,8 @@ entries beyond their document (their prompts still by KVzip; `--kv-buffer`: the 
 above it): a long answer is compacted while it is decoded, and on `conversations` the next turn starts from what it kept (a reply,
 adapter/documents/turns.py), compressing it again.
 Recorded per server and turn: prompt tokens prefilled per request (`/v1/kvc/stats`, before and
-after the turn), TTFT p50, answers right (and kept, against `plain`'s), the radix tree's tokens per
+after the turn), TTFT p50, answers right (and kept, against `plain`'s; agreed: `plain`'s answer,
+or one as right as it), the radix tree's tokens per
 conversation after the turn, and the documents compressed, resident and evicted, and turns
 published and resident. Writes
 `<out>/conversations[-tag].{json,md,png}`.
@@ -83,6 +84,7 @@ class TurnResult:
 
     turn: int
     right: list[bool] = field(default_factory=list)  # per conversation
+    answers: list[str] = field(default_factory=list)  # per conversation
     ttfts: list[float] = field(default_factory=list)
     errors: int = 0
     prefilled_tokens: int = 0  # over the turn's requests
@@ -140,6 +142,7 @@ def run(config: str, flags: list[str], extra: dict[str, Any], conversations: lis
             r = TurnResult(t + 1)
             for c, q, a in zip(conversations, questions, answers):
                 r.right.append(a.correct and not a.error)
+                r.answers.append(a.text)
                 r.errors += bool(a.error)
                 if not a.error:
                     r.ttfts.append(a.ttft)
@@ -170,10 +173,12 @@ def row(config: str, r: TurnResult, count: int, plain: TurnResult | None) -> dic
     if plain is not None:
         both = sum(a and b for a, b in zip(r.right, plain.right))
         out["kept"] = f"{both}/{sum(plain.right)}"
+        # plain SGLang's answer, or one as right as it (both right, or both wrong)
+        out["agreed"] = sum(a == b or x == y for a, b, x, y in zip(r.answers, plain.answers, r.right, plain.right))
     return out
 
 
-COLUMNS = ["config", "turn", "right", "kept", "ttft_p50", "prefilled_per_request", "prompt_per_request",
+COLUMNS = ["config", "turn", "right", "kept", "agreed", "ttft_p50", "prefilled_per_request", "prompt_per_request",
            "tree_tokens_per_conversation", "documents_compressions", "documents_extensions", "documents_rebuilds",
            "documents_replies", "documents_hits",
            "documents_resident", "documents_evictions", "documents_turns", "documents_turns_resident",

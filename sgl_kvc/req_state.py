@@ -55,6 +55,7 @@ class KvcReq:
     # `adapter/documents/turns`: the finished turn it started from, which the turn it kept
     # supersedes (dropped once its row is released, where no other request holds it)
     superseded_turn: Document | None = None
+    read_turn: Document | None = None  # the turn its row started from before it adopted its extension
 
 
 def of(req: Any) -> KvcReq:

@@ -221,7 +221,7 @@ def test_only_scores_made_for_one_sort_are_sorted_across_layers() -> None:
 
 @pytest.mark.parametrize("policy", ["snapkv", "keydiff", "streamingllm"])
 def test_a_pass_that_holds_the_first_entries_chooses_among_the_rest(device: torch.device, policy: str) -> None:
-    """A shared document's extension (`adapter/documents/turns.py`): every head keeps the
+    """A shared document's extension (`adapter/documents/extensions.py`): every head keeps the
     row's first `held` entries (the document it extends) and chooses the rest among the others
     alone, as the policy chooses among them with its window protected; without them held, it
     would have dropped some (so the test can fail)."""

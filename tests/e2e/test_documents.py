@@ -62,7 +62,7 @@ def servers(trace: Path):
     """Three servers started at once: uniform head budgets, variable ones, and layer ones without
     the chunk moment. The variable one renders chats with `CHAT_TEMPLATE` (a Jinja file), the
     layer one with SGLang's conversation template `chatml` (the others: the demo model's own)."""
-    env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1", "SGLKVC_FAILPOINTS": "document_raise,turn_raise"}
+    env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1", "SGLKVC_FAILPOINTS": "document_raise,adopt_raise,turn_raise"}
     template = trace.parent / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     cmds = [CMD, [*CMD, "--kv-head-budget", "variable", "--chat-template", str(template)],
@@ -743,7 +743,9 @@ def test_a_document_that_extends_a_resident_one_starts_from_it(servers, name: st
     resident document + one turn starts from the resident one (it prefills the turn and its
     question only), keeps its entries as they are and publishes the turn's, chosen among its own
     tokens, as a child node; the next request with that document prefills only its question and
-    answers exactly as a dense reference that reads the chain's entries; a second branch shares
+    answers exactly as a dense reference that reads the chain's entries (so does the publisher,
+    where documents are compressed between chunks: it reads its question after its turn, from
+    the chain); a second branch shares
     the first document's node (its entries are in the tree once); a third turn extends the chain;
     the pool adds up once they are evicted, and another tenant's answer is unchanged. On the
     uniform server (compressed between chunks) every head keeps as many of the turn's entries; on
@@ -778,8 +780,11 @@ def test_a_document_that_extends_a_resident_one_starts_from_it(servers, name: st
         assert head[:len(parent_head)] == parent_head and all(DOC <= p < DOC + TURN for p in head[len(parent_head):])
     own = sum(len(head) - len(parent_head) for head, parent_head in heads) / len(heads)  # per (layer, KV head)
     assert 0 < own < TURN and after["entries"] == start["entries"] + own, (own, after)
-    # the publisher answers from the document's entries and its turn exact
-    assert logprob_error(demo_model_path, doc + turn + _tokens(5011, QUESTION), second, [root])() < TOLERANCE
+    # the publisher answers from the chain it published where documents are cut between chunks,
+    # as a later request with that document does; where prompts are read whole, from the
+    # document's entries and its turn exact
+    seen = [root] if name == "whole" else [root, chain]
+    assert logprob_error(demo_model_path, doc + turn + _tokens(5011, QUESTION), second, seen)() < TOLERANCE
 
     # the same conversation again: starts from the chain, prefills only its question
     third, prefilled, again = ask(doc + turn, 5012)
@@ -955,10 +960,12 @@ def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace:
     row. The next turn, whose document is the conversation so far (+ a template's tail), starts
     from that document and the turn, prefills only the answer's last token, the tail and its
     question, publishes its extension (chosen among the last question and answer, read from the
-    turn's slots) and finishes into a turn of its own after that extension, which the third turn
-    starts from; the turn a later one started from is dropped once that one kept its own. Each
-    answers exactly as a dense reference whose queries see what the rows held:
-    a turn's tokens as its request computed them, then the extension's entries. A document whose
+    turn's slots), reads its question from that extension where documents are cut between chunks
+    (and beside it exact where prompts are read whole), and finishes into a turn of its own after
+    that extension, which the third turn starts from; the turn a later one started from is dropped
+    once that one kept its own. Each answers exactly as a dense reference whose queries see what
+    the rows held: a turn's tokens as its request computed them, then the extension's entries, and
+    10x further off from the other way of reading its question. A document whose
     tokens differ from the turn's in one token matches no turn. The pool adds up after flushing;
     another tenant's answer is unchanged."""
     server = servers[name]
@@ -999,20 +1006,29 @@ def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace:
     assert after2["turns_resident"] == after1["turns_resident"] and after2["turns_evicted"] == after1["turns_evicted"] + 1
     chain = published(second)
     assert chain["logical_len"] == len(doc2)
-    events = ([root] if name != "whole" else []) + [seen(root, DOC, end1)]
-    assert logprob_error(demo_model_path, prompt2, second, events)() < TOLERANCE
 
-    # turn 3 starts from turn 2's extension and turn
+    def answered_from(events: list[dict], extension: dict, prompt: list[int], out: dict) -> list[dict]:
+        """What a turn's question saw: where documents are cut between chunks, the extension its
+        request published (as a later request with that document does), else its extension exact
+        (as its prompt read whole); checked against the other, which must be 10x further off."""
+        split = [*events, extension]
+        expected, other = (events, split) if name == "whole" else (split, events)
+        error = logprob_error(demo_model_path, prompt, out, expected)
+        err, off = error(), error(other)
+        print(f"{name}: max |logprob error| {err:.2e}; the other way {off:.3f}")
+        assert err < TOLERANCE and off > 10 * TOLERANCE
+        return expected
+
+    events = answered_from(([root] if name != "whole" else []) + [seen(root, DOC, end1)], chain, prompt2, second)
+
+    # turn 3 starts from turn 2's extension and turn (turn 2's question and answer as its
+    # request computed them, not read from its extension)
     doc3 = prompt2 + second["output_ids"] + tail
     third, prompt3, prefilled = ask(doc3, 6012)
     end2 = len(prompt2) + 3
     assert prefilled == 1 + TAIL + QUESTION and third["meta_info"]["cached_tokens"] == end2, prefilled
-    error = logprob_error(demo_model_path, prompt3, third, [*events, seen(chain, len(doc2), end2)])
-    # the reference that reads turn 2's question and answer from its extension, not as turn 2 did
-    err, fresh = error(), error([*events, chain])
-    print(f"turn 3: max |logprob error| {err:.2e}; reading turn 2 from its extension {fresh:.3f}")
-    assert err < TOLERANCE and fresh > 10 * TOLERANCE
     assert published(third)["logical_len"] == len(doc3)
+    answered_from([*events, seen(chain, len(doc2), end2)], published(third), prompt3, third)
 
     # the same conversation, another question: from turn 3's extension; a client that changed
     # one token of the last answer matches no turn, and reads its extension itself
@@ -1021,6 +1037,18 @@ def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace:
     changed = doc3[:end2 - 1] + [doc3[end2 - 1] + 1] + doc3[end2:]
     _, _, prefilled = ask(changed, 6014)
     assert prefilled == len(changed) - len(doc2) + QUESTION
+    # a failure while a request goes on from the extension it published fails that request alone
+    # (never on a server that reads prompts whole, where it reads its question beside it); the
+    # extension stays, and the next request with that document starts from it
+    doc4 = doc3 + _tokens(6013, QUESTION) + tail
+    spec = {"tokens": len(doc4), "ratio": 0.3}
+    r = server.post("/generate", json={"rid": f"failpoint-adopt-{name}", "input_ids": doc4 + _tokens(6017, QUESTION),
+                                       "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True,
+                                                           "custom_params": {"sgl_kvc": {"document": spec}}}})
+    aborted = r.status_code >= 400 or r.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert aborted == (name != "whole"), r.text[:300]
+    _, _, prefilled = ask(doc4, 6018)
+    assert prefilled == QUESTION
     # a failure while a turn is kept loses that turn only: the next turn reads its extension
     turns = _documents(server)["turns"]
     failed = _ask(server, doc2, _tokens(6015, QUESTION), rid=f"failpoint-turn-{name}")
@@ -1093,10 +1121,11 @@ def test_a_reply_compacted_during_decode_is_where_the_next_turn_starts(
     # KVzip repeated only what the reply's document did not cover (its entries carry its scores)
     repeated = server.stats()["compression"]["reconstruction"]["context_tokens"] - repeated
     assert 0 < repeated <= len(doc2) - DOC, repeated
-    err = logprob_error(demo_model_path, prompt2, second, [root, *decoded])()
+    (rebuilt,) = events(second, "document")
+    # its question read from what it rebuilt, as a later request with that document reads it
+    err = logprob_error(demo_model_path, prompt2, second, [root, *decoded, rebuilt])()
     print(f"turn 2 after a compacted reply: max |logprob error| {err:.2e}")
     assert err < TOLERANCE
-    (rebuilt,) = events(second, "document")
     kept = [set(head) for layer in rebuilt["kept_positions"] for head in layer]
     assert max(map(max, kept)) < len(doc2) and min(map(min, kept)) < DOC  # among them all
 

@@ -9,7 +9,7 @@ with the same D tokens (and the same namespace and settings, the document's *key
 starts from that node instead of reading the tokens: its row starts with the node's k slots, and
 it prefills only its own suffix, at logical positions D, D+1, ... (`links.RowLayout`). A
 conversation's next turn starts from the longest document its own begins with and publishes only
-its extension (`matching.py`, `turns.py`); a finished turn's question and answer, and a row
+its extension (`matching.py`, `extensions.py`), and reads its question from it; a finished turn's question and answer, and a row
 compacted as it decoded, stay in the tree at its release (`radix_cache.keep`, `turns.py`). What
 each request does is one plan (`plan.py`), made when it enters the queue and at each match, read
 by every later step.
@@ -20,7 +20,8 @@ holds, and how much an extension keeps), `matching` (where a waiting request sta
 it waits for another that compresses its document), `links` (the resident nodes, one type per
 kind, the flat chain a node ends, and a row's layout), `registry` (the resident nodes, their
 indexes and their radix nodes), `document_pass` (compressing a document and publishing it, voted
-across ranks), `turns` (a conversation's extension, finished turn and reply), `radix_cache`
+across ranks), `extensions` (a conversation's extension, and how its request reads its question
+from it), `turns` (a finished turn and reply), `radix_cache`
 (sgl-kvc's prefix cache: matching, release), and `chat_documents` (documents named by messages,
 in the HTTP process).
 
@@ -41,19 +42,20 @@ from sgl_kvc.adapter.documents.matching import (
     compressing, held_back, overdue, stop_waiting, waited_out, waits_in_round,
 )
 from sgl_kvc.adapter.documents.plan import (
-    DocumentPlan, Role, chunk_cap, cut, cut_at, cut_inside, cuts, declare, declared, declared_part, ends_here,
-    extends, extension_due, extension_lost, fill_offset, held_for_document, hit, match_limit, matched,
-    may_reply, may_start_from, next_cut, plan_of, publishes, publishes_whole, splits, started_from, unmatched,
+    DocumentPlan, Role, adopts, adopts_here, chunk_cap, cut, cut_at, cut_inside, cuts, declare, declared,
+    declared_part, ends_here, extends, extension_due, extension_lost, fill_offset, held_for_document, hit,
+    match_limit, matched, may_reply, may_start_from, next_cut, plan_of, publishes, publishes_whole, splits,
+    started_from, unmatched,
 )
 from sgl_kvc.adapter.documents.registry import DocumentRegistry, DocumentStats, registry_of
 
 __all__ = [
     "NAMESPACE", "NODE_ATTR", "Compressed", "Document", "DocumentKey", "DocumentNamespace", "DocumentPlan",
     "DocumentRegistry", "DocumentStats", "Extension", "ExtensionRule", "Kind", "Reply", "Role", "RootDocument",
-    "RowLayout", "Turn", "chunk_cap", "compact_bytes", "compressing", "content_digest", "cut", "cut_at",
-    "cut_inside", "cuts", "declare", "declared", "declared_part", "ends_here", "extends", "extension_due",
-    "extension_lost", "fill_offset", "fill_skip", "held_back", "held_for_document", "hit", "match_limit",
-    "matched", "may_reply", "may_start_from", "next_cut", "node_key", "overdue", "packed_units", "plan_of",
-    "prompt_read", "publishes", "publishes_whole", "registry_of", "request_key", "reserved_namespace",
+    "RowLayout", "Turn", "adopts", "adopts_here", "chunk_cap", "compact_bytes", "compressing", "content_digest",
+    "cut", "cut_at", "cut_inside", "cuts", "declare", "declared", "declared_part", "ends_here", "extends",
+    "extension_due", "extension_lost", "fill_offset", "fill_skip", "held_back", "held_for_document", "hit",
+    "match_limit", "matched", "may_reply", "may_start_from", "next_cut", "node_key", "overdue", "packed_units",
+    "plan_of", "prompt_read", "publishes", "publishes_whole", "registry_of", "request_key", "reserved_namespace",
     "splits", "started_from", "stop_waiting", "tokens_content", "unmatched", "waited_out", "waits_in_round",
 ]

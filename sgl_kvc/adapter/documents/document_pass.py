@@ -79,6 +79,10 @@ class Host(Protocol):
 
     def account(self, seconds: float) -> float: ...
 
+    def state_from(self, req: Any, doc: Any) -> ReqKvState: ...
+
+    def set_state(self, req: Any, state: ReqKvState) -> None: ...
+
 logger = logging.getLogger(__name__)
 
 
@@ -154,7 +158,7 @@ def copy_and_publish(compressor: Host, batch: ScheduleBatch, items: list[tuple[i
                      state: Callable[[int, DocumentKey], ReqKvState], entries: Callable[[int, DocumentKey], int],
                      choose: Callable[[int, DocumentKey, ReqKvState], Chosen], insert: Callable[[Ready], None]) -> None:
     """Publishing documents copied out of their requests' rows (`publish_copies`, and an
-    extension's, `turns.publish`): each item's pass state (`state(i, key)`), its
+    extension's, `extensions.publish`): each item's pass state (`state(i, key)`), its
     reconstruction over its row's first `entries(i, key)` entries where its policy reads one
     (KVzip), `choose(i, key, state)` (its pass, no side effect), the ranks' vote; then, for the
     documents chosen everywhere, their room and copies (`copy_kept`), the ranks' vote again, and

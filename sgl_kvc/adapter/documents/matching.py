@@ -8,7 +8,7 @@ resident (its first D < D' tokens, compressed in the same namespace and settings
 `DocumentKey.content`), it starts from the longest such one: its row begins with that document's
 entries, it prefills only [D, D') and its question, and the document it compresses is the
 *extension*: what that one kept, then entries chosen among [D, D') alone, published as a child
-node of it (`turns.py`). Where the last turn's request left its question and answer in
+node of it (`extensions.py`). Where the last turn's request left its question and answer in
 the tree (a finished turn after that document, `turns.py`), it starts from that turn too: it reads
 only what its template adds after the answer, and its question. The next turn, whose document is
 one turn longer again, starts from the extension, and so on.

@@ -12,7 +12,7 @@ each match (`matching.plan_match`), read by every later step.
 - `ABSTAIN`: it reads its prompt whole where documents are cut between chunks (it asked for prompt
   log-probabilities): it publishes nothing, since its entries would not be its key's;
 - `EXTEND`: it starts from a resident document its own extends (or a finished turn after it) and
-  publishes the extension (`turns.py`);
+  publishes the extension (`extensions.py`), and reads its question from it;
 - `REBUILD`: the same, where the chain is at its budget or depth, or is a reply: it compresses the
   chain and its extension again as one document.
 
@@ -101,6 +101,15 @@ def splits(req: Any) -> bool:
     return plan_of(req).role is Role.SPLIT
 
 
+def adopts(req: Any) -> bool:
+    """Whether `req` extends (or compresses again) a resident document on a server that compresses
+    documents between chunks: as a `SPLIT` request reads its question from the row its
+    document's cut left, it reads its question from the chain its extension ends, once that is
+    published (`extensions.adopt`), so one of its chunks ends at its document's end."""
+    plan = plan_of(req)
+    return plan.role in (Role.EXTEND, Role.REBUILD) and plan.mode is Role.SPLIT
+
+
 def publishes_whole(req: Any) -> bool:
     """Whether `req` publishes its document read whole (`document_pass.publish_copies`)."""
     return plan_of(req).role is Role.WHOLE
@@ -108,7 +117,7 @@ def publishes_whole(req: Any) -> bool:
 
 def extends(req: Any) -> "Document | None":
     """The resident document `req` starts from and extends (or compresses again) by a document of
-    its own, which it publishes (`turns.py`), or None."""
+    its own, which it publishes (`extensions.py`), or None."""
     plan = plan_of(req)
     return plan.parent if plan.role in (Role.EXTEND, Role.REBUILD) else None
 
@@ -258,12 +267,14 @@ def started_from(req: Any, doc: "Document") -> None:
 def chunk_cap(req: Any) -> int | None:
     """The most tokens `req`'s next chunk may read so that one chunk ends at its document's end
     (and, a document longer than a chunk, one at each of its cuts, `cut_at`), or None: it
-    compresses its document between chunks and has not read all of it."""
-    if not splits(req):
+    compresses its document between chunks (or adopts its extension, `adopts`) and has not read all
+    of it."""
+    split = splits(req)
+    if not split and not adopts(req):
         return None
     key, read = declared(req), prompt_read(req)
     left = key.tokens - read
-    if left > 0 and key.every:
+    if left > 0 and key.every and split:
         left = min(left, key.every - read % key.every)
     return left if left > 0 else None
 
@@ -313,6 +324,15 @@ def cuts(req: Any) -> int:
 def ends_here(req: Any) -> DocumentKey | None:
     """The document whose end the chunk of `req` that just ran ended at, or None."""
     if not splits(req):
+        return None
+    key = declared(req)
+    return key if fill_skip(req) + int(req.extend_end) == key.tokens else None
+
+
+def adopts_here(req: Any) -> DocumentKey | None:
+    """The extension whose end the chunk of `req` that just ran ended at, where it adopts it
+    (`adopts`), or None."""
+    if not adopts(req):
         return None
     key = declared(req)
     return key if fill_skip(req) + int(req.extend_end) == key.tokens else None

@@ -335,10 +335,11 @@ def _rewrite(batch: ScheduleBatch, p: Prepared) -> None:
     kv.kv_committed_len = k
     kv.kv_allocated_len = k
     req.skip_radix_cache_insert = True
-    _set_len(batch, p.i, k)
+    set_seq_len(batch, p.i, k)
 
 
-def _set_len(batch: ScheduleBatch, i: int, k: int) -> None:
+def set_seq_len(batch: ScheduleBatch, i: int, k: int) -> None:
+    """Request i's row holds k slots now: the batch's lengths say so."""
     # New tensors rather than in-place writes: earlier forward inputs may still reference them.
     for name in ("seq_lens", "seq_lens_cpu", "orig_seq_lens"):
         t = getattr(batch, name, None)

@@ -35,7 +35,7 @@ import torch
 
 from sgl_kvc import req_state
 from sgl_kvc.adapter import documents
-from sgl_kvc.adapter.documents import document_pass, turns
+from sgl_kvc.adapter.documents import document_pass, extensions
 from sgl_kvc.adapter.kvzip.reconstruction import Reconstructor, is_reconstruction, question_slots, unscorable
 from sgl_kvc.adapter.memory.kv_memory import DECODE_BYTES_ATTR, DOCUMENT_BYTES_ATTR, FORWARD_ENTRIES_ATTR, MOMENT_SLOTS_ATTR
 from sgl_kvc.adapter.moments.compaction import (
@@ -215,32 +215,11 @@ class Compressor:
 
     def _begin(self, req: Req, tree_cache: Any = None) -> None:
         state = self.new_state(req)
-        prompt = self.policy(state.policy_name("prefill"), state.budget.tokens)
-        if prompt.uses_query_moments and self.config.compressing:
-            # Only such a request pays for them (the observation folds in each chunk's queries),
-            # within the slots reserved for them in the KV memory (`adapter/memory/kv_memory.py`);
-            # beyond, the policy scores its prompt from the observation window.
-            if self.moment_slots is not None and self.store.moment_holders >= self.moment_slots:
-                self.stats.moments_declined += 1
-            else:
-                state.query_moments = QueryMoments(
-                    self.num_layers, prompt.params.sink_tokens, prompt.params.ea_covariance, prompt.prerope_queries,
-                )
+        self._query_moments(state)
         self.store.begin(req.kv.req_pool_idx, state)
         doc = documents.hit(req)
         if doc is not None:
-            # Its row starts with the document's k slots, which hold the entries the document
-            # kept; what it reads next sits at logical positions D, D+1, ... KVzip: its next pass
-            # repeats only its context after the document, whose entries carry the scores the
-            # document's pass gave them (as its publisher's do after its cut). Before, every hit
-            # repeated the whole document in its own pass.
-            doc.start(state, self.store.device)
-            state.fill_shift = True
-            # A decode policy that keeps attention statistics (H2O, Batch-Max) has none for the
-            # document's entries: their queries were read once, by the request that compressed
-            # it. They start at 0 here, at the document's end, as each later entry does at its
-            # own position; Batch-Max averages them over the queries since (`stats_since`).
-            state.stats_since = doc.key.tokens
+            _start_from(state, doc, self.store.device)
             self.store.set_offset(req.kv.req_pool_idx, state.offset)
             if not getattr(req, "retracted_stain", False):
                 # SGLang counted the node's slots as cached prompt tokens: the client's usage
@@ -258,6 +237,38 @@ class Compressor:
             covers = doc.key.tokens if doc is not None else documents.declared(req).tokens
             state.budget = state.budget.beyond(document_part, covers)
         req_state.of(req).state = state
+
+    def state_from(self, req: Req, doc: documents.Document) -> ReqKvState:
+        """The state `req` has once it goes on from `doc` between two chunks of its prompt
+        (`extensions.adopt`): a new one, as a request's that started from `doc` (`_begin`, its
+        usage and the hit counted when it started). Nothing changes here (`set_state`)."""
+        old = self.state(req)
+        state = self.new_state(req)
+        if old is not None and old.query_moments is not None:
+            self._query_moments(state)  # afresh, as a hit's: from the document's end
+        _start_from(state, doc, self.store.device)
+        state.budget = state.budget.beyond(doc.key.entries, doc.key.tokens)  # (as `_begin`'s for a hit)
+        return state
+
+    def set_state(self, req: Req, state: ReqKvState) -> None:
+        """`req`'s row is the one `state` (`state_from`) describes now."""
+        row = req.kv.req_pool_idx
+        self.store.begin(row, state)
+        self.store.set_offset(row, state.offset)
+        req_state.of(req).state = state
+
+    def _query_moments(self, state: ReqKvState) -> None:
+        prompt = self.policy(state.policy_name("prefill"), state.budget.tokens)
+        if prompt.uses_query_moments and self.config.compressing:
+            # Only such a request pays for them (the observation folds in each chunk's queries),
+            # within the slots reserved for them in the KV memory (`adapter/memory/kv_memory.py`);
+            # beyond, the policy scores its prompt from the observation window.
+            if self.moment_slots is not None and self.store.moment_holders >= self.moment_slots:
+                self.stats.moments_declined += 1
+            else:
+                state.query_moments = QueryMoments(
+                    self.num_layers, prompt.params.sink_tokens, prompt.params.ea_covariance, prompt.prerope_queries,
+                )
 
     def _released(self, req: Req) -> None:
         """A request gave its row back (finished, aborted, retracted): drop what it held."""
@@ -298,7 +309,7 @@ class Compressor:
         read_at = [i for i, req in enumerate(batch.reqs) if not is_middle_chunk(batch, req)]
         document_pass.publish_copies(self, batch, document_pass.to_publish(self, batch, read_at))
         # and the extensions of resident documents read by now, before any pass of their rows
-        turns.publish(self, batch, turns.due(self, batch))
+        extensions.publish(self, batch, extensions.due(self, batch))
 
     def after_prefill(self, batch: ScheduleBatch) -> None:
         """After an extend, each request's moment: the chunk moment for a request between two
@@ -310,9 +321,13 @@ class Compressor:
         # rank (one whose state failed here is still listed, for the ranks' vote on publishing)
         due = _PrefillMoments(ends={i: key for i, req in enumerate(batch.reqs)
                                     if is_middle_chunk(batch, req) and (key := documents.ends_here(req)) is not None})
+        # and those whose chunk ended at the end of the extension they published: they go on
+        # from it, not cut here (`extensions.adopt`)
+        adopting = {i: key for i, req in enumerate(batch.reqs)
+                    if is_middle_chunk(batch, req) and (key := documents.adopts_here(req)) is not None}
         for i, req in enumerate(batch.reqs):
             state = self.state(req)
-            if req.finished() or state is None or state.policy.name == "none":
+            if req.finished() or state is None or state.policy.name == "none" or i in adopting:
                 continue
             n = int(batch.seq_lens_cpu[i])
             if is_middle_chunk(batch, req):
@@ -330,6 +345,7 @@ class Compressor:
             state.query_moments = None
         self._flush(batch)
         document_pass.publish_cut_rows(self, batch, list(due.ends.items()), due.passes_before)
+        extensions.adopt(self, batch, list(adopting.items()))
         self._settle(batch)
 
     def _chunk_moment(self, batch: ScheduleBatch, i: int, req: Req, state: ReqKvState, n: int,
@@ -783,3 +799,17 @@ class Compressor:
 
 def _failed(outcome: Prepared | Exception | None) -> bool:
     return isinstance(outcome, Exception) and not isinstance(outcome, CompactionSkipped)
+
+
+def _start_from(state: ReqKvState, doc: documents.Document, device: Any) -> None:
+    """`state` of a row that starts with `doc`'s chain: what it reads next sits at logical
+    positions D, D+1, ... KVzip: its next pass repeats only its context after the document, whose
+    entries carry the scores the document's pass gave them (as its publisher's do after its cut).
+    Before, every hit repeated the whole document in its own pass."""
+    doc.start(state, device)
+    state.fill_shift = True
+    # A decode policy that keeps attention statistics (H2O, Batch-Max) has none for the
+    # document's entries: their queries were read once, by the request that compressed it. They
+    # start at 0 here, at the document's end, as each later entry does at its own position;
+    # Batch-Max averages them over the queries since (`stats_since`).
+    state.stats_since = doc.key.tokens

@@ -24,6 +24,9 @@ on. `name@R` plants the fault on tensor-parallel rank R only (a fault one rank s
   `failpoint-document` raises after its pass, before its entries are copied into the node's slots
   or its cut row becomes the node (`document_raise@R`: on rank R only, so that the ranks must agree
   not to publish it).
+- `adopt_raise`: a request whose id starts with `failpoint-adopt`, which extends a resident document
+  on a server that compresses documents between chunks, raises when it would go on from the
+  extension it published (`extensions.adopt`), before its row changed.
 - `turn_raise`: keeping the finished turn (or compacted reply) of a request whose id starts with
   `failpoint-turn` raises after its checks, before its node is inserted (SGLang's release then
   frees its row whole).
@@ -48,7 +51,8 @@ ENV = "SGLKVC_FAILPOINTS"
 _DOING = {"compress_raise": "compressing", "rewrite_raise": "rewriting the row of",
           "reconstruct_raise": "scoring the context reconstruction of",
           "kvzip_plan_raise": "planning the context reconstruction of",
-          "document_raise": "publishing the shared document of", "turn_raise": "keeping the finished turn of"}
+          "document_raise": "publishing the shared document of",
+          "adopt_raise": "going on from the published extension of", "turn_raise": "keeping the finished turn of"}
 # On the observation store: the rows of the batch being run that `observe_raise` is planted
 # for (set by `observing`; the store itself knows nothing of it).
 _OBSERVE_ROWS_ATTR = "_sgl_kvc_failpoint_rows"
@@ -73,7 +77,7 @@ def hits(name: str, req: object) -> bool:
 
 def check(name: str, req: object) -> None:
     """A site where a planted fault raises (`compress_raise`, `rewrite_raise`, `reconstruct_raise`,
-    `kvzip_plan_raise`, `document_raise`, `turn_raise`)."""
+    `kvzip_plan_raise`, `document_raise`, `adopt_raise`, `turn_raise`)."""
     if hits(name, req):
         raise PlantedFault(f"planted fault {_DOING[name]} {getattr(req, 'rid', '')}")
 
