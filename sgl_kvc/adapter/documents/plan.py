@@ -166,11 +166,15 @@ def may_start_from(req: Any) -> bool:
 def extension_due(req: Any, n: int) -> "Document | None":
     """The document `req` extends (`extends`) where its row of `n` entries holds its extension
     exact after what it started from (nothing of it compacted since: its fill ids are shifted by
-    the start's offset alone) up to its own document's end, else None. From SGLang's fields,
-    alike on every tensor-parallel rank."""
+    the start's offset alone) up to its own document's end, else None. One that adopts its
+    extension (`adopts`) publishes it at the chunk that ends there or not at all: after its
+    question, it would repeat a failed pass. From SGLang's fields, alike on every
+    tensor-parallel rank."""
     plan = plan_of(req)
-    if extends(req) is None or fill_skip(req) != plan.layout.offset or n < plan.layout.held \
-            or plan.layout.tokens(n) < plan.key.tokens:
+    if extends(req) is None or fill_skip(req) != plan.layout.offset or n < plan.layout.held:
+        return None
+    read = plan.layout.tokens(n)
+    if read < plan.key.tokens or (read > plan.key.tokens and adopts(req)):
         return None
     return plan.parent
 
