@@ -619,6 +619,37 @@ def test_a_document_that_extends_a_resident_one_is_matched_through_it_and_evicte
     invariants.check_documents(tree)
 
 
+def test_an_extension_read_between_chunks_ends_a_chunk_and_is_due_there_alone() -> None:
+    """Where documents are compressed between chunks, a request extending a resident document
+    reads its extension in a chunk of its own (its question after it, from the published chain:
+    `extensions.adopt`), and publishes at that chunk or not at all; where prompts are read whole,
+    no chunk is cut, and it publishes once its row holds its extension, its question read too."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    tree, _ = _tree()
+    prompt = list(range(10, 200))
+    root_key = request_key(_declaring_own(prompt, 100), KVZIP)
+    root = tree.insert(InsertParams(key=node_key(root_key, 30), value=torch.arange(500, 530))).last_device_node
+    tree.documents.add(RootDocument(key=root_key, node=root, kept_positions=torch.randint(0, 100, (2, 1, 30)), slots=30))
+    for mode in (Role.SPLIT, Role.WHOLE):
+        req = _declaring_own(prompt[:150], 140)
+        _declaring(req, documents.declared(req), role=mode)
+        tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", req.origin_input_ids)), req=req))
+        assert documents.plan_of(req).role is Role.EXTEND and documents.adopts(req) == (mode is Role.SPLIT)
+        # its row starts with the root's 30 slots, standing for 100 tokens (SGLang's fields as a match leaves them)
+        req.output_ids, req.prefix_len, req.extend_end = [], 30, 30
+        req.full_untruncated_fill_ids = req.origin_input_ids[70:]
+        req.finished = lambda: False
+        split = mode is Role.SPLIT
+        assert documents.chunk_cap(req) == (40 if split else None)
+        req.extend_end = 70  # its extension read: the row holds 70 slots for 140 tokens
+        assert documents.extension_due(req, 70) is not None
+        assert (documents.adopts_here(req) is not None) == split
+        req.extend_end = 80  # its question read too
+        assert (documents.extension_due(req, 80) is None) == split and documents.adopts_here(req) is None
+
+
 def test_a_chain_at_its_budget_is_compressed_again_to_it() -> None:
 
     budget = ExtensionRule(ratio=None, budget=60, floor=13, limit=None)

@@ -45,6 +45,7 @@ from sgl_kvc.adapter.documents.links import Compressed, Document, compact_bytes
 from sgl_kvc.adapter.documents.plan import declared, extends, extension_due, extension_lost, plan_of, started_from
 from sgl_kvc.adapter.documents.registry import insert_child, insert_document, node_path, registry_of
 from sgl_kvc.adapter.safety import failpoints
+from sgl_kvc.adapter.safety.failures import failure
 from sgl_kvc.core.passes import StepWork, advance, start_pass
 from sgl_kvc.core.reconstruction import CarriedScores, carry_scores
 from sgl_kvc.core.request_state import Budget, ReqKvState
@@ -104,7 +105,7 @@ def adopt(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, Documen
     for i, key in items:
         req = batch.reqs[i]
         doc = registry.get(key)
-        if doc is None or req.finished() or compressor.state(req) is None:
+        if doc is None or req.finished() or compressor.state(req) is None or failure(req) is not None:
             continue
         compressor.failures.guarded(req, "compress", _adopt, compressor, batch, i, doc)
 
