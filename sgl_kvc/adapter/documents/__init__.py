@@ -8,9 +8,10 @@ there, else from a copy of the entries of its prompt read whole. Every later req
 with the same D tokens (and the same namespace and settings, the document's *key*, `keys.py`)
 starts from that node instead of reading the tokens: its row starts with the node's k slots, and
 it prefills only its own suffix, at logical positions D, D+1, ... (`links.RowLayout`). A
-conversation's next turn starts from the longest document its own begins with and publishes only
-its extension (`matching.py`, `extensions.py`), and reads its question from it; a finished turn's question and answer, and a row
-compacted as it decoded, stay in the tree at its release (`radix_cache.keep`, `turns.py`). What
+conversation's next turn starts from the longest document its own begins with, publishes only its
+extension and reads its question from it (`matching.py`, `extensions.py`); a finished turn's
+question and answer, and a row compacted as it decoded, stay in the tree at its release
+(`radix_cache.keep`, `turns.py`). What
 each request does is one plan (`plan.py`), made when it enters the queue and at each match, read
 by every later step.
 
