@@ -2,6 +2,7 @@
 side by side: both servers up at once, every turn sent to each in turn, one request at a time.
 
     python -m benchmarks.turn_latency --baseline da39249     # benchmarks/results/turn-latency.{json,md}
+    python -m benchmarks.turn_latency --baseline 27acbdc --kv-head-budget policy --tag question  # turn-latency-question.*
 
 The conversations of `benchmarks.conversations` (documents of about `--document-tokens` tokens in
 the four filler styles, one fact per turn, each turn `[document, q1, a1, ..., qt]` on the chat
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     meta = run_metadata("benchmarks.turn_latency", argv)
     print(metadata_markdown(meta), flush=True)
@@ -105,12 +107,13 @@ def main(argv: list[str] | None = None) -> None:
              "dtype": args.dtype, "kv_head_budget": args.kv_head_budget, "chunk": args.chunk,
              "baseline": short, "wall_seconds": round(time.perf_counter() - t0)}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "turn-latency.json").write_text(json.dumps({"meta": meta, "setup": setup, "rows": rows,
+    stem = "turn-latency" + (f"-{args.tag}" if args.tag else "")
+    (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "setup": setup, "rows": rows,
                                                              "requests": turns}, indent=1) + "\n")
     head = list(rows[0])
     body = "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
                       *("| " + " | ".join(str(r[h]) for h in head) + " |" for r in rows)])
-    (args.out / "turn-latency.md").write_text(
+    (args.out / f"{stem}.md").write_text(
         f"{metadata_markdown(meta)}\n## A turn's TTFT, this checkout against {short}, interleaved\n\n"
         f"{args.conversations} conversations x {args.turns} turns, one request at a time, each turn sent to both "
         f"servers in alternating order.\n\nSetup: `{json.dumps(setup)}`\n\n{body}\n")
