@@ -327,17 +327,16 @@ def cuts(req: Any) -> int:
 
 def ends_here(req: Any) -> DocumentKey | None:
     """The document whose end the chunk of `req` that just ran ended at, or None."""
-    if not splits(req):
-        return None
-    key = declared(req)
-    return key if fill_skip(req) + int(req.extend_end) == key.tokens else None
+    return _ended_at_its_end(req) if splits(req) else None
 
 
 def adopts_here(req: Any) -> DocumentKey | None:
     """The extension whose end the chunk of `req` that just ran ended at, where it adopts it
     (`adopts`), or None."""
-    if not adopts(req):
-        return None
+    return _ended_at_its_end(req) if adopts(req) else None
+
+
+def _ended_at_its_end(req: Any) -> DocumentKey | None:
     key = declared(req)
     return key if fill_skip(req) + int(req.extend_end) == key.tokens else None
 
