@@ -31,6 +31,9 @@ compressing its document needs, `pool_tokens`):
   reads only what the template renders after that answer, publishes the last question and
   answer's entries as an extension of that document (adapter/documents/matching.py,
   extensions.py), and reads its own question from that extension.
+- `readme`: README.md's chat-over-an-upload example as written: the server a user starts
+  (`--policy rkv`, every other sgl-kvc flag at its default; the model, dtype, pool and chunk size
+  as every server's), each request asking `{"prompt_policy": "kvzip", "document": {"ratio": --ratio}}`.
 `--baseline COMMIT` runs every compressing config again on sgl-kvc at another commit, right after
 its own (`NAME@COMMIT`): the same requests, before and after a change, in one run.
 With `--decode rkv`, the compressing servers' requests decode with R-KV at `--decode-budget`
@@ -266,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
         "per-request": ([*launch, *kvc], {"kv_compression": {"budget": k}}),
         "documents": ([*launch, *kvc, "--kv-document-extend", "off"], {"kv_compression": document}),
         "conversations": ([*launch, *kvc], {"kv_compression": document}),
+        "readme": ([*launch, *common, "--policy", "rkv"],
+                   {"kv_compression": {"prompt_policy": "kvzip", "document": {"ratio": args.ratio}}}),
     }
     logs = Path(tempfile.mkdtemp(prefix="conversations-"))
     print(f"{args.conversations} conversations x {args.turns} turns over documents of {lengths} tokens; pool {pool}; "
