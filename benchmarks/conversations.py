@@ -34,6 +34,9 @@ compressing its document needs, `pool_tokens`):
 - `readme`: README.md's chat-over-an-upload example as written: the server a user starts
   (`--policy rkv`, every other sgl-kvc flag at its default; the model, dtype, pool and chunk size
   as every server's), each request asking `{"prompt_policy": "kvzip", "document": {"ratio": --ratio}}`.
+`--history plain`: every server's conversation carries plain SGLang's answers as its earlier
+turns (plain runs first), not its own, so that each turn compares servers on the same history
+(with their own, one wrong answer changes what every later turn reads).
 `--baseline COMMIT` runs every compressing config again on sgl-kvc at another commit, right after
 its own (`NAME@COMMIT`): the same requests, before and after a change, in one run.
 With `--decode rkv`, the compressing servers' requests decode with R-KV at `--decode-budget`
@@ -128,9 +131,11 @@ def pool_tokens(lengths: list[int], turns: int, ratio: float, chunk: int, per_tu
 
 def run(config: str, flags: list[str], extra: dict[str, Any], conversations: list[Conversation], turns: int,
         clients: int, log: Path, answer_tokens: int = ANSWER_TOKENS,
-        env: dict[str, str] | None = None) -> tuple[list[TurnResult], list[list[str]]]:
+        env: dict[str, str] | None = None,
+        history_from: list[list[str]] | None = None) -> tuple[list[TurnResult], list[list[str]]]:
     """Every turn of every conversation on one server: the per-turn results, and each
-    conversation's answers in order."""
+    conversation's answers in order. `history_from`: each conversation's earlier answers are these
+    (another server's, per conversation and turn) instead of this server's own."""
     history: list[list[dict[str, str]]] = [[{"role": "user", "content": c.document}] for c in conversations]
     texts: list[list[str]] = [[] for _ in conversations]
     results = []
@@ -150,8 +155,9 @@ def run(config: str, flags: list[str], extra: dict[str, Any], conversations: lis
                 if not a.error:
                     r.ttfts.append(a.ttft)
                 texts[c.index].append(a.text)
-                # the client keeps the server's own answer, as a chat client does
-                history[c.index] = [*q.messages, {"role": "assistant", "content": a.text}]
+                # the client keeps the server's own answer, as a chat client does (or the one given)
+                kept = a.text if history_from is None else history_from[c.index][t]
+                history[c.index] = [*q.messages, {"role": "assistant", "content": kept}]
             r.prefilled_tokens = after["prefix_cache"]["prefilled_tokens"] - before["prefix_cache"]["prefilled_tokens"]
             r.prompt_tokens = after["prefix_cache"]["prompt_tokens"] - before["prefix_cache"]["prompt_tokens"]
             r.tree_tokens = after["pool"]["cached_tokens"]
@@ -159,6 +165,16 @@ def run(config: str, flags: list[str], extra: dict[str, Any], conversations: lis
             results.append(r)
             print(f"[conversations] {config} turn {t + 1}: {row(config, r, len(conversations), None)}", flush=True)
     return results, texts
+
+
+def earlier_plain(path: Path, lengths: list[int], turns: int) -> tuple[list[TurnResult], list[list[str]]]:
+    """plain SGLang's per-turn results and answers from an earlier run's file (`--plain-from`),
+    refused unless it ran the same conversations (their documents' lengths) and turns."""
+    earlier = json.loads(path.read_text())
+    setup = earlier["setup"]
+    if setup["document_tokens"] != lengths or setup["turns"] != turns or "plain" not in earlier["answers"]:
+        raise SystemExit(f"{path}: not a run of plain SGLang on these conversations")
+    return [TurnResult(**r) for r in earlier["turns"]["plain"]], earlier["answers"]["plain"]
 
 
 def row(config: str, r: TurnResult, count: int, plain: TurnResult | None) -> dict[str, Any]:
@@ -238,6 +254,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-budget", type=int, default=32)
     p.add_argument("--kv-buffer", type=int, default=None,
                    help="--kv-buffer of the compressing servers (decode tokens above the budget before a pass)")
+    p.add_argument("--history", default="own", choices=["own", "plain"],
+                   help="plain: every server's conversations carry plain SGLang's answers (run first) as their "
+                        "earlier turns, so that each turn is compared on the same history")
+    p.add_argument("--plain-from", type=Path, default=None, metavar="JSON",
+                   help="plain SGLang's turns and answers from an earlier run's file of the same conversations, "
+                        "not run again")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--tag", default="")
@@ -278,10 +300,16 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     results: dict[str, list[TurnResult]] = {}
     texts: dict[str, list[list[str]]] = {}
-    with config_runs(args.configs, configs, launch, args.baseline) as runs:
+    if args.plain_from is not None:
+        results["plain"], texts["plain"] = earlier_plain(args.plain_from, lengths, args.turns)
+    elif args.history == "plain" and args.configs[0] != "plain":
+        raise SystemExit("--history plain needs plain as the first of --configs (or --plain-from)")
+    names = [n for n in args.configs if not (n == "plain" and args.plain_from is not None)]
+    with config_runs(names, configs, launch, args.baseline) as runs:
         for label, cmd, extra, env in runs:
+            forced = texts["plain"] if args.history == "plain" and label != "plain" else None
             results[label], texts[label] = run(label, cmd, extra, conversations, args.turns, args.clients,
-                                               logs / f"{label}.log", args.answer_tokens, env)
+                                               logs / f"{label}.log", args.answer_tokens, env, forced)
     plain = results.get("plain")
     rows = [row(name, r, args.conversations, plain[r.turn - 1] if plain else None)
             for name, turns in results.items() for r in turns]
@@ -290,6 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     setup = {"conversations": args.conversations, "turns": args.turns, "document_tokens": lengths,
              "ratio": args.ratio, "entries": k, "pool": pool, "clients": args.clients, "max_tokens": args.answer_tokens,
              "explain": args.explain, "decode": decode or "server", "kv_buffer": args.kv_buffer,
+             "history": args.history, "plain_from": None if args.plain_from is None else args.plain_from.name,
              "dtype": args.dtype, "kv_head_budget": args.kv_head_budget, "chunk": args.chunk, "kv_budget": BUDGET,
              "kvzip_chunk": KVZIP_CHUNK, "wall_seconds": round(time.perf_counter() - t0)}
     (args.out / f"{stem}.json").write_text(json.dumps(
