@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.conversations import TurnResult, make_conversations, pool_tokens, row
+import json
+from dataclasses import asdict
+
+from benchmarks.conversations import TurnResult, earlier_plain, make_conversations, pool_tokens, row
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +55,16 @@ def test_long_answers_ask_for_an_explanation_and_get_their_room(tok) -> None:
     assert [c.answers for c in conversations] == [c.answers for c in short]  # the same facts asked
     lengths = [1000] * 4
     assert pool_tokens(lengths, 4, 0.3, 512, per_turn=220) - pool_tokens(lengths, 4, 0.3, 512) > 4 * 4 * 180 / 3
+
+
+def test_plain_sglangs_turns_are_reused_only_from_a_run_of_the_same_conversations(tmp_path) -> None:
+    turns = [TurnResult(t, right=[True, False], answers=[f"a{t}", f"b{t}"], ttfts=[1.0, 2.0]) for t in (1, 2)]
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps({"setup": {"document_tokens": [1000, 1100], "turns": 2},
+                                "turns": {"plain": [asdict(r) for r in turns]},
+                                "answers": {"plain": [["a1", "a2"], ["b1", "b2"]]}}))
+    results, answers = earlier_plain(path, [1000, 1100], 2)
+    assert results == turns and answers == [["a1", "a2"], ["b1", "b2"]]
+    for lengths, count in (([1000, 1101], 2), ([1000, 1100], 3)):  # other documents, other turns
+        with pytest.raises(SystemExit, match="not a run of plain SGLang"):
+            earlier_plain(path, lengths, count)
