@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
 from dataclasses import asdict
+
+import pytest
 
 from benchmarks.conversations import TurnResult, earlier_plain, make_conversations, pool_tokens, row
 
