@@ -47,7 +47,7 @@ FP8_BLOCK_N, FP8_STAGES, FP8_STAGES_HOPPER = 128, 2, 3
 FP8_DOT = "bfloat16"
 MIN_DOT = 16  # tl.dot's smallest size on every side: query groups are padded to it
 SPLIT_N = SPLIT_COLUMNS  # table columns per split (one program each)
-_FP8_TYPES = {"fp8_e4m3": tl.float8e4nv, "fp8_e5m2": tl.float8e5}
+FP8_TYPES = {"fp8_e4m3": tl.float8e4nv, "fp8_e5m2": tl.float8e5}
 
 
 @triton.jit
@@ -196,7 +196,7 @@ def supports(q: Tensor, k_pool: Any, v_pool: Any) -> bool:
     dims = []
     for pool in (k_pool, v_pool):
         codes = getattr(pool, "codes", None)
-        if codes is not None and (pool.scale_format not in ("bfloat16", "float32") or pool.fp8 not in _FP8_TYPES):
+        if codes is not None and (pool.scale_format not in ("bfloat16", "float32") or pool.fp8 not in FP8_TYPES):
             return False
         tensor = pool if codes is None else codes
         if tensor.dim() != 2:
@@ -206,7 +206,7 @@ def supports(q: Tensor, k_pool: Any, v_pool: Any) -> bool:
     return all(x >= MIN_DOT and not x & (x - 1) for x in dims) and dims[0] == dims[2]
 
 
-def _interpreted() -> bool:
+def interpreted() -> bool:
     """Whether Triton runs kernels under its interpreter (no GPU). Its products of 16-bit floats
     are wrong (Triton 3.9: a bf16 `tl.dot` of 16 x 16 values near 1 gives 1e10), so interpreted
     kernels multiply in float32, which is exact for 16-bit and FP8 inputs."""
@@ -214,7 +214,7 @@ def _interpreted() -> bool:
     return bool(knobs is not None and knobs.runtime.interpret) or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _pool_parts(pool: Any) -> tuple[Tensor, Tensor | None, str | None]:
+def pool_parts(pool: Any) -> tuple[Tensor, Tensor | None, str | None]:
     """(values or codes [U, d], scales [U] or None, FP8 format or None) of a unit pool."""
     codes = getattr(pool, "codes", None)
     return (pool, None, None) if codes is None else (codes, pool.scales, pool.fp8)
@@ -240,8 +240,8 @@ def triton_per_head_decode(
         raise NotImplementedError("Triton per-head decode: unsupported pool or head dims (see `supports`)")
     group = h_q // h_kv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    k, k_scales, fp8 = _pool_parts(k_pool)
-    v, v_scales, _ = _pool_parts(v_pool)
+    k, k_scales, fp8 = pool_parts(k_pool)
+    v, v_scales, _ = pool_parts(v_pool)
     d_v = int(v.shape[-1])
     n = tables.width
     if block_n is None:
@@ -295,8 +295,8 @@ def triton_per_head_decode(
         units, tables.row_index if by_row else lens, lens, splits.plan, work, logits, probs_slot, out,
         scale, width, row_stride, b, parts,
         num_kv_heads=h_kv, group=group, group_pad=group_pad, dim=d, dim_v=d_v, split_n=split_n,
-        block_n=block_n, fp8_type=_FP8_TYPES.get(fp8 or "fp8_e4m3"), is_fp8=fp8 is not None,
-        store_logits=store_logits, dot_fp32=q.dtype == torch.float32 or _interpreted(),
+        block_n=block_n, fp8_type=FP8_TYPES.get(fp8 or "fp8_e4m3"), is_fp8=fp8 is not None,
+        store_logits=store_logits, dot_fp32=q.dtype == torch.float32 or interpreted(),
         shared=bool(tables.heads_per_slot), by_row=by_row, dot_f16=f16, **launch,
     )
     if splits.most > 1:

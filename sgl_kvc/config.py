@@ -25,6 +25,7 @@ from sgl_kvc.policies import (
     available_policies,
     canonical_policy,
     decode_policies,
+    policy_class,
     prompt_policy_error,
     prompt_policy_name,
 )
@@ -59,6 +60,9 @@ DEFAULT_DOCUMENT_DEPTH = 16
 MAX_DOCUMENT_DEPTH = 1024
 # `--kv-head-budget auto`: the launcher picks `policy` where the unit pool can serve, else `uniform`.
 HEAD_BUDGET_AUTO = "auto"
+# `--kv-decode-graphs`: decode steps from SGLang's CUDA graphs for a policy whose decode keeps no
+# attention statistics (`core/graph_step.py`), or eagerly, with SGLang's graphs off.
+DECODE_GRAPHS: tuple[str, ...] = ("off", "on")
 _P = PolicyParams()
 
 
@@ -230,6 +234,16 @@ class KvcConfig:
             "compressed whole)."
         ),
     )
+    kv_decode_graphs: str = field(
+        default="off",
+        metadata=_flag(
+            "on: decode steps replay SGLang's CUDA graphs (prefill graphs stay off), for a --policy "
+            "whose decode keeps no attention statistics; a step holding a request whose policy keeps "
+            "them (h2o, batchmax, kvcompress) decodes eagerly. On a CPU the same decode step runs "
+            "eagerly (there are no graphs). off: a compressing server decodes eagerly, SGLang's "
+            "graphs off."
+        ),
+    )
     kv_document_depth: int = field(
         default=DEFAULT_DOCUMENT_DEPTH,
         metadata=_flag(
@@ -265,6 +279,8 @@ class KvcConfig:
             )
         if self.kv_selection not in SELECTIONS:
             raise ValueError(f"--kv-selection must be one of {list(SELECTIONS)}, got {self.kv_selection!r}")
+        if self.kv_decode_graphs not in DECODE_GRAPHS:
+            raise ValueError(f"--kv-decode-graphs must be one of {list(DECODE_GRAPHS)}, got {self.kv_decode_graphs!r}")
         if self.kv_head_budget not in (HEAD_BUDGET_AUTO, *BUDGET_MODES):
             raise ValueError(
                 f"--kv-head-budget must be one of {[HEAD_BUDGET_AUTO, *BUDGET_MODES]}, got {self.kv_head_budget!r}"
@@ -329,6 +345,22 @@ class KvcConfig:
         `layer`), served from the unit pool. `auto` is resolved by the launcher
         (`launch.resolve_head_budget`); a config that reaches a server unresolved is uniform."""
         return self.compressing and self.kv_head_budget not in ("uniform", HEAD_BUDGET_AUTO)
+
+    @property
+    def decode_graphs(self) -> bool:
+        """Decode steps from CUDA graphs (`--kv-decode-graphs on`, `core/graph_step.py`): on for a
+        compressing policy whose decode keeps no attention statistics (`graphs_refusal`)."""
+        return self.compressing and self.kv_decode_graphs == "on" and self.graphs_refusal is None
+
+    @property
+    def graphs_refusal(self) -> str | None:
+        """Why `--kv-decode-graphs on` leaves this server's decode graphs off, or None."""
+        if self.kv_decode_graphs != "on" or not self.compressing:
+            return None
+        if policy_class(self.policy).uses_stats:
+            return (f"--policy {self.policy} keeps attention statistics, which a decode step from a CUDA "
+                    "graph does not add to yet")
+        return None
 
     @property
     def fp8_kv(self) -> str | None:
@@ -396,6 +428,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "kv_decode_attention": DECODE_ATTENTION,
     "kv_chunk_window": CHUNK_WINDOWS,
     "kv_document_extend": DOCUMENT_EXTENDS,
+    "kv_decode_graphs": DECODE_GRAPHS,
     "kv_head_budget": (HEAD_BUDGET_AUTO, *BUDGET_MODES),
     "rkv_exemption": RKV_EXEMPTIONS,
 }

@@ -103,12 +103,13 @@ def default_attention_backend(on_gpu: bool, fp8_kv: bool = False, unit_pool: boo
 def build_sglang_argv(
     argv: list[str], on_gpu: bool, compressing: bool = False, fp8_kv: bool = False,
     kv_memory_gb: bool = False, unit_pool: bool = False, native_bf16: bool = True, flashinfer: bool = True,
-    gpu_kit: bool = False,
+    gpu_kit: bool = False, decode_graphs: bool = False,
 ) -> list[str]:
     """SGLang's argument list: the user's flags plus the defaults they did not override.
     `native_bf16`: whether this CPU multiplies bfloat16 natively (see `EMULATED_BF16_DTYPE`);
     `flashinfer`: whether FlashInfer is installed; `gpu_kit`: whether `sgl_kernel` is the GPU kit's
-    stub (`GPU_KIT_DEFAULTS`)."""
+    stub (`GPU_KIT_DEFAULTS`); `decode_graphs`: a compressing server's decode steps replay SGLang's
+    CUDA graphs (`KvcConfig.decode_graphs`)."""
     from sgl_kvc.adapter import RADIX_CACHE_BACKEND
 
     out = list(argv)
@@ -122,11 +123,17 @@ def build_sglang_argv(
         # Compaction rewrites request rows between steps; the overlap scheduler would prepare
         # the next step while the previous one still reads them.
         out.append("--disable-overlap-schedule")
-    if compressing and on_gpu and not has_flag(out, "--disable-cuda-graph"):
-        # Decode CUDA graphs are captured before sgl-kvc's observation store is attached and
-        # replay no Python: R-KV would score with stale queries. Off for compressing policies.
+    if compressing and on_gpu and decode_graphs and not has_flag(out, "--disable-cuda-graph"):
+        # A decode step reads only buffers (core/graph_step.py); a prefill's observation and its
+        # per-request tables run Python per request, which a prefill graph would not replay.
+        logger.info("sgl-kvc: decode steps replay SGLang's CUDA graphs (--kv-decode-graphs on); "
+                    "prefill CUDA graphs off")
+        defaults["--disable-prefill-cuda-graph"] = None
+    elif compressing and on_gpu and not has_flag(out, "--disable-cuda-graph"):
+        # Off unless asked for (`--kv-decode-graphs on`) until a GPU run has shown them equal to
+        # eager decode for every policy that captures (docs/architecture.md, "Decode CUDA graphs").
         logger.warning("sgl-kvc: decode CUDA graphs disabled (--disable-cuda-graph) for a "
-                       "compressing policy: observation runs in Python each step")
+                       "compressing policy (--kv-decode-graphs on replays them)")
         out.append("--disable-cuda-graph")
     if compressing and not has_flag(out, "--disable-radix-cache"):
         # The tree compaction's radix rule is written against (adapter/documents/radix_cache.py);
@@ -574,8 +581,10 @@ def main(argv: list[str] | None = None) -> None:
     sglang_argv = build_sglang_argv(
         rest, on_gpu, config.compressing, fp8_kv=config.fp8_kv is not None,
         kv_memory_gb=config.kv_cache_memory_gb is not None, unit_pool=config.variable_budget,
-        native_bf16=native_bf16, flashinfer=flashinfer, gpu_kit=gpu_kit,
+        native_bf16=native_bf16, flashinfer=flashinfer, gpu_kit=gpu_kit, decode_graphs=config.decode_graphs,
     )
+    if config.graphs_refusal is not None:
+        logger.warning("sgl-kvc: --kv-decode-graphs on: %s; decode CUDA graphs off", config.graphs_refusal)
     config.to_env()  # read by the plugin in this process and in SGLang's worker processes
 
     from sglang.srt.plugins import load_plugins

@@ -25,7 +25,7 @@ class HookTargetMissing(RuntimeError):
 def hook_table(config: KvcConfig) -> list[Hook]:
     """Every hook sgl-kvc registers for `config`, in registration order (the FP8 pool's fixed
     size before the KV memory's probe of it)."""
-    from sgl_kvc.adapter import hooks
+    from sgl_kvc.adapter import decode_graphs, hooks
     from sgl_kvc.adapter.documents import chat_documents
     from sgl_kvc.adapter.memory import fp8_pool, kv_memory, unit_pool
     from sgl_kvc.adapter.safety import refusals
@@ -34,6 +34,7 @@ def hook_table(config: KvcConfig) -> list[Hook]:
     return [
         *refusals.hook_table(config),  # scheduler start-up: models and backends compaction cannot serve
         *hooks.hook_table(config),
+        *decode_graphs.hook_table(config),  # --kv-decode-graphs on: the store before SGLang captures
         *fp8_pool.hook_table(config, unit_pool.fp8_unit_pool_class(config)),  # FP8: per-layer or unit layout
         *unit_pool.hook_table(config),  # --kv-head-budget variable / layer
         *kv_memory.hook_table(config),

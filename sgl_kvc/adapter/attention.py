@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from sgl_kvc.adapter.safety import failpoints
+from sgl_kvc.core.graph_step import GraphStep
 from sgl_kvc.core.reconstruction import ForwardAttention
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.kernels.attention_lse import has_fused_cpu
@@ -57,6 +58,7 @@ class KvcAttentionMixin:
     kvc_store: KvcStore | None = None
     kvc_attends: bool = False  # whether sgl-kvc's kernel can run this class's decode attention
     _kvc_attend_layer: Any = None  # the layer whose decode attention the kernel runs now
+    _kvc_decode_batch: Any = None  # its forward batch (a graph step reads its rows and lengths)
     _kvc_extend: Any = None  # (layer, forward batch) of an extend with packed requests, while it runs
 
     @property
@@ -81,12 +83,13 @@ class KvcAttentionMixin:
         store = self.kvc_store
         attend = store is not None and _kernel_attends(store, q, layer, forward_batch)
         self._kvc_attend_layer = layer if attend else None
+        self._kvc_decode_batch = forward_batch if attend else None
         try:
             out = self.kvc_base.forward_decode(
                 self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs
             )
         finally:
-            self._kvc_attend_layer = None
+            self._kvc_attend_layer = self._kvc_decode_batch = None
         if store is not None and save_kv_cache:
             _observe(_observe_decode, store, q, layer, forward_batch, attend)
         return out
@@ -138,7 +141,9 @@ class TorchNativeKernelMixin:
                 self, query, output, k_cache, v_cache, *args, **kwargs
             )
         store = self.kvc_store
-        store.attend_decode(layer.layer_id, store.decode_step, query, k_cache, v_cache, layer.scaling, output)
+        # SGLang passes (req_to_token, req_pool_indices, seq_lens, ...) after the caches
+        store.attend_decode(layer.layer_id, store.decode_step, query, k_cache, v_cache, layer.scaling, output,
+                            rows=args[1], seq_lens=args[2])
         return output
 
 
@@ -206,8 +211,9 @@ def _triton_decode(backend: Any, original: Callable[..., Any]) -> Callable[..., 
     def decode(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, *args, **kwargs):
         layer = backend._kvc_attend_layer
         if layer is not None:
-            store = backend.kvc_store
-            store.attend_decode(layer.layer_id, store.decode_step, q, k_buffer, v_buffer, layer.scaling, o)
+            store, fb = backend.kvc_store, backend._kvc_decode_batch
+            store.attend_decode(layer.layer_id, store.decode_step, q, k_buffer, v_buffer, layer.scaling, o,
+                                rows=fb.req_pool_indices, seq_lens=fb.seq_lens)
             return None
         if isinstance(k_buffer, Fp8Rows):
             k_buffer, v_buffer, kv_indices = dense_rows(k_buffer, v_buffer, kv_indices)
@@ -243,14 +249,15 @@ def _reconstruction_attention(round_: Any, store: KvcStore, layer: Any, row: int
 def _kernel_attends(store: KvcStore, q: Any, layer: Any, fb: ForwardBatch) -> bool:
     """Whether this layer's decode attention is the batched kernel's: the step was planned
     for it, and the layer needs nothing the kernel does not do (cross-attention, a sliding
-    window, encoder tokens, a logit cap)."""
+    window, encoder tokens, a logit cap). A graph step reads the batch SGLang runs (its graph's
+    batch size, padded), whatever it was planned from."""
     step = store.decode_step
     window = getattr(layer, "sliding_window_size", None)
     return (
         store.attends
         and step is not None
         and step.attends
-        and step.size * layer.tp_q_head_num * layer.qk_head_dim == q.numel()
+        and (isinstance(step, GraphStep) or step.size * layer.tp_q_head_num * layer.qk_head_dim == q.numel())
         and not getattr(layer, "is_cross_attention", False)
         and (window is None or window < 0)
         and getattr(fb, "encoder_lens", None) is None

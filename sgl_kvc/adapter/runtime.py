@@ -166,6 +166,10 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
         "decode_attention": {
             "kernel": "sgl-kvc batched" if store is not None and store.attends else "sglang",
             "layers": store.attended_layers if store is not None else 0,
+            # decode steps read from buffers, as a CUDA graph replays them (`--kv-decode-graphs
+            # on`), and those that ran eagerly, by reason (`core/graph_step.py`)
+            "graph_steps": store.graph_steps if store is not None else 0,
+            "eager_steps": dict(store.eager_steps) if store is not None else {},
         },
         "requests": {
             "running": client_requests(scheduler.running_batch.reqs),  # health checks left out

@@ -22,8 +22,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sgl_kvc.core import graph_step
 from sgl_kvc.core.decode import FUSED_BLOCK_BYTES, DecodeStep
+from sgl_kvc.core.graph_step import GraphStep
 from sgl_kvc.core.host import host_tensor
+from sgl_kvc.core.packed_rows import PackedRows, graph_width
 from sgl_kvc.core.request_state import ReqKvState, RequestTables
 from sgl_kvc.kernels.per_head_attention import HeadTables, flat_heads, fused_decode, per_head_extend
 from sgl_kvc.policies import gqa_logits
@@ -94,6 +97,15 @@ class KvcStore:
         # While a reconstruction forward runs (KVzip; `core/reconstruction.ReconstructionRound`):
         # its rows' queries are folded into their scores and nothing else is recorded for them.
         self.reconstruction: Any = None
+        # Decode steps a CUDA graph can hold (`enable_graphs`, `core/graph_step.py`): whether they
+        # are on, the packed rows' layout they read on the unit pool, what each row's layout was
+        # installed from, and the reasons a step decoded eagerly (each logged once).
+        self.graphs = False
+        self.packed_rows: PackedRows | None = None
+        self._installed: dict[int, tuple[Any, int]] = {}
+        self.graph_steps = 0
+        self.eager_steps: dict[str, int] = {}
+        self._eager_logged: set[str] = set()
 
     def _fused_decode(self, kv_pool: Any, plan: str | None) -> bool:
         """Whether this store plans decode steps fused: asked for (`plan`), or where the Triton
@@ -138,6 +150,8 @@ class KvcStore:
         self.states.pop(row, None)
         self.stats_rows.discard(row)
         self.set_offset(row, 0)
+        if self._installed.pop(row, None) is not None and self.packed_rows is not None:
+            self.packed_rows.clear(row)
 
     @property
     def moment_holders(self) -> int:
@@ -303,10 +317,61 @@ class KvcStore:
                                q_max=q.shape[0])
 
     # --- decode ---------------------------------------------------------------------------------
+    def enable_graphs(self, q_heads: int, head_dim: int, dtype: torch.dtype, arena_units: int) -> None:
+        """Decode steps a CUDA graph can hold from now on (`core/graph_step.py`): the observation
+        ring reserved for every row, and on the unit pool the packed rows' layout with an arena of
+        `arena_units` units. Before SGLang captures its graphs."""
+        self.reserve_queries(q_heads, head_dim, dtype)
+        layout = self.unit_layout
+        if layout is not None:
+            self.packed_rows = PackedRows(self.req_to_token.shape[0], layout[0], layout[1], arena_units, self.device)
+        self.graphs = True
+        self.decode_step = GraphStep(size=0, width=graph_width([]), attends=self.attends)
+
+    def _install_layouts(self, rows: list[int]) -> None:
+        """The packed rows' layout of every row whose state changed since it was installed (a
+        compaction, a start from a shared document): between steps, never inside one."""
+        for row in rows:
+            state = self.states.get(row)
+            units = None if state is None else state.units
+            now = (units, 0 if state is None else state.packed)
+            was = self._installed.get(row)
+            if was is not None and was[0] is now[0] and was[1] == now[1]:
+                continue
+            self._installed[row] = now
+            self.packed_rows.install(row, state)
+
+    def _graph_step(self, rows: list[int], lens: list[int]) -> GraphStep | None:
+        """This step as a `GraphStep`, or None where it must decode eagerly (the reason counted in
+        `eager_steps` and logged once)."""
+        if self.packed_rows is not None:
+            self._install_layouts(rows)
+        why = graph_step.eager_reason(rows, self.states, self.packed_rows)
+        if why is not None:
+            reason, name = why
+            self.eager_steps[reason] = self.eager_steps.get(reason, 0) + 1
+            key = f"{reason}:{name}" if reason == graph_step.STATISTICS else reason
+            if key not in self._eager_logged:
+                self._eager_logged.add(key)
+                logger.warning("sgl-kvc: decode steps holding %s decode eagerly, not from a CUDA graph (%s)",
+                               name, "its policy keeps attention statistics" if reason == graph_step.STATISTICS
+                               else "its packed table did not fit the decode layout's arena")
+            return None
+        width = graph_step.step_width(rows, lens, self.states, self.packed_rows)
+        return GraphStep(size=len(rows), width=width, attends=self.attends)
+
     def begin_decode(self, rows: list[int], lens: list[int]) -> None:
         """Before a decode forward: plan it from the batch's `req_to_token` rows and cached
         entries (host-side data: no device sync in the forward)."""
         self.decode_rows = rows
+        if self.graphs:
+            step = self._graph_step(rows, lens)
+            if step is not None:
+                self.decode_step = step
+                self.graph_steps += 1
+                if step.attends:
+                    self.attended_layers += self.num_layers - self.first_layer
+                return
         self.decode_step = (
             DecodeStep.build(rows, lens, self.states, self.req_to_token, self.token_elems, self.attends,
                              units=self.unit_layout, first_layer=self.first_layer, fused=self.fused,
@@ -317,8 +382,14 @@ class KvcStore:
         )  # fmt: skip
 
     def attend_decode(
-        self, layer: int, step: DecodeStep, q: Tensor, k_cache: Any, v_cache: Any, scale: float, out: Tensor
+        self, layer: int, step: DecodeStep | GraphStep, q: Tensor, k_cache: Any, v_cache: Any, scale: float,
+        out: Tensor, rows: Tensor | None = None, seq_lens: Tensor | None = None,
     ) -> None:
-        """The step's decode attention through sgl-kvc's kernel (see `DecodeStep.attend`)."""
+        """The step's decode attention through sgl-kvc's kernel (see `DecodeStep.attend`; a
+        `GraphStep` reads the batch's `rows` and `seq_lens`, SGLang's device tensors, in place)."""
+        if isinstance(step, GraphStep):
+            graph_step.attend(step, layer - self.first_layer, q, k_cache, v_cache, scale, out, rows, seq_lens,
+                              self.req_to_token, self.kv_heads, self.unit_pools, self.packed_rows)
+            return
         self.attended_layers += 1
         step.attend(layer, q, k_cache, v_cache, scale, out, self.unit_pools)

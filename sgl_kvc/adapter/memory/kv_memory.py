@@ -9,6 +9,10 @@ A compressing server keeps, besides SGLang's KV pool:
   previous step's slab to its own (`core/stat_slab.py`);
 * on the unit pool (variable and layer budgets), a decode step's per-head tables: an int64 per
   layer, KV head and entry, twice (`core/decode.py`, `DecodeShape`);
+* with decode steps from CUDA graphs on the unit pool (`--kv-decode-graphs on`), the packed rows'
+  layout those steps read (`core/packed_rows.py`): an int32 arena of one unit per pool token, layer
+  and KV head (a packed request's table, each head's own entries only), and per request row each
+  (layer, KV head)'s first entry and count there, int32;
 * on CUDA, what one layer's decode call allocates, whatever the lengths in the batch: the fused
   plan's bound, `FUSED_BLOCK_BYTES` or `MAX_DECODE_SHARE` of the memory if less (`core/decode.py`;
   the store plans its blocks within what was reserved, `DECODE_BYTES_ATTR`; on a CPU the padded
@@ -81,6 +85,7 @@ MOMENT_SLOTS_ATTR = "kvc_moment_slots"  # on SGLang's MemoryPoolConfig: read by 
 DECODE_BYTES_ATTR = "kvc_decode_block_bytes"  # the same: the fused plan's block bound
 FORWARD_ENTRIES_ATTR = "kvc_forward_entries"  # the same: entries a reconstruction forward attends to
 ROW_ENTRY_BYTES = 4  # an int32 slot index of SGLang's req_to_token
+LAYOUT_BYTES = 4  # an int32 of the graph steps' packed rows' layout (`core/packed_rows.py`)
 DOCUMENT_ENTRY_BYTES = 8  # a shared document's int32 position and float32 KVzip score per (slot, layer, KV head)
 DOCUMENT_BYTES_ATTR = "kvc_document_bytes"  # on SGLang's MemoryPoolConfig: the documents' metadata budget
 
@@ -100,16 +105,20 @@ class Reservation:
     def for_model(
         cls, window: int, num_layers: int, q_heads: int, kv_heads: int, head_dim: int, q_bytes: int,
         unit_tables: bool = False, decode_bytes: int = 0, row_room: int = 0, forward_entries: int = 0,
-        documents: bool = False,
+        documents: bool = False, graph_layout: bool = False,
     ) -> "Reservation":
-        # a statistic twice (two steps' slabs); on the unit pool a step's tables, twice
-        per_token = num_layers * kv_heads * (2 * STATS_BYTES + (2 * 8 if unit_tables else 0))
+        # a statistic twice (two steps' slabs); on the unit pool a step's tables, twice; the
+        # graph steps' packed rows' arena, a unit each
+        per_token = num_layers * kv_heads * (2 * STATS_BYTES + (2 * 8 if unit_tables else 0)
+                                             + (LAYOUT_BYTES if graph_layout else 0))
+        # a graph step's layout of the request's row: each head's first entry and count, its packed slots
+        per_row = (2 * num_layers * kv_heads + 1) * LAYOUT_BYTES if graph_layout else 0
         # a document's position and KVzip score per entry (a packed one's lengths: within the registry's budget,
         # `KvcRadixCache.make_document_room`)
         per_document_token = num_layers * kv_heads * DOCUMENT_ENTRY_BYTES
         layer_moments = q_heads * head_dim * (head_dim + 1) * 4  # float32 mean and scatter
         return cls(
-            per_request=window * num_layers * q_heads * head_dim * q_bytes + row_room * ROW_ENTRY_BYTES,
+            per_request=window * num_layers * q_heads * head_dim * q_bytes + row_room * ROW_ENTRY_BYTES + per_row,
             per_token=per_token,
             per_moment=num_layers * layer_moments + 2 * layer_moments,  # + one layer's merge
             # a decode call; one layer's keys of a reconstruction forward's rows (model dtype)
@@ -199,6 +208,7 @@ def _around_resolve(config: KvcConfig, probe: _MemoryProbe) -> Callable[..., Any
             row_room=forward_room(config),
             forward_entries=forward_entries(config, int(mc.context_len)),
             documents=documents_possible(kvc),
+            graph_layout=config.decode_graphs and config.variable_budget,
         )
         cell = getattr(configurator, "_cell_size", None)  # SGLang's bytes per token (FP8 included)
         if not cell:  # a pool layout without one cost per token (hybrid, MLA...)

@@ -158,6 +158,12 @@ class Compressor:
             backend.kvc_store = self.store
             self.store.attends = config.kv_decode_attention in KERNEL_DECODE_ATTENTION and backend.kvc_attends
             self.store.intact_as_sglang = config.kv_decode_attention == "batched"
+        if config.decode_graphs:  # before SGLang captures its decode graphs (`adapter/decode_graphs.py`)
+            mc = model_runner.model_config
+            group = int(mc.num_attention_heads) // int(mc.get_total_num_kv_heads())  # query heads per KV head
+            units = self.store.unit_pools[0].shape[0] if self.store.unit_pools is not None else 0
+            self.store.enable_graphs(q_heads=group * self.store.kv_heads, head_dim=int(mc.head_dim), dtype=mc.dtype,
+                                     arena_units=units)
 
     def serve(self, scheduler: Any) -> None:
         """The scheduler this compressor runs in (set by its hooks, every step), and, once, its
