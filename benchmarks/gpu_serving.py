@@ -11,8 +11,11 @@ MLP 14336: 128 KiB of bf16 KV per token) with random weights (`--load-format dum
 Every server gets the same KV bytes (`--kv-cache-memory-gb`: an FP8 pool holds about twice the
 tokens), the same seeded token-id prompts, all requests at once, streamed, `ignore_eos`.
 
-Rows: plain SGLang without and with decode CUDA graphs (compressing servers run without them:
-`launch.py`), R-KV, R-KV over the FP8 pool, SnapKV with variable per-head budgets. Columns: the
+Rows (`ROWS`): plain SGLang with and without decode CUDA graphs; R-KV with decode graphs
+(`--kv-decode-graphs on`) on the default head budget (the unit pool) and on SGLang's own pool
+(uniform), and without them; R-KV over the FP8 pool; SnapKV with variable per-head budgets; H2O
+with the flag (its statistics keep graphs off); plain SGLang with graphs and its overlap scheduler
+off. Columns: the
 peak of requests running, output tok/s, TPOT, the decode step time (from SGLang's decode log
 lines: running requests / generation throughput) and the KV pool's bytes per running request at
 that peak. Writes `<out>/gpu-serving-<tag>.{json,md,png}`.
@@ -45,15 +48,26 @@ LLAMA_8B_SHAPE: dict = {
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
-# name -> launcher flags; {budget} is --kv-budget
+# name -> launcher flags; {budget} is --kv-budget; {graphs}: decode graphs captured for every batch
+# the workload can run, no more (capturing costs start-up time). In this order by default: the rows
+# with decode graphs first (what a user of plain SGLang runs), then without. Plain SGLang runs with
+# its overlap scheduler on, as it does by default (`-no-overlap`: off); a compressing server runs
+# without it (docs/architecture.md, "Decode CUDA graphs").
+GRAPHS = "--cuda-graph-max-bs-decode {requests}"
 ROWS: dict[str, str] = {
+    "sglang-graphs": f"--policy none {GRAPHS}",
+    "rkv-graphs": f"--policy rkv --kv-budget {{budget}} --kv-decode-graphs on {GRAPHS}",
+    "rkv-uniform-graphs": f"--policy rkv --kv-budget {{budget}} --kv-head-budget uniform --kv-decode-graphs on {GRAPHS}",
     "sglang": "--policy none --disable-cuda-graph",
-    # graphs captured for every batch the workload can run, no more (capturing costs start-up time)
-    "sglang-graphs": "--policy none --cuda-graph-max-bs-decode {requests}",
     "rkv": "--policy rkv --kv-budget {budget}",
     "rkv-fp8": "--policy rkv --kv-budget {budget} --kv-cache-dtype fp8_e4m3",
     "snapkv-variable": "--policy snapkv --kv-budget {budget} --kv-head-budget variable",
+    # H2O keeps attention statistics: with --kv-decode-graphs on the launcher keeps its graphs off
+    "h2o-graphs": f"--policy h2o --kv-budget {{budget}} --kv-decode-graphs on {GRAPHS}",
+    "sglang-graphs-no-overlap": f"--policy none --disable-overlap-schedule {GRAPHS}",
 }
+# Run unless --rows names others: the first seven (the last two answer narrower questions).
+DEFAULT_ROWS: list[str] = list(ROWS)[:7]
 _DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+).*?gen throughput \(token/s\): ([\d.]+)")
 
 
@@ -91,17 +105,25 @@ class GpuRow:
 
 
 def markdown(rows: list[GpuRow]) -> str:
-    base = next((r for r in rows if r.result.name == "sglang"), rows[0]).result
+    """The table: each row against plain SGLang without decode graphs and with them (where those
+    rows ran)."""
+    def base(name: str) -> ConfigResult | None:
+        return next((r.result for r in rows if r.result.name == name), None)
+
+    eager, graphs = base("sglang"), base("sglang-graphs")
+
+    def ratio(r: ConfigResult, to: ConfigResult | None) -> str:
+        return "–" if to is None else f"{r.output_tokens_per_s / max(to.output_tokens_per_s, 1e-9):.2f}x"
+
     lines = [
-        "| config | max running | output tok/s | vs sglang | TPOT p50 / p99 (ms) | step (ms) | pool tokens "
-        "| KV MiB per running request | failures |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| config | max running | output tok/s | vs sglang | vs sglang-graphs | TPOT p50 / p99 (ms) | step (ms) "
+        "| pool tokens | KV MiB per running request | failures |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         r = row.result
         lines.append(
-            f"| {r.name} | {r.max_running} | {r.output_tokens_per_s:.0f} "
-            f"| {r.output_tokens_per_s / max(base.output_tokens_per_s, 1e-9):.2f}x "
+            f"| {r.name} | {r.max_running} | {r.output_tokens_per_s:.0f} | {ratio(r, eager)} | {ratio(r, graphs)} "
             f"| {r.tpot_ms.get('p50', 0):.1f} / {r.tpot_ms.get('p99', 0):.1f} | {row.step_ms_p50:.1f} "
             f"| {row.pool_tokens} | {row.kv_bytes_per_request / 2**20:.0f} | {r.failures} |"
         )
@@ -113,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--write-model", type=Path, help="write the model folder here and exit")
     p.add_argument("--model", type=Path, help="the model folder (--write-model)")
-    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    p.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=list(ROWS))
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=4096)

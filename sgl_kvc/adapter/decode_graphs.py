@@ -53,6 +53,10 @@ def _around_can_run(config: KvcConfig) -> Callable[..., Any]:
         if not original(runner, forward_batch, *args, **kwargs):
             return False
         compressor = compressor_of(runner.model_runner, config)
-        return compressor is None or isinstance(compressor.store.decode_step, GraphStep)
+        if compressor is None:
+            return True
+        replays = isinstance(compressor.store.decode_step, GraphStep)
+        compressor.store.graph_replays += replays
+        return replays
 
     return hook

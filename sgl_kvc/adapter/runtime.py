@@ -169,6 +169,7 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
             # decode steps read from buffers, as a CUDA graph replays them (`--kv-decode-graphs
             # on`), and those that ran eagerly, by reason (`core/graph_step.py`)
             "graph_steps": store.graph_steps if store is not None else 0,
+            "graph_replays": store.graph_replays if store is not None else 0,
             "eager_steps": dict(store.eager_steps) if store is not None else {},
         },
         "requests": {

@@ -104,6 +104,7 @@ class KvcStore:
         self.packed_rows: PackedRows | None = None
         self._installed: dict[int, tuple[Any, int]] = {}
         self.graph_steps = 0
+        self.graph_replays = 0  # of them, replayed from SGLang's CUDA graphs (`adapter/decode_graphs.py`)
         self.eager_steps: dict[str, int] = {}
         self._eager_logged: set[str] = set()
 

@@ -49,9 +49,10 @@ class _Server:
     free: list[int]
     rng: random.Random
     g: torch.Generator
-    rows: torch.Tensor = field(default_factory=lambda: torch.zeros(BATCH, dtype=torch.int64))
-    lens: torch.Tensor = field(default_factory=lambda: torch.ones(BATCH, dtype=torch.int64))
-    out_loc: torch.Tensor = field(default_factory=lambda: torch.zeros(BATCH, dtype=torch.int64))
+    device: torch.device
+    rows: torch.Tensor = None
+    lens: torch.Tensor = None
+    out_loc: torch.Tensor = None
     q: list[torch.Tensor] = field(default_factory=list)
     out: list[torch.Tensor] = field(default_factory=list)
     new_kv: list[torch.Tensor] = field(default_factory=list)
@@ -62,20 +63,27 @@ class _Server:
         return out
 
 
-def _server(pool_kind: str, seed: int = 0) -> _Server:
+def _server(pool_kind: str, seed: int = 0, device: torch.device | str = "cpu") -> _Server:
+    """A store over a stand-in pool of `pool_kind` on `device` (float32, or FP8 codes), graph
+    steps on, and SGLang's static decode inputs."""
     g = torch.Generator().manual_seed(seed)
+    device = torch.device(device)
+    dtype = torch.float32
     fp8 = "fp8_e4m3" if pool_kind.startswith("fp8") else None
-    pool = LayeredKvPool(SLOTS, LAYERS, H_KV, D, g, units=pool_kind.endswith("units"), fp8=fp8)
-    r2t = torch.zeros(ROWS, WIDTH, dtype=torch.int32)
+    pool = LayeredKvPool(SLOTS, LAYERS, H_KV, D, g, device=device, units=pool_kind.endswith("units"), fp8=fp8)
+    r2t = torch.zeros(ROWS, WIDTH, dtype=torch.int32, device=device)
     store = KvcStore(LAYERS, WINDOW, r2t, pool)
     store.attends = True
-    store.enable_graphs(H_KV * GROUP, D, torch.float32, arena_units=4096)
+    store.enable_graphs(H_KV * GROUP, D, dtype, arena_units=4096)
     free = list(range(1, SLOTS))
     random.Random(seed).shuffle(free)
-    s = _Server(store, pool, free, random.Random(seed), g)
-    s.q = [torch.zeros(BATCH, H_KV * GROUP, D) for _ in range(LAYERS)]
-    s.out = [torch.zeros(BATCH, H_KV * GROUP, D) for _ in range(LAYERS)]
-    s.new_kv = [torch.zeros(BATCH, H_KV, D) for _ in range(LAYERS)]
+    s = _Server(store, pool, free, random.Random(seed), g, device)
+    s.rows = torch.zeros(BATCH, dtype=torch.int64, device=device)
+    s.lens = torch.ones(BATCH, dtype=torch.int64, device=device)
+    s.out_loc = torch.zeros(BATCH, dtype=torch.int64, device=device)
+    s.q = [torch.zeros(BATCH, H_KV * GROUP, D, dtype=dtype, device=device) for _ in range(LAYERS)]
+    s.out = [torch.zeros(BATCH, H_KV * GROUP, D, dtype=dtype, device=device) for _ in range(LAYERS)]
+    s.new_kv = [torch.zeros(BATCH, H_KV, D, dtype=dtype, device=device) for _ in range(LAYERS)]
     return s
 
 
@@ -84,7 +92,7 @@ def _start(s: _Server, row: int, n: int, policy: str) -> None:
     state = ReqKvState(policy=get_policy(policy, PolicyParams(budget=32)), budget=Budget(32))
     s.store.begin(row, state)
     s.store.req_to_token[row] = 0
-    s.store.req_to_token[row, :n] = torch.tensor(s.take(n), dtype=torch.int32)
+    s.store.req_to_token[row, :n] = torch.tensor(s.take(n), dtype=torch.int32, device=s.device)
     s.live[row] = n
 
 
@@ -95,20 +103,21 @@ def _compact(s: _Server, row: int, keep: int) -> None:
     slots = s.store.req_to_token[row, :n].long()
     if s.store.unit_layout is None:
         s.store.req_to_token[row, keep:] = 0
-        state.kept_positions = torch.arange(keep).expand(LAYERS, H_KV, keep).clone()
+        state.kept_positions = torch.arange(keep, device=s.device).expand(LAYERS, H_KV, keep).clone()
         s.store.set_offset(row, n - keep)
         s.live[row] = keep
         return
     per_slot = LAYERS * H_KV
-    lens = torch.tensor([[s.rng.randint(1, keep) for _ in range(H_KV)] for _ in range(LAYERS)])
+    lens = torch.tensor([[s.rng.randint(1, keep) for _ in range(H_KV)] for _ in range(LAYERS)], device=s.device)
     total = int(lens.sum())
     g = -(-total // per_slot)
     width = int(lens.max())
     starts = (torch.cumsum(lens.flatten(), 0) - lens.flatten()).view(LAYERS, H_KV)
-    e = starts[..., None] + torch.arange(width)
-    units = (slots[(e // per_slot).clamp(max=g - 1)] * per_slot + e % per_slot) * (torch.arange(width) < lens[..., None])
+    cols = torch.arange(width, device=s.device)
+    e = starts[..., None] + cols
+    units = (slots[(e // per_slot).clamp(max=g - 1)] * per_slot + e % per_slot) * (cols < lens[..., None])
     state.units, state.unit_lens, state.packed = units, lens, g
-    state.kept_positions = torch.zeros(LAYERS, H_KV, width, dtype=torch.int64)
+    state.kept_positions = torch.zeros(LAYERS, H_KV, width, dtype=torch.int64, device=s.device)
     s.store.req_to_token[row, g:] = 0
     s.live[row] = g
 
@@ -118,21 +127,22 @@ def _from_document(s: _Server, row: int, tail: int, policy: str) -> None:
     document's own slots, held by the tree), then its own tokens."""
     _start(s, row, 0, policy)
     doc = s.take(10)
-    s.store.req_to_token[row, :10] = torch.tensor(doc, dtype=torch.int32)
-    s.store.req_to_token[row, 10 : 10 + tail] = torch.tensor(s.take(tail), dtype=torch.int32)
+    s.store.req_to_token[row, :10] = torch.tensor(doc, dtype=torch.int32, device=s.device)
+    s.store.req_to_token[row, 10 : 10 + tail] = torch.tensor(s.take(tail), dtype=torch.int32, device=s.device)
     s.live[row] = 10 + tail
     state = s.store.states[row]
     if s.store.unit_layout is None:
-        state.kept_positions = torch.arange(10).expand(LAYERS, H_KV, 10).clone()
+        state.kept_positions = torch.arange(10, device=s.device).expand(LAYERS, H_KV, 10).clone()
         s.store.set_offset(row, 100)
         return
     per_slot = LAYERS * H_KV
     units = torch.randperm(10 * per_slot, generator=s.g)[: LAYERS * H_KV * 9].view(LAYERS, H_KV, 9)
-    state.units = torch.tensor(doc)[units // per_slot] * per_slot + units % per_slot
-    state.unit_lens = torch.randint(3, 10, (LAYERS, H_KV), generator=s.g)
-    state.units *= torch.arange(9) < state.unit_lens[..., None]
+    table = torch.tensor(doc)[units // per_slot] * per_slot + units % per_slot
+    lens = torch.randint(3, 10, (LAYERS, H_KV), generator=s.g)
+    state.units = (table * (torch.arange(9) < lens[..., None])).to(s.device)
+    state.unit_lens = lens.to(s.device)
     state.packed = 10
-    state.kept_positions = torch.zeros(LAYERS, H_KV, 9, dtype=torch.int64)
+    state.kept_positions = torch.zeros(LAYERS, H_KV, 9, dtype=torch.int64, device=s.device)
     s.store.set_offset(row, 100)
 
 
@@ -185,8 +195,8 @@ def _prepare(s: _Server):
         s.lens.copy_(torch.tensor(lens + [1] * pad))
         s.out_loc.copy_(torch.tensor([int(s.store.req_to_token[row, s.live[row] - 1]) for row in batch] + [0] * pad))
         for layer in range(LAYERS):
-            s.q[layer].copy_(torch.randn(s.q[layer].shape, generator=s.g))
-            s.new_kv[layer].copy_(torch.randn(s.new_kv[layer].shape, generator=s.g))
+            s.q[layer].copy_(torch.randn(s.q[layer].shape, generator=s.g).to(s.device))
+            s.new_kv[layer].copy_(torch.randn(s.new_kv[layer].shape, generator=s.g).to(s.device))
 
     return prepare
 
@@ -291,3 +301,43 @@ def test_the_check_fails_the_eager_plan() -> None:
     kinds = {v.kind for v in violations}
     assert {"operations", "replay"} <= kinds, violations
     assert any(isinstance(v, Violation) and "aten.index" in v.detail for v in violations)
+
+
+def _state(s: _Server) -> list[torch.Tensor]:
+    """Every tensor a step writes: the observation ring, the outputs, the KV pool's buffers."""
+    pool = s.pool
+    bufs = [*s.out, s.store._queries, s.store._head, s.store._count]
+    for buf in (pool._k, pool._v, *pool._layers_k, *pool._layers_v):
+        bufs += [buf.codes, buf.scales] if getattr(buf, "codes", None) is not None else [buf]
+    return bufs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool_kind", POOLS)
+def test_a_cuda_graph_of_a_decode_step_replays_every_later_step(pool_kind: str) -> None:
+    """On a GPU: the step captured in a CUDA graph at the first step (the Triton row decode, the
+    observation write) and replayed at each later one equals the eager step from the same state."""
+    s = _server(pool_kind, device="cuda")
+    prepare, forward = _prepare(s), _forward(s)
+    prepare(0)
+    side = torch.cuda.Stream()  # warm up (compile the kernels) off the capturing stream
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    for step in range(1, 8):
+        prepare(step)
+        saved = [t.clone() for t in _state(s)]
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [t.clone() for t in _state(s)]
+        for live, old in zip(_state(s), saved):
+            live.copy_(old)
+        forward()
+        torch.cuda.synchronize()
+        for got, want in zip(replayed, _state(s)):
+            assert torch.equal(got, want), step
+        assert s.out[0].abs().sum() > 0

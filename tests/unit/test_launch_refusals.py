@@ -134,6 +134,21 @@ def test_cuda_graphs_off_for_compressing_policies_on_gpu() -> None:
     assert "--disable-cuda-graph" not in build_sglang_argv(["--model-path", "/m"], on_gpu=False, compressing=True)
 
 
+@pytest.mark.parametrize("policy, captures", [("rkv", True), ("snapkv", True), ("h2o", False), ("kvcompress", False)])
+def test_decode_graphs_replay_for_the_policies_they_hold(policy: str, captures: bool) -> None:
+    """`--kv-decode-graphs on`: SGLang captures decode graphs (prefill graphs off) for a policy whose
+    decode keeps no attention statistics; one that keeps them is served with graphs off, and says why."""
+    config, rest = parse_args(["--policy", policy, "--kv-decode-graphs", "on"])
+    assert config.decode_graphs is captures
+    assert (config.graphs_refusal is None) is captures
+    argv = build_sglang_argv(["--model-path", "/m", *rest], on_gpu=True, compressing=True,
+                             decode_graphs=config.decode_graphs)
+    assert ("--disable-cuda-graph" in argv) is not captures
+    assert ("--disable-prefill-cuda-graph" in argv) is captures
+    assert not parse_args(["--policy", policy])[0].decode_graphs  # off unless asked for
+    assert not parse_args(["--kv-decode-graphs", "on"])[0].decode_graphs  # --policy none: SGLang's own graphs
+
+
 def test_sglang_applies_every_hook() -> None:
     """In a fresh interpreter: the plugin loads through SGLang's loader and the launcher's
     start-up check finds every internal as written for and every hook target patched (SGLang
