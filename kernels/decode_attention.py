@@ -44,19 +44,51 @@ from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
 
+def row_view(cache: Any) -> tuple[Tensor, int, int] | None:
+    """A cache [S, H, d] whose (slot, head) rows are each d contiguous elements, read as one
+    [rows, d] tensor over its storage: (that tensor, the row of (slot 0, head 0), rows per slot).
+    Contiguous (SGLang's own pool): rows s x H + h. A layer of the unit pool (a strided view of its
+    [S, L, H, d] allocation, `adapter/memory/unit_pool.py`): rows (s x L + l) x H + h. None for
+    anything else (the FP8 pool's rows dequantize on read)."""
+    if not isinstance(cache, Tensor) or cache.dim() != 3:
+        return None
+    _, h, d = cache.shape
+    if cache.stride(2) != 1 or cache.stride(1) != d or cache.stride(0) % d or cache.storage_offset() % d:
+        return None
+    rows = cache.untyped_storage().nbytes() // cache.element_size() // d
+    flat = torch.as_strided(cache, (rows, d), (d, 1), 0)
+    return flat, cache.storage_offset() // d, cache.stride(0) // d
+
+
 def gather_heads(cache: Any, slots: Tensor) -> Tensor:
     """Rows of `slots` [b, n] as float32 [b, H, n, d], read from a cache [S, H, d].
 
-    A contiguous tensor cache is read with one `index_select` over its (slot, head) rows, which
-    lands in [b, H, n, d] directly; anything else (the FP8 pool's rows, which dequantize on read)
-    through `cache[slots]` and a transpose."""
+    A cache whose (slot, head) rows are contiguous (`row_view`: SGLang's pool, a layer of the unit
+    pool) is read with one `index_select` over those rows, which lands in [b, H, n, d] directly
+    (indexing a strided layer view and transposing costs about 12x as much); anything else (the FP8
+    pool's rows, which dequantize on read) through `cache[slots]` and a transpose."""
     b, n = slots.shape
-    if isinstance(cache, Tensor) and cache.dim() == 3 and cache.is_contiguous():
-        s, h, d = cache.shape
+    view = row_view(cache)
+    if view is not None:
+        flat, first, per_slot = view
+        h, d = cache.shape[1], cache.shape[2]
         heads = torch.arange(h, device=cache.device)
-        rows = (slots.to(cache.device)[:, None, :] * h + heads[None, :, None]).reshape(-1)  # [b * H * n]
-        return cache.view(s * h, d).index_select(0, rows).view(b, h, n, d).float()
+        rows = (first + slots.to(cache.device)[:, None, :] * per_slot + heads[None, :, None]).reshape(-1)  # [b * H * n]
+        return flat.index_select(0, rows).view(b, h, n, d).float()
     return cache[slots].float().transpose(1, 2).contiguous()
+
+
+def gather_slots(cache: Any, slots: Tensor) -> Tensor:
+    """`cache[slots]`: [b, n, H, d] in the cache's dtype (a `row_view` read by one `index_select`)."""
+    view = row_view(cache)
+    if view is None:
+        return cache[slots]
+    flat, first, per_slot = view
+    b, n = slots.shape
+    h, d = cache.shape[1], cache.shape[2]
+    heads = torch.arange(h, device=cache.device)
+    rows = (first + slots.to(cache.device)[:, :, None] * per_slot + heads[None, None, :]).reshape(-1)
+    return flat.index_select(0, rows).view(b, n, h, d)
 
 
 def _logits(q: Tensor, keys: Tensor, pad: Tensor, scale: float) -> Tensor:
@@ -106,13 +138,13 @@ def plain_decode(
     `_run_sdpa_forward_decode`): for each request, one `scaled_dot_product_attention` of its
     query [1, H_q, 1, d] over its first `lens[i]` entries [1, H_kv, n, d], in the query's dtype,
     the same call on the same values, so bit for bit the same output. The keys and values of the
-    block are gathered once (`k_cache[slots]`: [b, n, H_kv, d]; an FP8 pool dequantizes there).
+    block are gathered once (`gather_slots`: [b, n, H_kv, d]; an FP8 pool dequantizes there).
 
     Returns the output [b, H_q, d_v] in q's dtype and, with `want_probs`, the float32 attention
     [k, H_kv, G, n] of the statistics rows (`probs_rows`, else every row; `pad` masks them),
     computed from the same keys, for the policies that keep statistics."""
     b, h_q, _ = q.shape
-    keys, values = k_cache[slots], v_cache[slots]
+    keys, values = gather_slots(k_cache, slots), gather_slots(v_cache, slots)
     if keys.dtype != q.dtype:  # as SGLang: SDPA takes one dtype
         keys, values = keys.to(q.dtype), values.to(q.dtype)
     gqa = h_q != keys.shape[2]
