@@ -30,6 +30,8 @@ MODULES: tuple[str, ...] = (
     "sglang.srt.layers.attention.triton_backend",
     "sglang.srt.layers.attention.torch_native_backend",
     "sgl_kvc.adapter",  # what the plugin installs into the scheduler process
+    # --kv-decode-graphs on: its hooks, and the Triton kernel a captured decode step runs
+    "sgl_kvc.adapter.decode_graphs", "sgl_kvc.kernels.triton_row_decode",
 )
 CUDA_MODULES: tuple[str, ...] = (
     "sglang.srt.models.llama", "sglang.srt.layers.dual_gemm",

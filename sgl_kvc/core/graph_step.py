@@ -78,19 +78,17 @@ def attend(step: GraphStep, local_layer: int, q: Tensor, k_cache: Any, v_cache: 
            rows: Tensor, seq_lens: Tensor, req_to_token: Tensor, kv_heads: int,
            unit_pools: tuple[Any, Any] | None, packed: PackedRows | None) -> None:
     """The step's attention of one layer into `out`: over the unit pool's flat K and V
-    (`unit_pools`, a packed request's table first), else over this layer's slot cache viewed as
-    units (`flat_heads`). The Triton kernel on CUDA, the torch one elsewhere."""
+    (`unit_pools`, whose rows' packed tables are `packed`), else over this layer's slot cache
+    viewed as units (`flat_heads`). The Triton kernel on CUDA, the torch one elsewhere."""
+    layer = None
     if unit_pools is not None:
         k_units, v_units = unit_pools
-        layers = packed.layers if packed is not None else 1
-        slot_units, layer_units = layers * kv_heads, local_layer * kv_heads
+        slot_units, layer_units = packed.layers * kv_heads, local_layer * kv_heads
+        layer = PackedLayer(table=packed.table, start=packed.start[:, local_layer], lens=packed.lens[:, local_layer],
+                            packed=packed.packed)
     else:
         k_units, v_units = flat_heads(k_cache), flat_heads(v_cache)
         slot_units, layer_units = kv_heads, 0
-    layer = None
-    if packed is not None:
-        layer = PackedLayer(table=packed.table, start=packed.start[:, local_layer], lens=packed.lens[:, local_layer],
-                            packed=packed.packed)
     kernel = _triton(q.device, q.shape[-1], k_units, v_units)
     if kernel is not None:
         kernel.triton_row_decode(q, k_units, v_units, req_to_token, rows, seq_lens, scale, out, heads=kv_heads,

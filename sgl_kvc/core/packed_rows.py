@@ -125,6 +125,10 @@ class PackedRows:
     def free_units(self) -> int:
         return sum(size for _, size in self._free)
 
+    def extents(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(the rows' extents, the free ones), each (start, units), sorted: what the arena holds."""
+        return sorted(e for e in self._extent.values() if e[1]), list(self._free)
+
 
 def graph_width(widths: list[int], floor: int = 64) -> int:
     """The columns a step's padded (torch) attention reads, from its requests' widest tables:

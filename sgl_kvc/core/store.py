@@ -102,7 +102,7 @@ class KvcStore:
         # installed from, and the reasons a step decoded eagerly (each logged once).
         self.graphs = False
         self.packed_rows: PackedRows | None = None
-        self._installed: dict[int, tuple[Any, int]] = {}
+        self._installed: dict[int, tuple[Any, Any, int]] = {}  # row -> (units, unit_lens, packed) installed
         self.graph_steps = 0
         self.graph_replays = 0  # of them, replayed from SGLang's CUDA graphs (`adapter/decode_graphs.py`)
         self.eager_steps: dict[str, int] = {}
@@ -334,10 +334,9 @@ class KvcStore:
         compaction, a start from a shared document): between steps, never inside one."""
         for row in rows:
             state = self.states.get(row)
-            units = None if state is None else state.units
-            now = (units, 0 if state is None else state.packed)
+            now = (None, None, 0) if state is None else (state.units, state.unit_lens, state.packed)
             was = self._installed.get(row)
-            if was is not None and was[0] is now[0] and was[1] == now[1]:
+            if was is not None and was[0] is now[0] and was[1] is now[1] and was[2] == now[2]:
                 continue
             self._installed[row] = now
             self.packed_rows.install(row, state)

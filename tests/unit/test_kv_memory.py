@@ -115,3 +115,20 @@ def test_rows_get_room_for_a_reconstruction_forward_charged_per_request_slot() -
     wider = Reservation.for_model(window=8, num_layers=30, q_heads=9, kv_heads=3, head_dim=64, q_bytes=2,
                                   row_room=room)
     assert wider.per_request == SMOLLM2.per_request + room * ROW_ENTRY_BYTES
+
+
+def test_the_graph_layout_is_reserved_as_the_store_allocates_it() -> None:
+    """With decode steps from CUDA graphs on the unit pool, the packed rows' layout they read
+    (`core/packed_rows.py`): an int32 arena unit per pool token, layer and KV head, and each request
+    row's [L, H_kv] first entries and counts and its packed slots, int32, are what is reserved."""
+    from sgl_kvc.core.packed_rows import PackedRows
+
+    layers, kv_heads, rows, tokens = 30, 3, 8, 100
+    plain = Reservation.for_model(window=8, num_layers=layers, q_heads=9, kv_heads=kv_heads, head_dim=64, q_bytes=2,
+                                  unit_tables=True)
+    graphs = Reservation.for_model(window=8, num_layers=layers, q_heads=9, kv_heads=kv_heads, head_dim=64, q_bytes=2,
+                                   unit_tables=True, graph_layout=True)
+    layout = PackedRows(rows, layers, kv_heads, tokens * layers * kv_heads, "cpu")
+    extra = rows * (graphs.per_request - plain.per_request) + tokens * (graphs.per_token - plain.per_token)
+    # the arena's pad entry aside, the reservation is the layout's bytes
+    assert extra == layout.nbytes - 4
