@@ -82,6 +82,11 @@ class PackedRows:
         self._widths[row] = width
         return True
 
+    def refuse(self, row: int) -> None:
+        """Row `row` cannot be read from these buffers (its install failed): it decodes eagerly."""
+        self.clear(row)
+        self._refused.add(row)
+
     def clear(self, row: int) -> None:
         """Row `row` holds nothing packed (given back, or about to be installed anew)."""
         self._refused.discard(row)

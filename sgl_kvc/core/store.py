@@ -339,7 +339,11 @@ class KvcStore:
             if was is not None and was[0] is now[0] and was[1] is now[1] and was[2] == now[2]:
                 continue
             self._installed[row] = now
-            self.packed_rows.install(row, state)
+            try:
+                self.packed_rows.install(row, state)
+            except Exception:  # noqa: BLE001 - that row alone decodes eagerly (`graph_step.eager_reason`)
+                logger.exception("sgl-kvc: row %s's packed layout was not installed; its steps decode eagerly", row)
+                self.packed_rows.refuse(row)
 
     def _graph_step(self, rows: list[int], lens: list[int]) -> GraphStep | None:
         """This step as a `GraphStep`, or None where it must decode eagerly (the reason counted in
@@ -355,7 +359,7 @@ class KvcStore:
                 self._eager_logged.add(key)
                 logger.warning("sgl-kvc: decode steps holding %s decode eagerly, not from a CUDA graph (%s)",
                                name, "its policy keeps attention statistics" if reason == graph_step.STATISTICS
-                               else "its packed table did not fit the decode layout's arena")
+                               else "its packed table is not in the decode layout's arena")
             return None
         width = graph_step.step_width(rows, lens, self.states, self.packed_rows)
         return GraphStep(size=len(rows), width=width, attends=self.attends)

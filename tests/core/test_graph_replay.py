@@ -341,3 +341,23 @@ def test_a_cuda_graph_of_a_decode_step_replays_every_later_step(pool_kind: str) 
         for got, want in zip(replayed, _state(s)):
             assert torch.equal(got, want), step
         assert s.out[0].abs().sum() > 0
+
+
+def test_a_row_whose_layout_fails_to_install_decodes_eagerly_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = _server("units")
+    _start(s, 1, 30, "rkv")
+    _start(s, 2, 30, "rkv")
+    _compact(s, 1, 12)
+    _compact(s, 2, 12)
+    real = type(s.store.packed_rows).install
+
+    def install(self, row, state):
+        if row == 2:
+            raise RuntimeError("planted")
+        return real(self, row, state)
+
+    monkeypatch.setattr(type(s.store.packed_rows), "install", install)
+    s.store.begin_decode([1, 2], [s.live[1], s.live[2]])
+    assert not isinstance(s.store.decode_step, GraphStep) and s.store.eager_steps == {"arena": 1}
+    s.store.begin_decode([1], [s.live[1]])  # the other row still decodes from the buffers
+    assert isinstance(s.store.decode_step, GraphStep)
