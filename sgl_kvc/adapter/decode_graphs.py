@@ -56,7 +56,7 @@ def _around_can_run(config: KvcConfig) -> Callable[..., Any]:
         if compressor is None:
             return True
         replays = isinstance(compressor.store.decode_step, GraphStep)
-        compressor.store.graph_replays += replays
+        compressor.store.graphs.replays += replays
         return replays
 
     return hook

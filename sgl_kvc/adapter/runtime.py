@@ -123,6 +123,7 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
     model_runner = scheduler.tp_worker.model_runner
     compressor = compressor_of(model_runner, runtime.config)
     store = compressor.store if compressor is not None else None
+    graphs = store.graphs if store is not None else None
     compression = asdict(compressor.stats if compressor is not None else CompressionStats(retractions=runtime.retractions))
     # rows whose attention observations were lost to a failed write (emptied, never stale)
     compression["lost_observations"] = store.lost_observations if store is not None else 0
@@ -168,9 +169,9 @@ def collect_stats(scheduler: Scheduler, runtime: KvcRuntime) -> dict[str, Any]:
             "layers": store.attended_layers if store is not None else 0,
             # decode steps read from buffers, as a CUDA graph replays them (`--kv-decode-graphs
             # on`), and those that ran eagerly, by reason (`core/graph_step.py`)
-            "graph_steps": store.graph_steps if store is not None else 0,
-            "graph_replays": store.graph_replays if store is not None else 0,
-            "eager_steps": dict(store.eager_steps) if store is not None else {},
+            "graph_steps": graphs.steps if graphs is not None else 0,
+            "graph_replays": graphs.replays if graphs is not None else 0,
+            "eager_steps": dict(graphs.eager) if graphs is not None else {},
         },
         "requests": {
             "running": client_requests(scheduler.running_batch.reqs),  # health checks left out

@@ -19,9 +19,11 @@ plans on the host), and a packed row whose table did not fit the layout's arena.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+import torch
 from torch import Tensor
 
 from sgl_kvc.core.packed_rows import PackedRows, graph_width
@@ -31,9 +33,12 @@ from sgl_kvc.kernels.row_decode import PackedLayer, row_decode
 if TYPE_CHECKING:
     from sgl_kvc.core.request_state import ReqKvState
 
+logger = logging.getLogger(__name__)
+
 # Why a step decodes eagerly (`eager_reason`), as the log names it.
 STATISTICS = "statistics"
 ARENA = "arena"
+_WHY = {STATISTICS: "its policy keeps attention statistics", ARENA: "its packed table is not in the decode layout's arena"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,60 @@ class GraphStep:
     attends: bool
 
     has_stats = False  # the eager plan's question (`DecodeStep.has_stats`): never, here
+
+
+@dataclass
+class GraphSteps:
+    """A store's decode steps from buffers, once enabled (`KvcStore.enable_graphs`): the packed
+    rows' layout on the unit pool (`packed`, None on a slot pool), what each row's layout was
+    installed from, and the counts `/v1/kvc/stats` reports: steps planned as `GraphStep`s, those
+    of them SGLang replayed from its graphs (`adapter/decode_graphs.py`), and the eager ones by
+    reason (each reason logged once)."""
+
+    packed: PackedRows | None = None
+    steps: int = 0
+    replays: int = 0
+    eager: dict[str, int] = field(default_factory=dict)
+    _installed: dict[int, tuple[Any, Any, int]] = field(default_factory=dict)  # row -> (units, unit_lens, packed)
+    _logged: set[str] = field(default_factory=set)
+
+    def plan(self, rows: list[int], lens: list[int], states: Mapping[int, "ReqKvState"], attends: bool) -> GraphStep | None:
+        """This step as a `GraphStep`, or None where it must decode eagerly (the reason counted)."""
+        if self.packed is not None:
+            self._install(rows, states)
+        why = eager_reason(rows, states, self.packed)
+        if why is not None:
+            reason, name = why
+            self.eager[reason] = self.eager.get(reason, 0) + 1
+            key = f"{reason}:{name}" if reason == STATISTICS else reason
+            if key not in self._logged:
+                self._logged.add(key)
+                logger.warning("sgl-kvc: decode steps holding %s decode eagerly, not from a CUDA graph (%s)",
+                               name, _WHY[reason])
+            return None
+        self.steps += 1
+        return GraphStep(size=len(rows), width=step_width(rows, lens, states, self.packed), attends=attends)
+
+    def release(self, row: int) -> None:
+        """Row `row` was given back: its layout goes with it."""
+        if self._installed.pop(row, None) is not None and self.packed is not None:
+            self.packed.clear(row)
+
+    def _install(self, rows: list[int], states: Mapping[int, "ReqKvState"]) -> None:
+        """The layout of every row whose state changed since it was installed (a compaction, a start
+        from a shared document): between steps, never inside one."""
+        for row in rows:
+            state = states.get(row)
+            now = (None, None, 0) if state is None else (state.units, state.unit_lens, state.packed)
+            was = self._installed.get(row)
+            if was is not None and was[0] is now[0] and was[1] is now[1] and was[2] == now[2]:
+                continue
+            self._installed[row] = now
+            try:
+                self.packed.install(row, state)
+            except Exception:  # noqa: BLE001 - that row alone decodes eagerly (`eager_reason`)
+                logger.exception("sgl-kvc: row %s's packed layout was not installed; its steps decode eagerly", row)
+                self.packed.refuse(row)
 
 
 def eager_reason(rows: Sequence[int], states: Mapping[int, "ReqKvState"], packed: PackedRows | None) -> tuple[str, str] | None:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from sgl_kvc.core import graph_step
 from sgl_kvc.core.decode import FUSED_BLOCK_BYTES, DecodeStep
-from sgl_kvc.core.graph_step import GraphStep
+from sgl_kvc.core.graph_step import GraphStep, GraphSteps
 from sgl_kvc.core.host import host_tensor
 from sgl_kvc.core.packed_rows import PackedRows, graph_width
 from sgl_kvc.core.request_state import ReqKvState, RequestTables
@@ -97,16 +97,8 @@ class KvcStore:
         # While a reconstruction forward runs (KVzip; `core/reconstruction.ReconstructionRound`):
         # its rows' queries are folded into their scores and nothing else is recorded for them.
         self.reconstruction: Any = None
-        # Decode steps a CUDA graph can hold (`enable_graphs`, `core/graph_step.py`): whether they
-        # are on, the packed rows' layout they read on the unit pool, what each row's layout was
-        # installed from, and the reasons a step decoded eagerly (each logged once).
-        self.graphs = False
-        self.packed_rows: PackedRows | None = None
-        self._installed: dict[int, tuple[Any, Any, int]] = {}  # row -> (units, unit_lens, packed) installed
-        self.graph_steps = 0
-        self.graph_replays = 0  # of them, replayed from SGLang's CUDA graphs (`adapter/decode_graphs.py`)
-        self.eager_steps: dict[str, int] = {}
-        self._eager_logged: set[str] = set()
+        # Decode steps a CUDA graph can hold, once enabled (`enable_graphs`, `core/graph_step.py`).
+        self.graphs: GraphSteps | None = None
 
     def _fused_decode(self, kv_pool: Any, plan: str | None) -> bool:
         """Whether this store plans decode steps fused: asked for (`plan`), or where the Triton
@@ -151,8 +143,8 @@ class KvcStore:
         self.states.pop(row, None)
         self.stats_rows.discard(row)
         self.set_offset(row, 0)
-        if self._installed.pop(row, None) is not None and self.packed_rows is not None:
-            self.packed_rows.clear(row)
+        if self.graphs is not None:
+            self.graphs.release(row)
 
     @property
     def moment_holders(self) -> int:
@@ -324,55 +316,18 @@ class KvcStore:
         `arena_units` units. Before SGLang captures its graphs."""
         self.reserve_queries(q_heads, head_dim, dtype)
         layout = self.unit_layout
-        if layout is not None:
-            self.packed_rows = PackedRows(self.req_to_token.shape[0], layout[0], layout[1], arena_units, self.device)
-        self.graphs = True
+        packed = None if layout is None else PackedRows(self.req_to_token.shape[0], *layout, arena_units, self.device)
+        self.graphs = GraphSteps(packed=packed)
         self.decode_step = GraphStep(size=0, width=graph_width([]), attends=self.attends)
-
-    def _install_layouts(self, rows: list[int]) -> None:
-        """The packed rows' layout of every row whose state changed since it was installed (a
-        compaction, a start from a shared document): between steps, never inside one."""
-        for row in rows:
-            state = self.states.get(row)
-            now = (None, None, 0) if state is None else (state.units, state.unit_lens, state.packed)
-            was = self._installed.get(row)
-            if was is not None and was[0] is now[0] and was[1] is now[1] and was[2] == now[2]:
-                continue
-            self._installed[row] = now
-            try:
-                self.packed_rows.install(row, state)
-            except Exception:  # noqa: BLE001 - that row alone decodes eagerly (`graph_step.eager_reason`)
-                logger.exception("sgl-kvc: row %s's packed layout was not installed; its steps decode eagerly", row)
-                self.packed_rows.refuse(row)
-
-    def _graph_step(self, rows: list[int], lens: list[int]) -> GraphStep | None:
-        """This step as a `GraphStep`, or None where it must decode eagerly (the reason counted in
-        `eager_steps` and logged once)."""
-        if self.packed_rows is not None:
-            self._install_layouts(rows)
-        why = graph_step.eager_reason(rows, self.states, self.packed_rows)
-        if why is not None:
-            reason, name = why
-            self.eager_steps[reason] = self.eager_steps.get(reason, 0) + 1
-            key = f"{reason}:{name}" if reason == graph_step.STATISTICS else reason
-            if key not in self._eager_logged:
-                self._eager_logged.add(key)
-                logger.warning("sgl-kvc: decode steps holding %s decode eagerly, not from a CUDA graph (%s)",
-                               name, "its policy keeps attention statistics" if reason == graph_step.STATISTICS
-                               else "its packed table is not in the decode layout's arena")
-            return None
-        width = graph_step.step_width(rows, lens, self.states, self.packed_rows)
-        return GraphStep(size=len(rows), width=width, attends=self.attends)
 
     def begin_decode(self, rows: list[int], lens: list[int]) -> None:
         """Before a decode forward: plan it from the batch's `req_to_token` rows and cached
         entries (host-side data: no device sync in the forward)."""
         self.decode_rows = rows
-        if self.graphs:
-            step = self._graph_step(rows, lens)
+        if self.graphs is not None:
+            step = self.graphs.plan(rows, lens, self.states, self.attends)
             if step is not None:
                 self.decode_step = step
-                self.graph_steps += 1
                 if step.attends:
                     self.attended_layers += self.num_layers - self.first_layer
                 return
@@ -393,7 +348,7 @@ class KvcStore:
         `GraphStep` reads the batch's `rows` and `seq_lens`, SGLang's device tensors, in place)."""
         if isinstance(step, GraphStep):
             graph_step.attend(step, layer - self.first_layer, q, k_cache, v_cache, scale, out, rows, seq_lens,
-                              self.req_to_token, self.kv_heads, self.unit_pools, self.packed_rows)
+                              self.req_to_token, self.kv_heads, self.unit_pools, self.graphs.packed)
             return
         self.attended_layers += 1
         step.attend(layer, q, k_cache, v_cache, scale, out, self.unit_pools)

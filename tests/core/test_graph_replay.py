@@ -189,7 +189,7 @@ def _prepare(s: _Server):
             s.live[row] = n + 1
         lens = [s.live[row] for row in batch]
         s.store.begin_decode(batch, lens)
-        assert isinstance(s.store.decode_step, GraphStep), s.store.eager_steps
+        assert isinstance(s.store.decode_step, GraphStep), s.store.graphs and s.store.graphs.eager
         pad = BATCH - len(batch)  # SGLang's padding: row 0, length 1, slot 0
         s.rows.copy_(torch.tensor(batch + [0] * pad))
         s.lens.copy_(torch.tensor(lens + [1] * pad))
@@ -269,26 +269,26 @@ def test_a_step_holding_a_request_with_statistics_decodes_eagerly() -> None:
     _start(s, 2, 10, "h2o")
     s.store.begin_decode([1, 2], [10, 10])
     assert not isinstance(s.store.decode_step, GraphStep)
-    assert s.store.eager_steps == {"statistics": 1}
+    assert s.store.graphs.eager == {"statistics": 1}
     s.store.begin_decode([1], [10])
     assert isinstance(s.store.decode_step, GraphStep)
 
 
 def test_a_packed_table_the_arena_cannot_hold_decodes_eagerly_and_gives_its_extent_back() -> None:
     s = _server("units")
-    s.store.packed_rows = type(s.store.packed_rows)(ROWS, LAYERS, H_KV, 8, "cpu")  # an arena of 8 units
+    s.store.graphs.packed = type(s.store.graphs.packed)(ROWS, LAYERS, H_KV, 8, "cpu")  # an arena of 8 units
     _start(s, 1, 40, "rkv")
     _compact(s, 1, 12)
     s.store.begin_decode([1], [s.live[1]])
-    assert not isinstance(s.store.decode_step, GraphStep) and s.store.eager_steps == {"arena": 1}
+    assert not isinstance(s.store.decode_step, GraphStep) and s.store.graphs.eager == {"arena": 1}
     _finish(s, 1)
-    assert s.store.packed_rows.free_units == 8 and s.store.packed_rows.installed(1)
+    assert s.store.graphs.packed.free_units == 8 and s.store.graphs.packed.installed(1)
 
 
 def test_the_check_fails_the_eager_plan() -> None:
     """What a decode step ran before graphs: the eager plan (`DecodeStep`), under the same check."""
     s = _server("units")
-    s.store.graphs = False
+    s.store.graphs = None
     prepare = _prepare(s)
 
     def eager_prepare(step: int) -> None:
@@ -349,15 +349,15 @@ def test_a_row_whose_layout_fails_to_install_decodes_eagerly_alone(monkeypatch: 
     _start(s, 2, 30, "rkv")
     _compact(s, 1, 12)
     _compact(s, 2, 12)
-    real = type(s.store.packed_rows).install
+    real = type(s.store.graphs.packed).install
 
     def install(self, row, state):
         if row == 2:
             raise RuntimeError("planted")
         return real(self, row, state)
 
-    monkeypatch.setattr(type(s.store.packed_rows), "install", install)
+    monkeypatch.setattr(type(s.store.graphs.packed), "install", install)
     s.store.begin_decode([1, 2], [s.live[1], s.live[2]])
-    assert not isinstance(s.store.decode_step, GraphStep) and s.store.eager_steps == {"arena": 1}
+    assert not isinstance(s.store.decode_step, GraphStep) and s.store.graphs.eager == {"arena": 1}
     s.store.begin_decode([1], [s.live[1]])  # the other row still decodes from the buffers
     assert isinstance(s.store.decode_step, GraphStep)
