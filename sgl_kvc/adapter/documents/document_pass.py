@@ -45,7 +45,7 @@ from sgl_kvc.adapter.safety import failpoints, invariants
 from sgl_kvc.adapter.safety.failures import failure
 from sgl_kvc.adapter.safety.tp import anywhere
 from sgl_kvc.core.moves import move_unit_entries, move_units_many, packed_slots, unit_moves
-from sgl_kvc.core.passes import StepWork, advance, start_pass
+from sgl_kvc.core.passes import StepWork, advance, pass_tables, start_pass
 from sgl_kvc.core.reconstruction import CarriedScores, carry_scores
 from sgl_kvc.core.request_state import Budget, ReqKvState
 
@@ -239,8 +239,8 @@ def _choose(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, st
     d, k = key.tokens, key.entries
     failpoints.check("document_raise", req)
     slots = store.req_to_token[row, :d].to(torch.int64)
-    packed = store.unit_layout is not None  # variable / layer budgets: one sort over every head
-    tables = state.tables(slots, *store.unit_layout) if packed else None
+    tables = pass_tables(store, compressor.config.kv_head_budget, state.policy, state, slots)
+    packed = tables is not None
     state.pending = start_pass(store, row, state, state.policy, d, k, "prefill", tables)
     scores = state.pending.reconstruction  # KVzip's, kept with the document (`Compressed.carried`)
     due = advance(store, row, state, d, StepWork.unlimited(), compressor.config.kv_head_budget, i)
