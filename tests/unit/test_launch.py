@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from dataclasses import replace
 import sys
@@ -113,6 +114,32 @@ def test_help_lists_our_flags() -> None:
     ours, _, sglang_part = r.stdout.partition("SGLang server flags")
     assert "--policy" in ours and "sgl-kvc" in ours
     assert "--model-path" in sglang_part and "--radix-cache-backend" in sglang_part
+
+
+def test_sglang_is_first_imported_as_a_cpu_engine() -> None:
+    """The launcher reads SGLang's flags with SGLang's parser, which imports SGLang: on a CPU it
+    must say `SGLANG_USE_CPU_ENGINE` first, since SGLang's modules read their device once, at
+    import (too late, its rotary embedding asked for vLLM's kernel with `--tp 2`)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine is no CPU engine")
+    code = (
+        "import importlib.abc, os, sys\n"
+        "seen = []\n"
+        "class Spy(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'sglang' and not seen: seen.append(os.environ.get('SGLANG_USE_CPU_ENGINE'))\n"
+        "sys.meta_path.insert(0, Spy())\n"
+        "from sgl_kvc import launch\n"
+        "def stop(*args, **kwargs): print('AT IMPORT', seen); raise SystemExit(0)\n"
+        "launch.build_sglang_argv = stop\n"
+        "launch.main(['--model-path', 'demo', '--policy', 'rkv', '--tp', '2'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "AT IMPORT ['1']" in r.stdout, r.stdout[-2000:]
 
 
 def test_compressing_policy_disables_overlap_schedule() -> None:
