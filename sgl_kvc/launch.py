@@ -298,6 +298,37 @@ def unit_pool_unavailable(config: KvcConfig, argv: list[str], on_gpu: bool, flas
             return f"{flag} {value}"
     if on_gpu and capability is not None and gpu_unsupported(replace(config, kv_head_budget="policy"), capability):
         return f"a GPU of compute capability {capability[0]}.{capability[1]}"
+    model = flags.get("--model-path")
+    if model is not None and model != DEMO_ALIAS:
+        return attention_the_unit_pool_cannot_serve(Path(model).expanduser() / "config.json")
+    return None
+
+
+def attention_the_unit_pool_cannot_serve(config_json: Path) -> str | None:
+    """What of a model's attention, as its `config.json` describes it (or its `text_config`'s, a
+    multimodal model's language model), sgl-kvc's per-head decode kernel does not implement, in a
+    few words; None where it says nothing of the kind, or cannot be read (a model id SGLang
+    downloads). A logit cap (`attn_logit_softcapping`) and a sliding window named per layer
+    (`layer_types`, or a `sliding_window_pattern`) are what SGLang's models build windowed layers
+    from; a `sliding_window` alone, SGLang's Llama, Mistral, Qwen2 and Phi-3 do not apply. The
+    scheduler checks the layers SGLang built (`unit_pool.unsupported_model`) and refuses what this
+    did not foresee, naming `--kv-head-budget uniform`."""
+    import json
+
+    try:
+        top = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return None
+    for part in (top, top.get("text_config")):
+        if not isinstance(part, dict):
+            continue
+        cap = part.get("attn_logit_softcapping")
+        if isinstance(cap, (int, float)) and cap > 0:
+            return f"a logit cap in the model's attention (attn_logit_softcapping {cap} in its config.json)"
+        layers = part.get("layer_types")
+        if (isinstance(layers, list) and "sliding_attention" in layers) or (
+                part.get("sliding_window_pattern") and part.get("sliding_window")):
+            return f"a sliding window in the model's attention ({part.get('sliding_window')} tokens in its config.json)"
     return None
 
 

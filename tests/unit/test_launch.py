@@ -335,3 +335,35 @@ def test_auto_head_budgets_take_the_unit_pool_where_the_server_can_have_it(
         assert (why is None) == (mode == "policy") and (why is None or why in line)
     none, _ = parse_args(["--model-path", "demo", "--policy", "none"])
     assert not none.variable_budget and resolve_head_budget(none, [], False)[1] is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"attn_logit_softcapping": 30.0}, "a logit cap"),
+        ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 64}, "a sliding window"),
+        ({"sliding_window": 64, "sliding_window_pattern": 4}, "a sliding window"),
+        ({"text_config": {"attn_logit_softcapping": 50.0}}, "a logit cap"),  # a multimodal model's text model
+        # SGLang's Llama, Mistral, Qwen2 and Phi-3 attend to every token whatever `sliding_window` says
+        ({"sliding_window": 4096}, None),
+        ({"layer_types": ["full_attention"] * 2, "sliding_window": 64, "attn_logit_softcapping": None}, None),
+        ({}, None),
+    ],
+)
+def test_auto_head_budgets_keep_sglangs_pool_for_a_model_the_unit_pool_cannot_serve(tmp_path, fields, why) -> None:
+    """A model whose attention layers use a logit cap or a sliding window (its config.json says so)
+    is one the unit pool's kernel does not serve: `auto` gives it uniform head budgets, saying why
+    in one line, where the server would otherwise stop at start-up; an explicit `--kv-head-budget
+    policy` keeps it (the scheduler refuses the model, naming `uniform`)."""
+    import json
+
+    from sgl_kvc.launch import resolve_head_budget
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **fields}))
+    config, rest = parse_args(["--model-path", str(tmp_path), "--policy", "rkv"])
+    assert config.kv_head_budget == ("policy" if why is None else "uniform")
+    if why is not None:
+        _, line = resolve_head_budget(replace(config, kv_head_budget="auto"), rest, False)
+        assert line is not None and "\n" not in line and "--kv-head-budget uniform (auto)" in line and why in line
+    explicit, _ = parse_args(["--model-path", str(tmp_path), "--policy", "rkv", "--kv-head-budget", "policy"])
+    assert explicit.kv_head_budget == "policy"
