@@ -62,7 +62,8 @@ def servers(trace: Path):
     """Three servers started at once: uniform head budgets, variable ones, and layer ones without
     the chunk moment. The variable one renders chats with `CHAT_TEMPLATE` (a Jinja file), the
     layer one with SGLang's conversation template `chatml` (the others: the demo model's own)."""
-    env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1", "SGLKVC_FAILPOINTS": "document_raise,adopt_raise,turn_raise"}
+    env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1",
+           "SGLKVC_FAILPOINTS": "document_raise,node_raise,adopt_raise,turn_raise"}
     template = trace.parent / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     cmds = [CMD, [*CMD, "--kv-head-budget", "variable", "--chat-template", str(template)],
@@ -354,6 +355,33 @@ def test_a_failure_while_compressing_a_document_loses_only_the_document(document
     _ask(documents_server, doc, _tokens(402, QUESTION))
     assert _documents(documents_server)["compressions"] == before["compressions"] + 1
     assert_pool_whole(documents_server.stats())
+
+
+@pytest.mark.parametrize("name", ["uniform", "variable", "whole"])
+def test_a_failure_while_a_documents_node_is_made_leaves_its_slots_to_the_pool(servers, name: str) -> None:
+    """A planted fault where a document published from copies gets its node's metadata, after
+    its entries were copied into fresh slots (read whole: the document itself; where documents are
+    cut between chunks: a conversation's extension): nothing is published, those slots go back to
+    the pool and the tree never maps them. The request answers, the pool adds up (every compaction
+    and publication checked, `SGLKVC_CHECK`), and the next request publishes it; a third starts
+    from it."""
+    server = servers[name]
+    doc, turn = _tokens(410, DOC), _tokens(411, TURN)
+    document = doc if name == "whole" else doc + turn
+    if name != "whole":
+        _ask(server, doc, _tokens(412, QUESTION))  # the document the extension extends
+    assert_pool_whole(server.wait_idle())
+    before = _documents(server)
+    out = _ask(server, document, _tokens(413, QUESTION), rid=f"failpoint-node-{name}")
+    assert len(out["output_ids"]) == 4 and out["meta_info"]["finish_reason"]["type"] == "length"
+    mid = _documents(server)
+    assert mid["compressions"] == before["compressions"] and mid["not_published"] == before["not_published"] + 1, mid
+    assert_pool_whole(server.wait_idle())
+    _ask(server, document, _tokens(414, QUESTION))
+    assert _documents(server)["compressions"] == before["compressions"] + 1
+    hit = _ask(server, document, _tokens(415, QUESTION))
+    assert hit["meta_info"]["cached_tokens"] == len(document)
+    assert_pool_whole(server.wait_idle())
 
 
 def test_a_chat_document_is_its_messages(documents_server) -> None:

@@ -243,6 +243,7 @@ def _insert(compressor: Host, batch: ScheduleBatch, r: Ready) -> None:
     c = r.chosen
     tree = batch.tree_cache
     parent = None if c.key.kind is Kind.REBUILD else c.parent
+    failpoints.check("node_raise", batch.reqs[c.i])
     doc = Compressed.compact(c.key, None, c.kept_positions, int(r.dest.numel()), c.unit_lens, c.carried, parent=parent)
     doc.node = insert_document(tree, c.key, r.dest) if parent is None else insert_child(tree, parent, c.key, r.dest)
     registry_of(tree).add(doc)
