@@ -1091,6 +1091,30 @@ def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace:
     assert generate(server, tenant, 4)["output_ids"] == quiet
 
 
+@pytest.mark.parametrize("name", ["uniform", "variable", "whole"])
+def test_a_document_ending_where_the_last_turn_does_is_published_from_it(servers, name: str) -> None:
+    """A conversation's next document that ends exactly where the finished turn does (all of the
+    last request's prompt and answer but the answer's last token, which no turn holds): its
+    request starts from the document and that turn, which cover its whole document, reads only its
+    question, and still publishes its extension (at its first chunk: no chunk of it can end at the
+    document's end); the next request with that document starts from the extension."""
+    server = servers[name]
+    doc = _tokens(6200, DOC)
+    first = _ask(server, doc, _tokens(6201, QUESTION))
+    document = doc + _tokens(6201, QUESTION) + first["output_ids"][:-1]
+    before = _documents(server)
+    was = server.stats()["prefix_cache"]["prefilled_tokens"]
+    _ask(server, document, _tokens(6202, QUESTION))
+    after = _documents(server)
+    assert server.stats()["prefix_cache"]["prefilled_tokens"] - was == QUESTION
+    assert after["extensions"] == before["extensions"] + 1 and after["not_published"] == before["not_published"], after
+    was = server.stats()["prefix_cache"]["prefilled_tokens"]
+    hit = _ask(server, document, _tokens(6203, QUESTION))
+    assert hit["meta_info"]["cached_tokens"] == len(document)
+    assert server.stats()["prefix_cache"]["prefilled_tokens"] - was == QUESTION
+    assert_pool_whole(server.wait_idle())
+
+
 REPLY = 150  # output tokens: past the row's budget + buffer (40 + 16 + 128) after 12 question tokens
 
 
