@@ -110,7 +110,8 @@ class KvcConfig:
             "KV-Compress, per layer for the attention sums of the others). KVzip sorts every head at "
             "once under policy, layer and variable, which need one rank, the torch_native or triton "
             "backend and batched decode attention. auto (the default): policy where the server can "
-            "have it, else uniform; the launcher says which in one line."
+            "have it (and the model's config.json names no logit cap nor sliding-window layers), "
+            "else uniform; the launcher says which in one line."
         ),
     )
     kv_pass_work: int = field(

@@ -13,11 +13,13 @@ cannot serve correctly are refused with one line (`unsupported`).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Sequence
 
 from sgl_kvc.compat import standins
 
@@ -58,8 +60,61 @@ DEMO_ALIAS = "demo"
 
 
 def has_flag(argv: list[str], flag: str) -> bool:
-    """Whether `argv` sets `flag`, as `--flag`, `--flag VALUE` or `--flag=VALUE`."""
+    """Whether `argv` sets `flag`, as `--flag`, `--flag VALUE` or `--flag=VALUE` (literally: the
+    launcher's own argument lists; the user's SGLang flags are read by `sglang_flags`)."""
     return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+@dataclass(frozen=True)
+class SGLangFlags:
+    """The user's SGLang flags as SGLang's own parser reads them (`prepare_server_args`, before
+    `ServerArgs` fills in what it derives): any spelling SGLang accepts (an alias, an abbreviation
+    such as `--tp 2`, `--flag=VALUE`) and a `--config` YAML file's values, the command line over
+    the file. Every decision the launcher takes from SGLang's flags reads them here, so that what
+    it refuses or chooses is what SGLang will serve."""
+
+    values: argparse.Namespace  # every flag's value (SGLang's parser default where not given)
+    given: frozenset[str]  # the destinations set on the command line or in the --config file
+    dests: dict[str, str]  # option string -> destination
+
+    def get(self, flag: str) -> Any:
+        """The value of `flag` (any of its option strings: `--tp-size`, `--tensor-parallel-size`)."""
+        return getattr(self.values, self.dests[flag])
+
+    def sets(self, flag: str) -> bool:
+        """Whether the user gave `flag` (any spelling, on the command line or in its file)."""
+        return self.dests[flag] in self.given
+
+
+def sglang_flags(argv: Sequence[str]) -> SGLangFlags:
+    """`SGLangFlags` of the SGLang flags `argv` (parsed once per argument list); a flag SGLang's
+    parser refuses, or a bad `--config` file, is a usage error here, in one line."""
+    return _parse_sglang_flags(tuple(argv))
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_sglang_flags(argv: tuple[str, ...]) -> SGLangFlags:
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+    # SGLang's own parser, as `prepare_server_args` builds it; no flag required (the launcher gives
+    # the default model itself, `build_sglang_argv`), and no usage dump before a one-line error.
+    parser = argparse.ArgumentParser(prog="python -m sgl_kvc.launch", usage=argparse.SUPPRESS, add_help=False)
+    ServerArgs.add_cli_args(parser)
+    actions = [a for a in parser._actions if a.option_strings]  # argparse lists them nowhere public
+    for action in actions:
+        action.required = False
+    args = list(argv)
+    if "--config" in args:
+        try:
+            args = ConfigArgumentMerger(parser).merge_config_with_args(args)
+        except (OSError, ValueError) as e:
+            parser.error(f"--config: {e}")
+    values = parser.parse_args(args)
+    for action in actions:  # parsed again without defaults: what is left was given
+        action.default = argparse.SUPPRESS
+    given = frozenset(vars(parser.parse_args(args)))
+    return SGLangFlags(values, given, {o: a.dest for a in actions for o in a.option_strings})
 
 
 def _cuda_available() -> bool:
@@ -112,6 +167,7 @@ def build_sglang_argv(
     CUDA graphs (`KvcConfig.decode_graphs`)."""
     from sgl_kvc.adapter import RADIX_CACHE_BACKEND
 
+    flags = sglang_flags(argv)
     out = list(argv)
     defaults = dict(GPU_DEFAULTS if on_gpu else CPU_DEFAULTS)
     if on_gpu and gpu_kit:
@@ -119,27 +175,27 @@ def build_sglang_argv(
     defaults["--attention-backend"] = default_attention_backend(on_gpu, fp8_kv, unit_pool, flashinfer)
     if kv_memory_gb:
         defaults.pop("--max-total-tokens", None)  # the KV memory decides the pool's size
-    if compressing and not has_flag(out, "--disable-overlap-schedule"):
+    if compressing and not flags.sets("--disable-overlap-schedule"):
         # Compaction rewrites request rows between steps; the overlap scheduler would prepare
         # the next step while the previous one still reads them.
         out.append("--disable-overlap-schedule")
-    if compressing and on_gpu and decode_graphs and not has_flag(out, "--disable-cuda-graph"):
+    if compressing and on_gpu and decode_graphs and not flags.sets("--disable-cuda-graph"):
         # A decode step reads only buffers (core/graph_step.py); a prefill's observation and its
         # per-request tables run Python per request, which a prefill graph would not replay.
         logger.info("sgl-kvc: decode steps replay SGLang's CUDA graphs (--kv-decode-graphs on); "
                     "prefill CUDA graphs off")
         defaults["--disable-prefill-cuda-graph"] = None
-    elif compressing and on_gpu and not has_flag(out, "--disable-cuda-graph"):
+    elif compressing and on_gpu and not flags.sets("--disable-cuda-graph"):
         # Off unless asked for (`--kv-decode-graphs on`) until a GPU run has shown them equal to
         # eager decode for every policy that captures (docs/architecture.md, "Decode CUDA graphs").
         logger.warning("sgl-kvc: decode CUDA graphs disabled (--disable-cuda-graph) for a "
                        "compressing policy (--kv-decode-graphs on replays them)")
         out.append("--disable-cuda-graph")
-    if compressing and not has_flag(out, "--disable-radix-cache"):
+    if compressing and not flags.sets("--disable-radix-cache"):
         # The tree compaction's radix rule is written against (adapter/documents/radix_cache.py);
         # --policy none keeps SGLang's own choice.
         defaults["--radix-cache-backend"] = RADIX_CACHE_BACKEND
-    model = _flag_value(out, "--model-path") or _flag_value(out, "--model")
+    model = flags.get("--model-path")
     if model is None:
         # The built-in default: a real pretrained model that works offline (converted on first use).
         from sgl_kvc.model import SMOLLM2_MODEL_NAME, ensure_smollm2
@@ -152,14 +208,14 @@ def build_sglang_argv(
         out = _drop_flag(_drop_flag(out, "--model-path"), "--model")
         defaults["--model-path"] = str(ensure_demo_model())
         defaults["--served-model-name"] = DEMO_MODEL_NAME
-    if not on_gpu and not native_bf16 and not has_flag(out, "--dtype"):
-        model_path = _flag_value(out, "--model-path") or _flag_value(out, "--model") or defaults["--model-path"]
-        if float32_fits(model_path):
+    if not on_gpu and not native_bf16 and not flags.sets("--dtype"):
+        if float32_fits(defaults.get("--model-path") or model):
             defaults["--dtype"] = EMULATED_BF16_DTYPE
-    if has_flag(out, "--disable-cuda-graph"):  # both graphs off already
+    if flags.sets("--disable-cuda-graph") or "--disable-cuda-graph" in out:  # both graphs off already
         defaults.pop("--disable-prefill-cuda-graph", None)
     for flag, value in defaults.items():
-        if not has_flag(out, flag):
+        # (the demo model's path is the launcher's: its alias was dropped above)
+        if not flags.sets(flag) or (flag == "--model-path" and model == DEMO_ALIAS):
             out += [flag] if value is None else [flag, value]
     return out
 
@@ -205,7 +261,7 @@ def parse_args(argv: list[str]) -> tuple[KvcConfig, list[str]]:
         # `--kv-cache-dtype` is SGLang's flag; values other than our FP8 ones are SGLang's.
         rest = [*rest, "--kv-cache-dtype", config.kv_cache_dtype]
         config = replace(config, kv_cache_dtype="auto")
-    backend = _flag_value(rest, "--attention-backend")
+    backend = sglang_flags(rest).get("--attention-backend")
     if config.fp8_kv and backend not in (None, *KVC_POOL_BACKENDS):
         parser.error(
             f"--kv-cache-dtype {config.fp8_kv} needs --attention-backend {' or '.join(KVC_POOL_BACKENDS)} "
@@ -228,11 +284,6 @@ def parse_args(argv: list[str]) -> tuple[KvcConfig, list[str]]:
 KVC_POOL_BACKENDS: tuple[str, ...] = ("torch_native", "triton")
 
 
-def _tp_size(argv: list[str]) -> str:
-    """`--tp-size` as given (either spelling), "1" where it is not."""
-    return _flag_value(argv, "--tp-size") or _flag_value(argv, "--tensor-parallel-size") or "1"
-
-
 def unit_pool_unavailable(config: KvcConfig, argv: list[str], on_gpu: bool, flashinfer: bool = True,
                           capability: tuple[int, int] | None = None) -> str | None:
     """Why a compressing server with SGLang flags `argv` cannot have the unit pool, in a few words;
@@ -242,17 +293,49 @@ def unit_pool_unavailable(config: KvcConfig, argv: list[str], on_gpu: bool, flas
         return f"--kv-selection {config.kv_selection}"
     if config.kv_decode_attention not in KERNEL_DECODE_ATTENTION:
         return f"--kv-decode-attention {config.kv_decode_attention}"
-    tp = _tp_size(argv)
-    if tp != "1":
+    flags = sglang_flags(argv)
+    tp = flags.get("--tp-size")
+    if tp != 1:
         return f"--tp-size {tp}"
-    main = _flag_value(argv, "--attention-backend") or default_attention_backend(
+    main = flags.get("--attention-backend") or default_attention_backend(
         on_gpu, config.fp8_kv is not None, False, flashinfer)
     for flag in ("--attention-backend", "--decode-attention-backend", "--prefill-attention-backend"):
-        value = _flag_value(argv, flag) or main
+        value = flags.get(flag) or main
         if value not in KVC_POOL_BACKENDS:
             return f"{flag} {value}"
     if on_gpu and capability is not None and gpu_unsupported(replace(config, kv_head_budget="policy"), capability):
         return f"a GPU of compute capability {capability[0]}.{capability[1]}"
+    model = flags.get("--model-path")
+    if model is not None and model != DEMO_ALIAS:
+        return attention_the_unit_pool_cannot_serve(Path(model).expanduser() / "config.json")
+    return None
+
+
+def attention_the_unit_pool_cannot_serve(config_json: Path) -> str | None:
+    """What of a model's attention, as its `config.json` describes it (or its `text_config`'s, a
+    multimodal model's language model), sgl-kvc's per-head decode kernel does not implement, in a
+    few words; None where it says nothing of the kind, or cannot be read (a model id SGLang
+    downloads). A logit cap (`attn_logit_softcapping`) and a sliding window named per layer
+    (`layer_types`, or a `sliding_window_pattern`) are what SGLang's models build windowed layers
+    from; a `sliding_window` alone, SGLang's Llama, Mistral, Qwen2 and Phi-3 do not apply. The
+    scheduler checks the layers SGLang built (`unit_pool.unsupported_model`) and refuses what this
+    did not foresee, naming `--kv-head-budget uniform`."""
+    import json
+
+    try:
+        top = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return None
+    for part in (top, top.get("text_config")):
+        if not isinstance(part, dict):
+            continue
+        cap = part.get("attn_logit_softcapping")
+        if isinstance(cap, (int, float)) and cap > 0:
+            return f"a logit cap in the model's attention (attn_logit_softcapping {cap} in its config.json)"
+        layers = part.get("layer_types")
+        if (isinstance(layers, list) and "sliding_attention" in layers) or (
+                part.get("sliding_window_pattern") and part.get("sliding_window")):
+            return f"a sliding window in the model's attention ({part.get('sliding_window')} tokens in its config.json)"
     return None
 
 
@@ -291,24 +374,26 @@ def torch_native_on_gpu(config: KvcConfig, argv: list[str]) -> str | None:
         ([f"--kv-cache-dtype {config.fp8_kv}"] if config.fp8_kv else [])
         + ([f"--kv-head-budget {config.kv_head_budget}"] if config.variable_budget else [])
     )
-    if not what or _flag_value(argv, "--attention-backend") != "torch_native":
+    if not what or sglang_flags(argv).get("--attention-backend") != "torch_native":
         return None
     return (f"sgl-kvc: {what} on --attention-backend torch_native: its prefill runs one request at a "
             "time (the default on a GPU, triton, reads sgl-kvc's pools too)")
 
 
 def unsupported(config: KvcConfig, argv: list[str], default_backend: str = "torch_native") -> str | None:
-    """Why SGLang flags `argv` cannot run with `config`, in one line; None if they can.
-    `default_backend`: the attention backend the launcher gives a server without the flag."""
+    """Why SGLang flags `argv` (as SGLang reads them, `sglang_flags`) cannot run with `config`, in
+    one line; None if they can. `default_backend`: the attention backend the launcher gives a
+    server without the flag."""
     from sgl_kvc.adapter.attention import WRAPPED_BACKENDS
 
+    flags = sglang_flags(argv)
     needs_kvc_layout = config.compressing or config.fp8_kv is not None
-    page_size = _flag_value(argv, "--page-size")
-    if needs_kvc_layout and page_size not in (None, "1"):
+    page_size = flags.get("--page-size")
+    if needs_kvc_layout and page_size not in (None, 1):
         what = f"--policy {config.policy}" if config.compressing else f"--kv-cache-dtype {config.fp8_kv}"
         return (f"{what} needs --page-size 1 (compaction rewrites single-token slots); "
                 f"got --page-size {page_size}")
-    disaggregation = _flag_value(argv, "--disaggregation-mode")
+    disaggregation = flags.get("--disaggregation-mode")
     if config.fp8_kv and not config.compressing and disaggregation not in (None, "null"):
         return (f"--kv-cache-dtype {config.fp8_kv} does not support --disaggregation-mode "
                 f"{disaggregation}: SGLang's KV transfer moves the pool's buffers, not sgl-kvc's "
@@ -316,45 +401,44 @@ def unsupported(config: KvcConfig, argv: list[str], default_backend: str = "torc
     if not config.compressing:
         return None
     for flag in ("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend"):
-        value = _flag_value(argv, flag)
+        value = flags.get(flag)
         if value is not None and value not in WRAPPED_BACKENDS:
             return (f"--policy {config.policy} observes attention through the "
                     f"{' or '.join(WRAPPED_BACKENDS)} backend; {flag} {value} is not supported "
                     "with a compressing policy (use --policy none with it)")
-    main = _flag_value(argv, "--attention-backend") or default_backend
-    split = {flag: _flag_value(argv, flag) or main
-             for flag in ("--prefill-attention-backend", "--decode-attention-backend")}
+    main = flags.get("--attention-backend") or default_backend
+    split = {flag: flags.get(flag) or main for flag in ("--prefill-attention-backend", "--decode-attention-backend")}
     if len(set(split.values())) > 1:
         return (f"--policy {config.policy} needs one attention backend for prefill and decode (sgl-kvc "
                 "observes both through it); got " + ", ".join(f"{f} {v}" for f, v in split.items()))
     for flag in ("--attention-backend", "--decode-attention-backend"):
-        value = _flag_value(argv, flag)
+        value = flags.get(flag)
         if config.variable_budget and value not in (None, *KVC_POOL_BACKENDS):
             return (f"--kv-head-budget {config.kv_head_budget} needs the {' or '.join(KVC_POOL_BACKENDS)} "
                     f"attention backend (sgl-kvc's kernel reads the per-head tables); got {flag} {value}")
-    if _flag_value(argv, "--speculative-algorithm") not in (None, "None", "none"):
+    if flags.get("--speculative-algorithm") not in (None, "None", "none"):
         return (f"--policy {config.policy} does not support speculative decoding "
                 "(--speculative-algorithm): draft batches would see physical positions")
-    if has_flag(argv, "--enable-mixed-chunk"):
+    if flags.get("--enable-mixed-chunk"):
         return (f"--policy {config.policy} does not support --enable-mixed-chunk: mixed "
                 "prefill+decode batches would give compacted requests physical positions")
-    pp = _flag_value(argv, "--pp-size") or _flag_value(argv, "--pipeline-parallel-size") or "1"
-    if pp != "1":
+    pp = flags.get("--pp-size")
+    if pp != 1:
         return (f"--policy {config.policy} does not support --pp-size {pp}: each pipeline stage holds "
                 "other layers, and sgl-kvc's ranks agree on compactions and failures within the "
                 "tensor-parallel group only (use --tp-size or --dp-size)")
-    dtype = _flag_value(argv, "--kv-cache-dtype")
+    dtype = flags.get("--kv-cache-dtype")
     if dtype in _BLOCK_SCALED_KV:
         return f"--policy {config.policy} does not support --kv-cache-dtype {dtype}: {_BLOCK_SCALED_KV[dtype]}"
-    tp = _tp_size(argv)
-    if config.variable_budget and tp != "1":
+    tp = flags.get("--tp-size")
+    if config.variable_budget and tp != 1:
         return (f"--kv-head-budget {config.kv_head_budget} does not support --tp-size {tp}: staged "
                 "passes are priced from each rank's own tables, so ranks could finish a pass in "
                 "different steps (use --kv-head-budget uniform with tensor parallelism)")
     for flag, why in _COMPRESSION_BREAKERS.items():
-        value = _flag_value(argv, flag) if flag in _VALUED_FLAGS else ("on" if has_flag(argv, flag) else None)
-        if value is not None and value not in _VALUED_FLAGS.get(flag, ()):
-            shown = flag if value == "on" else f"{flag} {value}"
+        value = flags.get(flag)
+        if flags.sets(flag) and str(value) not in _OFF_VALUES.get(flag, ("False",)):
+            shown = flag if value is True else f"{flag} {value}"
             return f"--policy {config.policy} does not support {shown}: {why}"
     return None
 
@@ -370,9 +454,7 @@ _COMPRESSION_BREAKERS: dict[str, str] = {
     "--enable-lmcache": "LMCache stores and restores KV by prompt tokens; compacted KV is not theirs",
     "--enable-flexkv": "FlexKV stores and restores KV by prompt tokens; compacted KV is not theirs",
     "--enable-hierarchical-cache": "the hierarchical cache offloads and reloads rows by prompt "
-    "tokens; compacted KV is not theirs",
-    "--enable-hicache": "the hierarchical cache offloads and reloads rows by prompt tokens; "
-    "compacted KV is not theirs",
+    "tokens; compacted KV is not theirs",  # (also spelled --enable-hicache)
     "--enable-pdmux": "prefill/decode multiplexing splits batches in ways compaction does not see",
 }
 # SGLang's block-scaled KV dtypes: compaction moves entries with the pool's K and V buffers.
@@ -384,8 +466,8 @@ _BLOCK_SCALED_KV: dict[str, str] = {
     "mxfp8": "SGLang's MXFP8 pool keeps block scales beside its buffers, which a compaction would not "
     "move with the entries (use fp8_e4m3 / fp8_e5m2, sgl-kvc's FP8 pool)",
 }
-# Flags with a value, and the values that leave the feature off.
-_VALUED_FLAGS: dict[str, tuple[str, ...]] = {
+# Flags with a value, and the values that leave the feature off (a switch: False).
+_OFF_VALUES: dict[str, tuple[str, ...]] = {
     "--attn-dp-size": ("1",),
     "--disaggregation-mode": ("null",),
 }
@@ -418,33 +500,16 @@ def _drop_flag(argv: list[str], flag: str) -> list[str]:
     return out
 
 
-def _flag_value(argv: list[str], flag: str) -> str | None:
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
 THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 
 
-def _int_flag(argv: list[str], *names: str) -> int:
-    for name in names:
-        value = _flag_value(argv, name)
-        if value is not None:
-            return int(value)
-    return 1
-
-
 def parallel_ranks(argv: list[str]) -> int:
-    """Scheduler processes (and devices) one server uses: data x tensor x pipeline parallel ranks."""
-    return (
-        _int_flag(argv, "--dp-size", "--data-parallel-size")
-        * _int_flag(argv, "--tp-size", "--tensor-parallel-size")
-        * _int_flag(argv, "--pp-size", "--pipeline-parallel-size")
-    )
+    """Scheduler processes (and devices) one server uses: data x tensor x pipeline parallel ranks,
+    as SGLang reads its flags among the server's flags `argv` (`sglang_flags`)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    KvcConfig.add_cli_args(parser)
+    flags = sglang_flags(parser.parse_known_args(argv)[1])  # (sgl-kvc's own flags are not SGLang's)
+    return int(flags.get("--dp-size")) * int(flags.get("--tp-size")) * int(flags.get("--pp-size"))
 
 
 def cpu_threads_bind(ranks: int, cpus: list[int], numa_nodes: int) -> str | None:
@@ -547,11 +612,14 @@ def _native_bf16() -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    config, rest = parse_args(argv)
     on_gpu = _cuda_available()
+    if not on_gpu:
+        # Before SGLang is first imported (`parse_args` reads its flags with its parser): its
+        # device checks are cached at import.
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    config, rest = parse_args(argv)
     gpu_kit = False
     if not on_gpu:
-        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
         _set_cpu_threads_bind(rest)
     else:
         import torch
@@ -604,11 +672,11 @@ def main(argv: list[str] | None = None) -> None:
     from sgl_kvc.server import mount
 
     mount(app)
-    if not flashinfer and not has_flag(rest, "--attention-backend"):
+    if not flashinfer and not sglang_flags(rest).sets("--attention-backend"):
         # After prepare_server_args: SGLang configures logging there.
         logger.info("sgl-kvc: FlashInfer is not installed: --attention-backend %s (SGLang's Triton kernels)",
                     server_args.attention_backend)
-    if not native_bf16 and not has_flag(rest, "--dtype"):
+    if not native_bf16 and not sglang_flags(rest).sets("--dtype"):
         # After prepare_server_args: SGLang configures logging there.
         if has_flag(sglang_argv, "--dtype"):
             logger.info("sgl-kvc: --dtype %s: this CPU has no native bfloat16 (AVX512-BF16 or AMX); "

@@ -114,8 +114,16 @@ def _alive(pid_path: Path) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _differs(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:
-    return sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k) and k not in RUNTIME_ENV)
+def _differs(mine: dict[str, str], theirs: dict[str, str], imported: dict[str, str] | None = None) -> list[str]:
+    """The variables of a server's environment `theirs` that rule a fork out: those that differ from
+    the prelauncher's own at its start (`mine`) but for what is read at run time, and but for what
+    its imports set (`imported`: SGLang points third-party caches at its own folder when it is
+    imported, `setdefault`), where `theirs` has it as they set it: a test process that imported
+    SGLang itself has them, and a fresh launcher gets them so too."""
+    imported = imported or {}
+    return sorted(k for k in set(mine) | set(theirs)
+                  if mine.get(k) != theirs.get(k) and k not in RUNTIME_ENV
+                  and not (k not in mine and k in imported and theirs.get(k) == imported[k]))
 
 
 def _preimport() -> None:
@@ -176,6 +184,7 @@ def serve(path: str) -> None:
     if _cuda():
         return  # CUDA does not survive a fork: every server starts as usual
     _preimport()
+    imported = {k: v for k, v in os.environ.items() if own_env.get(k) != v}
     status_dir = Path(path + ".status")
     status_dir.mkdir(exist_ok=True)
 
@@ -202,7 +211,7 @@ def serve(path: str) -> None:
         conn, _ = listener.accept()
         with conn:
             request = json.loads(conn.makefile().readline() or "{}")
-            differs = _differs(own_env, request.get("env", {}))
+            differs = _differs(own_env, request.get("env", {}), imported)
             if differs:
                 print(f"sgl-kvc prelauncher: started as usual (its environment differs: {differs})", flush=True)
                 conn.sendall(json.dumps({"refused": differs}).encode() + b"\n")

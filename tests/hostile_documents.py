@@ -20,9 +20,10 @@ What a burst sends, beside the ordinary mix (each request drawn at random, by se
   (SGLang's longest input, and past it), prompt policies that cannot compress a document;
 - chat documents named by messages: text content parts, `messages` at the edges (0, 1, all but
   the last, all, past it, not an integer), a conversation of one message;
-- documents that extend a resident one (a conversation's next turns): one token more up to past a
-  chunk, branches at once, budgets that leave the chain no room, another namespace, prompt
-  log-probabilities, `n`, clients hanging up while a turn is published.
+- documents that extend a resident one (a conversation's next turns, each conversation with one of
+  the prompt policies a document may name): one token more up to past a chunk, branches at once,
+  budgets that leave the chain no room, another namespace, prompt log-probabilities, `n`, clients
+  hanging up while a turn is published.
 
 What must hold after every burst: the server is alive; idle, its pool is whole (the servers run
 with `SGLKVC_CHECK=1`, which stops a server at a violation), no request state is left and
@@ -66,6 +67,8 @@ QUESTION = 12  # tokens after a document
 REPLY = 150
 # decode policies a reply may be compacted by (each keeps what it keeps: the reply's key says which)
 REPLY_POLICIES = ("rkv", "h2o", "snapkv", "kvcompress", "streamingllm")
+# the prompt policies a document may name (`Policy.question_free`)
+DOCUMENT_POLICIES = ("kvzip", "keydiff", "streamingllm")
 
 
 @dataclass(frozen=True)
@@ -285,7 +288,7 @@ def _budgets(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Hosti
                        {"ratio": 1e-9}, {"ratio": 5e-324}, {"ratio": 0.999999}, {"ratio": 1 - 2 ** -52},
                        {"ratio": 0}, {"ratio": 1}, {"budget": 0}, {"ratio": 0.5, "budget": 4}])
     own = {"budget": 1} if rng.random() < 0.3 else {}  # the request's own budget, beyond its document
-    kv = {"prompt_policy": rng.choice(["kvzip", "keydiff", "streamingllm"]), **own, "document": {"tokens": d, **spec}}
+    kv = {"prompt_policy": rng.choice(DOCUMENT_POLICIES), **own, "document": {"tokens": d, **spec}}
     body = _body(t, path, doc + _tokens(rng, QUESTION), 2, kv)
     what = f"document {spec} of {d} tokens"
     ratio, budget = spec.get("ratio"), spec.get("budget")
@@ -408,12 +411,13 @@ def _extensions(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Ho
     room = t.max_prompt - len(doc) - QUESTION  # the server's longest prompt
     turns = [_tokens(rng, min(rng.choice([1, 7, 40, 130]), room)) for _ in range(rng.choice([1, 2, 3]))]
     spec = rng.choice([{"ratio": 0.3}, {"ratio": 0.5}, {"budget": 1}, {"budget": t.floor + 2}, {"budget": 200}])
+    policy = rng.choice(DOCUMENT_POLICIES)
     out = []
     for turn in turns:
         path, prompt = _route(rng), doc + turn + _tokens(rng, QUESTION)
         d = len(doc) + len(turn)
-        kv = {"prompt_policy": "kvzip", "document": {"tokens": d, **spec}}
-        what = f"a turn of {len(turn)} tokens after a document of {len(doc)}, {spec}"
+        kv = {"prompt_policy": policy, "document": {"tokens": d, **spec}}
+        what = f"a turn of {len(turn)} tokens after a document of {len(doc)}, {policy} {spec}"
         refused = _nothing_to_compress(t, d, spec)
         if refused:
             out.append(Hostile(what, path, _body(t, path, prompt, 2, kv), document_field(path, refused), served=False))
@@ -446,12 +450,13 @@ def _turns(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Hostile
     `max_tokens` 0 or 1, or hanging up; and a third turn after the second's answer."""
     doc = rng.choice(docs[1:-1])
     spec = rng.choice([{"ratio": 0.3}, {"ratio": 0.5}, {"budget": t.floor + 2}])
+    prompt_policy = rng.choice(DOCUMENT_POLICIES)  # the conversation's, every turn
     rng = random.Random(rng.random())  # its own: the next turns are drawn in the thread that sends them
     room = t.max_prompt - 2 * QUESTION - 16
 
     def first(prompt: list[int], d: int, depth: int) -> Hostile:
-        kv = {"prompt_policy": "kvzip", "document": {"tokens": d, **spec}}
-        what = f"turn {depth} after a document of {d} tokens, {spec}"
+        kv = {"prompt_policy": prompt_policy, "document": {"tokens": d, **spec}}
+        what = f"turn {depth} after a document of {d} tokens, {prompt_policy} {spec}"
         answer = rng.choice([1, 3])
         if rng.random() < 0.3 and len(prompt) + REPLY <= t.max_prompt:
             # a reply compacted while it decodes (a decode policy, a small budget of its own, down to
@@ -475,8 +480,8 @@ def _turns(rng: random.Random, t: Target, docs: list[list[int]]) -> list[Hostile
             d = len(said) - 1  # ends where the turn does
             document = said[:d]
         question = document + _tokens(rng, QUESTION)
-        kv = {"prompt_policy": "kvzip", "document": {"tokens": d, **spec}}
-        what = f"turn {depth + 1}: document of {d} tokens after a turn of {len(said) - 1}, {spec}"
+        kv = {"prompt_policy": prompt_policy, "document": {"tokens": d, **spec}}
+        what = f"turn {depth + 1}: document of {d} tokens after a turn of {len(said) - 1}, {prompt_policy} {spec}"
         out = [first(question, d, depth + 1)]
         pick = rng.random()
         if pick < 0.2:

@@ -276,6 +276,10 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("sglang.srt.constants.GPU_MEMORY_TYPE_KV_CACHE", why="the FP8 and unit pools' memory-saver tag"),
     # --- the launcher and the HTTP server (sgl_kvc/launch.py, server/) ------------------------------
     Internal("sglang.srt.server_args.prepare_server_args", ("argv",), why="the launcher builds SGLang's arguments"),
+    Internal("sglang.srt.server_args.ServerArgs.add_cli_args", ("parser",),
+             why="the launcher reads SGLang's flags with SGLang's parser (`launch.sglang_flags`)"),
+    Internal("sglang.srt.utils.server_args_config_parser.ConfigArgumentMerger.merge_config_with_args",
+             ("cli_args",), why="and a --config file's values as SGLang merges them"),
     Internal("sglang.launch_server.run_server", ("server_args",), why="the launcher runs SGLang's server"),
     Internal("sglang.srt.plugins.load_plugins", (), why="the launcher loads the plugin in its own process"),
     Internal("sglang.srt.entrypoints.engine._set_envs_and_config", ("server_args",),

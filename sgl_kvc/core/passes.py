@@ -251,13 +251,29 @@ def allocation(policy: Policy, mode: str) -> str:
     return "layer"
 
 
-def reads_tables(mode: str, policy: Policy, packed: bool) -> bool:
-    """Whether a pass of `policy` over a request on a unit-pool server in `mode` reads it through
-    per-head tables, and packs what it keeps (else it keeps `--kv-budget` in every head, in the
-    request's row, as on a uniform server, and the request decodes as fast). Under `policy` only a
-    policy whose scores are sorted once over every head (KVzip) packs, and a request packed once
-    stays packed (its heads hold different numbers); under `variable` and `layer` every pass packs."""
-    return mode != "policy" or policy.global_sort or packed
+def packs(store: KvcStore, mode: str, policy: Policy | type[Policy], state: ReqKvState) -> bool:
+    """The packing rule, for every pass: a request's own (`Compressor`), a document's and an
+    extension's (`adapter/documents/`), and KVzip's reconstruction laying out its scores for the
+    pass to come. Whether a pass of `policy` over a request (`state`) on a server whose KV is
+    `store`, `mode` its `--kv-head-budget`, reads the request through per-head tables and packs
+    what it keeps; else it keeps the same number in every head, in the request's row, as on a
+    uniform server, and the request decodes as fast. Only on the unit pool: under `variable` and
+    `layer` every pass packs; under `policy` a policy whose scores are sorted once over every head
+    (KVzip), and a request packed once stays packed (its heads hold different numbers). A node a
+    pass publishes is therefore laid out as a request starting from it goes on (`Document.start`):
+    a chain of one document's turns is packed throughout or nowhere."""
+    if store.unit_layout is None:
+        return False
+    return mode != "policy" or policy.global_sort or state.units is not None
+
+
+def pass_tables(store: KvcStore, mode: str, policy: Policy | type[Policy], state: ReqKvState,
+                slots: Tensor) -> RequestTables | None:
+    """The per-head tables over the request's row (`slots`) a pass reads where it packs
+    (`packs`), else None."""
+    if not packs(store, mode, policy, state):
+        return None
+    return state.tables(slots, *store.unit_layout)
 
 
 def advance_variable(

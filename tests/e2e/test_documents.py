@@ -62,7 +62,8 @@ def servers(trace: Path):
     """Three servers started at once: uniform head budgets, variable ones, and layer ones without
     the chunk moment. The variable one renders chats with `CHAT_TEMPLATE` (a Jinja file), the
     layer one with SGLang's conversation template `chatml` (the others: the demo model's own)."""
-    env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1", "SGLKVC_FAILPOINTS": "document_raise,adopt_raise,turn_raise"}
+    env = {"SGLKVC_TRACE": str(trace), "SGLKVC_CHECK": "1",
+           "SGLKVC_FAILPOINTS": "document_raise,node_raise,adopt_raise,turn_raise"}
     template = trace.parent / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     cmds = [CMD, [*CMD, "--kv-head-budget", "variable", "--chat-template", str(template)],
@@ -354,6 +355,33 @@ def test_a_failure_while_compressing_a_document_loses_only_the_document(document
     _ask(documents_server, doc, _tokens(402, QUESTION))
     assert _documents(documents_server)["compressions"] == before["compressions"] + 1
     assert_pool_whole(documents_server.stats())
+
+
+@pytest.mark.parametrize("name", ["uniform", "variable", "whole"])
+def test_a_failure_while_a_documents_node_is_made_leaves_its_slots_to_the_pool(servers, name: str) -> None:
+    """A planted fault where a document published from copies gets its node's metadata, after
+    its entries were copied into fresh slots (read whole: the document itself; where documents are
+    cut between chunks: a conversation's extension): nothing is published, those slots go back to
+    the pool and the tree never maps them. The request answers, the pool adds up (every compaction
+    and publication checked, `SGLKVC_CHECK`), and the next request publishes it; a third starts
+    from it."""
+    server = servers[name]
+    doc, turn = _tokens(410, DOC), _tokens(411, TURN)
+    document = doc if name == "whole" else doc + turn
+    if name != "whole":
+        _ask(server, doc, _tokens(412, QUESTION))  # the document the extension extends
+    assert_pool_whole(server.wait_idle())
+    before = _documents(server)
+    out = _ask(server, document, _tokens(413, QUESTION), rid=f"failpoint-node-{name}")
+    assert len(out["output_ids"]) == 4 and out["meta_info"]["finish_reason"]["type"] == "length"
+    mid = _documents(server)
+    assert mid["compressions"] == before["compressions"] and mid["not_published"] == before["not_published"] + 1, mid
+    assert_pool_whole(server.wait_idle())
+    _ask(server, document, _tokens(414, QUESTION))
+    assert _documents(server)["compressions"] == before["compressions"] + 1
+    hit = _ask(server, document, _tokens(415, QUESTION))
+    assert hit["meta_info"]["cached_tokens"] == len(document)
+    assert_pool_whole(server.wait_idle())
 
 
 def test_a_chat_document_is_its_messages(documents_server) -> None:
@@ -1061,6 +1089,30 @@ def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace:
     assert docs["resident"] == 0 and docs["turns_resident"] == 0, docs
     assert_pool_whole(server.wait_idle())
     assert generate(server, tenant, 4)["output_ids"] == quiet
+
+
+@pytest.mark.parametrize("name", ["uniform", "variable", "whole"])
+def test_a_document_ending_where_the_last_turn_does_is_published_from_it(servers, name: str) -> None:
+    """A conversation's next document that ends exactly where the finished turn does (all of the
+    last request's prompt and answer but the answer's last token, which no turn holds): its
+    request starts from the document and that turn, which cover its whole document, reads only its
+    question, and still publishes its extension (at its first chunk: no chunk of it can end at the
+    document's end); the next request with that document starts from the extension."""
+    server = servers[name]
+    doc = _tokens(6200, DOC)
+    first = _ask(server, doc, _tokens(6201, QUESTION))
+    document = doc + _tokens(6201, QUESTION) + first["output_ids"][:-1]
+    before = _documents(server)
+    was = server.stats()["prefix_cache"]["prefilled_tokens"]
+    _ask(server, document, _tokens(6202, QUESTION))
+    after = _documents(server)
+    assert server.stats()["prefix_cache"]["prefilled_tokens"] - was == QUESTION
+    assert after["extensions"] == before["extensions"] + 1 and after["not_published"] == before["not_published"], after
+    was = server.stats()["prefix_cache"]["prefilled_tokens"]
+    hit = _ask(server, document, _tokens(6203, QUESTION))
+    assert hit["meta_info"]["cached_tokens"] == len(document)
+    assert server.stats()["prefix_cache"]["prefilled_tokens"] - was == QUESTION
+    assert_pool_whole(server.wait_idle())
 
 
 REPLY = 150  # output tokens: past the row's budget + buffer (40 + 16 + 128) after 12 question tokens

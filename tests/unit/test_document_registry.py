@@ -15,7 +15,8 @@ import torch
 from sgl_kvc import req_state
 from sgl_kvc.adapter import documents
 from sgl_kvc.adapter.documents import (
-    Document, DocumentKey, DocumentPlan, Extension, ExtensionRule, Kind, Role, RootDocument, node_key, request_key,
+    Document, DocumentKey, DocumentPlan, Extension, ExtensionRule, Kind, Role, RootDocument, Turn, node_key,
+    request_key,
 )
 from sgl_kvc.adapter.documents.radix_cache import KvcRadixCache
 from sgl_kvc.adapter.safety import invariants
@@ -648,6 +649,62 @@ def test_an_extension_read_between_chunks_ends_a_chunk_and_is_due_there_alone() 
         assert (documents.adopts_here(req) is not None) == split
         req.extend_end = 80  # its question read too
         assert (documents.extension_due(req, 80) is None) == split and documents.adopts_here(req) is None
+
+
+def test_an_extension_its_start_covers_is_due_at_its_first_chunk_and_one_read_in_two_is_never_cut() -> None:
+    """Where documents are compressed between chunks: (a) a finished turn that ends exactly where
+    the next turn's document does (its client declared the conversation but the answer's last
+    token) leaves that request none of its extension to read, so no chunk of it ends there; its
+    row holds the extension exact when its first chunk (its question) is read, and it publishes
+    there, once (before, never: and it stayed registered as the extension's publisher, others with
+    that document waiting for it). (b) An extension SGLang reads in two chunks (its round had room
+    for part of it) is never cut between them, as a document is cut only where its key says."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sgl_kvc.adapter.documents.keys import turn_key
+    from sgl_kvc.adapter.documents.registry import insert_child
+
+    tree, _ = _tree()
+    prompt = list(range(10, 200))
+    root_key = request_key(_declaring_own(prompt, 100), KVZIP)
+    root = tree.insert(InsertParams(key=node_key(root_key, 30), value=torch.arange(500, 530))).last_device_node
+    tree.documents.add(RootDocument(key=root_key, node=root, kept_positions=torch.randint(0, 100, (2, 1, 30)), slots=30))
+    tkey = turn_key(root_key, prompt[:140])
+    turn = Turn(key=tkey, node=insert_child(tree, doc_of(root), tkey, torch.arange(600, 640)), slots=40,
+                parent=doc_of(root))
+    tree.documents.add(turn)
+
+    def split(tokens: list[int]) -> SimpleNamespace:
+        req = _declaring_own(tokens, 140)
+        _declaring(req, documents.declared(req), role=Role.SPLIT)
+        tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", req.origin_input_ids)), req=req))
+        req.finished = lambda: False
+        return req
+
+    # (a) its start, the root and the turn: 70 slots standing for all 140 tokens of its document
+    req = split(prompt[:150])
+    assert documents.hit(req) is turn and documents.adopts(req) and documents.extends(req) is doc_of(root)
+    req.output_ids, req.prefix_len, req.extend_end = [], 70, 70
+    req.full_untruncated_fill_ids = req.origin_input_ids[70:]
+    assert documents.chunk_cap(req) is None  # nothing of its extension left to read
+    req.extend_end = 80  # its first chunk: its question
+    assert documents.extension_due(req, 80) is doc_of(root)
+    req.prefix_len, req.extend_end = 80, 85  # a later chunk: not again
+    assert documents.extension_due(req, 85) is None
+
+    # (b) another extension of the root: 40 tokens to read, of which its round read 20
+    other = split(prompt[:100] + list(range(300, 350)))
+    assert documents.hit(other) is doc_of(root)
+    other.output_ids, other.prefix_len, other.extend_end = [], 30, 30
+    other.full_untruncated_fill_ids = other.origin_input_ids[70:]
+    assert documents.chunk_cap(other) == 40
+    other.extend_end = 50
+    assert documents.cut_inside(other) == 0  # not cut here (before: cut to its own budget, the extension lost)
+    other.prefix_len = 50
+    assert documents.chunk_cap(other) == 20 and documents.next_cut(other) is None  # it adopts there, not cut
+    other.extend_end = 70
+    assert documents.cut_inside(other) is None and documents.adopts_here(other) is not None
 
 
 def test_a_chain_at_its_budget_is_compressed_again_to_it() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from dataclasses import replace
 import sys
@@ -113,6 +114,32 @@ def test_help_lists_our_flags() -> None:
     ours, _, sglang_part = r.stdout.partition("SGLang server flags")
     assert "--policy" in ours and "sgl-kvc" in ours
     assert "--model-path" in sglang_part and "--radix-cache-backend" in sglang_part
+
+
+def test_sglang_is_first_imported_as_a_cpu_engine() -> None:
+    """The launcher reads SGLang's flags with SGLang's parser, which imports SGLang: on a CPU it
+    must say `SGLANG_USE_CPU_ENGINE` first, since SGLang's modules read their device once, at
+    import (too late, its rotary embedding asked for vLLM's kernel with `--tp 2`)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine is no CPU engine")
+    code = (
+        "import importlib.abc, os, sys\n"
+        "seen = []\n"
+        "class Spy(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'sglang' and not seen: seen.append(os.environ.get('SGLANG_USE_CPU_ENGINE'))\n"
+        "sys.meta_path.insert(0, Spy())\n"
+        "from sgl_kvc import launch\n"
+        "def stop(*args, **kwargs): print('AT IMPORT', seen); raise SystemExit(0)\n"
+        "launch.build_sglang_argv = stop\n"
+        "launch.main(['--model-path', 'demo', '--policy', 'rkv', '--tp', '2'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "AT IMPORT ['1']" in r.stdout, r.stdout[-2000:]
 
 
 def test_compressing_policy_disables_overlap_schedule() -> None:
@@ -308,3 +335,35 @@ def test_auto_head_budgets_take_the_unit_pool_where_the_server_can_have_it(
         assert (why is None) == (mode == "policy") and (why is None or why in line)
     none, _ = parse_args(["--model-path", "demo", "--policy", "none"])
     assert not none.variable_budget and resolve_head_budget(none, [], False)[1] is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"attn_logit_softcapping": 30.0}, "a logit cap"),
+        ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 64}, "a sliding window"),
+        ({"sliding_window": 64, "sliding_window_pattern": 4}, "a sliding window"),
+        ({"text_config": {"attn_logit_softcapping": 50.0}}, "a logit cap"),  # a multimodal model's text model
+        # SGLang's Llama, Mistral, Qwen2 and Phi-3 attend to every token whatever `sliding_window` says
+        ({"sliding_window": 4096}, None),
+        ({"layer_types": ["full_attention"] * 2, "sliding_window": 64, "attn_logit_softcapping": None}, None),
+        ({}, None),
+    ],
+)
+def test_auto_head_budgets_keep_sglangs_pool_for_a_model_the_unit_pool_cannot_serve(tmp_path, fields, why) -> None:
+    """A model whose attention layers use a logit cap or a sliding window (its config.json says so)
+    is one the unit pool's kernel does not serve: `auto` gives it uniform head budgets, saying why
+    in one line, where the server would otherwise stop at start-up; an explicit `--kv-head-budget
+    policy` keeps it (the scheduler refuses the model, naming `uniform`)."""
+    import json
+
+    from sgl_kvc.launch import resolve_head_budget
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **fields}))
+    config, rest = parse_args(["--model-path", str(tmp_path), "--policy", "rkv"])
+    assert config.kv_head_budget == ("policy" if why is None else "uniform")
+    if why is not None:
+        _, line = resolve_head_budget(replace(config, kv_head_budget="auto"), rest, False)
+        assert line is not None and "\n" not in line and "--kv-head-budget uniform (auto)" in line and why in line
+    explicit, _ = parse_args(["--model-path", str(tmp_path), "--policy", "rkv", "--kv-head-budget", "policy"])
+    assert explicit.kv_head_budget == "policy"

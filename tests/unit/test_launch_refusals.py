@@ -114,7 +114,7 @@ def test_sgl_kvc_pools_take_the_triton_backend_on_a_gpu(monkeypatch, argv, backe
     config, rest = parse_args(argv)
     out = build_sglang_argv(rest, on_gpu=True, compressing=config.compressing, fp8_kv=config.fp8_kv is not None,
                             unit_pool=config.variable_budget)
-    assert launch._flag_value(out, "--attention-backend") == backend
+    assert launch.sglang_flags(out).get("--attention-backend") == backend
     assert (launch.torch_native_on_gpu(config, rest) is not None) == warned
 
 
@@ -262,3 +262,49 @@ def test_cpu_ranks_get_cores_where_sglang_has_too_few_numa_nodes(ranks, cpus, no
 
     assert cpu_threads_bind(ranks, cpus, nodes) == bind
     assert parallel_ranks(["--dp-size", "2", "--tp-size=3"]) == 6 and parallel_ranks([]) == 1
+
+
+def _server_config(tmp_path, values: dict) -> list[str]:
+    """`--config FILE`: SGLang's YAML file of server flags, holding `values`."""
+    path = tmp_path / "server.yaml"
+    path.write_text("".join(f"{key}: {value}\n" for key, value in values.items()))
+    return ["--config", str(path)]
+
+
+@pytest.mark.parametrize(
+    ("argv", "config", "message"),
+    [
+        (["--policy", "rkv", "--kv-head-budget", "variable", "--tp", "2"], {}, "does not support --tp-size 2"),
+        (["--policy", "rkv", "--kv-head-budget", "layer"], {"tp-size": 2}, "does not support --tp-size 2"),
+        (["--policy", "rkv", "--page-s", "16"], {}, "needs --page-size 1"),
+        (["--policy", "rkv"], {"page-size": 16}, "needs --page-size 1"),
+        (["--kv-cache-dtype", "fp8_e4m3"], {"page-size": 64}, "needs --page-size 1"),
+        (["--policy", "rkv"], {"attention-backend": "fa3"}, "--attention-backend fa3 is not supported"),
+        (["--policy", "rkv"], {"kv-cache-dtype": "nvfp4"}, "does not support --kv-cache-dtype nvfp4"),
+        (["--policy", "rkv"], {"pp-size": 2}, "does not support --pp-size 2"),
+        (["--policy", "rkv", "--enable-mixed"], {}, "does not support --enable-mixed-chunk"),
+        (["--policy", "rkv"], {"enable-lmcache": True}, "does not support --enable-lmcache"),
+    ],
+)
+def test_sglang_flags_are_read_as_sglang_reads_them(tmp_path, argv, config, message, capsys) -> None:
+    """A flag SGLang's parser accepts abbreviated, or reads from a `--config` file, is refused as
+    the flag spelled out is: the launcher decides from what SGLang will serve, not from its argv."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args([*argv, *(_server_config(tmp_path, config) if config else [])])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and err[-1].startswith("python -m sgl_kvc.launch: error:")
+
+
+def test_auto_head_budgets_and_cpu_ranks_read_sglang_flags_as_sglang_does(tmp_path) -> None:
+    """`auto` takes SGLang's pool where SGLang will run two tensor-parallel ranks, however they were
+    asked for, and the CPU ranks the launcher places are the ones SGLang starts."""
+    from sgl_kvc.launch import parallel_ranks
+
+    for argv in (["--tp", "2"], ["--tensor-parallel-size=2"], _server_config(tmp_path, {"tp-size": 2})):
+        assert parse_args(["--policy", "rkv", *argv])[0].kv_head_budget == "uniform", argv
+        assert parallel_ranks(argv) == 2 and parallel_ranks(["--policy", "rkv", *argv]) == 2, argv
+    assert parallel_ranks([*_server_config(tmp_path, {"dp-size": 2}), "--tp", "3"]) == 6
+    # the command line wins over the file, as in SGLang
+    assert parse_args(["--policy", "rkv", *_server_config(tmp_path, {"tp-size": 2}), "--tp-size", "1"])[0] \
+        .kv_head_budget == "policy"

@@ -43,6 +43,32 @@ def test_only_the_launcher_with_an_equal_import_time_environment_is_forked(tmp_p
     assert runtime is not None and runtime.wait(120) == 0
 
 
+@pytest.mark.usefixtures("prelaunched")
+def test_a_test_process_that_imported_sglang_still_forks(tmp_path: Path) -> None:
+    """Importing SGLang points third-party caches at its folder (`setdefault`, in the test process
+    too: a test that parses the launcher's flags imports it); the prelauncher's own imports set the
+    same, as a fresh launcher's do, so such an environment is still its own. One that sets them
+    otherwise is not."""
+    import sglang  # noqa: F401
+    from sglang.srt.environ import third_party_cache_defaults
+
+    cache = next(iter(third_party_cache_defaults()))
+    assert cache in os.environ
+    proc = forked([*LAUNCH, "--help"], dict(os.environ), tmp_path / "x.log")
+    assert proc is not None and proc.wait(120) == 0
+    assert forked([*LAUNCH, "--help"], {**os.environ, cache: str(tmp_path)}, tmp_path / "y.log") is None
+
+
+def test_what_the_prelaunchers_imports_set_is_no_difference() -> None:
+    from sgl_kvc.prelaunch import _differs
+
+    mine, imported = {"A": "1"}, {"CACHE": "/c"}
+    assert _differs(mine, {"A": "1"}, imported) == [] and _differs(mine, {"A": "1", "CACHE": "/c"}, imported) == []
+    assert _differs(mine, {"A": "1", "CACHE": "/other"}, imported) == ["CACHE"]
+    assert _differs(mine, {"A": "2", "CACHE": "/c"}, imported) == ["A"]
+    assert _differs({"A": "1", "CACHE": "/mine"}, {"A": "1", "CACHE": "/c"}, imported) == ["CACHE"]
+
+
 def test_without_a_prelauncher_nothing_is_forked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SOCKET_ENV, raising=False)
     assert forked([*LAUNCH, "--help"], dict(os.environ), tmp_path / "x.log") is None

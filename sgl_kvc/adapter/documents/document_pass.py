@@ -45,7 +45,7 @@ from sgl_kvc.adapter.safety import failpoints, invariants
 from sgl_kvc.adapter.safety.failures import failure
 from sgl_kvc.adapter.safety.tp import anywhere
 from sgl_kvc.core.moves import move_unit_entries, move_units_many, packed_slots, unit_moves
-from sgl_kvc.core.passes import StepWork, advance, start_pass
+from sgl_kvc.core.passes import StepWork, advance, pass_tables, start_pass
 from sgl_kvc.core.reconstruction import CarriedScores, carry_scores
 from sgl_kvc.core.request_state import Budget, ReqKvState
 
@@ -197,7 +197,7 @@ def copy_and_publish(compressor: Host, batch: ScheduleBatch, items: list[tuple[i
             not_published += 1
             continue
         try:
-            insert(r)
+            insert(r)  # (what can fail, before the tree holds the slots: freeing them here is safe)
         except Exception:  # noqa: BLE001 - never the request's: its row was only read
             logger.exception("sgl-kvc: document of %s not published", batch.reqs[c.i].rid)
             batch.token_to_kv_pool_allocator.free(r.dest)
@@ -239,8 +239,8 @@ def _choose(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, st
     d, k = key.tokens, key.entries
     failpoints.check("document_raise", req)
     slots = store.req_to_token[row, :d].to(torch.int64)
-    packed = store.unit_layout is not None  # variable / layer budgets: one sort over every head
-    tables = state.tables(slots, *store.unit_layout) if packed else None
+    tables = pass_tables(store, compressor.config.kv_head_budget, state.policy, state, slots)
+    packed = tables is not None
     state.pending = start_pass(store, row, state, state.policy, d, k, "prefill", tables)
     scores = state.pending.reconstruction  # KVzip's, kept with the document (`Compressed.carried`)
     due = advance(store, row, state, d, StepWork.unlimited(), compressor.config.kv_head_budget, i)
@@ -282,10 +282,13 @@ def copy_kept(compressor: Host, batch: ScheduleBatch, chosen: Chosen) -> Ready |
 
 
 def _insert(compressor: Host, batch: ScheduleBatch, r: Ready, registry: Any) -> None:
-    """The document's node: plain tree inserts (the node is unlocked cache at once)."""
+    """The document's node: everything that can fail first (its metadata), while the fresh slots
+    are still only `copy_and_publish`'s to free; then a plain tree insert (the node is unlocked
+    cache at once), after which the slots are the tree's."""
     c = r.chosen
-    node = insert_document(batch.tree_cache, c.key, r.dest)
-    doc = Compressed.compact(c.key, node, c.kept_positions, int(r.dest.numel()), c.unit_lens, c.carried)
+    failpoints.check("node_raise", batch.reqs[c.i])
+    doc = Compressed.compact(c.key, None, c.kept_positions, int(r.dest.numel()), c.unit_lens, c.carried)
+    doc.node = insert_document(batch.tree_cache, c.key, r.dest)
     registry.add(doc)
     trace_document(compressor, batch.reqs[c.i], doc)
 

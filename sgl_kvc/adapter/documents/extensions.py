@@ -46,7 +46,7 @@ from sgl_kvc.adapter.documents.plan import declared, extends, extension_due, ext
 from sgl_kvc.adapter.documents.registry import insert_child, insert_document, node_path, registry_of
 from sgl_kvc.adapter.safety import failpoints
 from sgl_kvc.adapter.safety.failures import failure
-from sgl_kvc.core.passes import StepWork, advance, start_pass
+from sgl_kvc.core.passes import StepWork, advance, pass_tables, start_pass
 from sgl_kvc.core.reconstruction import CarriedScores, carry_scores
 from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.policies import HeadSelection
@@ -185,8 +185,8 @@ def _choose(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, pa
     slots = store.req_to_token[row, :n].to(torch.int64)
     if not torch.equal(slots[:parent.chain_slots].cpu(), node_path(parent.node)[1].cpu()):
         raise RuntimeError("its row does not start with the slots of the document it extends")
-    packed = store.unit_layout is not None
-    tables = state.tables(slots, *store.unit_layout) if packed else None
+    tables = pass_tables(store, compressor.config.kv_head_budget, state.policy, state, slots)
+    packed = tables is not None
     # uniform: every head keeps the chain's `held` entries and `own` of its own; packed, each head
     # its chain's entries, and the request `own` per head of its own, by the policy's allocation
     state.pending = start_pass(store, row, state, state.policy, n, own if packed else held + own, "prefill",
@@ -197,9 +197,9 @@ def _choose(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, pa
         raise RuntimeError("an unlimited extension pass did not finish")
     selection = due_pass.selection
     device = selection.indices.device
-    if packed:
-        held_lens = state.unit_lens.long().to(device) * (held > 0)
-    else:
+    if packed and held:
+        held_lens = state.unit_lens.long().to(device)
+    else:  # (a rebuild holds nothing, whether or not the chain it compresses again was packed)
         held_lens = torch.full_like(selection.lengths, held)
     mine, cols = _own(selection, held_lens)
     carried = None
@@ -243,6 +243,7 @@ def _insert(compressor: Host, batch: ScheduleBatch, r: Ready) -> None:
     c = r.chosen
     tree = batch.tree_cache
     parent = None if c.key.kind is Kind.REBUILD else c.parent
+    failpoints.check("node_raise", batch.reqs[c.i])
     doc = Compressed.compact(c.key, None, c.kept_positions, int(r.dest.numel()), c.unit_lens, c.carried, parent=parent)
     doc.node = insert_document(tree, c.key, r.dest) if parent is None else insert_child(tree, parent, c.key, r.dest)
     registry_of(tree).add(doc)

@@ -168,15 +168,25 @@ def extension_due(req: Any, n: int) -> "Document | None":
     exact after what it started from (nothing of it compacted since: its fill ids are shifted by
     the start's offset alone) up to its own document's end, else None. One that adopts its
     extension (`adopts`) publishes it at the chunk that ends there or not at all: after its
-    question, it would repeat a failed pass. From SGLang's fields, alike on every
+    question, it would repeat a failed pass. Where its start already covers its whole document
+    (a finished turn that ends there), no chunk of it can end there: it publishes at its first
+    chunk, the one that began there, and there alone. From SGLang's fields, alike on every
     tensor-parallel rank."""
     plan = plan_of(req)
     if extends(req) is None or fill_skip(req) != plan.layout.offset or n < plan.layout.held:
         return None
     read = plan.layout.tokens(n)
-    if read < plan.key.tokens or (read > plan.key.tokens and adopts(req)):
+    if read < plan.key.tokens:
+        return None
+    if read > plan.key.tokens and adopts(req) and not _began_at_its_end(req):
         return None
     return plan.parent
+
+
+def _began_at_its_end(req: Any) -> bool:
+    """Whether `req`'s start covers its whole document and the chunk that just ran began there."""
+    plan = plan_of(req)
+    return plan.layout.covers == plan.key.tokens and prompt_read(req) == plan.key.tokens
 
 
 def extension_lost(req: Any) -> bool:
@@ -287,7 +297,11 @@ def cut_at(req: Any, end: int) -> int | None:
     """The entries the row of `req` is cut to where a chunk of it ends at prompt position `end`,
     as its document's key says: k at the document's end, `between` at a multiple of `every` before
     it, 0 elsewhere before it (not cut); None where the document decides nothing (the request
-    does not compress one between chunks, or `end` is past it)."""
+    does not compress one between chunks, or `end` is past it). An extension (`adopts`) is read
+    whole before it is published, in however many chunks SGLang's rounds read it: 0 before its
+    end (a cut there would lose it), None at its end, where its request adopts it."""
+    if adopts(req):
+        return 0 if end < declared(req).tokens else None
     if not splits(req):
         return None
     key = declared(req)
@@ -300,8 +314,8 @@ def cut_at(req: Any, end: int) -> int | None:
 
 def cut_inside(req: Any) -> int | None:
     """`cut_at` where the chunk of `req` that just ran ended, before its document's end (which
-    `ends_here` finds), else None."""
-    if not splits(req):
+    `ends_here` and `adopts_here` find), else None."""
+    if not splits(req) and not adopts(req):
         return None
     end = fill_skip(req) + int(req.extend_end)
     return cut_at(req, end) if end < declared(req).tokens else None

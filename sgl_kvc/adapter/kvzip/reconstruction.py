@@ -54,6 +54,7 @@ from sgl_kvc.adapter.safety.failures import FailedOnAnotherRank
 from sgl_kvc.adapter.safety.tp import RankVote, everywhere
 from sgl_kvc.adapter.scheduling.requests import is_middle_chunk
 from sgl_kvc.config import KvcConfig
+from sgl_kvc.core.passes import pass_tables
 from sgl_kvc.core.reconstruction import (
     OVERLAP,
     CarriedScores,
@@ -72,7 +73,7 @@ from sgl_kvc.core.reconstruction import (
 )
 from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.core.store import KvcStore
-from sgl_kvc.policies import policy_class
+from sgl_kvc.policies import Policy, policy_class
 from sgl_kvc.request_settings import ResolvedCompression, resolved
 
 if TYPE_CHECKING:
@@ -387,7 +388,7 @@ class Reconstructor:
         plan = plan_reconstruction(ids, start, end, prompt, resume=resume, repeated=repeated,
                                    chunk=self.config.kvzip_chunk, overlap=OVERLAP, sink_tokens=sink,
                                    max_tokens=room, whole_row=whole_row)  # fmt: skip
-        scores = self._initial(state, row, n, start, end, carried)
+        scores = self._initial(state, row, n, start, end, carried, policy_class(state.policy_name(moment)))
         return _Item(i, req, state, row, plan, prefix, scores)
 
     def _plan_question(self, i: int, req: Any, state: ReqKvState, row: int, n: int, length: int) -> _Item:
@@ -400,13 +401,13 @@ class Reconstructor:
         return _Item(i, req, state, row, plan_question(ids, length, tokens), n, [], question=True)
 
     def _initial(self, state: ReqKvState, row: int, n: int, start: int, end: int,
-                 carried: CarriedScores | None) -> list[torch.Tensor]:
-        """Per layer of the rank, [H_kv, W] in the columns of the pass to come: 0 for the
-        context, +inf elsewhere, and what earlier passes gave the entries they kept."""
+                 carried: CarriedScores | None, policy: type[Policy]) -> list[torch.Tensor]:
+        """Per layer of the rank, [H_kv, W] in the columns of the pass to come (of `policy`): 0
+        for the context, +inf elsewhere, and what earlier passes gave the entries they kept."""
         store = self.store
         layers = store.num_layers - store.first_layer
-        if store.unit_layout is not None:  # the pass reads the request through its per-head tables
-            tables = state.tables(store.req_to_token[row, :n], *store.unit_layout)
+        tables = pass_tables(store, self.config.kv_head_budget, policy, state, store.req_to_token[row, :n])
+        if tables is not None:  # the pass reads the request through its per-head tables
             width = tables.width
             cols = torch.arange(width, device=tables.units.device)
             valid = cols[None, None, :] < tables.lens[..., None]

@@ -57,7 +57,7 @@ from sgl_kvc.adapter.scheduling.requests import chunk_compressible, insert_exact
 from sgl_kvc.adapter.telemetry.metrics import CompressionStats, maybe_metrics
 from sgl_kvc.adapter.telemetry.trace import CompactionTrace
 from sgl_kvc.config import KERNEL_DECODE_ATTENTION, KvcConfig
-from sgl_kvc.core.passes import DueCompaction, StepWork, advance, reads_tables, start_pass
+from sgl_kvc.core.passes import DueCompaction, StepWork, advance, pass_tables, start_pass
 from sgl_kvc.core.query_moments import QueryMoments
 from sgl_kvc.core.reconstruction import carry_through, question_tokens
 from sgl_kvc.core.request_state import ReqKvState
@@ -594,9 +594,7 @@ class Compressor:
         row = batch.reqs[i].kv.req_pool_idx
         n = int(batch.seq_lens_cpu[i])
         policy = self.policy(state.policy_name(moment), state.effective_budget(n))
-        tables = None
-        if self.config.variable_budget and reads_tables(self.config.kv_head_budget, policy, state.units is not None):
-            tables = state.tables(self.store.req_to_token[row, :n], *self.store.unit_layout)
+        tables = pass_tables(self.store, self.config.kv_head_budget, policy, state, self.store.req_to_token[row, :n])
         # a staged pass in progress is superseded
         state.pending = start_pass(self.store, row, state, policy, n, target, moment, tables)
         self.account(time.perf_counter() - t0)

@@ -24,6 +24,9 @@ on. `name@R` plants the fault on tensor-parallel rank R only (a fault one rank s
   `failpoint-document` raises after its pass, before its entries are copied into the node's slots
   or its cut row becomes the node (`document_raise@R`: on rank R only, so that the ranks must agree
   not to publish it).
+- `node_raise`: making the node of the shared document (or extension) a request whose id starts
+  with `failpoint-node` publishes from copies raises where the node's metadata is made
+  (`Compressed.compact`), after its entries were copied into the node's fresh slots.
 - `adopt_raise`: a request whose id starts with `failpoint-adopt`, which extends a resident document
   on a server that compresses documents between chunks, raises when it would go on from the
   extension it published (`extensions.adopt`), before its row changed.
@@ -52,6 +55,7 @@ _DOING = {"compress_raise": "compressing", "rewrite_raise": "rewriting the row o
           "reconstruct_raise": "scoring the context reconstruction of",
           "kvzip_plan_raise": "planning the context reconstruction of",
           "document_raise": "publishing the shared document of",
+          "node_raise": "making the node of the shared document of",
           "adopt_raise": "going on from the published extension of", "turn_raise": "keeping the finished turn of"}
 # On the observation store: the rows of the batch being run that `observe_raise` is planted
 # for (set by `observing`; the store itself knows nothing of it).
@@ -77,7 +81,7 @@ def hits(name: str, req: object) -> bool:
 
 def check(name: str, req: object) -> None:
     """A site where a planted fault raises (`compress_raise`, `rewrite_raise`, `reconstruct_raise`,
-    `kvzip_plan_raise`, `document_raise`, `adopt_raise`, `turn_raise`)."""
+    `kvzip_plan_raise`, `document_raise`, `node_raise`, `adopt_raise`, `turn_raise`)."""
     if hits(name, req):
         raise PlantedFault(f"planted fault {_DOING[name]} {getattr(req, 'rid', '')}")
 
