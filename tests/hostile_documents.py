@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 
 import requests
 
-from kvc_reference import assert_pool_whole
+from kvc_reference import assert_pool_whole, launcher_argv
 from request_mix import WORDS, make_mix, openai_client
 from request_mix import problems as mix_problems
 from request_mix import send as mix_send
@@ -107,7 +107,7 @@ def document_floor_of(flags: list[str]) -> int:
     from sgl_kvc.launch import parse_args
     from sgl_kvc.request_settings import document_floor
 
-    return document_floor(parse_args(list(flags))[0])
+    return document_floor(parse_args(launcher_argv(flags))[0])
 
 
 def document_field(path: str, name: str = "") -> str:

@@ -67,6 +67,13 @@ def complete_concurrently(
         return list(pool.map(one, range(count)))
 
 
+def launcher_argv(cmd: list[str]) -> list[str]:
+    """The launcher's own arguments in a server's command line (`python -m sgl_kvc.launch ...`),
+    as its `parse_args` takes them: every flag, none of the interpreter's."""
+    cmd = list(cmd)
+    return cmd[cmd.index("sgl_kvc.launch") + 1:] if "sgl_kvc.launch" in cmd else cmd
+
+
 def assert_pool_whole(stats: dict) -> None:
     """Nothing leaked: every pool slot is free or cached in the radix tree (``stats`` from
     `/v1/kvc/stats`, taken when no request runs)."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvc_reference import assert_pool_whole, generate, logprob_error, trace_events
+from kvc_reference import assert_pool_whole, generate, launcher_argv, logprob_error, trace_events
 from loadtest.server import ServerProcess
 
 pytestmark = pytest.mark.e2e
@@ -556,7 +556,7 @@ def _kvc_config(flags: list[str]):
     """The sgl-kvc settings a server started with `flags` runs with (as its launcher parses them)."""
     from sgl_kvc.launch import parse_args
 
-    return parse_args(list(flags))[0]
+    return parse_args(launcher_argv(flags))[0]
 
 
 @pytest.mark.parametrize("name", ["variable", "whole"])
