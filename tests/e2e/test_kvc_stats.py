@@ -32,7 +32,8 @@ def test_stats_shape(kvc_server) -> None:
             assert isinstance(s[block][key], (int, float)), (block, key)
     assert s["prefix_cache"]["backend"] == "UnifiedRadixCache"  # SGLang's own default
     # --policy none is plain SGLang: its own decode attention, never sgl-kvc's kernel
-    assert s["decode_attention"] == {"kernel": "sglang", "layers": 0}
+    assert s["decode_attention"] == {"kernel": "sglang", "layers": 0, "graph_steps": 0, "graph_replays": 0,
+                                     "eager_steps": {}}
 
 
 def test_pool_accounting_when_idle(kvc_server, openai_client) -> None:

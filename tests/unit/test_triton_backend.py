@@ -98,13 +98,14 @@ def test_sgl_kvc_kernel_runs_the_planned_decode() -> None:
     from sgl_kvc.adapter.attention import _triton_decode
 
     calls: list[tuple] = []
-    store = SimpleNamespace(decode_step="step", attend_decode=lambda *a: calls.append(("kvc", *a)))
+    store = SimpleNamespace(decode_step="step", attend_decode=lambda *a, **kw: calls.append(("kvc", *a, kw)))
     layer = SimpleNamespace(layer_id=3, scaling=0.5)
-    backend = SimpleNamespace(_kvc_attend_layer=layer, kvc_store=store)
+    batch = SimpleNamespace(req_pool_indices="rows", seq_lens="lens")  # a graph step reads them
+    backend = SimpleNamespace(_kvc_attend_layer=layer, _kvc_decode_batch=batch, kvc_store=store)
     decode = _triton_decode(backend, lambda *a, **kw: calls.append(("sglang", *a)))
     q, k, v, o = (torch.zeros(1) for _ in range(4))
     decode(q, k, v, o, "indptr", "indices", "logits")
-    assert calls == [("kvc", 3, "step", q, k, v, 0.5, o)]
+    assert calls == [("kvc", 3, "step", q, k, v, 0.5, o, {"rows": "rows", "seq_lens": "lens"})]
     calls.clear()
     backend._kvc_attend_layer = None
     decode(q, k, v, o, "indptr", "indices", "logits")
