@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cuda_graphs import capture
 from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import PolicyParams, get_policy
@@ -76,14 +77,7 @@ def test_a_decode_step_replays_from_a_cuda_graph() -> None:
             store.attend_decode(layer, step, q[layer], k, v, 0.125, out[layer])
             store.record_decode(layer, rows, q[layer], pool_rows)
 
-    side = torch.cuda.Stream()  # warm up (compile the kernels) off the capturing stream
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
+    graph = capture(forward)  # warmed up off the capturing stream, then captured
 
     for trial in range(2):  # two replays on new queries: the graph reads its inputs afresh
         for x in q:

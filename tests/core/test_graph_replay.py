@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from cuda_graphs import capture
 from fakes import LayeredKvPool
 from replay_discipline import ReplayCheck, Violation
 from sgl_kvc.core.graph_step import GraphStep
@@ -320,14 +321,7 @@ def test_a_cuda_graph_of_a_decode_step_replays_every_later_step(pool_kind: str) 
     s = _server(pool_kind, device="cuda")
     prepare, forward = _prepare(s), _forward(s)
     prepare(0)
-    side = torch.cuda.Stream()  # warm up (compile the kernels) off the capturing stream
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
+    graph = capture(forward)  # warmed up off the capturing stream, then captured
     for step in range(1, 8):
         prepare(step)
         saved = [t.clone() for t in _state(s)]
