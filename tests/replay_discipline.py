@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from sync_guard import sync_reason
 
@@ -252,7 +252,3 @@ def _values_differ(a: list[tuple], b: list[tuple]) -> bool:
             return any(part and part[0] == "host values" for part in (*x[1], *y[1]) if isinstance(part, tuple))
     return False
 
-
-def tensor_map(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
-    """`fn` on every tensor of a pytree (the tests' snapshots of their own state)."""
-    return tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, tree)
