@@ -27,11 +27,11 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks.common import metadata_markdown, run_metadata
-from sgl_kvc import req_state
+from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter.documents import DocumentKey, DocumentRegistry, ExtensionRule, RootDocument, Turn
 from sgl_kvc.adapter.documents.keys import tokens_content, turn_key
 from sgl_kvc.adapter.documents.matching import plan_match
-from sgl_kvc.adapter.documents.plan import DocumentPlan, Role
+from sgl_kvc.adapter.documents.roles import DocumentPlan, Role
 
 DOC, WAITING, FAMILY = 1000, 64, "f" * 64
 
@@ -63,7 +63,7 @@ def _waiting(prompt: list[int], k: int) -> SimpleNamespace:
     ids = prompt[: DOC + 40] + [70_000 + k] * 12
     req = SimpleNamespace(origin_input_ids=ids, output_ids=[], return_logprob=False, logprob_start_len=-1)
     own = _key(ids, DOC + 40, 0)
-    fields = req_state.of(req)
+    fields = kvc_req.of(req)
     fields.plan = DocumentPlan(role=Role.WHOLE, own=own, key=own, mode=Role.WHOLE)
     fields.rule = ExtensionRule(0.3, None, 4, None)
     return req

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from sgl_kvc.core.stat_slab import StatGroup
+    from sgl_kvc.core.stat_group import StatGroup
     from sgl_kvc.kernels.per_head_attention import DecodeLogits
 
 BLOCK = 128  # columns per program

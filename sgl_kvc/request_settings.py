@@ -1,7 +1,8 @@
 """Per-request compression settings, in one place: the `kv_compression` object of a request body,
-parsed; checked against the server's configuration; resolved against it into what the request
-runs with (`resolve`: policy, prompt policy, budget, selection); and read back from a
-scheduler request (`of_request`, `admit`). What a request holds at most is `sgl_kvc/footprint.py`.
+parsed; checked against the server's configuration; and resolved against it into what the request
+runs with (`resolve`: policy, prompt policy, budget, selection). What a request holds at most is
+`sgl_kvc/footprint.py`. Pure: no SGLang object is read here (the scheduler reads a request's
+settings back from its `Req` in `adapter/kvc_req.py`).
 
     client.chat.completions.create(..., extra_body={"kv_compression": {"policy": "rkv", "budget": 256}})
 
@@ -10,19 +11,16 @@ names, see `--prompt-policy`).
 
 The HTTP layer (`server/settings.py` walks the request bodies) validates it (a bad value is an
 OpenAI-style 400 naming the field) and forwards it to the scheduler inside SGLang's
-`custom_params`, under `CUSTOM_PARAMS_KEY`. The scheduler reads it back from the request
-(`sampling_params.custom_params` of SGLang's `Req`, by attribute: this module imports no SGLang)
-and checks it again when the request enters the queue.
+`custom_params`, under `CUSTOM_PARAMS_KEY`, where it is checked again when the request enters the
+queue (`adapter/kvc_req.admit`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-from sgl_kvc import req_state
 from sgl_kvc.core.request_state import Budget
 from sgl_kvc.policies import (
     AUTO, SELECTIONS, available_policies, canonical_policy, decode_policies, policy_class, prompt_policy_error,
@@ -345,76 +343,3 @@ def json_type_name(value: Any) -> str:
     if isinstance(value, dict):
         return "an object"
     return "a value of another type"
-
-
-# --- read back from a scheduler request ------------------------------------------------------
-# What an invalid request runs with until its abort completes: nothing to compress.
-_INERT = RequestCompression(policy="none")
-
-
-def _parse_request(req: Any, config: "KvcConfig | None" = None) -> tuple[RequestCompression, str | None]:
-    """The request's settings (validated, and checked against the server's `config` when given),
-    or the inert ones and why they are refused."""
-    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    try:
-        settings = from_custom_params(custom)
-        field = f"custom_params.{CUSTOM_PARAMS_KEY}"
-        conflict = None if config is None else server_conflict(settings, config, field)
-        if conflict is None and config is not None and getattr(req, "multimodal_inputs", None) is not None:
-            # the processor's pad values are in its prompt (`adapter/reconstruction.unscorable`)
-            conflict = multimodal_conflict(settings, config, field)
-        if conflict is not None:
-            raise conflict
-        return settings, None
-    except RequestSettingError as e:
-        return _INERT, f"Invalid {e.param}: {e}"
-    except Exception as e:  # noqa: BLE001 - a client's value must never raise in the scheduler
-        return _INERT, f"Invalid custom_params ({type(e).__name__})"
-
-
-def of_request(req: Any, cache: bool = True) -> RequestCompression:
-    """The settings of a scheduler request (SGLang's `Req`; with `cache=False` also the tokenized
-    input it is made from, left untouched), validated; cached on the request when it entered the
-    queue (`admit`). Never raises."""
-    fields = req_state.peek(req)
-    settings = fields.settings if fields is not None else None
-    if settings is None:
-        settings, _ = _parse_request(req)
-        if cache:
-            req_state.of(req).settings = settings
-    return settings
-
-
-def resolved(req: Any, config: "KvcConfig") -> ResolvedCompression:
-    """What a scheduler request runs with on this server (resolved once: the admission hooks ask
-    for it several times per request per step)."""
-    fields = req_state.peek(req)
-    cached = fields.resolved if fields is not None else None
-    if cached is not None and cached[0] is config:
-        return cached[1]
-    settings = of_request(req).resolve(config)
-    req_state.of(req).resolved = (config, settings)
-    return settings
-
-
-def refused_by_sglang(req: Any) -> bool:
-    """`req` (SGLang's `Req`) is finished, or SGLang refused it already as it entered the queue
-    (its `to_finish`: a prompt past the longest input, a `logprob_start_len` past the prompt).
-    SGLang's abort also cuts its prompt to one token: checked again, it drew a wrong refusal of
-    sgl-kvc's ("the document (120 tokens) must end before the prompt does (1 tokens)") in place of
-    SGLang's own, naming the wrong field (found by `tests/hostile_documents.py`)."""
-    return req.finished() or getattr(req, "to_finish", None) is not None
-
-
-def admit(req: Any, config: "KvcConfig") -> bool:
-    """When a request enters the scheduler's queue: parse its settings and check them against the
-    server's `config` once; a bad or unservable one aborts it with a 400 (SGLang's
-    `set_finish_with_abort`) before it is scheduled, and it runs with no compression until then.
-    True when it was refused. Nothing a client sends can raise later inside the scheduler loop."""
-    settings, error = _parse_request(req, config)
-    req_state.of(req).settings = settings
-    req_state.of(req).resolved = None
-    if error is None or refused_by_sglang(req):
-        return False
-    req.set_finish_with_abort(error, status_code=HTTPStatus.BAD_REQUEST)
-    return True

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from sgl_kvc import req_state
+from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter import documents
 from sgl_kvc.adapter.runtime import KvcRuntime, collect_stats, compressor_of
 from sgl_kvc.adapter.safety.tp import anywhere, dp_rank
@@ -35,7 +35,7 @@ from sgl_kvc.adapter.scheduling.requests import chunk_compressible, released, sh
 from sgl_kvc.adapter.sglang_api import Hook
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.policies import policy_class
-from sgl_kvc.request_settings import admit, resolved
+from sgl_kvc.adapter.kvc_req import admit, resolved
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -214,7 +214,7 @@ def _around_add_to_queue(config: KvcConfig):
 def _around_max_prefix(config: KvcConfig):
     def hook(original: Callable[..., Any], req: Req, input_len: int, *args: Any, **kwargs: Any):
         limit = original(req, input_len, *args, **kwargs)
-        req_state.of(req).whole_prompt = False
+        kvc_req.of(req).whole_prompt = False
         cap = admission.prefix_cap(req)  # a longer prefix would leave it no room in the pool
         if cap is not None:
             limit = min(limit, cap)
@@ -231,7 +231,7 @@ def _around_max_prefix(config: KvcConfig):
             # Only a shared document it declares may stand for part of it: its entries have no
             # statistic by design, theirs start at its end (`KvcRadixCache.match_prefix`).
             if input_len + int(req.sampling_params.max_new_tokens or 0) > budget:
-                req_state.of(req).whole_prompt = True
+                kvc_req.of(req).whole_prompt = True
             return limit
         # Recompute the last `window` prompt tokens even on a prefix hit when their queries may
         # score the prompt (the observation window): by the pass after prefill, or by a later
@@ -314,7 +314,7 @@ def _around_init_next_round(original: Callable[..., Any], req: Req, *args: Any, 
 
 def _around_refresh_fill_ids(original: Callable[..., Any], req: Req, *args: Any, **kwargs: Any):
     out = original(req, *args, **kwargs)
-    state = req_state.of(req).state
+    state = kvc_req.of(req).state
     shift = documents.fill_offset(req) if state is None else state.offset if state.fill_shift else 0
     if shift:
         shifted_fill_ids(req, shift)

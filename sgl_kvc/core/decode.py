@@ -34,7 +34,8 @@ from torch import Tensor
 
 from sgl_kvc.core.host import host_tensor, to_device
 from sgl_kvc.core.request_state import block_tables
-from sgl_kvc.core.stat_slab import StatGroup, StepSlab, add_attention, plan_group, plan_slab
+from sgl_kvc.core.stat_group import StatGroup
+from sgl_kvc.core.stat_slab import StepSlab, add_attention, plan_group, plan_slab
 from sgl_kvc.kernels.decode_attention import decode_attention, decode_probs, plain_decode, rounds_like_sdpa
 from sgl_kvc.kernels.per_head_attention import (
     SPLIT_COLUMNS, DecodeLogits, HeadTables, LogitRows, SplitPlan, fast_per_head_decode, flat_heads, row_tables,

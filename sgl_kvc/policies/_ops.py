@@ -3,23 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-if TYPE_CHECKING:  # a leaf at run time: `base` imports this module
-    from sgl_kvc.policies.base import LayerView
-
-
-def require_queries(view: LayerView, policy: str, window: int) -> Tensor:
-    """The last ``window`` observation queries as float32 [q, H_q, d]."""
-    if view.queries is None or view.queries.shape[0] == 0:
-        raise ValueError(
-            f"policy {policy!r} needs observation queries (LayerView.queries) to score tokens"
-        )
-    return view.queries[-window:].float()
 
 
 def gqa_logits(queries: Tensor, keys: Tensor, scale: float) -> Tensor:

@@ -236,6 +236,15 @@ class LayerView:
     def n(self) -> int:
         return int(self.keys.shape[0])
 
+    def observation_queries(self, policy: str, window: int) -> Tensor:
+        """The last ``window`` observation queries as float32 [q, H_q, d]; a policy that scores
+        by them (SnapKV, R-KV, KV-Compress, Expected Attention) cannot run without any."""
+        if self.queries is None or self.queries.shape[0] == 0:
+            raise ValueError(
+                f"policy {policy!r} needs observation queries (LayerView.queries) to score tokens"
+            )
+        return self.queries[-window:].float()
+
     @property
     def n_kv_heads(self) -> int:
         return int(self.keys.shape[1])

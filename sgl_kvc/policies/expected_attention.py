@@ -59,7 +59,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ._ops import require_queries
 from .base import LayerView, Policy, PolicyParams
 from .registry import register_policy
 
@@ -186,7 +185,7 @@ class ExpectedAttentionPolicy(Policy):
         fallback)."""
         p = self.params
         h_kv, d = view.n_kv_heads, keys.shape[-1]
-        queries = require_queries(view, self.name, p.window)  # [q, H_q, d], after RoPE
+        queries = view.observation_queries(self.name, p.window)  # [q, H_q, d], after RoPE
         q = queries.shape[0]
         # Every query lies past the sinks here (n > sinks + window), as kvpress's statistics do.
         queries = queries.reshape(q, h_kv, -1, d)  # [q, H_kv, G, d]: query head h -> KV head h // G

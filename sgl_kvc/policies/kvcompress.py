@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ._ops import causal_window_probs, maxpool_tokens, require_queries
+from ._ops import causal_window_probs, maxpool_tokens
 from .base import LayerView, Policy, pad_stats
 from .registry import register_policy
 
@@ -39,7 +39,7 @@ class KVCompressPolicy(Policy):
     def prefill_metric(self, view: LayerView) -> Tensor:
         """M^(pool) [H_kv, n] from the observation-window queries (eq. 10 squared, eq. 8)."""
         p = self.params
-        queries = require_queries(view, self.name, p.window)
+        queries = view.observation_queries(self.name, p.window)
         probs = causal_window_probs(queries, view.keys, view.scale)  # [H_kv, G, q, n]
         metric = probs.square().sum(dim=(1, 2))  # eq. (10) with squared attention (L2, §4.3)
         return maxpool_tokens(metric, p.pool_kernel)  # eq. (8): max pooling, size p

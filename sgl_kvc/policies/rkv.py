@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ._ops import gqa_logits, maxpool_tokens, require_queries
+from ._ops import gqa_logits, maxpool_tokens
 from .base import LayerView, Policy
 from .registry import register_policy
 
@@ -149,7 +149,7 @@ class RKVPolicy(Policy):
         out = torch.zeros(view.n_kv_heads, n, dtype=torch.float32, device=view.keys.device)
         if n_cand == 0:
             return out
-        queries = require_queries(view, self.name, p.window)
+        queries = view.observation_queries(self.name, p.window)
         cand_keys = view.keys[:n_cand]
         logits = gqa_logits(queries, cand_keys, view.scale)  # eq. (2): [H_kv, G, alpha, N_c]
         attn = torch.softmax(logits.amax(dim=1), dim=-1)  # eq. (3): max over group, softmax

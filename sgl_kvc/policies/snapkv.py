@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from ._ops import causal_window_probs, maxpool_tokens, require_queries
+from ._ops import causal_window_probs, maxpool_tokens
 from .base import LayerView, Policy
 from .registry import register_policy
 
@@ -37,7 +37,7 @@ class SnapKVPolicy(Policy):
         out = torch.zeros(view.n_kv_heads, n, dtype=torch.float32, device=view.keys.device)
         if n_cand == 0:
             return out
-        queries = require_queries(view, self.name, p.window)
+        queries = view.observation_queries(self.name, p.window)
         probs = causal_window_probs(queries, view.keys, view.scale)  # [H_kv, G, q, n]
         votes = probs[..., :n_cand].sum(dim=2)  # KV-Compress eq. (7): sum over window queries
         votes = votes.mean(dim=1)  # GQA: mean over the query group

@@ -45,12 +45,12 @@ KEEP = 64  # slots the compaction may copy the kept entries into
 
 def _chunked(prompt: int, max_new: int = 16) -> SimpleNamespace:
     """A prompt compressed between chunks of CHUNK, with what admission fixed for it."""
-    from sgl_kvc import req_state
+    from sgl_kvc.adapter import kvc_req
     from sgl_kvc.footprint import Sizes
 
     req = _req(prompt, max_new=max_new)
     req.sampling_params.custom_params = None
-    req_state.of(req).sizes = Sizes(budget=KEEP, buffer=32, keep=KEEP, chunk=CHUNK)
+    kvc_req.of(req).sizes = Sizes(budget=KEEP, buffer=32, keep=KEEP, chunk=CHUNK)
     return req
 
 
@@ -114,7 +114,7 @@ def test_a_pass_between_chunks_may_keep_a_multiple_of_the_budget() -> None:
 def test_the_tokenized_input_is_read_and_never_written() -> None:
     """SGLang's `TokenizedGenerateReqInput` (a msgspec Struct, no room for another attribute),
     read before its `Req` exists (`chunk_compressible`, the long-prompt hook): its settings are
-    read from it and nothing of sgl-kvc's is attached (`req_state.peek`). Attaching raised inside
+    read from it and nothing of sgl-kvc's is attached (`kvc_req.peek`). Attaching raised inside
     SGLang's scheduler and took every server down."""
     import inspect
     from array import array
@@ -122,7 +122,7 @@ def test_the_tokenized_input_is_read_and_never_written() -> None:
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from sgl_kvc import req_state
+    from sgl_kvc.adapter import kvc_req
     from sgl_kvc.adapter.scheduling.requests import chunk_compressible
 
     fields = {name: None for name, p in inspect.signature(TokenizedGenerateReqInput).parameters.items()
@@ -132,4 +132,4 @@ def test_the_tokenized_input_is_read_and_never_written() -> None:
                   sampling_params=SamplingParams(max_new_tokens=8, custom_params={CUSTOM_PARAMS_KEY: {"budget": 64}}))
     tokenized = TokenizedGenerateReqInput(**fields)
     assert chunk_compressible(tokenized, KvcConfig(policy="snapkv"))
-    assert req_state.peek(tokenized) is None
+    assert kvc_req.peek(tokenized) is None

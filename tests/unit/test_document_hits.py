@@ -16,7 +16,8 @@ from sgl_kvc.adapter.moments import compressor as compressor_module
 from sgl_kvc.adapter.scheduling.admission import _with_document, sizes_of
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.reconstruction import CarriedScores
-from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY, resolved
+from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY
+from sgl_kvc.adapter.kvc_req import resolved
 from fakes import SegmentFreeRecorder
 
 LAYERS, H_KV, D = 2, 2, 16

@@ -19,12 +19,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl_kvc import req_state
+from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter.documents import (
     Compressed, Document, DocumentKey, DocumentRegistry, Extension, ExtensionRule, Kind, Reply, RootDocument,
     RowLayout, Turn, packed_units,
 )
-from sgl_kvc.adapter.documents.keys import extension_key, reply_key, settings_digest, tokens_content, turn_key
+from sgl_kvc.adapter.documents.keys import extension_key, reply_key, tokens_content, turn_key
+from sgl_kvc.adapter.documents.plan import settings_digest
 from sgl_kvc.adapter.documents.links import per_head_concat
 from sgl_kvc.adapter.documents.matching import extendable, resident_turn
 from sgl_kvc.config import KvcConfig
@@ -328,7 +329,7 @@ def _resident(registry: DocumentRegistry, cls: type[Document], key: DocumentKey,
 
 def _asking(prompt: list[int], rule: ExtensionRule) -> SimpleNamespace:
     req = SimpleNamespace(origin_input_ids=prompt)
-    req_state.of(req).rule = rule
+    kvc_req.of(req).rule = rule
     return req
 
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_kvc import req_state
+from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter import documents
 from sgl_kvc.adapter.documents import (
     Document, DocumentKey, DocumentPlan, Extension, ExtensionRule, Kind, Role, RootDocument, Turn, node_key,
@@ -29,7 +29,7 @@ KVZIP = KvcConfig(policy="snapkv", prompt_policy="kvzip")
 
 def _declaring(req: SimpleNamespace, key: DocumentKey | None, role: Role = Role.WHOLE) -> SimpleNamespace:
     """`req`, declaring the document `key` (as `documents.declare` records it)."""
-    req_state.of(req).plan = DocumentPlan(role=role, own=key, key=key, mode=role)
+    kvc_req.of(req).plan = DocumentPlan(role=role, own=key, key=key, mode=role)
     return req
 
 
@@ -263,10 +263,10 @@ def test_no_request_waits_past_the_servers_bound() -> None:
     documents.compressing([publisher], registry)
     held = documents.held_back([early], registry)
     assert held == [early]
-    t0 = req_state.of(early).wait_since
+    t0 = kvc_req.of(early).wait_since
     assert documents.held_back([early, late], registry) == [early, late]
-    assert req_state.of(early).wait_since == t0  # its wait is counted from its first
-    req_state.of(late).wait_since = t0 + 4.0
+    assert kvc_req.of(early).wait_since == t0  # its wait is counted from its first
+    kvc_req.of(late).wait_since = t0 + 4.0
     assert documents.overdue([early, late], 5.0, now=t0 + 4.9) == [False, False]
     late_flags = documents.overdue([early, late], 5.0, now=t0 + 5.0)
     assert late_flags == [True, False]
@@ -561,7 +561,7 @@ def _declaring_own(prompt: list[int], tokens: int, extra_key: str | None = None,
     req = _req(prompt, extra_key)
     req.sampling_params.custom_params[CUSTOM_PARAMS_KEY]["document"] = {"tokens": tokens}
     _declaring(req, request_key(req, KVZIP))
-    req_state.of(req).rule = ExtensionRule(None, None, 13, None, settings=settings)
+    kvc_req.of(req).rule = ExtensionRule(None, None, 13, None, settings=settings)
     return req
 
 
@@ -844,7 +844,7 @@ def test_a_compacted_reply_stays_in_the_tree_as_a_reply_and_a_turn() -> None:
                                           .reshape(2, 1, -1)).values
         if units is not None:
             state.units, state.unit_lens, state.packed = units, lens, k
-        req_state.of(req).state = state
+        kvc_req.of(req).state = state
         return req
 
     def release(req) -> list[int]:
@@ -858,7 +858,7 @@ def test_a_compacted_reply_stays_in_the_tree_as_a_reply_and_a_turn() -> None:
     reply = [d for d in tree.documents.by_key.values() if d.key.kind is Kind.REPLY]
     assert len(reply) == 1 and reply[0].node.parent is tree.root_node and reply[0].parent is None
     assert (reply[0].key.tokens, reply[0].slots, reply[0].offset, reply[0].key.entries) == (155, 40, 115, 40)
-    assert torch.equal(reply[0].kept_positions, req_state.of(req).state.kept_positions.int())
+    assert torch.equal(reply[0].kept_positions, kvc_req.of(req).state.kept_positions.int())
     (turn,) = [d for d in tree.documents.by_key.values() if d.exact]
     assert turn.parent is reply[0] and turn.key.tokens == 169 and turn.slots == 14
     assert torch.equal(turn.node.value, torch.arange(1040, 1054))

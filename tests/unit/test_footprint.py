@@ -104,7 +104,7 @@ def test_a_running_request_counts_what_it_may_still_take() -> None:
 
 
 def test_the_running_reservation_adds_a_pending_compactions_copies_to_sglangs_estimate() -> None:
-    from sgl_kvc import req_state
+    from sgl_kvc.adapter import kvc_req
     from sgl_kvc.adapter.scheduling.admission import around_running_offset
 
     config = KvcConfig(policy="snapkv", kv_budget=B, kv_buffer=BUF)
@@ -116,7 +116,7 @@ def test_the_running_reservation_adds_a_pending_compactions_copies_to_sglangs_es
             kv=SimpleNamespace(kv_committed_len=held, cache_protected_len=tree),
             sampling_params=SimpleNamespace(max_new_tokens=400, custom_params=None),
         )
-        req_state.of(r).state = SimpleNamespace(compressed=compressed)
+        kvc_req.of(r).state = SimpleNamespace(compressed=compressed)
         return r
 
     def sglang(ratio: float):  # SGLang's estimate of the tokens a running request still writes

@@ -13,7 +13,8 @@ from sgl_kvc.adapter.safety.tp import ScoreReducer
 from sgl_kvc.adapter.scheduling.requests import is_middle_chunk
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.policies import LayerView, PolicyParams, available_policies, get_policy
-from sgl_kvc.request_settings import RequestCompression, admit, of_request
+from sgl_kvc.request_settings import RequestCompression
+from sgl_kvc.adapter.kvc_req import admit, of_request
 
 
 class FakeReq:

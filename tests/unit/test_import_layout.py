@@ -1,6 +1,7 @@
-"""The product's modules import one another without circles, and none reaches into another
-module's private names: read from the source (every import, a function's own included; those
-under `TYPE_CHECKING` only are not run), so a circle cannot hide behind a late import."""
+"""The product's modules import one another without circles, no layer imports a layer above it,
+and none reaches into another module's private names: read from the source (every import, a
+function's own and those under `TYPE_CHECKING` included), so a circle cannot hide behind a late or
+a type-only import."""
 
 from __future__ import annotations
 
@@ -32,21 +33,14 @@ def _owner(name: str, modules: dict[str, Path]) -> str | None:
     return name or None
 
 
-def _run_time_nodes(tree: ast.Module) -> list[ast.AST]:
-    typing_only = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            typing_only.update(id(n) for n in ast.walk(node))
-    return [n for n in ast.walk(tree) if id(n) not in typing_only]
-
-
 def _graph() -> tuple[dict[str, set[str]], list[str]]:
-    """Each module's run-time imports of the product's modules, and the private names imported."""
+    """Each module's imports of the product's modules (type-only ones included), and the private
+    names imported."""
     modules = _modules()
     edges: dict[str, set[str]] = {m: set() for m in modules}
     private = []
     for module, path in modules.items():
-        for node in _run_time_nodes(ast.parse(path.read_text())):
+        for node in ast.walk(ast.parse(path.read_text())):
             source = _absolute(node, module, path) if isinstance(node, ast.ImportFrom) else None
             if source is not None and source.startswith("sgl_kvc"):
                 for alias in node.names:
@@ -121,6 +115,49 @@ def test_no_import_circles() -> None:
     edges, _ = _graph()
     assert len(edges) > 60, "the product's modules were not found"
     assert _circles(edges) == []
+
+
+# The layers, lowest first (docs/architecture.md, "Layout"): a module may import its own layer and
+# those below it only. A module belongs to the layer of the longest prefix listed.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("sgl_kvc.core", "sgl_kvc.policies", "sgl_kvc.kernels", "sgl_kvc.model", "sgl_kvc.compat"),
+    ("sgl_kvc.config", "sgl_kvc.request_settings", "sgl_kvc.footprint"),
+    ("sgl_kvc.adapter",),
+    ("sgl_kvc.server", "sgl_kvc.launch", "sgl_kvc.prelaunch", "sgl_kvc.plugin", "sgl_kvc.server_process",
+     "sgl_kvc.cluster", "sgl_kvc.cluster_stats"),
+)
+
+
+def _layer(module: str) -> int | None:
+    best = None
+    for level, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > best[1]):
+                best = (level, len(prefix))
+    return None if best is None else best[0]
+
+
+def _upward(edges: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, targets in edges.items() for t in targets
+                  if _layer(t) is not None and _layer(m) is not None and _layer(t) > _layer(m))
+
+
+def test_every_module_has_a_layer() -> None:
+    edges, _ = _graph()
+    assert sorted(m for m in edges if m != "sgl_kvc" and _layer(m) is None) == []
+
+
+def test_no_layer_imports_upward() -> None:
+    edges, _ = _graph()
+    assert _upward(edges) == []
+
+
+def test_the_check_finds_an_upward_import() -> None:
+    """A type-only import is read as an import: settings that name an adapter type are upward."""
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from sgl_kvc.adapter.kvc_req import KvcReq")
+    targets = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module.startswith("sgl_kvc")}
+    assert _upward({"sgl_kvc.request_settings": targets}) == ["sgl_kvc.request_settings -> sgl_kvc.adapter.kvc_req"]
+    assert _upward({"sgl_kvc.adapter.kvc_req": {"sgl_kvc.request_settings"}}) == []
 
 
 def test_the_check_finds_a_circle() -> None:

@@ -131,7 +131,7 @@ def test_a_multimodal_prompt_is_never_scored_by_kvzip(server_prompt: str, settin
     reaches a forward)."""
     from sglang.srt.runtime_context import get_parallel
 
-    from sgl_kvc.request_settings import admit
+    from sgl_kvc.adapter.kvc_req import admit
 
     config = KvcConfig(policy="snapkv", prompt_policy=server_prompt)
     req = _sglang_req(list(range(10, 30)), settings, image=True)

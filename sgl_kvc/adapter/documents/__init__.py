@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from sgl_kvc.adapter.documents.keys import (
     NAMESPACE, NODE_ATTR, DocumentKey, DocumentNamespace, ExtensionRule, Kind, content_digest, node_key,
-    request_key, reserved_namespace, tokens_content,
+    reserved_namespace, tokens_content,
 )
 from sgl_kvc.adapter.documents.links import (
     Compressed, Document, Extension, Reply, RootDocument, RowLayout, Turn, compact_bytes, fill_skip,
@@ -43,12 +43,13 @@ from sgl_kvc.adapter.documents.matching import (
     compressing, held_back, overdue, stop_waiting, waited_out, waits_in_round,
 )
 from sgl_kvc.adapter.documents.plan import (
-    DocumentPlan, Role, adopts, adopts_here, chunk_cap, cut, cut_at, cut_inside, cuts, declare, declared,
+    adopts, adopts_here, chunk_cap, cut, cut_at, cut_inside, cuts, declare, declared,
     declared_part, ends_here, extends, extension_due, extension_lost, fill_offset, held_for_document, hit,
-    match_limit, matched, may_reply, may_start_from, next_cut, plan_of, publishes, publishes_whole, splits,
-    started_from, unmatched,
+    match_limit, matched, may_reply, may_start_from, next_cut, plan_of, publishes, publishes_whole, request_key,
+    settings_digest, splits, started_from, unmatched,
 )
 from sgl_kvc.adapter.documents.registry import DocumentRegistry, DocumentStats, registry_of
+from sgl_kvc.adapter.documents.roles import DocumentPlan, Role
 
 __all__ = [
     "NAMESPACE", "NODE_ATTR", "Compressed", "Document", "DocumentKey", "DocumentNamespace", "DocumentPlan",
@@ -58,5 +59,5 @@ __all__ = [
     "extension_due", "extension_lost", "fill_offset", "fill_skip", "held_back", "held_for_document", "hit",
     "match_limit", "matched", "may_reply", "may_start_from", "next_cut", "node_key", "overdue", "packed_units",
     "plan_of", "prompt_read", "publishes", "publishes_whole", "registry_of", "request_key", "reserved_namespace",
-    "splits", "started_from", "stop_waiting", "tokens_content", "unmatched", "waited_out", "waits_in_round",
+    "settings_digest", "splits", "started_from", "stop_waiting", "tokens_content", "unmatched", "waited_out", "waits_in_round",
 ]

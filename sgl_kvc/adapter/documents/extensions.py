@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from sgl_kvc import req_state
+from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter.documents.document_pass import Chosen, Host, Ready, copy_and_publish, trace_document
 from sgl_kvc.adapter.documents.keys import DocumentKey, Kind
 from sgl_kvc.adapter.documents.links import Compressed, Document, compact_bytes
@@ -144,7 +144,7 @@ def _adopt(compressor: Host, batch: ScheduleBatch, i: int, doc: Document) -> Non
     batch.token_to_kv_pool_allocator.free(own.to(chain.device))
     started_from(req, doc)
     if start is not None and start.exact:
-        req_state.of(req).read_turn = start  # which the turn it keeps supersedes (`turns.supersedes`)
+        kvc_req.of(req).read_turn = start  # which the turn it keeps supersedes (`turns.supersedes`)
     compressor.set_state(req, state)
     shifted_fill_ids(req, doc.offset)
 

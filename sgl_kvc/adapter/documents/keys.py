@@ -20,16 +20,10 @@ import math
 from array import array
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from sgl_kvc.config import KvcConfig
-from sgl_kvc.request_settings import (
-    DEFAULT_DOCUMENT_RATIO, DocumentSpec, RequestSettingError, document_conflict, document_floor,
-    document_prompt_conflict, of_request, resolved,
-)
-
-if TYPE_CHECKING:
-    from sglang.srt.managers.schedule_batch import Req
+from sgl_kvc.request_settings import DEFAULT_DOCUMENT_RATIO, DocumentSpec, RequestSettingError, document_floor
 
 NODE_ATTR = "sgl_kvc_document"  # on a radix TreeNode: the Document it holds
 NAMESPACE = "sgl-kvc/document/"  # the extra_key prefix of a document node, reserved (`reserved_namespace`)
@@ -107,51 +101,9 @@ class DocumentKey:
     settings: str = ""
 
 
-def request_key(req: Req, config: KvcConfig, chunk: int | None = None) -> DocumentKey | None:
-    """The document a request declares, or None. Raises `RequestSettingError` (its 400) when the
-    document cannot be served for it. `chunk`: the server's chunk size where it compresses prompts
-    between chunks (`admission.server_chunk`), None where it reads them whole: a document longer
-    than a chunk is cut at every chunk boundary there, the same cuts for every request."""
-    spec = of_request(req).document
-    if spec is None:
-        return None
-    field_name = "kv_compression.document"
-    settings = resolved(req, config)
-    conflict = document_conflict(settings, config, field_name)
-    if conflict is not None:
-        raise conflict
-    prompt = req.origin_input_ids
-    conflict = document_prompt_conflict(spec, len(prompt), config, field_name)
-    if conflict is not None:
-        raise conflict
-    entries = document_entries(spec, config)
-    policy = settings.prompt_policy_name
-    # Everything that decides what the document keeps is in its key; the publisher's own budget,
-    # the pool's pressure and the chunks SGLang's rounds give it are not, so they decide nothing.
-    every = chunk if chunk and spec.tokens > chunk else 0
-    between = config.chunk_target(entries) if every else 0
-    h = hashlib.sha256(array("q", prompt[: spec.tokens]).tobytes())
-    family = hashlib.sha256(repr((getattr(req, "extra_key", None), getattr(req, "cache_salt", None), policy,
-                                  settings.selection, config.kv_head_budget)).encode()).hexdigest()
-    content = content_digest(h.hexdigest(), family)
-    h.update(repr((getattr(req, "extra_key", None), getattr(req, "cache_salt", None), policy, entries,
-                   settings.selection, config.kv_head_budget, every, between)).encode())
-    return DocumentKey(digest=h.hexdigest(), tokens=spec.tokens, entries=entries, policy=policy, every=every,
-                       between=between, family=family, content=content)
-
-
 def document_entries(spec: DocumentSpec, config: KvcConfig) -> int:
     """k: never fewer than what the prompt policy always keeps (its sinks and window), + 1."""
     return spec.entries(document_floor(config))
-
-
-def settings_digest(req: Any, config: KvcConfig) -> str:
-    """What of a request's own settings decides what its passes keep as it decodes (its decode
-    policy, its budget, its selection): a reply it leaves is keyed by it, and a later request
-    starts from that reply only with the same (`DocumentKey.settings`)."""
-    s = resolved(req, config)
-    return hashlib.sha256(repr((s.policy, s.budget.tokens, s.budget.ratio, s.budget.floor, s.selection,
-                                config.kv_head_budget)).encode()).hexdigest()
 
 
 def content_digest(tokens_digest: str, family: str) -> str:

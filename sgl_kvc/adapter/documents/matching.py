@@ -30,10 +30,11 @@ import time
 from array import array
 from typing import Any
 
-from sgl_kvc import req_state
+from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter.documents.keys import DocumentKey, Kind, content_digest, extension_key
 from sgl_kvc.adapter.documents.links import Document
-from sgl_kvc.adapter.documents.plan import DocumentPlan, Role, declared, may_start_from, plan_of, publishes
+from sgl_kvc.adapter.documents.roles import DocumentPlan, Role
+from sgl_kvc.adapter.documents.plan import declared, may_start_from, plan_of, publishes
 from sgl_kvc.adapter.documents.registry import DocumentRegistry
 
 
@@ -45,7 +46,7 @@ def plan_match(registry: DocumentRegistry, req: Any, read_len: int, match_len: i
     read after it: its entries stand for its D tokens, which cannot be read again in part, and
     its request's own budget applies beyond them. A finished turn (exact tokens) is started from
     only within the limit, as a plain prefix is; else its document is."""
-    fields = req_state.of(req)
+    fields = kvc_req.of(req)
     plan = plan_of(req).without_start()
     own = plan.own
     if own is not None and may_start_from(req):
@@ -64,7 +65,7 @@ def _plan(registry: DocumentRegistry, req: Any, plan: DocumentPlan, own: Documen
     doc = registry.get(own)
     if doc is not None:
         return DocumentPlan(role=Role.HIT, own=own, key=own, start=doc, mode=plan.mode) if fits(doc) else plan
-    rule = req_state.of(req).rule
+    rule = kvc_req.of(req).rule
     if rule is None:
         return plan
     found = extendable(registry, req, own)
@@ -107,7 +108,7 @@ def extendable(registry: DocumentRegistry, req: Any, own: DocumentKey) -> tuple[
     the chain again (a chain at its budget or depth, a reply), in all (True); or None. A reply,
     and every document made from one, counts only where the request's own decode settings are
     the reply's."""
-    rule = req_state.of(req).rule
+    rule = kvc_req.of(req).rule
     lengths = sorted((t for t in registry.lengths.get(own.family, {}) if t < own.tokens), reverse=True)
     contents = _prefix_contents(req, lengths, own.family)
     for tokens in lengths:
@@ -138,7 +139,7 @@ def _prefix_contents(req: Any, lengths: list[int], family: str) -> dict[int, str
     """`DocumentKey.content` of the first T tokens of `req`'s prompt, for each T of `lengths`,
     hashed once per request (one running hash over the prompt for those not known yet): SGLang
     matches a waiting request in every round."""
-    fields = req_state.of(req)
+    fields = kvc_req.of(req)
     known = fields.prefix_contents if fields.prefix_contents is not None else {}
     missing = sorted(t for t in set(lengths) if t not in known)
     if missing:
@@ -197,7 +198,7 @@ def overdue(held: list[Any], bound: float, now: float | None = None) -> list[boo
     """Which of the held requests have waited `bound` seconds (each since it first waited),
     by this process's clock: tensor-parallel ranks vote on it before acting (`stop_waiting`)."""
     now = time.monotonic() if now is None else now
-    return [now - (req_state.of(req).wait_since or now) >= bound for req in held]
+    return [now - (kvc_req.of(req).wait_since or now) >= bound for req in held]
 
 
 def stop_waiting(held: list[Any], late: list[bool], registry: DocumentRegistry) -> list[Any]:
@@ -208,7 +209,7 @@ def stop_waiting(held: list[Any], late: list[bool], registry: DocumentRegistry) 
     still = []
     for req, done in zip(held, late):
         if done:
-            req_state.of(req).waited_out = True
+            kvc_req.of(req).waited_out = True
             registry.stats.waited_out += 1
         else:
             still.append(req)
@@ -216,11 +217,11 @@ def stop_waiting(held: list[Any], late: list[bool], registry: DocumentRegistry) 
 
 
 def waited_out(req: Any) -> bool:
-    return req_state.of(req).waited_out
+    return kvc_req.of(req).waited_out
 
 
 def _waits(req: Any) -> None:
-    fields = req_state.of(req)
+    fields = kvc_req.of(req)
     if fields.wait_since is None:
         fields.wait_since = time.monotonic()
 

@@ -1,89 +1,80 @@
-"""What a request does with its document: one plan, made when it enters the queue and again at
-each match (`matching.plan_match`), read by every later step.
-
-`Role`, one value per request:
-- `NONE`: it declares no document;
-- `HIT`: its row starts from a resident node of its own document (or of the extension its own
-  would be): it publishes nothing;
-- `WHOLE`: it reads its prompt whole and publishes its document from a copy of its entries
-  (`document_pass.publish_copies`), on a server that never cuts documents between chunks;
-- `SPLIT`: it compresses its document between chunks, cut where its key says, and publishes its
-  row's first slots (`document_pass.publish_cut_rows`);
-- `ABSTAIN`: it reads its prompt whole where documents are cut between chunks (it asked for prompt
-  log-probabilities): it publishes nothing, since its entries would not be its key's;
-- `EXTEND`: it starts from a resident document its own extends (or a finished turn after it) and
-  publishes the extension (`extensions.py`), and reads its question from it;
-- `REBUILD`: the same, where the chain is at its budget or depth, or is a reply: it compresses the
-  chain and its extension again as one document.
-
-`DocumentPlan.start` is the node its row starts from (its `layout` the row's arithmetic),
-`parent` the document its key follows, `key` the document it compresses (or, a hit, the one it
-starts from), `own` the one it declared and `mode` how it reads that one without a start.
-Below the plan, where a `SPLIT` request's chunks end and what its row is cut to at each end.
+"""What a request does with its document: one plan (`roles.DocumentPlan`; `roles.py` says what
+each `Role` does), made when it enters the queue and again at each match (`matching.plan_match`),
+read by every later step. Below the plan, where a `SPLIT` request's chunks end and what its row
+is cut to at each end.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from enum import Enum
+import hashlib
+from array import array
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from sgl_kvc import req_state
+from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter.documents.keys import (
-    NODE_ATTR, DocumentKey, ExtensionRule, document_entries, refusal, request_key, settings_digest,
+    NODE_ATTR, DocumentKey, ExtensionRule, content_digest, document_entries, refusal,
 )
 from sgl_kvc.adapter.documents.links import RowLayout, fill_skip, prompt_read
 from sgl_kvc.adapter.documents.registry import registry_of
+from sgl_kvc.adapter.documents.roles import NO_PLAN, PUBLISHES, DocumentPlan, Role
+from sgl_kvc.adapter.kvc_req import of_request, refused_by_sglang, resolved
 from sgl_kvc.config import KvcConfig
-from sgl_kvc.request_settings import RequestSettingError, document_floor, of_request, refused_by_sglang
+from sgl_kvc.request_settings import RequestSettingError, document_conflict, document_floor, document_prompt_conflict
 
 if TYPE_CHECKING:
     from sgl_kvc.adapter.documents.links import Document
 
 
-class Role(str, Enum):
-    NONE = "none"
-    HIT = "hit"
-    WHOLE = "whole"
-    SPLIT = "split"
-    ABSTAIN = "abstain"
-    EXTEND = "extend"
-    REBUILD = "rebuild"
+def request_key(req: Any, config: KvcConfig, chunk: int | None = None) -> DocumentKey | None:
+    """The document a request declares, or None. Raises `RequestSettingError` (its 400) when the
+    document cannot be served for it. `chunk`: the server's chunk size where it compresses prompts
+    between chunks (`admission.server_chunk`), None where it reads them whole: a document longer
+    than a chunk is cut at every chunk boundary there, the same cuts for every request."""
+    spec = of_request(req).document
+    if spec is None:
+        return None
+    field_name = "kv_compression.document"
+    settings = resolved(req, config)
+    conflict = document_conflict(settings, config, field_name)
+    if conflict is not None:
+        raise conflict
+    prompt = req.origin_input_ids
+    conflict = document_prompt_conflict(spec, len(prompt), config, field_name)
+    if conflict is not None:
+        raise conflict
+    entries = document_entries(spec, config)
+    policy = settings.prompt_policy_name
+    # Everything that decides what the document keeps is in its key; the publisher's own budget,
+    # the pool's pressure and the chunks SGLang's rounds give it are not, so they decide nothing.
+    every = chunk if chunk and spec.tokens > chunk else 0
+    between = config.chunk_target(entries) if every else 0
+    h = hashlib.sha256(array("q", prompt[: spec.tokens]).tobytes())
+    family = hashlib.sha256(repr((getattr(req, "extra_key", None), getattr(req, "cache_salt", None), policy,
+                                  settings.selection, config.kv_head_budget)).encode()).hexdigest()
+    content = content_digest(h.hexdigest(), family)
+    h.update(repr((getattr(req, "extra_key", None), getattr(req, "cache_salt", None), policy, entries,
+                   settings.selection, config.kv_head_budget, every, between)).encode())
+    return DocumentKey(digest=h.hexdigest(), tokens=spec.tokens, entries=entries, policy=policy, every=every,
+                       between=between, family=family, content=content)
 
 
-PUBLISHES = (Role.WHOLE, Role.SPLIT, Role.EXTEND, Role.REBUILD)
-
-
-@dataclass(frozen=True)
-class DocumentPlan:
-    role: Role = Role.NONE
-    own: DocumentKey | None = None
-    key: DocumentKey | None = None
-    start: "Document | None" = None
-    parent: "Document | None" = None
-    mode: Role = Role.WHOLE
-
-    @property
-    def layout(self) -> RowLayout:
-        return self.start.layout if self.start is not None else RowLayout()
-
-    def without_start(self) -> "DocumentPlan":
-        """Its own document read by itself, as it declared it (no resident node to start from)."""
-        if self.own is None:
-            return NO_PLAN
-        return DocumentPlan(role=self.mode, own=self.own, key=self.own, mode=self.mode)
-
-
-NO_PLAN = DocumentPlan()
+def settings_digest(req: Any, config: KvcConfig) -> str:
+    """What of a request's own settings decides what its passes keep as it decodes (its decode
+    policy, its budget, its selection): a reply it leaves is keyed by it, and a later request
+    starts from that reply only with the same (`DocumentKey.settings`)."""
+    s = resolved(req, config)
+    return hashlib.sha256(repr((s.policy, s.budget.tokens, s.budget.ratio, s.budget.floor, s.selection,
+                                config.kv_head_budget)).encode()).hexdigest()
 
 
 def plan_of(req: Any) -> DocumentPlan:
-    fields = req_state.peek(req)
+    fields = kvc_req.peek(req)
     return NO_PLAN if fields is None or fields.plan is None else fields.plan
 
 
 def set_plan(req: Any, plan: DocumentPlan) -> None:
-    req_state.of(req).plan = plan
+    kvc_req.of(req).plan = plan
 
 
 def declared(req: Any) -> DocumentKey | None:
@@ -148,7 +139,7 @@ def fill_offset(req: Any) -> int:
 def may_reply(req: Any) -> bool:
     """Whether `req` may keep its row as a reply when it finishes (`turns.py`): it declared a
     document on a server that extends them."""
-    fields = req_state.peek(req)
+    fields = kvc_req.peek(req)
     return fields is not None and fields.rule is not None and plan_of(req).own is not None
 
 
@@ -202,7 +193,7 @@ def declare(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False, c
     `chunk`: the server's chunk size where it compresses prompts between chunks
     (`admission.server_chunk`), else None (every request reads its prompt whole, and publishes its
     document so)."""
-    fields = req_state.of(req)
+    fields = kvc_req.of(req)
     fields.plan, fields.rule, fields.cuts = NO_PLAN, None, 0
     if refused_by_sglang(req):  # SGLang's own refusal stands (its prompt is cut to one token)
         return
@@ -241,7 +232,7 @@ def declared_part(req: Any, config: KvcConfig, split: bool) -> int:
 
 def unmatched(req: Any) -> None:
     """Before SGLang matches `req` again (its tokens unshifted): no start."""
-    fields = req_state.peek(req)
+    fields = kvc_req.peek(req)
     if fields is not None and fields.plan is not None:
         fields.plan = fields.plan.without_start()
 
@@ -251,7 +242,7 @@ def matched(req: Any) -> None:
     from the node its plan named, its fill ids start that node's offset later (SGLang reads its
     extend at `prefix_len`, the chain's slots, in them) and nothing of it is ever inserted into
     the tree under its tokens (its row does not hold their KV); else it reads its own document."""
-    fields = req_state.peek(req)
+    fields = kvc_req.peek(req)
     if fields is None or fields.plan is None or fields.plan.start is None:
         return
     plan = fields.plan
@@ -330,13 +321,13 @@ def next_cut(req: Any) -> int | None:
 
 def cut(req: Any) -> None:
     """`req`'s row was cut inside its document (`cut_inside`)."""
-    req_state.of(req).cuts += 1
+    kvc_req.of(req).cuts += 1
 
 
 def cuts(req: Any) -> int:
     """The cuts of `req`'s row inside its document: its passes before the one at the document's
     end, if it followed its key's procedure (`document_pass.publish_cut_rows` checks it)."""
-    return req_state.of(req).cuts
+    return kvc_req.of(req).cuts
 
 
 def ends_here(req: Any) -> DocumentKey | None:

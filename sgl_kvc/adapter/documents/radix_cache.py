@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.registry import (
     register_radix_cache_backend,
 )
 
-from sgl_kvc import req_state
+from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter.documents import turns
 from sgl_kvc.adapter.documents.keys import NODE_ATTR
 from sgl_kvc.adapter.documents.links import Turn
@@ -80,17 +80,17 @@ class KvcRadixCache(RadixCache):
         if plan is not None and plan.start is not None:
             node = plan.start.node
             node.last_access_time = time.monotonic()  # LRU: a hit is a use
-            if req_state.of(req).counted_use is not node:
+            if kvc_req.of(req).counted_use is not node:
                 # LFU (and SLRU's protected segment) read `hit_count`, which SGLang counts when a
                 # request inserts its KV through a node, once per request: a request starting
                 # from a document never inserts (`skip_radix_cache_insert`), so its use is counted
                 # here, once per request too (a waiting request is matched in every round).
                 self._inc_hit_count(node)
-                req_state.of(req).counted_use = node
+                kvc_req.of(req).counted_use = node
             return MatchResult(device_prefix_len=plan.start.chain_slots, last_device_node=node,
                                last_host_node=node, best_match_node=node)
         limit = None if plan is None else match_limit(req)
-        fields = req_state.peek(req) if req is not None else None
+        fields = kvc_req.peek(req) if req is not None else None
         if fields is not None and fields.whole_prompt:
             limit = 0  # it reads its whole prompt itself (`hooks._around_max_prefix`)
         if limit is not None and len(params.key) > limit:
@@ -189,7 +189,7 @@ def register(name: str) -> None:
 def keep(tree: Any, registry: DocumentRegistry, req: Any) -> list[tuple[int, int]]:
     """Publish what the finished `req` leaves (a turn, or a reply and a turn) and return the
     ranges of its row whose slots the tree now owns (SGLang must not free them); [] for none."""
-    fields = req_state.peek(req)
+    fields = kvc_req.peek(req)
     if fields is None or fields.rule is None or plan_of(req).own is None or not turns.answered(req):
         return []  # (alike on every rank: none of them votes)
     found = None

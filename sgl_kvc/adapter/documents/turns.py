@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sgl_kvc import req_state
+from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter.documents.keys import DocumentKey, reply_key, turn_key
 from sgl_kvc.adapter.documents.links import Compressed, Document, Turn, compact_bytes, packed_units
 from sgl_kvc.adapter.documents.plan import may_reply, plan_of
@@ -74,7 +74,7 @@ class TurnCandidate:
 def turn_candidate(registry: DocumentRegistry, req: Any) -> TurnCandidate | None:
     """The turn the finished `req` leaves after its document, where its row holds it exact; else
     None. Decided from SGLang's fields and the registry alone, alike on every rank."""
-    fields = req_state.peek(req)
+    fields = kvc_req.peek(req)
     plan = plan_of(req)
     if fields is None or fields.rule is None or not owns_its_row(req):
         return None
@@ -101,7 +101,7 @@ def turn_candidate(registry: DocumentRegistry, req: Any) -> TurnCandidate | None
 def supersedes(req: Any) -> None:
     """`req` kept its own turn: the turn it started from, if any, is dropped at its release
     (`superseded`)."""
-    fields, start = req_state.of(req), plan_of(req).start
+    fields, start = kvc_req.of(req), plan_of(req).start
     if start is None or not start.exact:
         start = fields.read_turn  # (the turn it started from before it adopted its extension)
     fields.superseded_turn = start
@@ -112,7 +112,7 @@ def superseded(registry: DocumentRegistry, req: Any) -> Document | None:
     (the conversation goes on from that one, and from its document's extension, which holds the
     old turn's question and answer compressed), where nothing else holds it: to drop, so that a
     conversation keeps one turn exact, not every turn. Else None (it stays, evicted as any leaf)."""
-    fields = req_state.peek(req)
+    fields = kvc_req.peek(req)
     if fields is None:
         return None
     doc, fields.superseded_turn = fields.superseded_turn, None
@@ -181,7 +181,7 @@ class ReplyCandidate:
 def reply_candidate(tree: Any, registry: DocumentRegistry, req: Any) -> ReplyCandidate | None:
     """The reply the finished `req` leaves, where the tree can read its row as one; else None.
     Decided from SGLang's fields and the request's state, alike on every rank."""
-    fields = req_state.peek(req)
+    fields = kvc_req.peek(req)
     plan = plan_of(req)
     state, declared = (fields.state if fields is not None else None), plan.key
     if not may_reply(req) or declared is None or state is None or not owns_its_row(req):

@@ -74,7 +74,8 @@ from sgl_kvc.core.reconstruction import (
 from sgl_kvc.core.request_state import ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import Policy, policy_class
-from sgl_kvc.request_settings import ResolvedCompression, resolved
+from sgl_kvc.request_settings import ResolvedCompression
+from sgl_kvc.adapter.kvc_req import resolved
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch

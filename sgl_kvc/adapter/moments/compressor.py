@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_kvc import req_state
+from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter import documents
 from sgl_kvc.adapter.documents import document_pass, extensions
 from sgl_kvc.adapter.kvzip.reconstruction import Reconstructor, is_reconstruction, question_slots, unscorable
@@ -65,7 +65,7 @@ from sgl_kvc.core.store import KvcStore
 from sgl_kvc.core.views import layer_views, prompt_moments, prompt_reconstruction, with_gaps
 from sgl_kvc.footprint import compaction_copies
 from sgl_kvc.policies import HeadSelection, Policy, get_policy, prompt_policy_error
-from sgl_kvc.request_settings import resolved
+from sgl_kvc.adapter.kvc_req import resolved
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -202,7 +202,7 @@ class Compressor:
         )
 
     def state(self, req: Req) -> ReqKvState | None:
-        return req_state.of(req).state
+        return kvc_req.of(req).state
 
     def begin_extend(self, batch: ScheduleBatch) -> None:
         """Before a prefill (chunk): give requests seen for the first time their state, and tell
@@ -214,7 +214,7 @@ class Compressor:
             self.store.begin_extend(rows, batch.seq_lens_cpu.tolist())
             return
         for req in batch.reqs:
-            if req_state.of(req).state is None and not req.finished() and failure(req) is None:
+            if kvc_req.of(req).state is None and not req.finished() and failure(req) is None:
                 self.failures.guarded(req, "start", self._begin, req, getattr(batch, "tree_cache", None))
         self.store.begin_extend(rows, batch.seq_lens_cpu.tolist())
         failpoints.observing(self.store, batch.reqs, rows)
@@ -242,7 +242,7 @@ class Compressor:
         if document_part:
             covers = doc.key.tokens if doc is not None else documents.declared(req).tokens
             state.budget = state.budget.beyond(document_part, covers)
-        req_state.of(req).state = state
+        kvc_req.of(req).state = state
 
     def state_from(self, req: Req, doc: documents.Document) -> ReqKvState:
         """The state `req` has once it goes on from `doc` between two chunks of its prompt
@@ -261,7 +261,7 @@ class Compressor:
         row = req.kv.req_pool_idx
         self.store.begin(row, state)
         self.store.set_offset(row, state.offset)
-        req_state.of(req).state = state
+        kvc_req.of(req).state = state
 
     def _query_moments(self, state: ReqKvState) -> None:
         prompt = self.policy(state.policy_name("prefill"), state.budget.tokens)
@@ -281,7 +281,7 @@ class Compressor:
         row = getattr(req.kv, "req_pool_idx", None)
         if row is not None:
             self.store.release(row)
-        req_state.of(req).state = None
+        kvc_req.of(req).state = None
 
     def begin_decode(self, batch: ScheduleBatch, fb: ForwardBatch) -> None:
         """Before a decode forward: the step's plan, from host-side data."""
@@ -571,7 +571,7 @@ class Compressor:
     def _drop(self, req: Req) -> None:
         """A failed request: sgl-kvc forgets it at once (its state, a staged pass, its observations),
         and its KV, which may be half moved, never enters the radix tree."""
-        req_state.of(req).state = None
+        kvc_req.of(req).state = None
         row = getattr(req.kv, "req_pool_idx", None)
         if row is not None:
             self.store.release(row)

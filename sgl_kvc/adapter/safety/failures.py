@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from sgl_kvc import req_state
+from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter.safety.invariants import InvariantViolation
 from sgl_kvc.adapter.safety.tp import RankVote, anywhere
 
@@ -39,7 +39,7 @@ class FailedOnAnotherRank(RuntimeError):
 
 def failure(req: Req) -> str | None:
     """Why sgl-kvc failed `req` (the message its client gets), or None."""
-    return req_state.of(req).failure
+    return kvc_req.of(req).failure
 
 
 @dataclass
@@ -61,7 +61,7 @@ class FailureLedger:
             logger.error("sgl-kvc: request %s failed on another tensor-parallel rank; aborting it here too", req.rid)
         else:
             logger.error("sgl-kvc failed to %s request %s; aborting it", what, req.rid, exc_info=error)
-        req_state.of(req).failure = (message or f"sgl-kvc could not {what} this request ({type(error).__name__}); "
+        kvc_req.of(req).failure = (message or f"sgl-kvc could not {what} this request ({type(error).__name__}); "
                                              "the server log has details")
         self.active = True
         self.drop(req)

@@ -25,13 +25,14 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
-from sgl_kvc import req_state
+from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter import documents
 from sgl_kvc.adapter.kvzip.reconstruction import forward_slots, question_slots
 from sgl_kvc.adapter.scheduling.requests import chunk_compressible
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.footprint import Moments, Now, Sizes, compaction_copies, most_held
-from sgl_kvc.request_settings import ResolvedCompression, resolved
+from sgl_kvc.request_settings import ResolvedCompression
+from sgl_kvc.adapter.kvc_req import resolved
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -81,16 +82,16 @@ def remember(req: Req, config: KvcConfig, scheduler: Scheduler) -> None:
     """When `req` enters the scheduler's queue (new, or retracted): its sizes, read once."""
     settings = resolved(req, config)
     if not settings.compressing or req.sampling_params.max_new_tokens is None:
-        req_state.of(req).sizes = None
+        kvc_req.of(req).sizes = None
         return
-    req_state.of(req).sizes = (sizes_of(config, settings, len(req.origin_input_ids),
+    kvc_req.of(req).sizes = (sizes_of(config, settings, len(req.origin_input_ids),
                                        int(req.sampling_params.max_new_tokens),
                                        scheduler_chunk(scheduler, req, config), _radix(scheduler)))
 
 
 def sizes(req: Req, config: KvcConfig) -> Sizes | None:
     """`req`'s sizes, or None if it does not compress."""
-    cached = req_state.of(req).sizes
+    cached = kvc_req.of(req).sizes
     if cached is not None:
         return cached
     settings = resolved(req, config)
@@ -105,7 +106,7 @@ def _out_left(req: Req) -> int:
 
 
 def _compacted(req: Req) -> bool:
-    state = req_state.of(req).state
+    state = kvc_req.of(req).state
     return state is not None and state.compressed
 
 
@@ -170,13 +171,13 @@ def _fit_prefix(req: Req, adder: Any, config: KvcConfig) -> None:
     cap = fitting_prefix(req, config, total)
     if cap is None:
         return
-    req_state.of(req).prefix_cap = cap
+    kvc_req.of(req).prefix_cap = cap
     req.init_next_round_input(adder.tree_cache)
 
 
 def prefix_cap(req: Req) -> int | None:
     """The longest cached prefix `req` may start from, or None (any)."""
-    fields = req_state.peek(req)
+    fields = kvc_req.peek(req)
     return None if fields is None else fields.prefix_cap
 
 

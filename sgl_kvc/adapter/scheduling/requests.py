@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from sgl_kvc.config import KvcConfig
-from sgl_kvc.request_settings import of_request, resolved
+from sgl_kvc.adapter.kvc_req import of_request, resolved
 
 if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
