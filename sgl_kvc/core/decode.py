@@ -81,17 +81,6 @@ def fused_block_bytes(lens: list[int], keeping: list[int], shape: DecodeShape) -
     return len(lens) * max(lens, default=0) * shape.table_bytes_per_column + workspace + output + logits
 
 
-def decode_step_bound(entries: int, keeping: int, shape: DecodeShape, layers: int) -> int:
-    """The most a fused decode step allocates, for a batch holding `entries` cache entries
-    (`keeping` of them in requests that keep statistics) in `layers` layers: one layer call's
-    block (`FUSED_BLOCK_BYTES`), every block's tables (each at most twice its entries, or one
-    block within the bound) and the step's statistics slab (`core/stat_slab.py`: float32 per
-    layer, KV head and entry). What `adapter/memory/kv_memory.py` reserves, per pool token and in all."""
-    tables = max(FUSED_BLOCK_BYTES, 2 * entries * shape.table_bytes_per_column) if shape.table_layers else 0
-    slab = keeping * layers * shape.kv_heads * 4
-    return FUSED_BLOCK_BYTES + tables + slab
-
-
 def split_plan(widths: list[int], device: torch.device, split_n: int = SPLIT_COLUMNS) -> SplitPlan:
     """The Triton kernel's splits of requests whose tables are `widths` wide, from the host."""
     counts = [max(1, -(-w // split_n)) for w in widths]

@@ -164,10 +164,6 @@ class DocumentRegistry:
         self.stats.evictions += 1
         self._emit("evicted")
 
-    def compressed(self) -> list[Document]:
-        """The resident compressed documents (not the finished turns after them)."""
-        return [doc for docs in self.by_content.values() for doc in docs.values()]
-
     def _emit(self, event: str) -> None:
         if self.metrics is not None:
             self.metrics.document(event, self.resident, self.resident_entries)
