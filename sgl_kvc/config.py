@@ -9,6 +9,7 @@ Policy hyper-parameter defaults come from `PolicyParams` (the policy core) and n
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
@@ -386,9 +387,10 @@ class KvcConfig:
 
     @classmethod
     def from_env(cls) -> "KvcConfig | None":
-        """The config the launcher exported, or None when SGLang was started without it."""
+        """The config the launcher exported, or None when SGLang was started without it: decoded
+        once per process (per exported text), since the HTTP hooks ask for it on every request."""
         raw = os.environ.get(ENV_VAR)
-        return None if raw is None else cls(**json.loads(raw))
+        return None if raw is None else _decoded(raw)
 
     # --- command line ---------------------------------------------------------------------
     @classmethod
@@ -441,3 +443,9 @@ def _moments(text: str) -> tuple[str, ...]:
     if bad:
         raise argparse.ArgumentTypeError(f"unknown moment(s) {bad}; choose from {list(MOMENTS)}")
     return items
+
+
+@functools.lru_cache(maxsize=1)
+def _decoded(raw: str) -> KvcConfig:
+    """The config exported as `raw` (frozen, so one instance serves every caller)."""
+    return KvcConfig(**json.loads(raw))
