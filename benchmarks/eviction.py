@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from benchmarks.common import machine, metadata_markdown, run_metadata
 from loadtest.server import ServerProcess, free_port, kvc_stats
 from sgl_kvc.cluster import ClusterConfig, LocalCluster
-from sgl_kvc.launch import has_flag
+from sgl_kvc.launcher.flags import has_flag
 
 CLUSTER_PREFIX = "cluster:"
 

@@ -145,7 +145,7 @@ def worker_command(server_flags: tuple[str, ...] | list[str]) -> list[str]:
 def worker_commands(config: ClusterConfig, gpus: int) -> list[list[str]]:
     """Every worker's command. On a GPU machine worker i gets GPUs of its own
     (`--base-gpu-id`), unless the flags place the workers already."""
-    from sgl_kvc.launch import parallel_ranks
+    from sgl_kvc.launcher.cpu_processes import parallel_ranks
 
     flags = list(config.server_flags)
     if gpus == 0 or any(f.split("=", 1)[0] == "--base-gpu-id" for f in flags):

@@ -345,7 +345,7 @@ class KvcConfig:
     def variable_budget(self) -> bool:
         """Heads may keep different numbers of entries (`--kv-head-budget policy`, `variable` or
         `layer`), served from the unit pool. `auto` is resolved by the launcher
-        (`launch.resolve_head_budget`); a config that reaches a server unresolved is uniform."""
+        (`launcher.head_budget.resolve_head_budget`); a config that reaches a server unresolved is uniform."""
         return self.compressing and self.kv_head_budget not in ("uniform", HEAD_BUDGET_AUTO)
 
     @property

@@ -1,7 +1,8 @@
 """Servers forked from a process that has already imported the launcher's SGLang (test suites).
 
 A CPU server's start-up costs about 19 s of CPU on a 2-core machine, 10-11 of them importing SGLang
-in the launcher (its workers are forked from the launcher after that, `launch._fork_workers_on_cpu`).
+in the launcher (its workers are forked from the launcher after that,
+`launcher.cpu_processes.fork_workers_on_cpu`).
 A test run starts dozens of servers. A *prelauncher* imports what `python -m sgl_kvc.launch`
 imports before it loads SGLang's plugins, once, then forks one child per server asked of it; the
 child becomes the launcher (`runpy`, as `python -m` runs it) with the server's argv, environment,
@@ -127,7 +128,7 @@ def _differs(mine: dict[str, str], theirs: dict[str, str], imported: dict[str, s
 
 
 def _preimport() -> None:
-    """What `launch.main` has imported when it loads SGLang's plugins, and SGLang's model registry,
+    """What `launcher.serve.main` has imported when it loads SGLang's plugins, and SGLang's model registry,
     which each scheduler otherwise imports (every model module: about 2 s of CPU a server). No
     more: a module that bound a hooked function by name before the hooks were applied would keep
     the original; the model modules hold none (every hook target is a class attribute, read

@@ -104,7 +104,7 @@ class Hostile:
 def document_floor_of(flags: list[str]) -> int:
     """The entries a document always keeps on a server started with `flags` (as its launcher
     parses them)."""
-    from sgl_kvc.launch import parse_args
+    from sgl_kvc.launcher.cli import parse_args
     from sgl_kvc.request_settings import document_floor
 
     return document_floor(parse_args(launcher_argv(flags))[0])

@@ -24,7 +24,8 @@ REASONING_PROMPT = (
 def served_backend(fp8_kv: bool = False, unit_pool: bool = False) -> str:
     """The attention backend the launcher gives a server on this machine (no `--attention-backend`):
     torch_native on a CPU; on CUDA FlashInfer, or Triton without it or for sgl-kvc's pools."""
-    from sgl_kvc.launch import default_attention_backend, flashinfer_installed
+    from sgl_kvc.launcher.machine import flashinfer_installed
+    from sgl_kvc.launcher.sglang_argv import default_attention_backend
 
     on_gpu = torch.cuda.is_available()
     return default_attention_backend(on_gpu, fp8_kv, unit_pool, flashinfer_installed() if on_gpu else True)

@@ -274,10 +274,10 @@ INTERNALS: tuple[Internal, ...] = (
               "kv_indices"), why="the Triton backend's extend kernel call, over FP8 rows dequantized"),
     Internal(f"{_MM}.base_prefix_cache.BasePrefixCache", why="the type of the tree backend sgl-kvc builds"),
     Internal("sglang.srt.constants.GPU_MEMORY_TYPE_KV_CACHE", why="the FP8 and unit pools' memory-saver tag"),
-    # --- the launcher and the HTTP server (sgl_kvc/launch.py, server/) ------------------------------
+    # --- the launcher and the HTTP server (sgl_kvc/launcher/, server/) -----------------------------
     Internal("sglang.srt.server_args.prepare_server_args", ("argv",), why="the launcher builds SGLang's arguments"),
     Internal("sglang.srt.server_args.ServerArgs.add_cli_args", ("parser",),
-             why="the launcher reads SGLang's flags with SGLang's parser (`launch.sglang_flags`)"),
+             why="the launcher reads SGLang's flags with SGLang's parser (`launcher.flags.sglang_flags`)"),
     Internal("sglang.srt.utils.server_args_config_parser.ConfigArgumentMerger.merge_config_with_args",
              ("cli_args",), why="and a --config file's values as SGLang merges them"),
     Internal("sglang.launch_server.run_server", ("server_args",), why="the launcher runs SGLang's server"),

@@ -554,7 +554,7 @@ def test_a_prompt_at_the_context_length_is_repeated_in_whole_chunks(servers) -> 
 
 def _kvc_config(flags: list[str]):
     """The sgl-kvc settings a server started with `flags` runs with (as its launcher parses them)."""
-    from sgl_kvc.launch import parse_args
+    from sgl_kvc.launcher.cli import parse_args
 
     return parse_args(launcher_argv(flags))[0]
 

@@ -18,9 +18,10 @@ def test_stats_shape(kvc_server) -> None:
     # the demo model is bfloat16; a CPU that emulates bfloat16 serves it in float32 by default
     import torch
 
-    from sgl_kvc.launch import EMULATED_BF16_DTYPE, _native_bf16
+    from sgl_kvc.launcher.machine import native_bf16
+    from sgl_kvc.launcher.sglang_argv import EMULATED_BF16_DTYPE
 
-    native = torch.cuda.is_available() or _native_bf16()  # as the launcher decides
+    native = torch.cuda.is_available() or native_bf16()  # as the launcher decides
     assert s["kv_cache_dtype"] == ("bfloat16" if native else EMULATED_BF16_DTYPE)
     for block, keys in {
         "pool": ("total_tokens", "free_tokens", "cached_tokens"),

@@ -167,7 +167,8 @@ def test_pool_on_cuda() -> None:
 
 # --- the launcher: `--kv-cache-dtype` is SGLang's flag, FP8 values are ours -------------------
 def test_fp8_flag_goes_to_our_config_and_sglang_keeps_the_model_dtype() -> None:
-    from sgl_kvc.launch import build_sglang_argv, parse_args
+    from sgl_kvc.launcher.cli import parse_args
+    from sgl_kvc.launcher.sglang_argv import build_sglang_argv
 
     config, rest = parse_args(["--kv-cache-dtype", "fp8_e4m3", "--port", "1"])
     assert config.fp8_kv == "fp8_e4m3" and rest == ["--port", "1"]
@@ -179,7 +180,7 @@ def test_fp8_flag_goes_to_our_config_and_sglang_keeps_the_model_dtype() -> None:
 
 
 def test_other_kv_cache_dtypes_are_passed_to_sglang() -> None:
-    from sgl_kvc.launch import parse_args
+    from sgl_kvc.launcher.cli import parse_args
 
     config, rest = parse_args(["--kv-cache-dtype", "bf16"])
     assert config.fp8_kv is None and config.kv_cache_dtype == "auto"
@@ -189,7 +190,7 @@ def test_other_kv_cache_dtypes_are_passed_to_sglang() -> None:
 
 
 def test_fp8_with_a_raw_buffer_backend_is_a_usage_error(capsys) -> None:
-    from sgl_kvc.launch import parse_args
+    from sgl_kvc.launcher.cli import parse_args
 
     with pytest.raises(SystemExit) as info:
         parse_args(["--kv-cache-dtype", "fp8_e4m3", "--attention-backend", "flashinfer"])
@@ -201,7 +202,8 @@ def test_fp8_with_a_raw_buffer_backend_is_a_usage_error(capsys) -> None:
 
 def test_memory_budget_replaces_the_cpu_token_cap() -> None:
     from sgl_kvc.config import KvcConfig
-    from sgl_kvc.launch import build_sglang_argv, parse_args
+    from sgl_kvc.launcher.cli import parse_args
+    from sgl_kvc.launcher.sglang_argv import build_sglang_argv
 
     config, _ = parse_args(["--kv-cache-memory-gb", "0.5"])
     assert config.kv_cache_memory_gb == 0.5

@@ -123,8 +123,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sgl_kvc.core", "sgl_kvc.policies", "sgl_kvc.kernels", "sgl_kvc.model", "sgl_kvc.compat"),
     ("sgl_kvc.config", "sgl_kvc.request_settings", "sgl_kvc.footprint"),
     ("sgl_kvc.adapter",),
-    ("sgl_kvc.server", "sgl_kvc.launch", "sgl_kvc.prelaunch", "sgl_kvc.plugin", "sgl_kvc.server_process",
-     "sgl_kvc.cluster", "sgl_kvc.cluster_stats"),
+    ("sgl_kvc.server", "sgl_kvc.launch", "sgl_kvc.launcher", "sgl_kvc.prelaunch", "sgl_kvc.plugin",
+     "sgl_kvc.server_process", "sgl_kvc.cluster", "sgl_kvc.cluster_stats"),
 )
 
 

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from sgl_kvc.config import KvcConfig
-from sgl_kvc.launch import CPU_DEFAULTS, EMULATED_BF16_DTYPE, GPU_DEFAULTS, build_sglang_argv, parse_args
+from sgl_kvc.launcher.cli import parse_args
+from sgl_kvc.launcher.sglang_argv import CPU_DEFAULTS, EMULATED_BF16_DTYPE, GPU_DEFAULTS, build_sglang_argv
 
 
 def _flag_value(argv: list[str], flag: str) -> str:
@@ -131,10 +132,10 @@ def test_sglang_is_first_imported_as_a_cpu_engine() -> None:
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name == 'sglang' and not seen: seen.append(os.environ.get('SGLANG_USE_CPU_ENGINE'))\n"
         "sys.meta_path.insert(0, Spy())\n"
-        "from sgl_kvc import launch\n"
+        "from sgl_kvc.launcher import serve\n"
         "def stop(*args, **kwargs): print('AT IMPORT', seen); raise SystemExit(0)\n"
-        "launch.build_sglang_argv = stop\n"
-        "launch.main(['--model-path', 'demo', '--policy', 'rkv', '--tp', '2'])\n"
+        "serve.build_sglang_argv = stop\n"  # the name `main` calls, once the flags are read
+        "serve.main(['--model-path', 'demo', '--policy', 'rkv', '--tp', '2'])\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
@@ -258,15 +259,15 @@ def test_float32_by_default_only_where_bfloat16_is_emulated() -> None:
 def test_float32_only_where_the_doubled_weights_fit(tmp_path, monkeypatch) -> None:
     """float32 doubles a 16-bit checkpoint's weights: a model that would then take over half of
     the free memory keeps its own dtype."""
-    import sgl_kvc.launch as launch
+    from sgl_kvc.launcher import sglang_argv
 
     (tmp_path / "model-00001.safetensors").write_bytes(b"\0" * 1000)
     (tmp_path / "config.json").write_text("{}")  # not a weight file
-    assert launch.float32_fits(str(tmp_path), available=4000)
-    assert not launch.float32_fits(str(tmp_path), available=3999)
-    assert launch.float32_fits("/no/such/folder", available=1)  # SGLang reports a bad path itself
+    assert sglang_argv.float32_fits(str(tmp_path), available=4000)
+    assert not sglang_argv.float32_fits(str(tmp_path), available=3999)
+    assert sglang_argv.float32_fits("/no/such/folder", available=1)  # SGLang reports a bad path itself
     seen = []
-    monkeypatch.setattr(launch, "float32_fits", lambda path: seen.append(path) or False)
+    monkeypatch.setattr(sglang_argv, "float32_fits", lambda path: seen.append(path) or False)
     argv = build_sglang_argv(["--model-path", str(tmp_path)], on_gpu=False, native_bf16=False)
     assert "--dtype" not in argv and seen == [str(tmp_path)]
 
@@ -274,7 +275,7 @@ def test_float32_only_where_the_doubled_weights_fit(tmp_path, monkeypatch) -> No
 def test_workers_are_forked_only_from_a_launcher_that_started_no_thread() -> None:
     """A fork copies only the forking thread: a thread started since the baseline (an OpenMP pool
     that converting a model started) would be missing in the child with whatever it held."""
-    from sgl_kvc.launch import fork_is_safe
+    from sgl_kvc.launcher.cpu_processes import fork_is_safe
 
     assert fork_is_safe({"1", "2"}, {"1", "2"}, python_threads=1)
     assert not fork_is_safe({"1", "2"}, {"1", "2", "3"}, python_threads=1)  # an OS thread started
@@ -286,7 +287,7 @@ def test_kvzip_with_uniform_head_budgets_is_warned_about() -> None:
     """KVzip's scores need one sort over every head (docs/quality.md): a server started with it
     as the prompt policy and uniform head budgets says so in one line; with variable budgets, or
     another prompt policy, it says nothing."""
-    from sgl_kvc.launch import allocation_warning, parse_args
+    from sgl_kvc.launcher.refusals import allocation_warning
 
     def warning(*flags: str) -> str | None:
         return allocation_warning(parse_args(["--model-path", "demo", *flags])[0])
@@ -321,7 +322,7 @@ def test_auto_head_budgets_take_the_unit_pool_where_the_server_can_have_it(
     """`--kv-head-budget auto` (the default) resolves, in the launcher, to `policy` where one rank,
     per-head selection, batched decode attention and a backend that reads sgl-kvc's pools (the one
     asked for, or the one the server gets) allow it, else to `uniform`, saying which in one line."""
-    from sgl_kvc.launch import resolve_head_budget
+    from sgl_kvc.launcher.head_budget import resolve_head_budget
 
     config, rest = parse_args(["--model-path", "demo", "--policy", "rkv", *flags])
     # parse_args resolved it for this (CPU) machine; resolve the flags again as the given machine
@@ -357,7 +358,7 @@ def test_auto_head_budgets_keep_sglangs_pool_for_a_model_the_unit_pool_cannot_se
     policy` keeps it (the scheduler refuses the model, naming `uniform`)."""
     import json
 
-    from sgl_kvc.launch import resolve_head_budget
+    from sgl_kvc.launcher.head_budget import resolve_head_budget
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **fields}))
     config, rest = parse_args(["--model-path", str(tmp_path), "--policy", "rkv"])

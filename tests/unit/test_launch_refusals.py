@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from sgl_kvc.config import KvcConfig
-from sgl_kvc.launch import build_sglang_argv, parse_args
+from sgl_kvc.launcher.cli import parse_args
+from sgl_kvc.launcher.sglang_argv import build_sglang_argv
 
 
 @pytest.mark.parametrize(
@@ -86,7 +87,7 @@ def test_supported_setups_pass(argv) -> None:
     ],
 )
 def test_a_gpu_the_triton_kernel_cannot_compile_for_is_refused(argv, capability, message) -> None:
-    from sgl_kvc.launch import gpu_unsupported
+    from sgl_kvc.launcher.refusals import gpu_unsupported
 
     config, _ = parse_args(argv)
     problem = gpu_unsupported(config, capability)
@@ -107,15 +108,17 @@ def test_sgl_kvc_pools_take_the_triton_backend_on_a_gpu(monkeypatch, argv, backe
     """On a GPU, FP8 KV storage and variable / layer budgets (sgl-kvc's pools, which FlashInfer does
     not read) get SGLang's Triton backend, whose decode kernel call is sgl-kvc's; the torch_native
     backend, asked for, serves them too, and the launcher says once that its prefill is slow."""
-    from sgl_kvc import launch
+    from sgl_kvc.launcher import machine
+    from sgl_kvc.launcher.flags import sglang_flags
+    from sgl_kvc.launcher.refusals import torch_native_on_gpu
 
-    monkeypatch.setattr(launch, "_cuda_available", lambda: True)
-    monkeypatch.setattr(launch, "flashinfer_installed", lambda: True)
+    monkeypatch.setattr(machine, "cuda_available", lambda: True)
+    monkeypatch.setattr(machine, "flashinfer_installed", lambda: True)
     config, rest = parse_args(argv)
     out = build_sglang_argv(rest, on_gpu=True, compressing=config.compressing, fp8_kv=config.fp8_kv is not None,
                             unit_pool=config.variable_budget)
-    assert launch.sglang_flags(out).get("--attention-backend") == backend
-    assert (launch.torch_native_on_gpu(config, rest) is not None) == warned
+    assert sglang_flags(out).get("--attention-backend") == backend
+    assert (torch_native_on_gpu(config, rest) is not None) == warned
 
 
 def test_sgl_kvc_pools_refuse_flashinfer(capsys) -> None:
@@ -258,7 +261,7 @@ def test_an_attention_backend_sgl_kvc_does_not_wrap_is_refused() -> None:
     ],
 )
 def test_cpu_ranks_get_cores_where_sglang_has_too_few_numa_nodes(ranks, cpus, nodes, bind) -> None:
-    from sgl_kvc.launch import cpu_threads_bind, parallel_ranks
+    from sgl_kvc.launcher.cpu_processes import cpu_threads_bind, parallel_ranks
 
     assert cpu_threads_bind(ranks, cpus, nodes) == bind
     assert parallel_ranks(["--dp-size", "2", "--tp-size=3"]) == 6 and parallel_ranks([]) == 1
@@ -299,7 +302,7 @@ def test_sglang_flags_are_read_as_sglang_reads_them(tmp_path, argv, config, mess
 def test_auto_head_budgets_and_cpu_ranks_read_sglang_flags_as_sglang_does(tmp_path) -> None:
     """`auto` takes SGLang's pool where SGLang will run two tensor-parallel ranks, however they were
     asked for, and the CPU ranks the launcher places are the ones SGLang starts."""
-    from sgl_kvc.launch import parallel_ranks
+    from sgl_kvc.launcher.cpu_processes import parallel_ranks
 
     for argv in (["--tp", "2"], ["--tensor-parallel-size=2"], _server_config(tmp_path, {"tp-size": 2})):
         assert parse_args(["--policy", "rkv", *argv])[0].kv_head_budget == "uniform", argv
