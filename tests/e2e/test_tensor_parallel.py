@@ -38,7 +38,7 @@ CMD = [
 # SGLang's CPU engine wants one NUMA node per rank unless cores are bound explicitly.
 ENV = {"SGLKVC_CHECK": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1",
        "SGLKVC_FAILPOINTS": "tp_local_scores,compress_raise@1,rewrite_raise@1,reconstruct_raise@1,document_raise@1,"
-                            "kvzip_plan_raise@1,turn_raise@1"}
+                            "kvzip_plan_raise@1,turn_raise@1,node_raise@1"}
 POLICIES = ("rkv", "snapkv", "h2o", "kvcompress")
 
 
@@ -240,7 +240,8 @@ def test_a_document_is_extended_on_both_ranks(tp_server) -> None:
     resident document on both ranks, each rank chooses its own KV heads' entries of the turn, and the
     extension is published on both (the ranks vote); the next request with that document starts
     from it on both, prefilling only its question, and a rank-1 failure while a turn is published
-    loses that extension on both (had the trees diverged, the ranks' prefixes would not match)."""
+    loses that extension on both, whether in its pass or in its node's metadata after its entries
+    were copied (had the trees diverged, the ranks' prefixes would not match)."""
     doc = [(41 * i + 7) % 1900 + 10 for i in range(48)]
     turns = [[(43 * i + t) % 1900 + 10 for i in range(20)] for t in (3, 4)]
 
@@ -253,7 +254,8 @@ def test_a_document_is_extended_on_both_ranks(tp_server) -> None:
 
     before = tp_server.wait_idle()
     asks = [("extension-tp-doc", doc, 1), ("failpoint-document-tp-turn", doc + turns[0], 2),
-            ("extension-tp-turn", doc + turns[0], 3), ("extension-tp-hit", doc + turns[0], 4),
+            ("failpoint-node-tp-turn", doc + turns[0], 6), ("extension-tp-turn", doc + turns[0], 3),
+            ("extension-tp-hit", doc + turns[0], 4),
             ("extension-tp-branch", doc + turns[1], 5)]
     cached = []
     for rid, document, k in asks:
@@ -262,12 +264,12 @@ def test_a_document_is_extended_on_both_ranks(tp_server) -> None:
         cached.append(r.json()["meta_info"]["cached_tokens"])
     after = tp_server.wait_idle()
     docs, was = after["documents"], before["documents"]
-    assert docs["not_published"] == was["not_published"] + 1, docs
+    assert docs["not_published"] == was["not_published"] + 2, docs
     assert docs["extensions"] == was["extensions"] + 2 and docs["compressions"] == was["compressions"] + 3, docs
-    assert docs["hits"] == was["hits"] + 4, docs
+    assert docs["hits"] == was["hits"] + 5, docs
     # each turn starts from the document, the hit from the turn (the first request may match a
     # token or so of the tree's other prompts)
-    assert cached[1:] == [48, 48, 68, 48], cached
+    assert cached[1:] == [48, 48, 48, 68, 48], cached
     prefilled = after["prefix_cache"]["prefilled_tokens"] - before["prefix_cache"]["prefilled_tokens"]
     assert prefilled == sum(len(d) + 8 - c for (_, d, _), c in zip(asks, cached)), (prefilled, cached)
     assert_pool_whole(after)

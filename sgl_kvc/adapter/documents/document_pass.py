@@ -23,8 +23,9 @@ insert: the node is unlocked cache at once, evicted before any request is retrac
 With tensor parallelism, vote, then act: every rank chooses each document's entries (its pass,
 which may fail on one rank alone), the ranks vote, and only the documents chosen on every rank are
 given room (evicting documents and tree nodes, alike on every rank: their trees are the same),
-copied and voted on again before anything is inserted. A failure on one rank loses that document
-on every rank, never another, and the ranks' trees stay the same.
+copied, their nodes' metadata made, and voted on again before anything is inserted: after the last
+vote only plain inserts into the tree and the registry run. A failure on one rank loses that
+document on every rank, never another, and the ranks' trees stay the same.
 """
 
 from __future__ import annotations
@@ -151,19 +152,21 @@ def publish_copies(compressor: Host, batch: ScheduleBatch, items: list[tuple[int
 
     copy_and_publish(compressor, batch, items, state, lambda i, key: key.tokens,
                      lambda i, key, st: _choose(compressor, batch, i, key, st),
-                     lambda r: _insert(compressor, batch, r, registry))
+                     lambda r: _node(batch, r), lambda r, doc: _insert(compressor, batch, r, doc, registry))
 
 
 def copy_and_publish(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]],
                      state: Callable[[int, DocumentKey], ReqKvState], entries: Callable[[int, DocumentKey], int],
-                     choose: Callable[[int, DocumentKey, ReqKvState], Chosen], insert: Callable[[Ready], None]) -> None:
+                     choose: Callable[[int, DocumentKey, ReqKvState], Chosen], make: Callable[[Ready], Compressed],
+                     insert: Callable[[Ready, Compressed], None]) -> None:
     """Publishing documents copied out of their requests' rows (`publish_copies`, and an
     extension's, `extensions.publish`): each item's pass state (`state(i, key)`), its
     reconstruction over its row's first `entries(i, key)` entries where its policy reads one
     (KVzip), `choose(i, key, state)` (its pass, no side effect), the ranks' vote; then, for the
-    documents chosen everywhere, their room and copies (`copy_kept`), the ranks' vote again, and
-    `insert(ready)`. A failure loses that document only, never the request, whose row was only
-    read; the requests waiting for it go either way."""
+    documents chosen everywhere, their room and copies (`copy_kept`) and their nodes' metadata
+    (`make(ready)`, where a failure frees the copies), the ranks' vote again, and `insert(ready,
+    doc)`, which only inserts. A failure loses that document only, never the request, whose row
+    was only read; the requests waiting for it go either way."""
     t0 = time.perf_counter()
     registry = registry_of(batch.tree_cache)
     failed: dict[int, BaseException] = {}
@@ -187,26 +190,41 @@ def copy_and_publish(compressor: Host, batch: ScheduleBatch, items: list[tuple[i
         return choose(i, key, states[i])
 
     choices = [c for c, absent in voted(compressor, batch, items, chosen) if c is not None and not absent]
-    copies = [(c, *_guarded(batch, c.i, copy_kept, compressor, batch, c)) for c in choices]
-    agreed = anywhere(compressor.failures.vote, [r is None for _, r, _ in copies])
+    copies = [(c, _guarded(batch, c.i, _copied, compressor, batch, c, make)[0]) for c in choices]
+    agreed = anywhere(compressor.failures.vote, [made is None for _, made in copies])
     not_published = len(items) - len(choices)
-    for (c, r, _), absent in zip(copies, agreed):
-        if r is None or absent:
-            if r is not None:
-                batch.token_to_kv_pool_allocator.free(r.dest)
+    for (c, made), absent in zip(copies, agreed):
+        if made is None or absent:
+            if made is not None:
+                batch.token_to_kv_pool_allocator.free(made[0].dest)
             not_published += 1
             continue
         try:
-            insert(r)  # (what can fail, before the tree holds the slots: freeing them here is safe)
+            insert(*made)  # plain inserts (a failure here would be a bug: the slots are not the tree's yet)
         except Exception:  # noqa: BLE001 - never the request's: its row was only read
             logger.exception("sgl-kvc: document of %s not published", batch.reqs[c.i].rid)
-            batch.token_to_kv_pool_allocator.free(r.dest)
+            batch.token_to_kv_pool_allocator.free(made[0].dest)
             not_published += 1
     registry.stats.not_published += not_published
     settle(batch, items, registry)
     if invariants.enabled():
         invariants.check_documents(batch.tree_cache)
     registry.stats.seconds += compressor.account(time.perf_counter() - t0)
+
+
+def _copied(compressor: Host, batch: ScheduleBatch, chosen: Chosen,
+            make: Callable[[Ready], Compressed]) -> tuple[Ready, Compressed] | None:
+    """`chosen`'s entries copied into fresh slots (`copy_kept`) and its node's metadata made
+    (`make`): everything of a publication that can fail, before the last vote. None where there
+    is no room; a failure frees the copies."""
+    ready = copy_kept(compressor, batch, chosen)
+    if ready is None:
+        return None
+    try:
+        return ready, make(ready)
+    except BaseException:
+        batch.token_to_kv_pool_allocator.free(ready.dest)
+        raise
 
 
 def _guarded(batch: ScheduleBatch, i: int, fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
@@ -281,16 +299,20 @@ def copy_kept(compressor: Host, batch: ScheduleBatch, chosen: Chosen) -> Ready |
     return Ready(chosen, dest, None)
 
 
-def _insert(compressor: Host, batch: ScheduleBatch, r: Ready, registry: Any) -> None:
-    """The document's node: everything that can fail first (its metadata), while the fresh slots
-    are still only `copy_and_publish`'s to free; then a plain tree insert (the node is unlocked
-    cache at once), after which the slots are the tree's."""
+def _node(batch: ScheduleBatch, r: Ready) -> Compressed:
+    """The document's metadata (before the last vote: it can fail, while the fresh slots are still
+    only `copy_and_publish`'s to free)."""
     c = r.chosen
     failpoints.check("node_raise", batch.reqs[c.i])
-    doc = Compressed.compact(c.key, None, c.kept_positions, int(r.dest.numel()), c.unit_lens, c.carried)
-    doc.node = insert_document(batch.tree_cache, c.key, r.dest)
+    return Compressed.compact(c.key, None, c.kept_positions, int(r.dest.numel()), c.unit_lens, c.carried)
+
+
+def _insert(compressor: Host, batch: ScheduleBatch, r: Ready, doc: Compressed, registry: Any) -> None:
+    """The document's node: a plain tree insert (the node is unlocked cache at once), after which
+    the slots are the tree's."""
+    doc.node = insert_document(batch.tree_cache, r.chosen.key, r.dest)
     registry.add(doc)
-    trace_document(compressor, batch.reqs[c.i], doc)
+    trace_document(compressor, batch.reqs[r.chosen.i], doc)
 
 
 def publish_cut_rows(compressor: Host, batch: ScheduleBatch, ends: list[tuple[int, DocumentKey]],
@@ -316,12 +338,12 @@ def publish_cut_rows(compressor: Host, batch: ScheduleBatch, ends: list[tuple[in
         if absent:
             registry.stats.not_published += 1
             continue
-        slots, metadata = ready
+        slots, metadata, doc = ready
         if not batch.tree_cache.make_document_room(metadata):
             registry.stats.not_published += 1  # (alike on every rank) it goes on with its own row
             continue
         try:
-            _adopt(compressor, batch, i, key, slots, registry)
+            _adopt(compressor, batch, i, doc, slots, registry)
         except Exception:  # noqa: BLE001 - its row is as the chunk moment left it: it goes on
             logger.exception("sgl-kvc: document of %s not published", batch.reqs[i].rid)
             registry.stats.not_published += 1
@@ -332,10 +354,11 @@ def publish_cut_rows(compressor: Host, batch: ScheduleBatch, ends: list[tuple[in
 
 
 def _row_ready(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey,
-               passes_before: int | None) -> tuple[Tensor, int] | None:
+               passes_before: int | None) -> tuple[Tensor, int, Compressed] | None:
     """The slots of request i's row that hold its document's kept entries (a copy of its row's
-    first k, or G packed, slot numbers) and their metadata's bytes, or None where the chunk moment
-    did not cut it to them (it failed, or had no free slots for the copies). Nothing changes here."""
+    first k, or G packed, slot numbers), their metadata's bytes and the node's metadata (made here,
+    before the vote: it can fail), or None where the chunk moment did not cut it to them (it failed,
+    or had no free slots for the copies). Nothing changes here."""
     req = batch.reqs[i]
     state = compressor.state(req)
     if state is None or failure(req) is not None or passes_before is None or state.passes <= passes_before:
@@ -354,17 +377,19 @@ def _row_ready(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey,
     heads = int(state.unit_lens.numel()) if packed else 0
     scored = state.reconstructed is not None  # KVzip: the scores its cut carried
     slots = compressor.store.req_to_token[req.kv.req_pool_idx, :kept].to(torch.int64, copy=True)
-    return slots, compact_bytes(entries, heads, packed, scored)
+    failpoints.check("node_raise", req)
+    doc = Compressed.compact(key, None, state.kept_positions, kept, state.unit_lens, state.reconstructed)
+    return slots, compact_bytes(entries, heads, packed, scored), doc
 
 
-def _adopt(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey, slots: Tensor,
+def _adopt(compressor: Host, batch: ScheduleBatch, i: int, doc: Compressed, slots: Tensor,
            registry: Any) -> None:
     """The node is the row's first slots; the request holds it locked, as a matched prefix, and
-    goes on exactly as a request that started from it (`Compressor._begin` for a hit)."""
-    req, tree = batch.reqs[i], batch.tree_cache
+    goes on exactly as a request that started from it (`Compressor._begin` for a hit). After the
+    vote: plain inserts and assignments (its metadata was made before it, `_row_ready`)."""
+    req, tree, key = batch.reqs[i], batch.tree_cache, doc.key
     state = compressor.state(req)
     n = int(slots.numel())
-    doc = Compressed.compact(key, None, state.kept_positions, n, state.unit_lens, state.reconstructed)
     doc.node = node = insert_document(tree, key, slots)
     tree.unlock(req.lock)  # the root's, or nothing: the cut already dropped a matched prefix's
     req.lock, req.last_node = tree.lock(node), node

@@ -87,7 +87,7 @@ def publish(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, Docum
                      lambda i, key: _chain_state(compressor, key, _parent(batch, i)),
                      lambda i, key: _row_entries(key, _parent(batch, i)),
                      lambda i, key, state: _choose(compressor, batch, i, key, _parent(batch, i), state),
-                     lambda r: _insert(compressor, batch, r))
+                     lambda r: _node(batch, r), lambda r, doc: _insert(compressor, batch, r, doc))
 
 
 def adopt(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]]) -> None:
@@ -237,14 +237,18 @@ def _own(selection: HeadSelection, held_lens: Tensor) -> tuple[HeadSelection, Te
     return HeadSelection(indices=torch.where(valid, own, HeadSelection.PAD), lengths=lengths, n=selection.n), cols
 
 
-def _insert(compressor: Host, batch: ScheduleBatch, r: Ready) -> None:
-    """The extension's node: a child of its parent's (`registry.insert_child`); a rebuild's, a
-    document of its own under the root (`insert_document`)."""
+def _node(batch: ScheduleBatch, r: Ready) -> Compressed:
+    """The extension's metadata (before the last vote: it can fail); a rebuild's has no parent."""
     c = r.chosen
-    tree = batch.tree_cache
     parent = None if c.key.kind is Kind.REBUILD else c.parent
     failpoints.check("node_raise", batch.reqs[c.i])
-    doc = Compressed.compact(c.key, None, c.kept_positions, int(r.dest.numel()), c.unit_lens, c.carried, parent=parent)
+    return Compressed.compact(c.key, None, c.kept_positions, int(r.dest.numel()), c.unit_lens, c.carried, parent=parent)
+
+
+def _insert(compressor: Host, batch: ScheduleBatch, r: Ready, doc: Compressed) -> None:
+    """The extension's node: a child of its parent's (`registry.insert_child`); a rebuild's, a
+    document of its own under the root (`insert_document`). After the vote: plain inserts."""
+    c, tree, parent = r.chosen, batch.tree_cache, doc.parent
     doc.node = insert_document(tree, c.key, r.dest) if parent is None else insert_child(tree, parent, c.key, r.dest)
     registry_of(tree).add(doc)
     trace_document(compressor, batch.reqs[c.i], doc)

@@ -155,6 +155,7 @@ class ReplyCandidate:
     k: int  # the row's first k slots hold its kept entries
     sequence: list[int]  # the L tokens its row holds
     carried: CarriedScores | None
+    doc: Compressed  # the reply's metadata, made with the candidate (before the vote: it can fail)
 
     def publish(self, tree: Any, registry: DocumentRegistry) -> list[tuple[int, int]]:
         """Insert the reply and the turn after it; the ranges of the row whose slots the tree now
@@ -168,7 +169,7 @@ class ReplyCandidate:
         if not tree.make_document_room(compact_bytes(entries, heads, packed, self.carried is not None)):
             registry.stats.not_published += 1
             return []
-        doc = Compressed.compact(self.key, None, self.positions, k, self.unit_lens, self.carried)  # nothing raises once inserted
+        doc = self.doc
         doc.node = insert_document(tree, self.key, slots[:k])
         registry.add(doc)
         supersedes(req)
@@ -221,7 +222,8 @@ def reply_candidate(tree: Any, registry: DocumentRegistry, req: Any) -> ReplyCan
     carried = state.reconstructed  # KVzip: its document's scores, through its passes
     if carried is not None and any(layer.shape[-1] < positions.shape[-1] for layer in carried.layers):
         carried = None  # not in its columns: none (the next pass repeats the whole conversation)
-    return ReplyCandidate(req, key, positions, unit_lens, k, sequence, carried)
+    doc = Compressed.compact(key, None, positions, k, unit_lens, carried)
+    return ReplyCandidate(req, key, positions, unit_lens, k, sequence, carried, doc)
 
 
 def _canonical(units: Tensor, unit_lens: Tensor, slots: Tensor) -> bool:
