@@ -308,7 +308,7 @@ def _observe_decode(store: KvcStore, q: torch.Tensor, layer: Any, fb: ForwardBat
 
 def _observe_extend(store: KvcStore, q: torch.Tensor, layer: Any, fb: ForwardBatch) -> None:
     if store.reconstruction is not None:  # a reconstruction forward (KVzip): its scores only
-        from sgl_kvc.adapter.kvzip.reconstruction import observe_reconstruction
+        from sgl_kvc.adapter.kvzip.forwards import observe_reconstruction
 
         observe_reconstruction(store, q, layer, fb)
         return

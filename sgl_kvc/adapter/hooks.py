@@ -183,7 +183,7 @@ def _around_update_running(config: KvcConfig):
                 compressor.before_preempt(batch)
         before = list(batch.reqs)
         out = original(scheduler, batch, *args, **kwargs)
-        # A retracted request released its row (its state went with it, `Compressor._released`)
+        # A retracted request released its row (its state went with it, `request_life.released`)
         # and restarts from its tokens.
         remaining = {id(r) for r in batch.reqs}
         retracted = sum(1 for r in before if id(r) not in remaining and r.is_retracted)

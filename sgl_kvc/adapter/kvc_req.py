@@ -97,7 +97,7 @@ def _parse_request(req: Any, config: "KvcConfig | None" = None) -> tuple[Request
         field = f"custom_params.{CUSTOM_PARAMS_KEY}"
         conflict = None if config is None else server_conflict(settings, config, field)
         if conflict is None and config is not None and getattr(req, "multimodal_inputs", None) is not None:
-            # the processor's pad values are in its prompt (`adapter/reconstruction.unscorable`)
+            # the processor's pad values are in its prompt (`adapter/kvzip/limits.unscorable`)
             conflict = multimodal_conflict(settings, config, field)
         if conflict is not None:
             raise conflict

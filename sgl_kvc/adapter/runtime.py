@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 
 from sgl_kvc.adapter.documents import DocumentRegistry, registry_of
-from sgl_kvc.adapter.kvzip.reconstruction import ReconstructionStats
+from sgl_kvc.adapter.kvzip.forwards import ReconstructionStats
 from sgl_kvc.adapter.memory.fp8_pool import pool_bytes
 from sgl_kvc.adapter.memory.kv_memory import DOCUMENT_BYTES_ATTR, RESERVED_ATTR
 from sgl_kvc.adapter.moments.compressor import Compressor

@@ -81,7 +81,7 @@ INTERNALS: tuple[Internal, ...] = (
     ), why="compaction rewrites rows and lengths; admission reopens"),
     Internal(f"{_MGR}.schedule_batch.ScheduleBatch.check_decode_mem", (),
              why="compress before a retraction when the next decode step does not fit"),
-    # --- a reconstruction pass (KVzip) is an extend SGLang prepares and runs (adapter/kvzip/reconstruction.py)
+    # --- a reconstruction pass (KVzip) is an extend SGLang prepares and runs (adapter/kvzip/forwards.py)
     Internal(f"{_MGR}.schedule_batch.Req.__init__",
              ("rid", "origin_input_text", "origin_input_ids", "sampling_params"),
              why="a reconstruction forward's short-lived request"),

@@ -29,7 +29,7 @@ BUDGET, WINDOW, RECON_CHUNK, CHUNK = 16, 4, 24, 128
 # float64 reference differ by a few hundred float32 roundings at most; a head whose choice is
 # closer to a tie than this is not decided by the score and is left out of the comparison.
 TIE = 1000 * torch.finfo(torch.float32).eps
-RESERVE_HEAD = 64  # tokens of a reconstruction forward besides its chunk (adapter/kvzip/reconstruction.py)
+RESERVE_HEAD = 64  # tokens of a reconstruction forward besides its chunk (adapter/kvzip/limits.py)
 QUESTION_TOKENS = 64  # of a prompt's end a cut's question forward reads (core/reconstruction.py)
 
 

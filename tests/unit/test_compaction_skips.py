@@ -16,6 +16,7 @@ import torch
 from fakes import FakeAllocator
 from sgl_kvc.adapter import attention
 from sgl_kvc.adapter.moments import compressor as compressor_module
+from sgl_kvc.adapter.moments.commit import CHUNK_SKIPPED
 from sgl_kvc.adapter.safety import failures as failures_module
 from sgl_kvc.adapter.safety.failures import failure
 from sgl_kvc.config import KvcConfig
@@ -151,8 +152,8 @@ def test_a_skip_between_two_chunks_fails_that_request_alone(monkeypatch, planted
     run.batch.chunked_req = run.reqs[0]  # its prompt goes on in another chunk
     run.comp.scheduler.chunked_req = run.reqs[0]
     run.prefill()
-    assert failure(run.reqs[0]) == compressor_module.CHUNK_SKIPPED
-    assert run.aborted == [compressor_module.CHUNK_SKIPPED]
+    assert failure(run.reqs[0]) == CHUNK_SKIPPED
+    assert run.aborted == [CHUNK_SKIPPED]
     assert run.lens() == [30, BUDGET, BUDGET] and run.comp.stats.failed_requests == 1
 
 

@@ -1,5 +1,5 @@
 """A request that starts from a shared document, in process: SGLang's own `Req` begun by the
-compressor (`Compressor._begin`) on stand-ins for the pools, and a document's metadata held
+compressor (`request_life.begin`) on stand-ins for the pools, and a document's metadata held
 within the bytes the KV memory reserves for it in sgl-kvc's prefix cache (SGLang's RadixCache)."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from fakes import FakeAllocator, LayeredKvPool
 from sgl_kvc.adapter import documents
 from sgl_kvc.adapter.documents import Compressed, DocumentKey, DocumentRegistry, RootDocument
 from sgl_kvc.adapter.moments import compressor as compressor_module
+from sgl_kvc.adapter.moments import request_life
+from sgl_kvc.adapter.moments.prefill import prefill_target
 from sgl_kvc.adapter.scheduling.admission import _with_document, sizes_of
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.reconstruction import CarriedScores
@@ -71,7 +73,7 @@ def test_a_budget_ratio_applies_beyond_the_document(monkeypatch, hit: bool) -> N
     if hit:
         documents.started_from(req, _document(key, allocator.alloc(ENTRIES)))
     req.kv.req_pool_idx = 0
-    comp._begin(req, tree)
+    request_life.begin(comp, req, tree)
     state = comp.state(req)
     floor = config.policy_params().recent_kept + 1
     held = ENTRIES + SUFFIX if hit else DOC + SUFFIX  # its row after prefill
@@ -80,7 +82,7 @@ def test_a_budget_ratio_applies_beyond_the_document(monkeypatch, hit: bool) -> N
     part = ENTRIES if hit else DOC
     assert state.effective_budget(held) == part + own(SUFFIX)
     # its pass after prefill cuts its own tokens, never into the document's part
-    assert comp._prefill_target(state, held, state.effective_budget(held)) == part + own(SUFFIX) > part
+    assert prefill_target(comp, state, held, state.effective_budget(held)) == part + own(SUFFIX) > part
     assert state.effective_budget(n_after) == part + own(SUFFIX + 100)
     assert state.effective_budget(n_after) > part + floor
     # what admission reserved for it covers what it holds at most
@@ -97,7 +99,7 @@ def test_a_fixed_budget_still_applies_beyond_the_document(monkeypatch) -> None:
     doc = _document(documents.declared(req), allocator.alloc(ENTRIES))
     documents.started_from(req, doc)
     req.kv.req_pool_idx = 0
-    comp._begin(req, tree)
+    request_life.begin(comp, req, tree)
     state = comp.state(req)
     assert state.effective_budget(ENTRIES + SUFFIX) == state.effective_budget(500) == ENTRIES + 8
     # its statistic (were its decode policy to keep one) starts at the document's end

@@ -13,6 +13,7 @@ import torch
 from fakes import FakeAllocator
 from sgl_kvc.adapter import attention
 from sgl_kvc.adapter.moments import compressor as compressor_module
+from sgl_kvc.adapter.moments.request_life import released
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.query_moments import QueryMoments
 from sgl_kvc.core.views import prompt_moments
@@ -149,7 +150,7 @@ def test_release_drops_the_moments(monkeypatch) -> None:
     comp, reqs, *_ = _setup(monkeypatch, "expected_attention", prompts=(40,))
     _extend(comp, reqs, [0], [CHUNK], reqs[0], torch.randn(LAYERS, CHUNK, H_Q * D))
     assert comp.store.state_bytes > 0
-    comp._released(reqs[0])  # finished, aborted or retracted mid-prompt
+    released(comp.store, reqs[0])  # finished, aborted or retracted mid-prompt
     assert comp.store.state_bytes == 0 and comp.state(reqs[0]) is None
 
 

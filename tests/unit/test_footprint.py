@@ -214,7 +214,7 @@ def test_a_questions_forward_is_held_at_cuts_between_chunks_only() -> None:
 
 
 def test_admission_counts_a_kvzip_requests_forward_and_the_400_names_kvzip_chunk(monkeypatch) -> None:
-    from sgl_kvc.adapter.kvzip.reconstruction import RESERVE_HEAD
+    from sgl_kvc.adapter.kvzip.limits import RESERVE_HEAD
     from sgl_kvc.adapter.scheduling import admission
     from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY
 

@@ -1,5 +1,5 @@
 """What a KVzip request reserves for its reconstruction forward, and the ids it is asked with
-(`sgl_kvc/adapter/kvzip/reconstruction.py`), without a server."""
+(`sgl_kvc/adapter/kvzip/`), without a server."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from sgl_kvc.adapter.kvzip import reconstruction
+from sgl_kvc.adapter.kvzip import forwards as forwards_module
+from sgl_kvc.adapter.kvzip import limits, planning, reconstruction
 from sgl_kvc.config import KvcConfig
+from sgl_kvc.core.reconstruction import ReconstructionPrompt, instruction_tokens
 from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY, RequestSettingError, parse_kv_compression
 
 
@@ -26,18 +28,18 @@ def test_a_kvzip_request_reserves_one_reconstruction_forward() -> None:
     window, the forward of its question at a cut between chunks (the prompt's last 64 tokens, or
     `--kv-window` if more); others nothing."""
     config = KvcConfig(policy="snapkv", prompt_policy="kvzip", kvzip_chunk=2048)
-    head = reconstruction.RESERVE_HEAD
-    assert reconstruction.reserve_tokens(config, _req(5000)) == 2048 + head
-    assert reconstruction.reserve_tokens(config, _req(300)) == 300 + head
-    assert reconstruction.reserve_tokens(config, _req(5000, prompt_policy="snapkv")) == 64
-    assert reconstruction.reserve_tokens(config, _req(40, prompt_policy="snapkv")) == 40
-    assert reconstruction.reserve_tokens(config, _req(5000, prompt_policy="streamingllm")) == 0
+    head = limits.RESERVE_HEAD
+    assert limits.reserve_tokens(config, _req(5000)) == 2048 + head
+    assert limits.reserve_tokens(config, _req(300)) == 300 + head
+    assert limits.reserve_tokens(config, _req(5000, prompt_policy="snapkv")) == 64
+    assert limits.reserve_tokens(config, _req(40, prompt_policy="snapkv")) == 40
+    assert limits.reserve_tokens(config, _req(5000, prompt_policy="streamingllm")) == 0
     plain = KvcConfig(policy="snapkv", kvzip_chunk=512, kv_window=100)
-    assert reconstruction.reserve_tokens(plain, _req(5000)) == 100
-    assert reconstruction.reserve_tokens(plain, _req(5000, prompt_policy="kvzip")) == 512 + head
+    assert limits.reserve_tokens(plain, _req(5000)) == 100
+    assert limits.reserve_tokens(plain, _req(5000, prompt_policy="kvzip")) == 512 + head
     chunk = KvcConfig(policy="snapkv", kv_chunk_window="chunk")
-    assert reconstruction.reserve_tokens(chunk, _req(5000)) == 0
-    assert reconstruction.reserve_tokens(KvcConfig(policy="none"), _req(5000)) == 0
+    assert limits.reserve_tokens(chunk, _req(5000)) == 0
+    assert limits.reserve_tokens(KvcConfig(policy="none"), _req(5000)) == 0
 
 
 def test_kvzip_is_a_prompt_policy_only() -> None:
@@ -58,7 +60,7 @@ def test_the_instruction_and_the_template_around_a_message(demo_model_path: str)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(demo_model_path)
-    prompt = reconstruction.prompt_from_tokenizer(tok)
+    prompt = planning.prompt_from_tokenizer(tok)
     message = tok.encode("Hello there.", add_special_tokens=False)
     ids = tok.apply_chat_template([{"role": "user", "content": "Hello there."}], add_generation_prompt=True,
                                   tokenize=True)
@@ -67,7 +69,7 @@ def test_the_instruction_and_the_template_around_a_message(demo_model_path: str)
     assert tok.decode(list(prompt.first)) == "\n\nRepeat the previous context exactly."
     assert tok.decode(list(prompt.later)).endswith("starting with")
     with pytest.raises(RuntimeError, match="tokenizer"):
-        reconstruction.prompt_from_tokenizer(None)
+        planning.prompt_from_tokenizer(None)
 
 
 def test_a_prompt_must_leave_its_reconstruction_positions_before_the_model_s_last() -> None:
@@ -76,8 +78,8 @@ def test_a_prompt_must_leave_its_reconstruction_positions_before_the_model_s_las
     token) would run past them is refused, with what to do."""
     import torch
 
-    prompt = reconstruction.ReconstructionPrompt(system=(1, 2), suffix=(8, 9), first=(50, 51), later=(60, 61, 62))
-    need = reconstruction.instruction_tokens(prompt) + 1  # 3 + 8 quoted + 2 of the template, + 1
+    prompt = ReconstructionPrompt(system=(1, 2), suffix=(8, 9), first=(50, 51), later=(60, 61, 62))
+    need = instruction_tokens(prompt) + 1  # 3 + 8 quoted + 2 of the template, + 1
     rope = [SimpleNamespace(cos_sin_cache=torch.zeros(n, 4)) for n in (120, 100)]
     model = SimpleNamespace(modules=lambda: [SimpleNamespace(), *rope])
     scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)),
@@ -147,8 +149,8 @@ def test_a_multimodal_prompt_is_never_scored_by_kvzip(server_prompt: str, settin
     text = _sglang_req(list(range(10, 30)), settings)
     assert admit(text, config) is False and text.to_finish is None
     # the reconstruction's own guard, should one reach it
-    assert reconstruction.unscorable(_sglang_req(list(range(10, 30)), image=True)) is not None
-    assert reconstruction.unscorable(text) is None
+    assert limits.unscorable(_sglang_req(list(range(10, 30)), image=True)) is not None
+    assert limits.unscorable(text) is None
 
 
 def test_a_multimodal_request_that_reached_a_reconstruction_fails_before_any_forward() -> None:
@@ -157,7 +159,7 @@ def test_a_multimodal_request_that_reached_a_reconstruction_fails_before_any_for
     import torch
 
     config = KvcConfig(policy="snapkv", prompt_policy="kvzip")
-    prompt = reconstruction.ReconstructionPrompt(system=(), suffix=(9,), first=(50, 51), later=(60, 61))
+    prompt = ReconstructionPrompt(system=(), suffix=(9,), first=(50, 51), later=(60, 61))
     store = SimpleNamespace(req_to_token=torch.zeros(4, 256, dtype=torch.int32))
     rec = reconstruction.Reconstructor(config, store=store, _prompt=prompt)
     forwards = []
@@ -214,9 +216,9 @@ def test_a_lora_request_s_reconstruction_runs_with_its_adapter() -> None:
     import torch
 
     req = _sglang_req(list(range(10, 30)), lora_id="adapter-7")
-    shadow = reconstruction.shadow_request(req, row=3, prefix=12, ids=(50, 51, 9, 15, 16), vocab_size=2048)
+    shadow = forwards_module.shadow_request(req, row=3, prefix=12, ids=(50, 51, 9, 15, 16), vocab_size=2048)
     assert shadow.lora_id == "adapter-7"
     assert list(shadow.origin_input_ids) == [0] * 12 + [50, 51, 9, 15, 16]
     assert (shadow.prefix_len, shadow.extend_end) == (12, 17)
-    assert shadow.kv.req_pool_idx == 3 and reconstruction.is_reconstruction(shadow)
-    assert reconstruction.shadow_request(_sglang_req([1, 2]), 0, 0, (5,), 2048).lora_id is None
+    assert shadow.kv.req_pool_idx == 3 and forwards_module.is_reconstruction(shadow)
+    assert forwards_module.shadow_request(_sglang_req([1, 2]), 0, 0, (5,), 2048).lora_id is None

@@ -1,7 +1,7 @@
 """A cut between chunks reads its prompt's question first (`--kv-chunk-window question`) only where
 some of the prompt is left to read after the row and the row has room for it: a retracted request
 read again in chunks past its prompt, or a full row, falls back to the chunk's own window
-(`Compressor._question_slots` returns 0) instead of planning a forward of nothing, which raised and
+(`prefill.cut_question_slots` returns 0) instead of planning a forward of nothing, which raised and
 aborted the request."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-from sgl_kvc.adapter.moments.compressor import Compressor
+from sgl_kvc.adapter.moments.prefill import cut_question_slots
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.policies import get_policy
@@ -24,7 +24,7 @@ def _slots(prompt: int, read: int, row: int = ROW) -> int:
     req = SimpleNamespace(rid="r", origin_input_ids=list(range(prompt)), output_ids=[], multimodal_inputs=None,
                           input_embeds=None, sampling_params=SimpleNamespace(custom_params=None))
     state = ReqKvState(policy=get_policy("snapkv"), budget=Budget(32))
-    return Compressor._question_slots(host, req, state, read)
+    return cut_question_slots(host, req, state, read)
 
 
 def test_a_question_is_read_first_where_some_of_the_prompt_is_left() -> None:

@@ -1,5 +1,5 @@
 """How KVzip's reconstruction passes are cut into forwards, and how tensor-parallel ranks agree on
-them (`sgl_kvc/adapter/kvzip/reconstruction.py`), without a server: real plans over a real `KvcStore`,
+them (`sgl_kvc/adapter/kvzip/`: `reconstruction.py`, `forwards.py`), without a server: real plans over a real `KvcStore`,
 SGLang's own `Req` for each forward's requests; the forwards themselves are recorded, not run.
 
 Tensor parallelism is played by threads, one per rank, whose `RankVote` sums over a barrier with
@@ -17,18 +17,20 @@ import pytest
 import torch
 
 from fakes import FakeAllocator, LayeredKvPool
-from sgl_kvc.adapter.kvzip import reconstruction
-from sgl_kvc.adapter.kvzip.reconstruction import Reconstructor, forward_groups, forward_limit
+from sgl_kvc.adapter.kvzip import forwards as forwards_module
+from sgl_kvc.adapter.kvzip.limits import RESERVE_HEAD, forward_groups, forward_limit
+from sgl_kvc.adapter.kvzip.reconstruction import Reconstructor
 from sgl_kvc.adapter.memory.kv_memory import Reservation, forward_entries, forward_room
 from sgl_kvc.adapter.safety.failures import FailedOnAnotherRank
 from sgl_kvc.adapter.safety.tp import RankVote
 from sgl_kvc.config import KvcConfig
+from sgl_kvc.core.reconstruction import ReconstructionPrompt, instruction_tokens
 from sgl_kvc.core.request_state import Budget, ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import get_policy
 
-PROMPT = reconstruction.ReconstructionPrompt(system=(1, 2), suffix=(8, 9), first=(50, 51, 52), later=(60, 61))
-HEAD = reconstruction.instruction_tokens(PROMPT)  # tokens of a forward besides its context
+PROMPT = ReconstructionPrompt(system=(1, 2), suffix=(8, 9), first=(50, 51, 52), later=(60, 61))
+HEAD = instruction_tokens(PROMPT)  # tokens of a forward besides its context
 CONFIG = KvcConfig(policy="snapkv", prompt_policy="kvzip", kvzip_chunk=2048)
 
 
@@ -41,7 +43,7 @@ def _req(i: int, tokens: int) -> SimpleNamespace:
 
 def _setup(n: int, tokens: int, width: int | None = None, config: KvcConfig = CONFIG):
     """n requests of `tokens` prompt tokens, all read, in rows 0..n-1 of a real store."""
-    width = width or tokens + config.kvzip_chunk + reconstruction.RESERVE_HEAD
+    width = width or tokens + config.kvzip_chunk + RESERVE_HEAD
     pool = LayeredKvPool(slots=64, layers=2, heads=1, dim=4, g=torch.Generator().manual_seed(0))
     store = KvcStore(2, 4, torch.zeros(n, width, dtype=torch.int32), pool)
     reqs = [_req(i, tokens) for i in range(n)]
@@ -284,14 +286,14 @@ def _sglang_batches(monkeypatch) -> None:
     monkeypatch.setattr(ScheduleBatch, "init_new", staticmethod(
         lambda reqs, req_pool, allocator, *a: _FakeExtend(reqs, allocator)))
     monkeypatch.setattr(ForwardBatch, "init_new", staticmethod(lambda batch, runner, **kw: batch))
-    real = reconstruction.shadow_request
+    real = forwards_module.shadow_request
 
     def shadow(req: Any, *args: Any) -> Any:
         if getattr(req, "fail_prepare", False):
             raise RuntimeError("planted: preparing the forward fails here")
         return real(req, *args)
 
-    monkeypatch.setattr(reconstruction, "shadow_request", shadow)
+    monkeypatch.setattr(forwards_module, "shadow_request", shadow)
 
 
 def _one_forward(vote: RankVote | None, prepare_fails: bool, forward: Callable[[Any], None]):

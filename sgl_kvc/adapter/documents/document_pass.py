@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 
 class Host(Protocol):
     """What compressing and publishing a document needs of the compressor that runs the moments
-    (`adapter/moments/compressor.py`), and nothing more."""
+    (`adapter/moments/compressor.py`; the moments' own `Host` extends it), and nothing more."""
 
     config: KvcConfig
     store: KvcStore
@@ -385,7 +385,7 @@ def _row_ready(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey,
 def _adopt(compressor: Host, batch: ScheduleBatch, i: int, doc: Compressed, slots: Tensor,
            registry: Any) -> None:
     """The node is the row's first slots; the request holds it locked, as a matched prefix, and
-    goes on exactly as a request that started from it (`Compressor._begin` for a hit). After the
+    goes on exactly as a request that started from it (`request_life.begin` for a hit). After the
     vote: plain inserts and assignments (its metadata was made before it, `_row_ready`)."""
     req, tree, key = batch.reqs[i], batch.tree_cache, doc.key
     state = compressor.state(req)
@@ -401,7 +401,7 @@ def _adopt(compressor: Host, batch: ScheduleBatch, i: int, doc: Compressed, slot
     # (the scores it carries, kept with the document for every hit: `Document.carried`, which a
     # hit's pass resumes from, where its own cut's would have it repeat the document); its
     # decode policy's statistics of them (H2O, Batch-Max: its own reading of the document;
-    # KV-Compress: seeded by the cut) are dropped, since no hit has them (`Compressor._begin`):
+    # KV-Compress: seeded by the cut) are dropped, since no hit has them (`request_life.begin`):
     # they start at the document's end.
     state.passes = 0
     state.reconstructed = doc.carried(compressor.store.device)

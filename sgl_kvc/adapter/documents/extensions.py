@@ -163,7 +163,7 @@ def _row_entries(key: DocumentKey, parent: Document) -> int:
 
 def _chain_state(compressor: Host, key: DocumentKey, parent: Document) -> ReqKvState:
     """The extension's pass state: a row that starts from `parent`, as a request's that started
-    from it (`Compressor._begin` for a hit), with nothing of its own compacted."""
+    from it (`request_life.begin` for a hit), with nothing of its own compacted."""
     store = compressor.store
     state = ReqKvState(policy=compressor.policy(key.policy, key.entries), budget=Budget(key.entries),
                        selection="per-head", device=store.device)

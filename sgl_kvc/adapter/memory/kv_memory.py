@@ -31,7 +31,7 @@ A compressing server keeps, besides SGLang's KV pool:
   hands each row's gathered keys to the layer's fold, so one layer's keys of every row of the
   forward are alive at once (its prefixes may be far longer than its tokens: 32 requests over a
   cached 16K prefix attend to 512K entries). A forward attends to at most `forward_entries` (the
-  widest row: the context and a forward's room; `adapter/reconstruction.forward_groups` cuts a
+  widest row: the context and a forward's room; `adapter/kvzip/limits.forward_groups` cuts a
   round's requests to fit), whose keys are reserved once (`FORWARD_ENTRIES_ATTR`);
 * the metadata of the shared documents resident in the prefix cache (`adapter/documents/__init__.py`,
   `Document.compact`: which token each kept entry holds, an int32 per entry, and compressed by
@@ -56,7 +56,7 @@ whole), and the moment slots so the moments take at most `MAX_MOMENT_SHARE`.
 
 Transient work of a pass (one layer's keys while it scores it) is activation memory, like
 SGLang's own, and stays in its slack; so do a reconstruction forward's activations, which it keeps
-within SGLang's tokens per prefill forward (`reconstruction.forward_limit`). Not reserved yet: the
+within SGLang's tokens per prefill forward (`kvzip/limits.forward_limit`). Not reserved yet: the
 scores a KVzip reconstruction gives a request's entries (a float32 per entry, layer and KV head of
 its row), held from its reconstruction to the end of its pass (over several steps when the pass is
 staged), for every request whose pass is due, and by a conversation's request (a document declared
@@ -248,7 +248,7 @@ def _around_resolve(config: KvcConfig, probe: _MemoryProbe) -> Callable[..., Any
 def forward_room(config: KvcConfig) -> int:
     """Entries added at the end of every request row: the most a reconstruction forward writes
     past a request's entries (one `--kvzip-chunk` and its instruction)."""
-    from sgl_kvc.adapter.kvzip.reconstruction import RESERVE_HEAD
+    from sgl_kvc.adapter.kvzip.limits import RESERVE_HEAD
 
     return config.kvzip_chunk + RESERVE_HEAD if config.compressing else 0
 

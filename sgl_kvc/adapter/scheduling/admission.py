@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter import documents
-from sgl_kvc.adapter.kvzip.reconstruction import forward_slots, question_slots
+from sgl_kvc.adapter.kvzip.limits import forward_slots, question_slots
 from sgl_kvc.adapter.scheduling.requests import chunk_compressible
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.footprint import Moments, Now, Sizes, compaction_copies, most_held
