@@ -197,3 +197,9 @@ def test_the_documents_modules_stay_small() -> None:
     sizes = {p.name: len(p.read_text().splitlines()) for p in folder.glob("*.py")}
     assert len(sizes) > 5, "the documents package was not found"
     assert {name: n for name, n in sizes.items() if n > 400} == {}
+
+
+def test_no_product_module_is_over_500_lines() -> None:
+    """A module is one concern a newcomer reads whole: none of the product's over 500 lines."""
+    sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
+    assert {name: n for name, n in sizes.items() if n > 500} == {}

@@ -326,7 +326,7 @@ def cut(req: Any) -> None:
 
 def cuts(req: Any) -> int:
     """The cuts of `req`'s row inside its document: its passes before the one at the document's
-    end, if it followed its key's procedure (`document_pass.publish_cut_rows` checks it)."""
+    end, if it followed its key's procedure (`cut_rows.publish_cut_rows` checks it)."""
     return kvc_req.of(req).cuts
 
 

@@ -8,7 +8,7 @@
 - `WHOLE`: it reads its prompt whole and publishes its document from a copy of its entries
   (`document_pass.publish_copies`), on a server that never cuts documents between chunks;
 - `SPLIT`: it compresses its document between chunks, cut where its key says, and publishes its
-  row's first slots (`document_pass.publish_cut_rows`);
+  row's first slots (`cut_rows.publish_cut_rows`);
 - `ABSTAIN`: it reads its prompt whole where documents are cut between chunks (it asked for prompt
   log-probabilities): it publishes nothing, since its entries would not be its key's;
 - `EXTEND`: it starts from a resident document its own extends (or a finished turn after it) and

@@ -3,7 +3,7 @@ chunk moment of one between two chunks of its prompt (Batch-Max's prefill-time e
 Algorithm 1; `compressor.py` describes both). Before their passes choose, the reconstruction
 pass of those whose prompt policy reads one (KVzip) and the question's forward of the cuts that
 read their question first (`reconstruct`); after them, the shared documents published from the
-rows cut at their end (`document_pass.publish_cut_rows`) and the extensions the requests go on
+rows cut at their end (`cut_rows.publish_cut_rows`) and the extensions the requests go on
 from (`extensions.adopt`).
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sgl_kvc.adapter import documents
-from sgl_kvc.adapter.documents import document_pass, extensions
+from sgl_kvc.adapter.documents import cut_rows, document_pass, extensions
 from sgl_kvc.adapter.kvc_req import resolved
 from sgl_kvc.adapter.kvzip.limits import question_slots, unscorable
 from sgl_kvc.adapter.moments.commit import CHUNK_SKIPPED, flush, settle
@@ -97,7 +97,7 @@ def after_prefill(comp: Host, batch: ScheduleBatch) -> None:
         # one took them when it began) and serve no later one.
         state.query_moments = None
     flush(comp, batch)
-    document_pass.publish_cut_rows(comp, batch, list(due.ends.items()), due.passes_before)
+    cut_rows.publish_cut_rows(comp, batch, list(due.ends.items()), due.passes_before)
     extensions.adopt(comp, batch, list(adopting.items()))
     settle(comp, batch)
 
@@ -112,7 +112,7 @@ def chunk_moment(comp: Host, batch: ScheduleBatch, i: int, req: Req, state: ReqK
     if key is not None:
         if n > key.entries and room_for(batch, i, key.entries):
             # Its document is read, its question not: the row is cut to the document's k
-            # entries, to be published (`document_pass.publish_cut_rows`).
+            # entries, to be published (`cut_rows.publish_cut_rows`).
             due.chunks.append((i, state, key.entries))
             due.passes_before[i] = state.passes
             return
