@@ -33,8 +33,8 @@ ATTR = "_sgl_kvc"
 class KvcReq:
     """sgl-kvc's fields of one request, grouped by the module that owns each."""
 
-    # `admit`: its settings as parsed when it entered the queue, and resolved
-    # against the server's (cached with the configuration they were resolved for)
+    # `admit` (below): its settings as parsed when it entered the queue, and resolved against the
+    # server's (cached with the configuration they were resolved for)
     settings: RequestCompression | None = None
     resolved: tuple[Any, Any] | None = None
     # `adapter/scheduling/admission`: its footprint's sizes, set when it enters the queue, and
@@ -45,7 +45,7 @@ class KvcReq:
     # `adapter/hooks` (the prefix-match limit): it must compute its whole prompt (H2O, Batch-Max:
     # their statistic sums every prompt query's attention), matching no node but a document's
     whole_prompt: bool = False
-    # `adapter/moments/compressor`: its compression state while it holds a row
+    # `adapter/moments/request_life`: its compression state while it holds a row
     state: ReqKvState | None = None
     # `adapter/safety/failures`: the message it is aborted with, once sgl-kvc failed it
     failure: str | None = None
@@ -74,7 +74,6 @@ def of(req: Any) -> KvcReq:
         fields = KvcReq()
         setattr(req, ATTR, fields)
     return fields
-
 
 
 def peek(req: Any) -> KvcReq | None:

@@ -95,7 +95,7 @@ class DocumentKey:
     # its own; a turn follows it exact; a rebuild names the chain it compressed again (0 held).
     parent: str = ""
     parent_entries: int = 0
-    # A reply's: the digest of the decode settings that compressed it (`settings_digest`), which a
+    # A reply's: the digest of the decode settings that compressed it (`plan.settings_digest`), which a
     # request must share to start from it; inherited by every document made from it (an
     # extension, a rebuild, a turn after it), whose entries its decode chose too.
     settings: str = ""
@@ -146,7 +146,7 @@ def turn_key(parent: DocumentKey, tokens: Sequence[int]) -> DocumentKey:
 def reply_key(declared: DocumentKey, tokens: Sequence[int], entries: int, settings: str, start: str) -> DocumentKey:
     """The key of a reply over `tokens` (all of them, from the first), in `declared`'s family,
     keeping `entries` per (layer, KV head) (on average, packed), compressed by the decode
-    settings `settings` (`settings_digest`) from a row that started from the node `start` (its
+    settings `settings` (`plan.settings_digest`) from a row that started from the node `start` (its
     digest; "" for none): what the reply holds follows from these alone."""
     content = tokens_content(tokens, declared.family)
     digest = hashlib.sha256(repr(("reply", content, entries, settings, start)).encode()).hexdigest()
@@ -181,7 +181,7 @@ class ExtensionRule:
     its own, cut where its key says); None: any. `depth`: the most compressed links a chain holds
     (`--kv-document-depth`): a chain that deep is compressed again as one document, whatever the
     client sends, so that no chain grows without bound. `settings`: the request's own decode
-    settings (`settings_digest`), which a reply it may start from must share."""
+    settings (`plan.settings_digest`), which a reply it may start from must share."""
 
     ratio: float | None
     budget: int | None

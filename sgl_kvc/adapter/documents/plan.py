@@ -1,7 +1,8 @@
 """What a request does with its document: one plan (`roles.DocumentPlan`; `roles.py` says what
 each `Role` does), made when it enters the queue and again at each match (`matching.plan_match`),
-read by every later step. Below the plan, where a `SPLIT` request's chunks end and what its row
-is cut to at each end.
+read by every later step; first the key of the document a request declares (`request_key`) and
+its decode settings' digest (`settings_digest`), the two reads of a request that decide a key.
+Below the plan, where a `SPLIT` request's chunks end and what its row is cut to at each end.
 """
 
 from __future__ import annotations

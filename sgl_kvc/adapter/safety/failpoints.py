@@ -25,8 +25,9 @@ on. `name@R` plants the fault on tensor-parallel rank R only (a fault one rank s
   or its cut row becomes the node (`document_raise@R`: on rank R only, so that the ranks must agree
   not to publish it).
 - `node_raise`: making the node of the shared document (or extension) a request whose id starts
-  with `failpoint-node` publishes from copies raises where the node's metadata is made
-  (`Compressed.compact`), after its entries were copied into the node's fresh slots.
+  with `failpoint-node` publishes raises where the node's metadata is made (`Compressed.compact`):
+  from copies, after its entries were copied into the node's fresh slots; from a cut row, after its
+  row was checked. Either way before the ranks' last vote (`node_raise@R`: on rank R only).
 - `adopt_raise`: a request whose id starts with `failpoint-adopt`, which extends a resident document
   on a server that compresses documents between chunks, raises when it would go on from the
   extension it published (`extensions.adopt`), before its row changed.
