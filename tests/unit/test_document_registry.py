@@ -780,18 +780,6 @@ def test_a_finished_turn_stays_in_the_tree_with_its_own_slots() -> None:
     stripped.owned_kv_len = lambda: len(prompt) - 70
     freed = release(stripped)
     assert freed == rows.req_to_token[3, 30:82].tolist() and tree.documents.snapshot()["turns"] == 1
-    # a row that did not start from the document (its publisher reading it whole, a request asking
-    # for prompt log-probabilities): its question and answer were read against the document's exact
-    # tokens, which the turn's key (the document's, then its tokens) does not say: none kept
-    for role in (Role.WHOLE, Role.ABSTAIN):
-        exact = _declaring(_declaring_own(prompt, 100), key, role)
-        exact.output_ids, exact.finished_reason = [3, 4, 9], FINISH_LENGTH(3)
-        exact.finished = lambda: True
-        read = len(prompt) + 2
-        rows.req_to_token[3, :read] = torch.arange(5000, 5000 + read, dtype=torch.int32)
-        exact.kv = ReqKvInfo(req_pool_idx=3, cache_protected_len=0, kv_committed_len=read, kv_allocated_len=read)
-        exact.owned_kv_len = lambda: exact.kv.kv_committed_len
-        assert release(exact) == rows.req_to_token[3, :read].tolist() and tree.documents.snapshot()["turns"] == 1
 
     def match(tokens: list[int], document: int, limit: int | None = None):
         req = _declaring_own(tokens, document)

@@ -9,8 +9,7 @@ last output token, never read) gives those slots to the tree instead of the pool
 tokens, evicted as any leaf. Nothing is copied. The next turn's prompt resends the conversation,
 which begins with those L tokens where the template renders the answer as it was generated: it
 starts from the document and that turn (`matching.resident_turn`), reads only what follows, and
-compresses [D, D') as its extension. Only a row that started from the document's node keeps a
-turn: one that read the document exact read its turn against other KV than the key names. Once it kept a turn of its own, the turn it started from is
+compresses [D, D') as its extension. Once it kept a turn of its own, the turn it started from is
 dropped where nothing else holds it (`superseded`): a conversation keeps one turn exact. A row
 compacted since it started, or whose tokens after the document are partly the tree's, keeps no
 turn.
@@ -80,11 +79,7 @@ def turn_candidate(registry: DocumentRegistry, req: Any) -> TurnCandidate | None
     if fields is None or fields.rule is None or not owns_its_row(req):
         return None
     parent = registry.get(plan.key)
-    # Only a row that started from the document's node (a hit, or a publisher that adopted it) holds
-    # a turn read against the document's entries; one that read the document exact (its publisher
-    # reading it whole, a request asking for prompt log-probabilities) holds another turn's KV under
-    # the same key, which says nothing of where the row started.
-    if parent is None or parent.exact or plan.start is not parent:
+    if parent is None or parent.exact:
         return None
     # its row holds every token it read exact after what it started from (nothing: after none):
     # those at row index (token - offset), where nothing compacted it since
