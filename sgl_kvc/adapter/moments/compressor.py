@@ -135,18 +135,6 @@ class Compressor:
             registry.metadata_budget = self.document_bytes
             registry.vote = self.failures.vote
 
-    def serve(self, scheduler: Any) -> None:
-        """The scheduler this compressor runs in (set by its hooks, every step), and, once, its
-        shared documents' registry: their metrics, their metadata's reservation and the ranks'
-        vote, before anything is published."""
-        self.scheduler = scheduler
-        registry = documents.registry_of(getattr(scheduler, "tree_cache", None))
-        if registry is not None and self._registry is not registry:
-            self._registry = registry
-            registry.metrics = self.metrics
-            registry.metadata_budget = self.document_bytes
-            registry.vote = self.failures.vote
-
     # --- per request --------------------------------------------------------------------------
     def policy(self, name: str, budget: int) -> Policy:
         key = (name, budget)
