@@ -56,6 +56,11 @@ DEFAULT_DOCUMENT_WAIT = 10.0
 # without bound (each link is a node, and a request starting from a chain reads every link's
 # tables); the next turn of a chain that deep compresses it again as one.
 DEFAULT_DOCUMENT_DEPTH = 16
+# Entries per (layer, KV head) a conversation's chain holds at most beyond what compressing it anew
+# would keep (`--kv-turn-window`): its latest turns, kept whole (`ExtensionRule.entries`). 256: the
+# default set's eight turns of about 40 tokens each stay within it (docs/quality.md, Conversations).
+DEFAULT_TURN_WINDOW = 256
+MAX_TURN_WINDOW = 1 << 20
 # Each link of a chain holds the chain's links above it (`documents/links.py`: flat, no walk), so a
 # chain's references grow with the square of its depth: bounded here, whatever an operator asks.
 MAX_DOCUMENT_DEPTH = 1024
@@ -253,6 +258,15 @@ class KvcConfig:
             "extensions): the next turn of a chain that deep compresses it again as one document."
         ),
     )
+    kv_turn_window: int = field(
+        default=DEFAULT_TURN_WINDOW,
+        metadata=_flag(
+            "Entries per head a conversation kept compressed from turn to turn holds beyond what "
+            "compressing it anew keeps (a document's ratio of all its tokens): its latest turns are "
+            "kept whole up to it; the turn past it compresses the chain again to that ratio. 0: "
+            "every turn compresses its chain again."
+        ),
+    )
 
     def __post_init__(self) -> None:
         # An earlier policy name (e.g. avgattn) is stored as the policy's name.
@@ -313,6 +327,10 @@ class KvcConfig:
                 or not 1 <= self.kv_document_depth <= MAX_DOCUMENT_DEPTH:
             raise ValueError(f"--kv-document-depth must be an integer in [1, {MAX_DOCUMENT_DEPTH}], "
                              f"got {self.kv_document_depth!r}")
+        if isinstance(self.kv_turn_window, bool) or not isinstance(self.kv_turn_window, int) \
+                or not 0 <= self.kv_turn_window <= MAX_TURN_WINDOW:
+            raise ValueError(f"--kv-turn-window must be an integer in [0, {MAX_TURN_WINDOW}], "
+                             f"got {self.kv_turn_window!r}")
         if isinstance(self.kv_document_wait, bool) or not isinstance(self.kv_document_wait, (int, float)) \
                 or not 0.0 <= self.kv_document_wait < float("inf"):
             raise ValueError(f"--kv-document-wait must be a number of seconds >= 0, got {self.kv_document_wait!r}")

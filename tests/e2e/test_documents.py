@@ -82,8 +82,9 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(10, 2000) for _ in range(n)]
 
 
-def _ask(server: ServerProcess, doc: list[int], question: list[int], n: int = 4, ratio: float = 0.3, **extra) -> dict:
-    spec = {"tokens": len(doc), "ratio": ratio}
+def _ask(server: ServerProcess, doc: list[int], question: list[int], n: int = 4, ratio: float = 0.3,
+         budget: int | None = None, **extra) -> dict:
+    spec = {"tokens": len(doc), **({"ratio": ratio} if budget is None else {"budget": budget})}
     return generate(server, doc + question, n, sampling={"custom_params": {"sgl_kvc": {"document": spec}}}, **extra)
 
 
@@ -775,7 +776,11 @@ def test_a_document_that_extends_a_resident_one_starts_from_it(servers, name: st
     where documents are compressed between chunks: it reads its question after its turn, from
     the chain); a second branch shares
     the first document's node (its entries are in the tree once); a third turn extends the chain;
-    the pool adds up once they are evicted, and another tenant's answer is unchanged. On the
+    the pool adds up once they are evicted, and another tenant's answer is unchanged. The turns
+    declare a budget for their chain (its document's 36 entries and 12 more, then 10 more): a
+    turn declaring a ratio is kept whole within `--kv-turn-window`
+    (`test_a_turn_within_the_window_is_kept_whole`), and this is the pass that chooses among a
+    turn's tokens, with the parent's entries held. On the
     uniform server (compressed between chunks) every head keeps as many of the turn's entries; on
     the variable one they are packed, one sort over every head; on the layer server (prompts read
     whole), one sort per layer."""
@@ -784,9 +789,11 @@ def test_a_document_that_extends_a_resident_one_starts_from_it(servers, name: st
     quiet = generate(server, tenant, 4)["output_ids"]
     doc, turn, branch, turn3 = _tokens(5001, DOC), _tokens(5002, TURN), _tokens(5003, TURN), _tokens(5004, NEXT_TURN)
 
+    budgets = {DOC: None, DOC + TURN: ENTRIES + 12, DOC + TURN + NEXT_TURN: ENTRIES + 22}
+
     def ask(document: list[int], seed: int) -> tuple[dict, int, dict]:
         was = server.stats()["prefix_cache"]["prefilled_tokens"]
-        out = _ask(server, document, _tokens(seed, QUESTION))
+        out = _ask(server, document, _tokens(seed, QUESTION), budget=budgets[len(document)])
         return out, server.stats()["prefix_cache"]["prefilled_tokens"] - was, _documents(server)
 
     def published(out: dict) -> dict:
@@ -849,6 +856,33 @@ def test_a_document_that_extends_a_resident_one_starts_from_it(servers, name: st
     assert _documents(server)["resident"] == 0
     assert_pool_whole(server.wait_idle())
     assert generate(server, tenant, 4)["output_ids"] == quiet
+
+
+def test_a_turn_within_the_window_is_kept_whole(servers, trace: Path, demo_model_path: str) -> None:
+    """A turn declaring a ratio (as README's conversations do) is kept whole as its extension while
+    the chain then holds at most `--kv-turn-window` (256) entries beyond that ratio of its tokens
+    (`ExtensionRule.entries`): the chain keeps the document's entries, then every position of the
+    turn, and the next request with that document answers as a dense reference reading them."""
+    server = servers["uniform"]
+    doc, turn = _tokens(5701, DOC), _tokens(5702, TURN)
+
+    def published(out: dict) -> dict:
+        events = [e for e in trace_events(trace, out["meta_info"]["id"]) if e["moment"] == "document"]
+        assert len(events) == 1, events
+        return events[0]
+
+    root = published(_ask(server, doc, _tokens(5710, QUESTION)))
+    start = _documents(server)
+    chain = published(_ask(server, doc + turn, _tokens(5711, QUESTION)))
+    after = _documents(server)
+    assert after["extensions"] == start["extensions"] + 1 and after["rebuilds"] == start["rebuilds"], after
+    for layer, parent in zip(chain["kept_positions"], root["kept_positions"]):
+        for head, parent_head in zip(layer, parent):
+            assert head[:len(parent_head)] == parent_head and sorted(head[len(parent_head):]) == [*range(DOC, DOC + TURN)]
+    assert after["entries"] == start["entries"] + TURN, after
+    third = _ask(server, doc + turn, _tokens(5712, QUESTION))
+    assert logprob_error(demo_model_path, doc + turn + _tokens(5712, QUESTION), third, [root, chain])() < TOLERANCE
+    assert_pool_whole(server.wait_idle())
 
 
 def test_a_chat_conversation_reads_each_turn_once(documents_server) -> None:
@@ -997,15 +1031,22 @@ def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace:
     tokens differ from the turn's in one token matches no turn. The pool adds up after flushing;
     another tenant's answer is unchanged."""
     server = servers[name]
+    # nothing of earlier tests resident: none of their turns is evicted while this one counts its own
+    assert server.post("/flush_cache?timeout=30", json={}).status_code == 200
     tenant = _tokens(6000, DOC + QUESTION)
     quiet = generate(server, tenant, 4)["output_ids"]
     doc, tail = _tokens(6001, DOC), _tokens(6002, TAIL)
     before = _documents(server)
 
+    def budget_of(document: list[int]) -> int | None:
+        """Each turn declares a budget for its chain, 10 entries a turn beyond the document's: a
+        pass that chooses among the turn's tokens (a ratio keeps a turn whole within the window)."""
+        return None if len(document) == DOC else ENTRIES + 10 * round((len(document) - DOC) / (QUESTION + 6))
+
     def ask(document: list[int], seed: int) -> tuple[dict, list[int], int]:
         was = server.stats()["prefix_cache"]["prefilled_tokens"]
         question = _tokens(seed, QUESTION)
-        out = _ask(server, document, question)
+        out = _ask(server, document, question, budget=budget_of(document))
         return out, document + question, server.stats()["prefix_cache"]["prefilled_tokens"] - was
 
     def published(out: dict) -> dict:
@@ -1069,7 +1110,7 @@ def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace:
     # (never on a server that reads prompts whole, where it reads its question beside it); the
     # extension stays, and the next request with that document starts from it
     doc4 = doc3 + _tokens(6013, QUESTION) + tail
-    spec = {"tokens": len(doc4), "ratio": 0.3}
+    spec = {"tokens": len(doc4), "budget": budget_of(doc4)}
     r = server.post("/generate", json={"rid": f"failpoint-adopt-{name}", "input_ids": doc4 + _tokens(6017, QUESTION),
                                        "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True,
                                                            "custom_params": {"sgl_kvc": {"document": spec}}}})
@@ -1079,7 +1120,7 @@ def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace:
     assert prefilled == QUESTION
     # a failure while a turn is kept loses that turn only: the next turn reads its extension
     turns = _documents(server)["turns"]
-    failed = _ask(server, doc2, _tokens(6015, QUESTION), rid=f"failpoint-turn-{name}")
+    failed = _ask(server, doc2, _tokens(6015, QUESTION), budget=budget_of(doc2), rid=f"failpoint-turn-{name}")
     assert len(failed["output_ids"]) == 4 and _documents(server)["turns"] == turns
     _, _, prefilled = ask(doc2 + _tokens(6015, QUESTION) + failed["output_ids"] + tail, 6016)
     assert prefilled == QUESTION + 4 + TAIL + QUESTION

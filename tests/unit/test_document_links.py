@@ -346,7 +346,7 @@ def test_a_chain_at_its_depth_is_compressed_again_not_extended(depth: int, rebui
     rule = ExtensionRule(ratio=0.3, budget=None, floor=4, limit=None, depth=depth)
     found = extendable(registry, _asking(prompt, rule), _key(prompt, 100))
     assert found is not None and found[0] is doc and found[2] is rebuilt
-    assert found[1] == (rule.recompress(24, 100, 20) if rebuilt else rule.entries(24, 20)) == (30 if rebuilt else 6)
+    assert found[1] == (rule.recompress(24, 100, 20) if rebuilt else rule.entries(24, 80, 20)) == (30 if rebuilt else 20)
 
 
 def _reply_registry(prompt: list[int], settings: str) -> tuple[DocumentRegistry, Document, Document]:

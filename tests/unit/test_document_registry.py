@@ -6,6 +6,7 @@ chunk in SGLang's own `PrefillAdder`."""
 
 from __future__ import annotations
 
+import random
 from array import array
 from types import SimpleNamespace
 
@@ -20,7 +21,7 @@ from sgl_kvc.adapter.documents import (
 )
 from sgl_kvc.adapter.documents.radix_cache import KvcRadixCache
 from sgl_kvc.adapter.safety import invariants
-from sgl_kvc.config import KvcConfig
+from sgl_kvc.config import DEFAULT_TURN_WINDOW, KvcConfig
 from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY, DocumentSpec, RequestSettingError, parse_kv_compression
 from fakes import SegmentFreeRecorder
 
@@ -545,13 +546,42 @@ def test_where_a_document_is_cut_is_decided_by_its_key() -> None:
 
 
 def test_extension_entries_from_a_ratio_or_what_is_left_of_a_budget() -> None:
-
-    ratio = ExtensionRule(ratio=0.3, budget=None, floor=13, limit=None)
-    assert ratio.entries(30, 100) == 30 and ratio.entries(30, 20) == 13 and ratio.entries(30, 8) == 8  # kept whole
+    """A ratio is of the chain's tokens, and an extension keeps all of its own while the chain then
+    holds at most `window` entries beyond it; a budget is of the chain, the turn kept whole if it fits."""
+    ratio = ExtensionRule(ratio=0.3, budget=None, floor=13, limit=None, window=40)
+    # a chain over 100 tokens keeping 30: 20 more fit (50 <= ceil(0.3 * 120) + 40), 60 do not (90 > 48 + 40)
+    assert ratio.entries(30, 100, 20) == 20 and ratio.entries(30, 100, 58) == 58
+    assert ratio.entries(30, 100, 60) is None and ratio.rebuild(30, 100, 60) == 48
+    assert ratio.rebuild(30, 100, 20) is None  # extended: no rebuild
+    never = ExtensionRule(ratio=0.3, budget=None, floor=13, limit=None, window=0)
+    assert never.entries(30, 100, 8) is None and never.rebuild(30, 100, 8) == 33  # every turn ranked with its chain
+    assert never.rebuild(14, 20, 3) == 13  # never below the floor
+    assert ExtensionRule(ratio=0.3, budget=None, floor=13, limit=None).window == DEFAULT_TURN_WINDOW
     budget = ExtensionRule(ratio=None, budget=60, floor=13, limit=None)
-    assert budget.entries(30, 100) == 30 and budget.entries(50, 100) is None  # at its budget: not extended
-    assert budget.entries(55, 4) == 4 and budget.entries(55, 8) is None  # a short turn whole, if it fits
-    assert ExtensionRule(ratio=0.3, budget=None, floor=13, limit=64).entries(30, 65) is None  # over one chunk
+    assert budget.entries(30, 100, 100) == 30 and budget.entries(50, 100, 100) is None  # at its budget: not extended
+    assert budget.entries(55, 100, 4) == 4 and budget.entries(55, 100, 8) is None  # a short turn whole, if it fits
+    assert ExtensionRule(ratio=0.3, budget=None, floor=13, limit=64).entries(30, 100, 65) is None  # over one chunk
+
+
+@pytest.mark.parametrize("window", [0, 7, 40, 256])
+def test_a_ratio_chain_never_holds_more_than_its_window_beyond_the_ratio(window: int) -> None:
+    """Any sequence of turns: the chain's entries stay within `window` of what compressing every
+    token it covers anew keeps, never more than its tokens, and every turn either extends (all its
+    tokens kept) or compresses the chain again to that ratio."""
+    rule = ExtensionRule(ratio=0.3, budget=None, floor=13, limit=None, window=window)
+    rng = random.Random(window)
+    tokens, entries = 400, 120
+    for _ in range(200):
+        turn = rng.randint(1, 120)
+        own = rule.entries(entries, tokens, turn)
+        if own is not None:
+            assert own == turn and rule.rebuild(entries, tokens, turn) is None
+            entries += own
+        else:
+            entries = rule.rebuild(entries, tokens, turn)
+            assert entries == rule.target(tokens + turn)
+        tokens += turn
+        assert entries <= min(tokens, rule.target(tokens) + window)
 
 
 def _declaring_own(prompt: list[int], tokens: int, extra_key: str | None = None, settings: str = "") -> SimpleNamespace:
@@ -583,40 +613,40 @@ def test_a_document_that_extends_a_resident_one_is_matched_through_it_and_evicte
     m = match(turn)
     key = documents.declared(turn)
     assert m.last_device_node is root and m.device_prefix_len == 30  # starts from the resident one
-    assert (key.parent, key.tokens, key.entries, key.parent_entries) == (root_key.digest, 140, 30 + 13, 30)
+    assert (key.parent, key.tokens, key.entries, key.parent_entries) == (root_key.digest, 140, 30 + 40, 30)  # kept whole: within the window
     assert key.content == documents.declared(_declaring_own(prompt[:150], 140)).content
     # another namespace, or another document's first 100 tokens, never matches it
     assert match(_declaring_own(prompt[:150], 140, extra_key="lora")).device_prefix_len == 0
     assert match(_declaring_own([7] + prompt[1:150], 140)).device_prefix_len == 0
 
     # its extension published as the root's child (`turns._insert` does so)
-    own = torch.arange(600, 613)
-    path = array("q", root.key.token_ids) + array("q", [int(key.digest[:15], 16)] * 13)
+    own = torch.arange(600, 640)
+    path = array("q", root.key.token_ids) + array("q", [int(key.digest[:15], 16)] * 40)
     child = tree.insert(InsertParams(key=RadixKey(path, extra_key=root.key.extra_key),
                                      value=torch.cat([slots, own]))).last_device_node
     assert child.parent is root
-    doc = Extension(key=key, node=child, kept_positions=torch.randint(100, 140, (2, 1, 13)), slots=13,
+    doc = Extension(key=key, node=child, kept_positions=torch.randint(100, 140, (2, 1, 40)), slots=40,
                     parent=doc_of(root))
     tree.documents.add(doc)
     invariants.check_documents(tree)
-    assert doc.tables()[0].shape == (2, 1, 43) and doc.offset == 140 - 43
+    assert doc.tables()[0].shape == (2, 1, 70) and doc.offset == 140 - 70
     again = _declaring_own(prompt[:160], 140)
     m = match(again)
-    assert m.last_device_node is child and m.device_prefix_len == 43 and documents.declared(again) == key
+    assert m.last_device_node is child and m.device_prefix_len == 70 and documents.declared(again) == key
     assert torch.equal(tree.path_device_indices(child), torch.cat([slots, own]))
     longer = _declaring_own(prompt, 180)  # the next turn extends the longest: the child
     assert match(longer).last_device_node is child and documents.declared(longer).parent == key.digest
-    assert tree.documents.snapshot()["entries"] == 30 + 13 and tree.documents.snapshot()["tokens"] == 140
+    assert tree.documents.snapshot()["entries"] == 30 + 40 and tree.documents.snapshot()["tokens"] == 140
 
     lock = tree.lock(child)  # locks the root too
     tree.evict(EvictParams(num_tokens=100))
     assert allocator.freed == []
     tree.unlock(lock)
-    tree.evict(EvictParams(num_tokens=13))  # the leaf first
+    tree.evict(EvictParams(num_tokens=40))  # the leaf first
     assert tree.documents.get(key) is None and tree.documents.get(root_key) is doc_of(root)
     assert allocator.freed == own.tolist()
     tree.evict(EvictParams(num_tokens=100))
-    assert tree.documents.snapshot()["resident"] == 0 and sorted(allocator.freed) == [*range(500, 530), *range(600, 613)]
+    assert tree.documents.snapshot()["resident"] == 0 and sorted(allocator.freed) == [*range(500, 530), *range(600, 640)]
     invariants.check_documents(tree)
 
 
@@ -710,11 +740,12 @@ def test_an_extension_its_start_covers_is_due_at_its_first_chunk_and_one_read_in
 def test_a_chain_at_its_budget_is_compressed_again_to_it() -> None:
 
     budget = ExtensionRule(ratio=None, budget=60, floor=13, limit=None)
-    assert budget.rebuild(30, 100) is None  # extended: 30 of its own fit
-    assert budget.rebuild(50, 100) == 60 and budget.rebuild(60, 5) == 60  # at its budget: compressed again
-    assert ExtensionRule(ratio=None, budget=8, floor=13, limit=None).rebuild(13, 40) == 13  # never below the floor
-    assert ExtensionRule(ratio=0.3, budget=None, floor=13, limit=None).rebuild(500, 100) is None  # a ratio: no budget
-    assert ExtensionRule(ratio=None, budget=60, floor=13, limit=64).rebuild(60, 65) is None  # over one chunk
+    assert budget.rebuild(30, 200, 100) is None  # extended: 30 of its own fit
+    assert budget.rebuild(50, 200, 100) == 60 and budget.rebuild(60, 200, 5) == 60  # at its budget: compressed again
+    assert ExtensionRule(ratio=None, budget=8, floor=13, limit=None).rebuild(13, 200, 40) == 13  # never below the floor
+    # a ratio past its window: compressed again to the ratio of the chain's 1,100 tokens
+    assert ExtensionRule(ratio=0.3, budget=None, floor=13, limit=None).rebuild(500, 1000, 100) == 330
+    assert ExtensionRule(ratio=None, budget=60, floor=13, limit=64).rebuild(60, 200, 65) is None  # over one chunk
 
 
 def test_a_finished_turn_stays_in_the_tree_with_its_own_slots() -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Sequence
 
-from sgl_kvc.config import KvcConfig
+from sgl_kvc.config import DEFAULT_TURN_WINDOW, KvcConfig
 from sgl_kvc.request_settings import DEFAULT_DOCUMENT_RATIO, DocumentSpec, RequestSettingError, document_floor
 
 NODE_ATTR = "sgl_kvc_document"  # on a radix TreeNode: the Document it holds
@@ -180,8 +180,10 @@ class ExtensionRule:
     its request reads before any cut of its row (a longer one is compressed whole, as a document of
     its own, cut where its key says); None: any. `depth`: the most compressed links a chain holds
     (`--kv-document-depth`): a chain that deep is compressed again as one document, whatever the
-    client sends, so that no chain grows without bound. `settings`: the request's own decode
-    settings (`plan.settings_digest`), which a reply it may start from must share."""
+    client sends, so that no chain grows without bound. `window`: what a chain compressed by a
+    ratio holds at most beyond that ratio of all its tokens (`--kv-turn-window`). `settings`: the
+    request's own decode settings (`plan.settings_digest`), which a reply it may start from must
+    share."""
 
     ratio: float | None
     budget: int | None
@@ -189,32 +191,47 @@ class ExtensionRule:
     limit: int | None
     depth: int = 16
     settings: str = ""
+    window: int = DEFAULT_TURN_WINDOW
 
-    def entries(self, parent_entries: int, tokens: int) -> int | None:
-        """Entries per (layer, KV head) an extension of `tokens` tokens after a document that keeps
-        `parent_entries` keeps of its own, or None where it may not extend it. A ratio is of its own
-        tokens (never fewer than the floor, never more than it has: a short turn is kept whole). A
-        budget is of the chain: what is left of it after the parent, at least the floor (or all of
-        a shorter extension); a chain at its budget is not extended: it is compressed again
-        (`rebuild`)."""
+    def entries(self, parent_entries: int, parent_tokens: int, tokens: int) -> int | None:
+        """Entries per (layer, KV head) an extension of `tokens` tokens after a chain over
+        `parent_tokens` tokens that keeps `parent_entries` keeps of its own, or None where it may
+        not extend it. A budget is of the chain: what is left of it after the parent, at least the
+        floor (or all of a shorter extension). A ratio is of the chain's tokens too, as compressing
+        the conversation anew keeps (`target`), and the latest turns are kept whole: an extension
+        keeps all its tokens while the chain then holds at most `window` entries beyond that. The
+        share of its own tokens an extension used to keep was chosen without its parent's, and
+        answered unlike compressing anew (docs/quality.md, Conversations); a turn's question and
+        answer are what the next question most likely reads. A chain past its budget or window is
+        not extended: it is compressed again (`rebuild`), one ranking over the parent's entries and
+        the extension's tokens, as compressing anew ranks the whole conversation."""
         if self.limit is not None and tokens > self.limit:
             return None
-        least = min(tokens, self.floor)
         if self.budget is not None:
             own = min(tokens, max(self.budget, self.floor) - parent_entries)
-            return own if own >= least else None
-        ratio = DEFAULT_DOCUMENT_RATIO if self.ratio is None else self.ratio
-        return min(tokens, max(self.floor, math.ceil(ratio * tokens)))
+            return own if own >= min(tokens, self.floor) else None
+        if parent_entries + tokens <= self.target(parent_tokens + tokens) + self.window:
+            return tokens
+        return None
 
-    def rebuild(self, parent_entries: int, tokens: int) -> int | None:
-        """The entries per (layer, KV head) of the document that compresses a chain at its budget
-        again, where an extension of `tokens` tokens would exceed it (`entries` is None): the
-        budget, chosen among the parent's entries and the extension's tokens together; else None."""
-        if self.budget is None or (self.limit is not None and tokens > self.limit):
+    def target(self, tokens: int) -> int:
+        """Entries per (layer, KV head) of a chain over `tokens` tokens compressed as one: the
+        budget, or the ratio of them (never below the floor)."""
+        if self.budget is not None:
+            return max(self.budget, self.floor)
+        ratio = DEFAULT_DOCUMENT_RATIO if self.ratio is None else self.ratio
+        return max(self.floor, math.ceil(ratio * tokens))
+
+    def rebuild(self, parent_entries: int, parent_tokens: int, tokens: int) -> int | None:
+        """The entries per (layer, KV head) of the document that compresses a chain past its
+        budget or window again, where an extension of `tokens` tokens may not extend it (`entries`
+        is None): its `target`, chosen among the parent's entries and the extension's tokens
+        together; else None."""
+        if self.limit is not None and tokens > self.limit:
             return None
-        if self.entries(parent_entries, tokens) is not None:
+        if self.entries(parent_entries, parent_tokens, tokens) is not None:
             return None
-        return max(self.budget, self.floor)
+        return min(parent_entries + tokens, self.target(parent_tokens + tokens))
 
     def recompress(self, parent_entries: int, tokens: int, extension: int) -> int | None:
         """The entries per (layer, KV head) of the document over `tokens` tokens that compresses a
@@ -223,9 +240,4 @@ class ExtensionRule:
         extension is too long to extend anything."""
         if self.limit is not None and extension > self.limit:
             return None
-        if self.budget is not None:
-            wanted = max(self.budget, self.floor)
-        else:
-            ratio = DEFAULT_DOCUMENT_RATIO if self.ratio is None else self.ratio
-            wanted = max(self.floor, math.ceil(ratio * tokens))
-        return min(parent_entries + extension, wanted)
+        return min(parent_entries + extension, self.target(tokens))

@@ -105,7 +105,7 @@ def resident_turn(registry: DocumentRegistry, req: Any, parent: Document, own: D
 def extendable(registry: DocumentRegistry, req: Any, own: DocumentKey) -> tuple[Document, int, bool] | None:
     """The longest resident document that `req`'s own (`own`) extends, and the entries per (layer,
     KV head) its extension keeps of its own (`ExtensionRule.entries`), or, where it compresses
-    the chain again (a chain at its budget or depth, a reply), in all (True); or None. A reply,
+    the chain again (a chain at its budget, window or depth, a reply), in all (True); or None. A reply,
     and every document made from one, counts only where the request's own decode settings are
     the reply's."""
     rule = kvc_req.of(req).rule
@@ -126,10 +126,10 @@ def extendable(registry: DocumentRegistry, req: Any, own: DocumentKey) -> tuple[
                 if entries is not None:
                     return doc, entries, True
                 continue
-            entries = rule.entries(doc.key.entries, extension)
+            entries = rule.entries(doc.key.entries, tokens, extension)
             if entries is not None:
                 return doc, entries, False
-            entries = rule.rebuild(doc.key.entries, extension)
+            entries = rule.rebuild(doc.key.entries, tokens, extension)
             if entries is not None:
                 return doc, entries, True
     return None

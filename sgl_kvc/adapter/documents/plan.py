@@ -215,7 +215,8 @@ def declare(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False, c
     if config.kv_document_extend == "resident":
         spec = of_request(req).document
         fields.rule = ExtensionRule(spec.ratio, spec.budget, document_floor(config), chunk,
-                                    depth=config.kv_document_depth, settings=settings_digest(req, config))
+                                    depth=config.kv_document_depth, settings=settings_digest(req, config),
+                                    window=config.kv_turn_window)
     # Its exact KV never enters the tree: the document's compressed node is what later requests
     # start from, and its whole prompt and answer (several times the node's size, and newer)
     # would only push the node out of the LRU.
