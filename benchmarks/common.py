@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 # CPU flags that change how fast a CPU runs this project: AVX2 / AVX-512 for float32 matrix
@@ -233,18 +233,20 @@ def commit_launcher(commit: str, repo: Path = REPO) -> Iterator[tuple[list[str],
 
 @contextmanager
 def config_runs(names: list[str], configs: dict[str, tuple[list[str], Any]], launch: list[str],
-                baseline: str | None) -> Iterator[list[tuple[str, list[str], Any, dict[str, str] | None]]]:
+                baseline: str | None, compared: Collection[str] | None = None
+                ) -> Iterator[list[tuple[str, list[str], Any, dict[str, str] | None]]]:
     """(label, command, request extras, environment) of each config of `names`, in order; with a
-    `baseline` commit, each compressing one (not `plain`) followed by the same flags on sgl-kvc at
-    that commit (`NAME@COMMIT`, `commit_launcher`). `configs`: name -> (command starting with
-    `launch`, extras)."""
+    `baseline` commit, each compressing one (not `plain`; of `compared` only, where given) followed
+    by the same flags on sgl-kvc at that commit (`NAME@COMMIT`, `commit_launcher`). `configs`:
+    name -> (command starting with `launch`, extras)."""
     with contextlib.ExitStack() as stack:
         other = stack.enter_context(commit_launcher(baseline)) if baseline else None
         runs = []
         for name in names:
             flags, extra = configs[name]
             runs.append((name, flags, extra, None))
-            if other is not None and name != "plain":  # the same flags on the other commit's launcher
+            if other is not None and name != "plain" and (compared is None or name in compared):
+                # the same flags on the other commit's launcher
                 before, env, short = other
                 runs.append((f"{name}@{short}", [*before, *flags[len(launch):]], extra, env))
         yield runs

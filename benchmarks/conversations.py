@@ -37,8 +37,9 @@ compressing its document needs, `pool_tokens`):
 `--history plain`: every server's conversation carries plain SGLang's answers as its earlier
 turns (plain runs first), not its own, so that each turn compares servers on the same history
 (with their own, one wrong answer changes what every later turn reads).
-`--baseline COMMIT` runs every compressing config again on sgl-kvc at another commit, right after
-its own (`NAME@COMMIT`): the same requests, before and after a change, in one run.
+`--baseline COMMIT` runs every compressing config (or those of `--baseline-configs`) again on sgl-kvc at
+another commit, right after its own (`NAME@COMMIT`): the same requests, before and after a change, in
+one run.
 With `--decode rkv`, the compressing servers' requests decode with R-KV at `--decode-budget`
 entries beyond their document (their prompts still by KVzip; `--kv-buffer`: the servers' buffer
 above it): a long answer is compacted while it is decoded, and on `conversations` the next turn starts from what it kept (a reply,
@@ -265,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tag", default="")
     p.add_argument("--baseline", default=None, metavar="COMMIT",
                    help="also run every compressing config on sgl-kvc at COMMIT, each right after its own (NAME@COMMIT)")
+    p.add_argument("--baseline-configs", nargs="+", default=None, metavar="CONFIG",
+                   help="with --baseline: only these configs run again at that commit (default: every compressing one)")
     args = p.parse_args(argv)
     meta = run_metadata("benchmarks.conversations", argv)
     print(metadata_markdown(meta), flush=True)
@@ -305,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.history == "plain" and args.configs[0] != "plain":
         raise SystemExit("--history plain needs plain as the first of --configs (or --plain-from)")
     names = [n for n in args.configs if not (n == "plain" and args.plain_from is not None)]
-    with config_runs(names, configs, launch, args.baseline) as runs:
+    with config_runs(names, configs, launch, args.baseline, args.baseline_configs) as runs:
         for label, cmd, extra, env in runs:
             forced = texts["plain"] if args.history == "plain" and label != "plain" else None
             results[label], texts[label] = run(label, cmd, extra, conversations, args.turns, args.clients,
