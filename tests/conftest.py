@@ -119,7 +119,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # The modules that take longest (several servers, or the 30-layer model), started first: with
 # two workers taking one file at a time, a long file left for the end keeps one worker busy
 # alone while the other idles.
-LONGEST_FIRST = ("test_smollm2_pass_keys.py", "test_smollm2_chunks.py", "test_smollm2.py", "test_tensor_parallel.py",
+LONGEST_FIRST = ("test_smollm2_pass_keys.py", "test_smollm2.py", "test_tensor_parallel.py",
                  "test_fp8_serving.py", "test_failure_isolation.py", "test_long_prompts.py", "test_scheduler_moments.py",
                  "test_cluster.py")
 

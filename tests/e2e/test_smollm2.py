@@ -8,7 +8,7 @@
   turns compressed anew.
 Two sgl-kvc servers (`--policy none` and the default) start together once for the module; plain
 SGLang runs only during its test (an extra server competing for two cores slows every other one
-several-fold). Retrieval on this model: `test_smollm2_pass_keys.py` and `test_smollm2_chunks.py`.
+several-fold). Retrieval on this model: `test_smollm2_pass_keys.py`.
 """
 
 from __future__ import annotations
