@@ -113,7 +113,7 @@ def test_under_budget_request_answers_as_the_full_cache(servers, smollm2_path: s
 # on the same prompt: the README's chat-over-an-upload request (docs/quality.md, "Conversations").
 # Measured (Intel Xeon, 2 cores, float32): agreeing with plain on turns 2-4, of 12, extended 12 and
 # anew 12; with each extension keeping 0.3 of its own tokens (the rule before the turn window) 10
-# against 12, both times where anew agreed, which fails. About 80 s.
+# against 12, both times where anew agreed, which fails. About 75 s alone, twice that in CI.
 CONVERSATIONS, DOCUMENT_TOKENS, FACTS, SEED = 4, 512, 8, 2
 TURNS = 4  # asked of each conversation's FACTS questions
 README_REQUEST = {"prompt_policy": "kvzip", "document": {"ratio": 0.3}}
@@ -141,14 +141,17 @@ def test_an_extended_conversation_agrees_with_plain_sglang_as_often_as_compressi
         for c in conversations:
             q = Question(c.index, t, (*history[c.index], {"role": "user", "content": c.questions[t]}), c.answers[t])
             plain = ask(servers["none"].url, q, {}, ANSWER_TOKENS)
-            # anew first: its own namespace, so nothing of the conversation's chain matches it, and
-            # the chain stays the most recently used entry of the tree for its own turn after it
+            # anew first (turn 1 is the same request both ways): its own namespace, so nothing of
+            # the conversation's chain matches it, and the chain stays the most recently used
+            # entry of the tree for its own turn after it
             anew = ask(rkv.url, q, {"kv_compression": README_REQUEST, "cache_salt": f"anew-{c.index}-{t}"},
-                       ANSWER_TOKENS)
+                       ANSWER_TOKENS) if t else None
             extended = ask(rkv.url, q, {"kv_compression": README_REQUEST}, ANSWER_TOKENS)
-            assert not (plain.error or anew.error or extended.error), (plain.error, anew.error, extended.error)
+            errors = [a.error for a in (plain, anew, extended) if a is not None and a.error]
+            assert not errors, errors
             history[c.index] = [*q.messages, {"role": "assistant", "content": plain.text}]
-            row.append((_agrees(extended, plain), _agrees(anew, plain)))
+            if anew is not None:
+                row.append((_agrees(extended, plain), _agrees(anew, plain)))
         if t:
             turns.append(row)
     after = rkv.stats()["documents"]
