@@ -178,6 +178,12 @@ def earlier_plain(path: Path, lengths: list[int], turns: int) -> tuple[list[Turn
     return [TurnResult(**r) for r in earlier["turns"]["plain"]], earlier["answers"]["plain"]
 
 
+def agrees(text: str, right: bool, plain_text: str, plain_right: bool) -> bool:
+    """An answer agrees with plain SGLang's: it is plain's answer, or one as right as it (both
+    right, or both wrong)."""
+    return text == plain_text or right == plain_right
+
+
 def row(config: str, r: TurnResult, count: int, plain: TurnResult | None) -> dict[str, Any]:
     served = count - r.errors
     out = {
@@ -193,8 +199,7 @@ def row(config: str, r: TurnResult, count: int, plain: TurnResult | None) -> dic
     if plain is not None:
         both = sum(a and b for a, b in zip(r.right, plain.right))
         out["kept"] = f"{both}/{sum(plain.right)}"
-        # plain SGLang's answer, or one as right as it (both right, or both wrong)
-        out["agreed"] = sum(a == b or x == y for a, b, x, y in zip(r.answers, plain.answers, r.right, plain.right))
+        out["agreed"] = sum(map(agrees, r.answers, r.right, plain.answers, plain.right))
     return out
 
 

@@ -119,15 +119,10 @@ TURNS = 4  # asked of each conversation's FACTS questions
 README_REQUEST = {"prompt_policy": "kvzip", "document": {"ratio": 0.3}}
 
 
-def _agrees(answer, plain) -> bool:
-    """benchmarks.conversations' `agreed`: plain's answer, or one as right as it."""
-    return answer.text == plain.text or answer.correct == plain.correct
-
-
 def test_an_extended_conversation_agrees_with_plain_sglang_as_often_as_compressing_anew(servers, smollm2_path) -> None:
     from transformers import AutoTokenizer
 
-    from benchmarks.conversations import ANSWER_TOKENS, make_conversations
+    from benchmarks.conversations import ANSWER_TOKENS, agrees, make_conversations
     from benchmarks.shared_documents import Question, ask
 
     conversations, _ = make_conversations(AutoTokenizer.from_pretrained(smollm2_path), CONVERSATIONS,
@@ -151,7 +146,8 @@ def test_an_extended_conversation_agrees_with_plain_sglang_as_often_as_compressi
             assert not errors, errors
             history[c.index] = [*q.messages, {"role": "assistant", "content": plain.text}]
             if anew is not None:
-                row.append((_agrees(extended, plain), _agrees(anew, plain)))
+                row.append((agrees(extended.text, extended.correct, plain.text, plain.correct),
+                            agrees(anew.text, anew.correct, plain.text, plain.correct)))
         if t:
             turns.append(row)
     after = rkv.stats()["documents"]
