@@ -113,7 +113,7 @@ def test_under_budget_request_answers_as_the_full_cache(servers, smollm2_path: s
 # on the same prompt: the README's chat-over-an-upload request (docs/quality.md, "Conversations").
 # Measured (Intel Xeon, 2 cores, float32): agreeing with plain on turns 2-4, of 12, extended 12 and
 # anew 12; with each extension keeping 0.3 of its own tokens (the rule before the turn window) 10
-# against 12, both times where anew agreed, which fails. About 75 s alone, twice that in CI.
+# against 12, both times where anew agreed, which fails. About 85 s alone, 160 s in CI.
 CONVERSATIONS, DOCUMENT_TOKENS, FACTS, SEED = 4, 512, 8, 2
 TURNS = 4  # asked of each conversation's FACTS questions
 README_REQUEST = {"prompt_policy": "kvzip", "document": {"ratio": 0.3}}
