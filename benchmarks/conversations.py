@@ -50,6 +50,11 @@ or one as right as it), the radix tree's tokens per
 conversation after the turn, and the documents compressed, resident and evicted, and turns
 published and resident. Writes
 `<out>/conversations[-tag].{json,md,png}`.
+`--segments`: the compressing servers write their compaction trace, and each turn's document is
+split at its messages (`benchmarks/conversation_segments.py`): per server and turn, the share of
+the document's, the questions', the answers' and the last turn's entries it kept; and, for each
+conversation at the first turn where `conversations` and `documents` answer differently, what
+each kept of every part and how many of those entries are the same.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks import conversation_segments as segs
 from benchmarks.common import config_runs, machine, metadata_markdown, run_metadata
 from benchmarks.quality_samples import code_question
 from benchmarks.shared_documents import (
@@ -98,6 +104,9 @@ class TurnResult:
     prompt_tokens: int = 0
     tree_tokens: int = 0  # the radix tree's, after the turn
     documents: dict[str, Any] = field(default_factory=dict)  # the stats' documents, after the turn
+    # --segments: per conversation, what its turn's document kept of each kind of segment
+    # (`conversation_segments.grouped`), {} where the trace holds no document of that request
+    kept: list[dict[str, float]] = field(default_factory=list)
 
 
 def make_conversations(tok: Any, count: int, tokens: int, turns: int, seed: int,
@@ -133,20 +142,32 @@ def pool_tokens(lengths: list[int], turns: int, ratio: float, chunk: int, per_tu
 def run(config: str, flags: list[str], extra: dict[str, Any], conversations: list[Conversation], turns: int,
         clients: int, log: Path, answer_tokens: int = ANSWER_TOKENS,
         env: dict[str, str] | None = None,
-        history_from: list[list[str]] | None = None) -> tuple[list[TurnResult], list[list[str]]]:
-    """Every turn of every conversation on one server: the per-turn results, and each
-    conversation's answers in order. `history_from`: each conversation's earlier answers are these
-    (another server's, per conversation and turn) instead of this server's own."""
+        history_from: list[list[str]] | None = None,
+        trace: Path | None = None) -> tuple[list[TurnResult], list[list[str]], list[list[tuple[dict[str, str], ...]]]]:
+    """Every turn of every conversation on one server: the per-turn results, each
+    conversation's answers in order, and the messages each turn sent (per turn, per
+    conversation). `history_from`: each conversation's earlier answers are these (another
+    server's, per conversation and turn) instead of this server's own. `trace`: the server writes
+    its compaction trace there, and each request carries its id (`conversation_segments.rid`)."""
     history: list[list[dict[str, str]]] = [[{"role": "user", "content": c.document}] for c in conversations]
     texts: list[list[str]] = [[] for _ in conversations]
+    sent: list[list[tuple[dict[str, str], ...]]] = []
     results = []
+    if trace is not None:
+        env = {**(env or {}), "SGLKVC_TRACE": str(trace)}
     with ServerProcess.launch(flags, env=env, log_path=log) as server:
         for t in range(turns):
             before = server.stats()
             questions = [Question(c.index, t, tuple(history[c.index] + [{"role": "user", "content": c.questions[t]}]),
                                   c.answers[t]) for c in conversations]
+            sent.append([q.messages for q in questions])
+
+            def asked(q: Question) -> Any:
+                mine = extra if trace is None else {**extra, "rid": segs.rid(config, q.document, q.index + 1)}
+                return ask(server.url, q, mine, answer_tokens)
+
             with ThreadPoolExecutor(clients) as pool:
-                answers = list(pool.map(lambda q: ask(server.url, q, extra, answer_tokens), questions))
+                answers = list(pool.map(asked, questions))
             after = server.wait_idle()
             r = TurnResult(t + 1)
             for c, q, a in zip(conversations, questions, answers):
@@ -165,7 +186,75 @@ def run(config: str, flags: list[str], extra: dict[str, Any], conversations: lis
             r.documents = after.get("documents", {})
             results.append(r)
             print(f"[conversations] {config} turn {t + 1}: {row(config, r, len(conversations), None)}", flush=True)
-    return results, texts
+    return results, texts, sent
+
+
+def read_segments(tok: Any, config: str, trace: Path, results: list[TurnResult],
+                  sent: list[list[tuple[dict[str, str], ...]]]) -> dict[tuple[int, int], tuple[Any, list[Any]]]:
+    """Fill each turn's `kept` from the server's trace; the documents' events and segments by
+    (conversation, turn), for `first_differences`."""
+    events = segs.document_events(trace)
+    found = {}
+    for r, messages in zip(results, sent):
+        r.kept = []
+        for c, m in enumerate(messages):
+            event = events.get(segs.rid(config, c, r.turn))
+            if event is None:
+                r.kept.append({})
+                continue
+            parts = segs.segments(tok, list(m[:-1]))  # the declared document: every message but the last
+            r.kept.append(segs.grouped(segs.kept_shares(event, parts), parts))
+            found[c, r.turn] = (event, parts)
+    return found
+
+
+def first_differences(extended: str, anew: str, texts: dict[str, list[list[str]]],
+                      found: dict[str, dict[tuple[int, int], tuple[Any, list[Any]]]]) -> list[dict[str, Any]]:
+    """For each conversation, the first turn (from 2) where `extended` and `anew` answer
+    differently: what each kept of every kind of segment, and how alike their kept entries are."""
+    out = []
+    for c, (mine, theirs) in enumerate(zip(texts[extended], texts[anew])):
+        turn = next((t + 1 for t in range(1, len(mine)) if mine[t] != theirs[t]), None)
+        if turn is None or (c, turn) not in found[extended] or (c, turn) not in found[anew]:
+            continue
+        (e, parts), (a, _) = found[extended][c, turn], found[anew][c, turn]
+        out.append({"conversation": c, "turn": turn, "answers": [mine[turn - 1], theirs[turn - 1]],
+                    extended: segs.grouped(segs.kept_shares(e, parts), parts),
+                    anew: segs.grouped(segs.kept_shares(a, parts), parts),
+                    "same_entries": segs.grouped(segs.overlaps(e, a, parts), parts),
+                    "per_segment": {extended: segs.kept_shares(e, parts), anew: segs.kept_shares(a, parts)}})
+    return out
+
+
+GROUPS = ("document", "questions", "answers", "last_turn")
+
+
+def segment_table(results: dict[str, list[TurnResult]]) -> str:
+    """Per server and turn, the mean over conversations of what its documents kept of each kind."""
+    lines = ["| config | turn | " + " | ".join(GROUPS) + " |", "|" + "---|" * (2 + len(GROUPS))]
+    for name, turns in results.items():
+        for r in turns:
+            if not any(r.kept):
+                continue
+            means = [statistics.mean(k[g] for k in r.kept if g in k) if any(g in k for k in r.kept) else None
+                     for g in GROUPS]
+            lines.append(f"| {name} | {r.turn} | " + " | ".join("–" if m is None else f"{m:.2f}" for m in means) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def differences_table(extended: str, anew: str, rows: list[dict[str, Any]]) -> str:
+    lines = ["| conversation | turn | answers (" + f"{extended} / {anew}) | " +
+             " | ".join(f"{g}: kept / same" for g in GROUPS) + " |", "|" + "---|" * (3 + len(GROUPS))]
+    for d in rows:
+        cells = []
+        for g in GROUPS:
+            if g in d[extended]:
+                cells.append(f"{d[extended][g]:.2f} / {d[anew][g]:.2f} / {d['same_entries'][g]:.2f}")
+            else:
+                cells.append("–")
+        answers = " / ".join(json.dumps(a) for a in d["answers"]).replace("|", "\\|")
+        lines.append(f"| {d['conversation']} | {d['turn']} | {answers} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def earlier_plain(path: Path, lengths: list[int], turns: int) -> tuple[list[TurnResult], list[list[str]]]:
@@ -273,6 +362,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="also run every compressing config on sgl-kvc at COMMIT, each right after its own (NAME@COMMIT)")
     p.add_argument("--baseline-configs", nargs="+", default=None, metavar="CONFIG",
                    help="with --baseline: only these configs run again at that commit (default: every compressing one)")
+    p.add_argument("--segments", action="store_true",
+                   help="what each turn's document kept of each message, from the compressing servers' trace")
     args = p.parse_args(argv)
     meta = run_metadata("benchmarks.conversations", argv)
     print(metadata_markdown(meta), flush=True)
@@ -313,11 +404,17 @@ def main(argv: list[str] | None = None) -> None:
     elif args.history == "plain" and args.configs[0] != "plain":
         raise SystemExit("--history plain needs plain as the first of --configs (or --plain-from)")
     names = [n for n in args.configs if not (n == "plain" and args.plain_from is not None)]
+    found: dict[str, dict[tuple[int, int], tuple[Any, list[Any]]]] = {}
     with config_runs(names, configs, launch, args.baseline, args.baseline_configs) as runs:
         for label, cmd, extra, env in runs:
             forced = texts["plain"] if args.history == "plain" and label != "plain" else None
-            results[label], texts[label] = run(label, cmd, extra, conversations, args.turns, args.clients,
-                                               logs / f"{label}.log", args.answer_tokens, env, forced)
+            trace = logs / f"{label}.trace.jsonl" if args.segments and label != "plain" else None
+            results[label], texts[label], sent = run(label, cmd, extra, conversations, args.turns, args.clients,
+                                                     logs / f"{label}.log", args.answer_tokens, env, forced, trace)
+            if trace is not None:
+                found[label] = read_segments(tok, label, trace, results[label], sent)
+    differences = (first_differences("conversations", "documents", texts, found)
+                   if {"conversations", "documents"} <= found.keys() else [])
     plain = results.get("plain")
     rows = [row(name, r, args.conversations, plain[r.turn - 1] if plain else None)
             for name, turns in results.items() for r in turns]
@@ -331,14 +428,19 @@ def main(argv: list[str] | None = None) -> None:
              "kvzip_chunk": KVZIP_CHUNK, "wall_seconds": round(time.perf_counter() - t0)}
     (args.out / f"{stem}.json").write_text(json.dumps(
         {"meta": meta, "setup": setup, "rows": rows, "turns": {n: [asdict(r) for r in rs] for n, rs in results.items()},
-         "answers": texts}, indent=2))
+         "answers": texts, "first_differences": differences}, indent=2))
     plot(rows, args.out / f"{stem}.png",
          f"{args.conversations} conversations x {args.turns} turns, pool {pool}; {machine()}")
     body = table(rows)
     (args.out / f"{stem}.md").write_text(
         f"{metadata_markdown(meta)}\n## Conversations: {args.conversations} x {args.turns} turns over documents of "
         f"~{args.document_tokens} tokens, interleaved; pool {pool} tokens; {args.dtype}\n\n"
-        f"Setup: `{json.dumps(setup)}`\n\n{body}")
+        f"Setup: `{json.dumps(setup)}`\n\n{body}" + (
+            "\n## Kept per segment\n\nThe share of each part's entries (tokens x heads) the turn's document kept, "
+            "mean over conversations:\n\n" + segment_table(results) if found else "") + (
+            "\n## The first turn conversations and documents answer differently\n\nPer part: kept by "
+            "conversations / kept by documents / the same entries (Jaccard per head):\n\n"
+            + differences_table("conversations", "documents", differences) if differences else ""))
     print(body)
 
 

@@ -68,3 +68,49 @@ def test_plain_sglangs_turns_are_reused_only_from_a_run_of_the_same_conversation
     for lengths, count in (([1000, 1101], 2), ([1000, 1100], 3)):  # other documents, other turns
         with pytest.raises(SystemExit, match="not a run of plain SGLang"):
             earlier_plain(path, lengths, count)
+
+
+def test_a_conversations_segments_are_its_messages_in_the_rendered_prompt(tok) -> None:
+    from benchmarks import conversation_segments as segs
+
+    messages = [{"role": "user", "content": "a document " * 30}, {"role": "user", "content": "q one?"},
+                {"role": "assistant", "content": "4821."}, {"role": "user", "content": "q two?"}]
+    parts = segs.segments(tok, messages)
+    assert [s.name for s in parts] == ["document", "q1", "a1", "q2"]
+    whole = tok.apply_chat_template(messages, tokenize=True)
+    whole = whole["input_ids"] if hasattr(whole, "keys") else whole
+    assert parts[0].start == 0 and parts[-1].end == len(whole)
+    assert all(a.end == b.start for a, b in zip(parts, parts[1:]))  # contiguous, nothing left out
+    # each segment's tokens render its message
+    assert "4821" in tok.decode(whole[parts[2].start:parts[2].end])
+    assert "q two" in tok.decode(whole[parts[3].start:parts[3].end])
+
+
+def test_what_a_document_kept_of_each_segment_and_how_alike_two_are() -> None:
+    from benchmarks import conversation_segments as segs
+
+    parts = [segs.Segment("document", 0, 10), segs.Segment("q1", 10, 12), segs.Segment("a1", 12, 16)]
+    # two layers x one KV head, packed lists of different lengths
+    a = {"selection": "per-head", "kept_positions": [[[0, 1, 10, 12, 13]], [[2, 3, 11, 14, 15]]]}
+    b = {"selection": "per-head", "kept_positions": [[[0, 1, 10, 12]], [[4, 5, 10, 11]]]}
+    shares = segs.kept_shares(a, parts)
+    assert shares == {"document": 4 / 20, "q1": 2 / 4, "a1": 4 / 8}
+    assert segs.grouped(shares, parts) == {"document": 0.2, "questions": 0.5, "answers": 0.5,
+                                           "last_turn": round((0.5 * 2 + 0.5 * 4) / 6, 4)}
+    same = segs.overlaps(a, b, parts)
+    assert same["document"] == round((2 / 2 + 0 / 4) / 2, 4)  # layer 0 the same two, layer 1 none alike
+    assert same["q1"] == round((1 / 1 + 1 / 2) / 2, 4) and same["a1"] == round((1 / 2 + 0 / 2) / 2, 4)
+    shared = {"selection": "shared", "kept_positions": [0, 10, 11]}
+    assert segs.kept_shares(shared, parts) == {"document": 0.1, "q1": 1.0, "a1": 0.0}
+
+
+def test_each_requests_last_document_event_of_rank_zero_is_read(tmp_path) -> None:
+    from benchmarks import conversation_segments as segs
+
+    trace = tmp_path / "t.jsonl"
+    lines = [{"rid": "r", "tp_rank": 0, "moment": "document", "n": 1}, {"rid": "r", "tp_rank": 1, "moment": "document"},
+             {"rid": "r", "tp_rank": 0, "moment": "decode"}, {"rid": "r", "tp_rank": 0, "moment": "document", "n": 2}]
+    trace.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert segs.document_events(trace)["r"]["n"] == 2
+    assert segs.document_events(tmp_path / "absent.jsonl") == {}
+    assert segs.rid("conversations@727fb68", 3, 2) == "conv3-turn2-conversations-at-727fb68"
