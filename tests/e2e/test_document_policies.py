@@ -73,8 +73,8 @@ def _turns(server: ServerProcess, policy: str) -> Callable[..., tuple[list[int],
 @pytest.mark.parametrize("policy", DOCUMENT_POLICIES)
 @pytest.mark.parametrize("name", list(SERVERS))
 def test_every_document_policy_extends_a_conversation(servers, name: str, policy: str) -> None:
-    """Turn by turn, each turn after the first prefills only its new tokens and publishes an
-    extension (turns 2 and 3); a long answer compacted while it decodes is kept as a reply (turn
+    """Turn by turn, each turn after the first prefills only its new tokens (where prompts are
+    read whole, the last question and answer too) and publishes an extension (turns 2 and 3); a long answer compacted while it decodes is kept as a reply (turn
     4), which the next turn with the same settings starts from and compresses again with its own
     tokens (turn 5, a rebuild). No document goes unpublished, no request fails, and the pool adds
     up once idle."""
@@ -84,10 +84,14 @@ def test_every_document_policy_extends_a_conversation(servers, name: str, policy
     turn = _turns(server, policy)
     said, _, first = turn(_tokens(seed, DOC), seed + 1, ANSWER)
     assert first["compressions"] == before["documents"]["compressions"] + 1, first
-    # turns 2 and 3: the answer's last token (never read by its own turn) and the question are new
+    # turns 2 and 3: the answer's last token (never read by its own turn) and the question are new;
+    # where prompts are read whole, the last question and answer too: a request that read its
+    # document whole, or extended one beside its extension exact, keeps no turn (its question's KV
+    # is not what a turn's key names, `turns.turn_candidate`)
+    new = 2 * QUESTION + ANSWER if name == "whole" else 1 + QUESTION
     for t in (2, 3):
         said, prefilled, docs = turn(said, seed + t, ANSWER)
-        assert prefilled == 1 + QUESTION, (t, prefilled, docs)
+        assert prefilled == new, (t, prefilled, docs)
         assert docs["extensions"] == first["extensions"] + t - 1, (t, docs)
     # turn 4 answers at length: its row is compacted while it decodes, and kept as a reply
     reply = {"budget": REPLY_BUDGET}

@@ -1015,15 +1015,14 @@ def test_a_chain_never_grows_past_its_depth(documents_server) -> None:
 TAIL = 2  # what a chat template renders after an answer (`<|im_end|>` and a newline, say)
 
 
-@pytest.mark.parametrize("name", ["uniform", "variable", "whole"])
+@pytest.mark.parametrize("name", ["uniform", "variable"])
 def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace: Path, demo_model_path: str) -> None:
     """A request that declared a document finishes: its question and answer (all but its last
     token, never read) stay in the tree as a turn after its document, their slots taken from its
     row. The next turn, whose document is the conversation so far (+ a template's tail), starts
     from that document and the turn, prefills only the answer's last token, the tail and its
     question, publishes its extension (chosen among the last question and answer, read from the
-    turn's slots), reads its question from that extension where documents are cut between chunks
-    (and beside it exact where prompts are read whole), and finishes into a turn of its own after
+    turn's slots), reads its question from that extension, and finishes into a turn of its own after
     that extension, which the third turn starts from; the turn a later one started from is dropped
     once that one kept its own. Each answers exactly as a dense reference whose queries see what
     the rows held: a turn's tokens as its request computed them, then the extension's entries, and
@@ -1077,18 +1076,16 @@ def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace:
     assert chain["logical_len"] == len(doc2)
 
     def answered_from(events: list[dict], extension: dict, prompt: list[int], out: dict) -> list[dict]:
-        """What a turn's question saw: where documents are cut between chunks, the extension its
-        request published (as a later request with that document does), else its extension exact
-        (as its prompt read whole); checked against the other, which must be 10x further off."""
-        split = [*events, extension]
-        expected, other = (events, split) if name == "whole" else (split, events)
+        """What a turn's question saw: the extension its request published (as a later request with
+        that document does), not its extension exact, which must be 10x further off."""
+        expected, other = [*events, extension], events
         error = logprob_error(demo_model_path, prompt, out, expected)
         err, off = error(), error(other)
         print(f"{name}: max |logprob error| {err:.2e}; the other way {off:.3f}")
         assert err < TOLERANCE and off > 10 * TOLERANCE
         return expected
 
-    events = answered_from(([root] if name != "whole" else []) + [seen(root, DOC, end1)], chain, prompt2, second)
+    events = answered_from([root, seen(root, DOC, end1)], chain, prompt2, second)
 
     # turn 3 starts from turn 2's extension and turn (turn 2's question and answer as its
     # request computed them, not read from its extension)
@@ -1106,16 +1103,15 @@ def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace:
     changed = doc3[:end2 - 1] + [doc3[end2 - 1] + 1] + doc3[end2:]
     _, _, prefilled = ask(changed, 6014)
     assert prefilled == len(changed) - len(doc2) + QUESTION
-    # a failure while a request goes on from the extension it published fails that request alone
-    # (never on a server that reads prompts whole, where it reads its question beside it); the
-    # extension stays, and the next request with that document starts from it
+    # a failure while a request goes on from the extension it published fails that request alone;
+    # the extension stays, and the next request with that document starts from it
     doc4 = doc3 + _tokens(6013, QUESTION) + tail
     spec = {"tokens": len(doc4), "budget": budget_of(doc4)}
     r = server.post("/generate", json={"rid": f"failpoint-adopt-{name}", "input_ids": doc4 + _tokens(6017, QUESTION),
                                        "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True,
                                                            "custom_params": {"sgl_kvc": {"document": spec}}}})
     aborted = r.status_code >= 400 or r.json()["meta_info"]["finish_reason"]["type"] == "abort"
-    assert aborted == (name != "whole"), r.text[:300]
+    assert aborted, r.text[:300]
     _, _, prefilled = ask(doc4, 6018)
     assert prefilled == QUESTION
     # a failure while a turn is kept loses that turn only: the next turn reads its extension
@@ -1132,7 +1128,7 @@ def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace:
     assert generate(server, tenant, 4)["output_ids"] == quiet
 
 
-@pytest.mark.parametrize("name", ["uniform", "variable", "whole"])
+@pytest.mark.parametrize("name", ["uniform", "variable"])
 def test_a_document_ending_where_the_last_turn_does_is_published_from_it(servers, name: str) -> None:
     """A conversation's next document that ends exactly where the finished turn does (all of the
     last request's prompt and answer but the answer's last token, which no turn holds): its
@@ -1154,6 +1150,60 @@ def test_a_document_ending_where_the_last_turn_does_is_published_from_it(servers
     assert hit["meta_info"]["cached_tokens"] == len(document)
     assert server.stats()["prefix_cache"]["prefilled_tokens"] - was == QUESTION
     assert_pool_whole(server.wait_idle())
+
+
+def test_a_request_that_read_its_document_whole_keeps_no_turn(servers, trace: Path, demo_model_path: str) -> None:
+    """A turn holds its question and answer as computed against its document's entries, which its
+    key names: a request that read its document whole computed them against the exact document,
+    and keeps none. Where prompts are read whole, neither the first turn (its document's
+    publisher) nor a turn that extends the conversation beside its extension exact keeps one:
+    each next turn reads the last question and answer again after the last document, and answers
+    exactly as a dense reference reading that document's entries (10x further off without them).
+    Where documents are cut between chunks, a request asking for its prompt's log-probabilities
+    (it reads its prompt whole) keeps none either: the next turn reads its question and answer
+    after the document."""
+
+    def ask(server: ServerProcess, document: list[int], seed: int, **extra) -> tuple[dict, list[int], int]:
+        was = server.stats()["prefix_cache"]["prefilled_tokens"]
+        question = _tokens(seed, QUESTION)
+        out = _ask(server, document, question, **extra)
+        return out, document + question, server.stats()["prefix_cache"]["prefilled_tokens"] - was
+
+    def published(out: dict) -> dict:
+        [event] = [e for e in trace_events(trace, out["meta_info"]["id"]) if e["moment"] == "document"]
+        return event
+
+    whole, tail = servers["whole"], _tokens(6302, TAIL)
+    before = _documents(whole)
+    first, prompt1, _ = ask(whole, _tokens(6301, DOC), 6310)
+    # each turn declares a budget for its chain, 10 entries a turn beyond the document's: a pass
+    # that chooses among the turn's tokens (a ratio keeps a turn whole within the window)
+    doc2 = prompt1 + first["output_ids"] + tail
+    second, prompt2, prefilled = ask(whole, doc2, 6311, budget=ENTRIES + 10)
+    assert prefilled == len(doc2) - DOC + QUESTION  # after the document: turn 1 kept no turn
+    doc3 = prompt2 + second["output_ids"] + tail
+    third, prompt3, prefilled = ask(whole, doc3, 6312, budget=ENTRIES + 20)
+    assert prefilled == len(doc3) - len(doc2) + QUESTION  # after turn 2's extension: no turn either
+    after = _documents(whole)
+    assert after["turns"] == before["turns"] and after["extensions"] == before["extensions"] + 2, after
+    # turn 3 saw the chain turn 2 published (its entries as turn 2 computed them after the
+    # document's), then its own tokens exact
+    root, chain = published(first), published(second)
+    error = logprob_error(demo_model_path, prompt3, third, [root, chain])
+    err, off = error(), error([root])
+    assert err < TOLERANCE and off > 10 * TOLERANCE, (err, off)
+
+    uniform = servers["uniform"]
+    doc = _tokens(6320, DOC)
+    ask(uniform, doc, 6321)  # publishes the document
+    turns = _documents(uniform)["turns"]
+    logprobs, prompt, _ = ask(uniform, doc, 6322, logprob_start_len=0)
+    assert len(logprobs["meta_info"]["input_token_logprobs"]) == len(prompt)
+    assert _documents(uniform)["turns"] == turns
+    _, _, prefilled = ask(uniform, prompt + logprobs["output_ids"] + tail, 6323)
+    assert prefilled == QUESTION + len(logprobs["output_ids"]) + TAIL + QUESTION
+    assert_pool_whole(whole.wait_idle())
+    assert_pool_whole(uniform.wait_idle())
 
 
 REPLY = 150  # output tokens: past the row's budget + buffer (40 + 16 + 128) after 12 question tokens

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from array import array
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -811,6 +812,23 @@ def test_a_finished_turn_stays_in_the_tree_with_its_own_slots() -> None:
     stripped.owned_kv_len = lambda: len(prompt) - 70
     freed = release(stripped)
     assert freed == rows.req_to_token[3, 30:82].tolist() and tree.documents.snapshot()["turns"] == 1
+    # a request that read its document whole (its publisher where prompts are read whole, one
+    # asking for prompt log-probabilities, `Role.ABSTAIN`), or that extends it beside it exact:
+    # its question and answer were computed against the exact document, not the entries a turn's
+    # key names; nothing of its row is kept, all of it is freed
+    for role in (Role.WHOLE, Role.ABSTAIN, Role.EXTEND):
+        whole = _declaring(_declaring_own(prompt, 100), key, role)
+        if role is Role.EXTEND:  # started from the document, declaring one past it
+            kvc_req.of(whole).plan = DocumentPlan(role=role, own=key, key=replace(key, digest="e" * 64), start=doc_of(node),
+                                                  parent=doc_of(node), mode=Role.SPLIT)
+        held = 30 if role is Role.EXTEND else 0
+        end = len(prompt) + 2 - (70 if held else 0)  # three output tokens, the last never read
+        rows.req_to_token[3, held:end] = torch.arange(3000, 3000 + end - held, dtype=torch.int32)
+        whole.output_ids, whole.finished_reason = [3, 4, 9], FINISH_LENGTH(3)
+        whole.finished = lambda: True
+        whole.kv = ReqKvInfo(req_pool_idx=3, cache_protected_len=held, kv_committed_len=end, kv_allocated_len=end)
+        whole.owned_kv_len = lambda end=end: end
+        assert len(release(whole)) == end - held and tree.documents.snapshot()["turns"] == 1, role
 
     def match(tokens: list[int], document: int, limit: int | None = None):
         req = _declaring_own(tokens, document)

@@ -2,9 +2,10 @@
 request leaves when it finishes, its question and answer exact (a `Turn`: `turn_candidate`) or its row
 compacted as it decoded (a `Reply` and a turn: `reply_candidate`).
 
-**A turn.** A finished request (its answer ended at a stop token or its length) whose row holds,
-after its document's entries, its question and answer exact (the tokens [D, L), L: all but the
-last output token, never read) gives those slots to the tree instead of the pool
+**A turn.** A finished request (its answer ended at a stop token or its length) whose row started
+from its document's node and holds, after the document's entries, its question and answer exact
+(the tokens [D, L), L: all but the last output token, never read) gives those slots to the tree
+instead of the pool
 (`radix_cache.keep`, from SGLang's `release_kv_cache`): a node after the document's, keyed by its
 tokens, evicted as any leaf. Nothing is copied. The next turn's prompt resends the conversation,
 which begins with those L tokens where the template renders the answer as it was generated: it
@@ -12,7 +13,10 @@ starts from the document and that turn (`matching.resident_turn`), reads only wh
 compresses [D, D') as its extension. Once it kept a turn of its own, the turn it started from is
 dropped where nothing else holds it (`superseded`): a conversation keeps one turn exact. A row
 compacted since it started, or whose tokens after the document are partly the tree's, keeps no
-turn.
+turn; nor does one that read its document whole (a server that reads prompts whole, a request
+asking for prompt log-probabilities): its question and answer were computed against the exact
+document, and a turn's key names only the document's entries, so the next turn reads them again
+from the document.
 
 **A reply.** A row R-KV (any decode policy) compacted while it decoded holds, in its first k
 slots, what its last pass kept of [0, D) (D = k + its offset), then [D, L) exact: at release the
@@ -78,16 +82,21 @@ def turn_candidate(registry: DocumentRegistry, req: Any) -> TurnCandidate | None
     plan = plan_of(req)
     if fields is None or fields.rule is None or not owns_its_row(req):
         return None
-    parent = registry.get(plan.key)
-    if parent is None or parent.exact:
+    # only a row that started from the document it declares (a hit, or a publisher gone on from
+    # what it published): its question's KV was computed against that document's entries, as the
+    # turn's key says and every request starting from the turn reads them. One that read its
+    # document whole (its publisher, `Role.WHOLE`; one asking for prompt log-probabilities) or
+    # extended another beside it exact computed it against other KV, which the key does not say.
+    parent = plan.start
+    if parent is None or parent.exact or parent.key != plan.key or registry.get(parent.key) is not parent:
         return None
-    # its row holds every token it read exact after what it started from (nothing: after none):
-    # those at row index (token - offset), where nothing compacted it since
-    layout = plan.layout
+    # its row holds every token it read exact after the document's entries: those at row index
+    # (token - offset), where nothing compacted it since
+    layout = parent.layout
     row = int(req.kv.kv_committed_len)
     sequence = [*req.origin_input_ids, *req.output_ids]
     end = len(sequence) - 1  # the last output token is never read
-    if row < layout.held or layout.tokens(row) != end or end <= parent.key.tokens or layout.covers > parent.key.tokens:
+    if row < layout.held or layout.tokens(row) != end or end <= parent.key.tokens:
         return None
     start = layout.slot(parent.key.tokens)
     if start < int(req.kv.cache_protected_len):  # the tree's already (a matched prefix)
