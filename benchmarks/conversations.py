@@ -264,7 +264,11 @@ def earlier_plain(path: Path, lengths: list[int], turns: int) -> tuple[list[Turn
     setup = earlier["setup"]
     if setup["document_tokens"] != lengths or setup["turns"] != turns or "plain" not in earlier["answers"]:
         raise SystemExit(f"{path}: not a run of plain SGLang on these conversations")
-    return [TurnResult(**r) for r in earlier["turns"]["plain"]], earlier["answers"]["plain"]
+    texts = earlier["answers"]["plain"]
+    turns = [TurnResult(**r) for r in earlier["turns"]["plain"]]
+    for t, r in enumerate(turns):  # a file from before the turns recorded their answers
+        r.answers = r.answers or [answers[t] for answers in texts]
+    return turns, texts
 
 
 def agrees(text: str, right: bool, plain_text: str, plain_right: bool) -> bool:

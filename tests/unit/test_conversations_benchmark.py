@@ -68,6 +68,13 @@ def test_plain_sglangs_turns_are_reused_only_from_a_run_of_the_same_conversation
     for lengths, count in (([1000, 1101], 2), ([1000, 1100], 3)):  # other documents, other turns
         with pytest.raises(SystemExit, match="not a run of plain SGLang"):
             earlier_plain(path, lengths, count)
+    # a file from before the turns recorded their answers: each turn's come from the answers
+    older = [{k: v for k, v in asdict(r).items() if k != "answers"} for r in turns]
+    path.write_text(json.dumps({"setup": {"document_tokens": [1000, 1100], "turns": 2}, "turns": {"plain": older},
+                                "answers": {"plain": [["a1", "a2"], ["b1", "b2"]]}}))
+    results, _ = earlier_plain(path, [1000, 1100], 2)
+    assert [r.answers for r in results] == [["a1", "b1"], ["a2", "b2"]]
+    assert row("documents", results[1], 2, results[1])["agreed"] == 2
 
 
 def test_a_conversations_segments_are_its_messages_in_the_rendered_prompt(tok) -> None:
