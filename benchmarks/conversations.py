@@ -265,10 +265,10 @@ def earlier_plain(path: Path, lengths: list[int], turns: int) -> tuple[list[Turn
     if setup["document_tokens"] != lengths or setup["turns"] != turns or "plain" not in earlier["answers"]:
         raise SystemExit(f"{path}: not a run of plain SGLang on these conversations")
     texts = earlier["answers"]["plain"]
-    turns = [TurnResult(**r) for r in earlier["turns"]["plain"]]
-    for t, r in enumerate(turns):  # a file from before the turns recorded their answers
+    plain = [TurnResult(**r) for r in earlier["turns"]["plain"]]
+    for t, r in enumerate(plain):  # a file from before the turns recorded their answers
         r.answers = r.answers or [answers[t] for answers in texts]
-    return turns, texts
+    return plain, texts
 
 
 def agrees(text: str, right: bool, plain_text: str, plain_right: bool) -> bool:
