@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.shared_documents import rendered
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -44,17 +46,12 @@ def segments(tok: Any, messages: list[dict[str, str]]) -> list[Segment]:
                             for i, m in enumerate(messages[1:])]
     out, start, prefix = [], 0, []
     for k, name in enumerate(names):
-        ids = _render(tok, messages[:k + 1])
+        ids = rendered(tok, messages[:k + 1])
         if ids[:len(prefix)] != prefix:
             raise ValueError("the chat template does not render a conversation as a continuation of its start")
         out.append(Segment(name, start, len(ids)))
         start, prefix = len(ids), ids
     return out
-
-
-def _render(tok: Any, messages: list[dict[str, str]]) -> list[int]:
-    ids = tok.apply_chat_template(messages, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def document_events(trace: Path) -> dict[str, dict[str, Any]]:

@@ -218,11 +218,11 @@ def first_differences(extended: str, anew: str, texts: dict[str, list[list[str]]
         if turn is None or (c, turn) not in found[extended] or (c, turn) not in found[anew]:
             continue
         (e, parts), (a, _) = found[extended][c, turn], found[anew][c, turn]
+        shares = {extended: segs.kept_shares(e, parts), anew: segs.kept_shares(a, parts)}
         out.append({"conversation": c, "turn": turn, "answers": [mine[turn - 1], theirs[turn - 1]],
-                    extended: segs.grouped(segs.kept_shares(e, parts), parts),
-                    anew: segs.grouped(segs.kept_shares(a, parts), parts),
+                    **{name: segs.grouped(kept, parts) for name, kept in shares.items()},
                     "same_entries": segs.grouped(segs.overlaps(e, a, parts), parts),
-                    "per_segment": {extended: segs.kept_shares(e, parts), anew: segs.kept_shares(a, parts)}})
+                    "per_segment": shares})
     return out
 
 

@@ -129,10 +129,15 @@ def document_text(tok: Any, rng: random.Random, style: str, tokens: int, facts: 
     return CODES_HEAD + filler.sep.join(text), names, codes
 
 
+def rendered(tok: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The token ids of `messages` as the chat template renders them (no generation prompt)."""
+    ids = tok.apply_chat_template(messages, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def message_tokens(tok: Any, text: str) -> int:
     """Tokens of `text` as a chat's only user message, rendered by the chat template."""
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True)
-    return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return len(rendered(tok, [{"role": "user", "content": text}]))
 
 
 def make_questions(tok: Any, documents: int, tokens: int, facts: int, per_document: int,

@@ -1015,6 +1015,15 @@ def test_a_chain_never_grows_past_its_depth(documents_server) -> None:
 TAIL = 2  # what a chat template renders after an answer (`<|im_end|>` and a newline, say)
 
 
+def _turn(server: ServerProcess, document: list[int], seed: int, **extra) -> tuple[dict, list[int], int]:
+    """A turn over `document` with question `seed` (`_ask`): its result, its prompt, and the tokens
+    the server prefilled for it."""
+    was = server.stats()["prefix_cache"]["prefilled_tokens"]
+    question = _tokens(seed, QUESTION)
+    out = _ask(server, document, question, **extra)
+    return out, document + question, server.stats()["prefix_cache"]["prefilled_tokens"] - was
+
+
 @pytest.mark.parametrize("name", ["uniform", "variable"])
 def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace: Path, demo_model_path: str) -> None:
     """A request that declared a document finishes: its question and answer (all but its last
@@ -1043,10 +1052,7 @@ def test_a_finished_turn_is_where_the_next_one_starts(servers, name: str, trace:
         return None if len(document) == DOC else ENTRIES + 10 * round((len(document) - DOC) / (QUESTION + 6))
 
     def ask(document: list[int], seed: int) -> tuple[dict, list[int], int]:
-        was = server.stats()["prefix_cache"]["prefilled_tokens"]
-        question = _tokens(seed, QUESTION)
-        out = _ask(server, document, question, budget=budget_of(document))
-        return out, document + question, server.stats()["prefix_cache"]["prefilled_tokens"] - was
+        return _turn(server, document, seed, budget=budget_of(document))
 
     def published(out: dict) -> dict:
         events = [e for e in trace_events(trace, out["meta_info"]["id"]) if e["moment"] == "document"]
@@ -1163,26 +1169,20 @@ def test_a_request_that_read_its_document_whole_keeps_no_turn(servers, trace: Pa
     (it reads its prompt whole) keeps none either: the next turn reads its question and answer
     after the document."""
 
-    def ask(server: ServerProcess, document: list[int], seed: int, **extra) -> tuple[dict, list[int], int]:
-        was = server.stats()["prefix_cache"]["prefilled_tokens"]
-        question = _tokens(seed, QUESTION)
-        out = _ask(server, document, question, **extra)
-        return out, document + question, server.stats()["prefix_cache"]["prefilled_tokens"] - was
-
     def published(out: dict) -> dict:
         [event] = [e for e in trace_events(trace, out["meta_info"]["id"]) if e["moment"] == "document"]
         return event
 
     whole, tail = servers["whole"], _tokens(6302, TAIL)
     before = _documents(whole)
-    first, prompt1, _ = ask(whole, _tokens(6301, DOC), 6310)
+    first, prompt1, _ = _turn(whole, _tokens(6301, DOC), 6310)
     # each turn declares a budget for its chain, 10 entries a turn beyond the document's: a pass
     # that chooses among the turn's tokens (a ratio keeps a turn whole within the window)
     doc2 = prompt1 + first["output_ids"] + tail
-    second, prompt2, prefilled = ask(whole, doc2, 6311, budget=ENTRIES + 10)
+    second, prompt2, prefilled = _turn(whole, doc2, 6311, budget=ENTRIES + 10)
     assert prefilled == len(doc2) - DOC + QUESTION  # after the document: turn 1 kept no turn
     doc3 = prompt2 + second["output_ids"] + tail
-    third, prompt3, prefilled = ask(whole, doc3, 6312, budget=ENTRIES + 20)
+    third, prompt3, prefilled = _turn(whole, doc3, 6312, budget=ENTRIES + 20)
     assert prefilled == len(doc3) - len(doc2) + QUESTION  # after turn 2's extension: no turn either
     after = _documents(whole)
     assert after["turns"] == before["turns"] and after["extensions"] == before["extensions"] + 2, after
@@ -1195,12 +1195,12 @@ def test_a_request_that_read_its_document_whole_keeps_no_turn(servers, trace: Pa
 
     uniform = servers["uniform"]
     doc = _tokens(6320, DOC)
-    ask(uniform, doc, 6321)  # publishes the document
+    _turn(uniform, doc, 6321)  # publishes the document
     turns = _documents(uniform)["turns"]
-    logprobs, prompt, _ = ask(uniform, doc, 6322, logprob_start_len=0)
+    logprobs, prompt, _ = _turn(uniform, doc, 6322, logprob_start_len=0)
     assert len(logprobs["meta_info"]["input_token_logprobs"]) == len(prompt)
     assert _documents(uniform)["turns"] == turns
-    _, _, prefilled = ask(uniform, prompt + logprobs["output_ids"] + tail, 6323)
+    _, _, prefilled = _turn(uniform, prompt + logprobs["output_ids"] + tail, 6323)
     assert prefilled == QUESTION + len(logprobs["output_ids"]) + TAIL + QUESTION
     assert_pool_whole(whole.wait_idle())
     assert_pool_whole(uniform.wait_idle())
