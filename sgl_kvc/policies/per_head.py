@@ -27,6 +27,10 @@ Two budget modes (``budget`` is the per-request budget in tokens, as in ``Policy
   flattened tensor where head and sequence length dimensions are combined, then selecting ... the
   first eH metrics"): the same sort, but within each layer, which keeps ``budget x H_kv`` pairs;
   heads of a layer share its budget, layers keep equal shares. Same floors as ``"variable"``.
+  On a row whose layers hold different numbers (packed by an earlier pass of one sort over every
+  head), what a layer cannot use of its share goes to the others alike, so that the request still
+  keeps ``budget x L x H_kv`` pairs (`layer_shares`); where every layer holds its share that is
+  Ada-SnapKV's split.
 
 Comparability of scores across heads and layers (needed by the variable and layer modes only): like
 KV-Compress and Ada-SnapKV we sort the RAW metrics, with no per-head normalisation. Each metric
@@ -247,7 +251,8 @@ def select_from_scores(
     Uniform: head (l, h) keeps min(budget, lengths[l, h]). Variable (KV-Compress §4.2): the
     request keeps min(budget x L x H, sum(lengths)) entries in total, each head at least
     min(max(min_per_head, its protected count), budget, its length); the rest by one sort.
-    Layer (Ada-SnapKV): the same within each layer, which keeps min(budget x H, its lengths).
+    Layer (Ada-SnapKV): the same within each layer, which keeps its share of the request's total
+    (`layer_shares`): min(budget x H, its lengths) where every layer holds as much.
     """
     _check_args(budget, mode, min_per_head)
     if scores.dim() != 3:
@@ -284,8 +289,9 @@ def select_from_scores(
     # layer mode sorts each layer alone (a group of H heads), the variable mode the whole request.
     groups = num_layers if mode == "layer" else 1
     heads_per_group = num_layers * num_heads // groups
-    total = torch.minimum(budget * heads_per_group * torch.ones(groups, dtype=torch.int64, device=device),
-                          lengths.reshape(groups, -1).sum(dim=-1))
+    held = lengths.reshape(groups, -1).sum(dim=-1)
+    total = layer_shares(held, budget * num_layers * num_heads) if mode == "layer" else held.clamp(
+        max=budget * heads_per_group)
     remaining = total - mandatory.reshape(groups, -1).sum(dim=-1)  # [groups]
     # Eq. 16-17 with block size b = 1: the candidates of head h, in its ranking order, beyond its
     # mandatory prefix. Eq. 18: keep the `remaining` largest of each group (= evict the smallest).
@@ -304,6 +310,37 @@ def select_from_scores(
     # Within a head the global order follows its ranking, so the chosen ones are a prefix of it.
     indices, counts = _first_k_sorted(order, counts, n)
     return HeadSelection(indices=indices, lengths=counts, n=n)
+
+
+def layer_shares(held: Tensor, budget: int) -> Tensor:
+    """The entries each layer keeps in the layer mode, of the request's `budget` (budget x L x
+    H_kv), where layer l holds `held[l]` (int64 [L]): Ada-SnapKV's equal shares, min(budget / L,
+    held[l]), and what a layer cannot use of its share goes to the others alike (the largest
+    level s with sum(min(held, s)) <= budget; the lower layers take what rounding leaves), so
+    that the request keeps min(budget, sum(held)). Where every layer holds its share, as on any
+    row no earlier pass packed, that is Ada-SnapKV's split; a share is never below it, so every
+    head's floor fits. A row packed by one sort over every head (KVzip's, `Policy.global_sort`)
+    holds unequal layers: with equal shares its narrow layers could not use theirs, its widest
+    were cut to budget / L, and the request kept less than its budget (a conversation's first
+    decode pass kept 272 entries a head of 349, 225 of its document's 317: docs/quality.md,
+    Conversations). No host read (`test_pass_syncs`)."""
+    held = held.to(torch.int64)
+    groups = held.numel()
+    if groups == 0:
+        return held.clone()
+    keep = held.sum().clamp(max=budget)
+    ordered = held.sort().values  # ascending
+    before = torch.cumsum(ordered, 0) - ordered  # sum of the j smaller ones
+    capped = torch.arange(groups, 0, -1, device=held.device)  # layers at or above the j-th
+    # F(h_j) = before_j + capped_j x h_j is what a level at the j-th smallest keeps; the level is
+    # in [h_{j*-1}, h_{j*}) for j* the count of those within the budget
+    j = (before + capped * ordered <= keep).sum().clamp(max=groups - 1).reshape(1)
+    level = ((keep - before.index_select(0, j)) // capped.index_select(0, j))[0]  # (a tensor index reads the host)
+    shares = torch.minimum(held, level)
+    left = keep - shares.sum()
+    above = held > level
+    shares = shares + (above & (torch.cumsum(above.to(torch.int64), 0) <= left)).to(torch.int64)
+    return torch.where(keep >= held.sum(), held, shares)
 
 
 def token_scores(scores: Tensor, positions: Tensor) -> Tensor:

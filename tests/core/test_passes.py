@@ -273,3 +273,28 @@ def test_a_packed_pass_holds_each_heads_packed_entries(device: torch.device, mod
     assert int((sel.lengths - lens).sum()) == own * LAYERS * H_KV
     if mode == "layer":
         assert (sel.lengths - lens).sum(dim=1).tolist() == [own * H_KV] * LAYERS
+
+
+def test_a_pass_on_a_row_packed_by_one_sort_keeps_the_requests_budget(device: torch.device) -> None:
+    """A row KVzip packed (`Policy.global_sort`) holds unequal layers; a later pass of a policy
+    sorted per layer (R-KV's decode passes: `passes.allocation` "layer", on the default server)
+    keeps the request's budget x L x H_kv: what the narrow layer cannot use of its equal share goes
+    to the wide one (`per_head.layer_shares`). With equal shares this row kept 6 + 10 of 20."""
+    n, packed, target = 6, 4, 5
+    store, state, pool, slots = _request(device, "rkv", n, seed=29, units=True)
+    per_slot = LAYERS * H_KV
+    lens = torch.tensor([[1, 1], [7, 7]], device=device)  # 16 units: the 4 packed slots
+    units = torch.zeros(LAYERS, H_KV, int(lens.max()), dtype=torch.int64, device=device)
+    starts = (torch.cumsum(lens.reshape(-1), 0) - lens.reshape(-1)).reshape(LAYERS, H_KV)
+    for layer in range(LAYERS):
+        for h in range(H_KV):
+            rel = starts[layer, h] + torch.arange(int(lens[layer, h]), device=device)
+            units[layer, h, : int(lens[layer, h])] = slots[rel // per_slot].long() * per_slot + rel % per_slot
+    state.units, state.unit_lens, state.packed = units, lens, packed
+    state.kept_positions = torch.arange(int(lens.max()), device=device).expand(LAYERS, H_KV, -1) * 2
+    state.offset = 40
+    assert passes.allocation(state.policy, "policy") == "layer"
+    due = _run(store, state, n, target, allowance=1 << 40, mode="policy")
+    # each head holds its packed entries and the 2 read since: layers of 6 and 18
+    assert due.selection.lengths.sum(dim=1).tolist() == [6, 14]
+    assert due.selection.total == target * LAYERS * H_KV

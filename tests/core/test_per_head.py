@@ -24,6 +24,7 @@ from sgl_kvc.policies import LayerView, PolicyParams, get_policy
 from sgl_kvc.policies.per_head import (
     HeadSelection,
     carry_stats_per_head,
+    layer_shares,
     select_from_scores,
     select_per_head,
 )
@@ -549,8 +550,9 @@ def test_ragged_variable_small_heads_lend_their_budget(device: torch.device) -> 
     floor=st.integers(1, 8), seed=st.integers(0, 10_000),
 )
 def test_layer_mode_is_the_variable_sort_of_each_layer_alone(device, layers, heads, n, budget, floor, seed) -> None:
-    """Ada-SnapKV (`mode="layer"`): layer l keeps min(budget x H, its entries), chosen as the
-    variable mode chooses for a request of that one layer; ties, floors and protection alike."""
+    """Ada-SnapKV (`mode="layer"`): layer l keeps its share of the request's budget
+    (`layer_shares`), chosen as the variable mode chooses for a request of that one layer where
+    the share is Ada-SnapKV's, min(budget x H, its entries); ties, floors and protection alike."""
     floor = min(floor, budget)
     g = torch.Generator().manual_seed(seed)
     scores = torch.randint(0, 5, (layers, heads, n), generator=g).float().to(device)  # ties on purpose
@@ -558,13 +560,57 @@ def test_layer_mode_is_the_variable_sort_of_each_layer_alone(device, layers, hea
     lengths = torch.randint(0, n + 1, (layers, heads), generator=g).to(device)
     sel = select_from_scores(scores, protected, budget, lengths=lengths, mode="layer", min_per_head=floor)
     assert sel.lengths.device == device
+    shares = layer_shares(lengths.sum(-1), budget * layers * heads).tolist()
+    assert sel.total == min(budget * layers * heads, int(lengths.sum()))
     for layer in range(layers):
+        assert int(sel.lengths[layer].sum()) == shares[layer]
         alone = select_from_scores(scores[layer : layer + 1], protected[layer : layer + 1], budget,
                                    lengths=lengths[layer : layer + 1], mode="variable", min_per_head=floor)
-        assert torch.equal(sel.lengths[layer], alone.lengths[0])
-        assert int(sel.lengths[layer].sum()) == min(budget * heads, int(lengths[layer].sum()))
-        for h in range(heads):
-            assert torch.equal(sel.kept(layer, h), alone.kept(0, h))
+        assert (sel.lengths[layer] >= lengths[layer].clamp(max=floor)).all()  # its floor, at most all it holds
+        assert (sel.lengths[layer] <= lengths[layer]).all()
+        if shares[layer] == min(budget * heads, int(lengths[layer].sum())):
+            assert torch.equal(sel.lengths[layer], alone.lengths[0])
+            for h in range(heads):
+                assert torch.equal(sel.kept(layer, h), alone.kept(0, h))
+
+
+def reference_layer_shares(held: list[int], budget: int) -> list[int]:
+    """The water level by counting up: the largest s with sum(min(held, s)) <= budget, then one
+    more to the lower layers above it while the budget lasts."""
+    keep = min(budget, sum(held))
+    level = 0
+    while level < max(held, default=0) and sum(min(h, level + 1) for h in held) <= keep:
+        level += 1
+    out = [min(h, level) for h in held]
+    for i, h in enumerate(held):
+        if sum(out) < keep and h > level:
+            out[i] += 1
+    return out
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(held=st.lists(st.integers(0, 40), min_size=1, max_size=8), budget=st.integers(0, 200))
+def test_layer_shares_fill_the_budget_level_by_level(device, held, budget) -> None:
+    """A layer that holds less than its equal share keeps everything and the others share the
+    rest alike: the request keeps min(budget, all it holds); where every layer holds its equal
+    share, the shares are Ada-SnapKV's (budget / L each)."""
+    shares = layer_shares(torch.tensor(held, device=device), budget)
+    assert shares.device.type == device.type
+    assert shares.tolist() == reference_layer_shares(held, budget)
+    assert int(shares.sum()) == min(budget, sum(held))
+    if budget % len(held) == 0 and min(held) >= budget // len(held):
+        assert shares.tolist() == [budget // len(held)] * len(held)
+
+
+def test_a_packed_rows_narrow_layers_lend_their_share(device: torch.device) -> None:
+    """A row whose layers an earlier sort over every head left unequal (KVzip's): the layer mode
+    keeps the request's whole budget; its narrow layers keep all, its wide ones the rest alike.
+    With equal shares this row kept 2 + 4 + 4 of 12 (budget 4 a head, 1 head, 3 layers)."""
+    lengths = torch.tensor([[2], [9], [25]], device=device)
+    scores = torch.rand(3, 1, 25, generator=torch.Generator().manual_seed(3)).to(device)
+    protected = torch.zeros(3, 1, 25, dtype=torch.bool, device=device)
+    sel = select_from_scores(scores, protected, 4, lengths=lengths, mode="layer")
+    assert sel.lengths.flatten().tolist() == [2, 5, 5]
 
 
 # ==================================================================================================
