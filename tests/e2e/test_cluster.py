@@ -46,6 +46,9 @@ WORKER_FLAGS = (
 TIMEOUT_S = 60.0  # no client call may take longer: a hang fails the test instead of stalling it
 # Distinct long system prompts ("applications"), odd: with an even number, requests arriving in
 # the same order every round would give round_robin the same worker for a prefix every time.
+# A stream the victim holds must outlast the wait before the kill: 600 tokens took 2.6 s on a
+# fast CPU, 1,500 are several seconds on any, and well inside TIMEOUT_S on a loaded one.
+STREAM_TOKENS = 1500
 PREFIXES = 7
 ROUNDS = 4  # each round: one request per system prompt, one after another
 
@@ -224,16 +227,17 @@ def test_a_killed_worker_fails_only_its_requests(cluster: LocalCluster, model: s
         jobs: list = []
         while not (loaded := [w for w in cluster.workers if w.stats()["requests"]["running"] >= 2]):
             assert len(jobs) < 16, "no worker holds two of 16 streams"
-            jobs.append(pool.submit(_stream, cluster.url, model, len(jobs), 600))
+            jobs.append(pool.submit(_stream, cluster.url, model, len(jobs), STREAM_TOKENS))
             time.sleep(0.25)
         victim = loaded[0]
         survivor = next(w for w in cluster.workers if w is not victim)
         # The last stream may still be on its way (in the gateway, or queued at a worker on a
         # loaded machine): let every stream start somewhere, so that each one is either the
-        # victim's or the survivor's when the victim dies.
+        # victim's or the survivor's when the victim dies. Count only the streams still open: one
+        # that ended meanwhile runs nowhere, and waiting for it would let the others end too.
         deadline = time.monotonic() + 5
         running = lambda: sum(w.stats()["requests"]["running"] for w in cluster.workers)  # noqa: E731
-        while running() < len(jobs) and time.monotonic() < deadline:
+        while running() < sum(not j.done() for j in jobs) and time.monotonic() < deadline:
             time.sleep(0.05)
         in_flight = victim.stats()["requests"]["running"]
         victim.kill()  # SIGKILL, its whole process group
