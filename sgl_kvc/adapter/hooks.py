@@ -315,7 +315,7 @@ def _around_init_next_round(original: Callable[..., Any], req: Req, *args: Any, 
 def _around_refresh_fill_ids(original: Callable[..., Any], req: Req, *args: Any, **kwargs: Any):
     out = original(req, *args, **kwargs)
     state = kvc_req.of(req).state
-    shift = documents.fill_offset(req) if state is None else state.offset if state.fill_shift else 0
+    shift = documents.plan_of(req).fill_offset if state is None else state.offset if state.fill_shift else 0
     if shift:
         shifted_fill_ids(req, shift)
     return out

@@ -272,7 +272,7 @@ def test_no_request_waits_behind_another_tenants_document_past_the_bound(rkv_ser
     """A request waits for another's publication of its document at most --kv-document-wait (50 ms
     here). On this server documents are cut between chunks: a first request with a prompt of its
     own choosing (40 chunks past the document) read whole, as it asks for its last prompt token's
-    log-probability, publishes nothing (`documents.publishes_whole`: it would keep other entries
+    log-probability, publishes nothing (`DocumentPlan.publishes_whole`: it would keep other entries
     than the key's cuts), so it holds no one back: another tenant's request of the same document,
     in the same batch, publishes it itself, at once. Where the publisher reads the document itself
     in 40 chunks (a document that long), the waiter stops waiting after 50 ms (`waited_out`); SGLang,

@@ -184,7 +184,7 @@ def test_a_request_compressing_its_document_between_chunks_stops_a_chunk_at_its_
     req.finished = lambda: False
     documents.declare(req, KVZIP, tree_cache=tree, split=True)
     req.output_ids, req.full_untruncated_fill_ids, req.prefix_len, req.extend_end = [], prompt, 0, 0
-    assert documents.splits(req) and documents.held_for_document(req) == 30  # its budget beyond k, not D
+    assert documents.plan_of(req).splits and documents.plan_of(req).held_for_document == 30  # its budget beyond k, not D
     assert documents.chunk_cap(req) == 100
     # a first chunk of 64 compacted to 40 entries: SGLang resumes at 40, its fill ids skip 24
     req.prefix_len = req.extend_end = 40
@@ -206,8 +206,8 @@ def test_a_request_compressing_its_document_between_chunks_stops_a_chunk_at_its_
     match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=req))
     assert match.last_device_node is node  # resident: it starts from it
     documents.started_from(req, doc_of(node))
-    assert not documents.splits(req) and documents.chunk_cap(req) is None and documents.ends_here(req) is None
-    assert documents.held_for_document(req) == 30 and documents.fill_offset(req) == 70
+    assert not documents.plan_of(req).splits and documents.chunk_cap(req) is None and documents.ends_here(req) is None
+    assert documents.plan_of(req).held_for_document == 30 and documents.plan_of(req).fill_offset == 70
 
 
 def test_concurrent_first_requests_wait_for_the_one_compressing_their_document() -> None:
@@ -541,7 +541,7 @@ def test_where_a_document_is_cut_is_decided_by_its_key() -> None:
     assert documents.declared(short).every == 0 and documents.match_limit(short) == 199
     assert [documents.cut_at(short, end) for end in (100, 200)] == [0, 20]
     whole = req(200, split=False)  # reads its prompt whole: never registered as compressing it
-    assert not documents.publishes_whole(whole) and not documents.publishes_whole(short)  # short: between chunks
+    assert not documents.plan_of(whole).publishes_whole and not documents.plan_of(short).publishes_whole  # short: between chunks
     documents.compressing([whole], tree.documents)
     assert tree.documents.publishers == {}
 
@@ -668,7 +668,7 @@ def test_an_extension_read_between_chunks_ends_a_chunk_and_is_due_there_alone() 
         req = _declaring_own(prompt[:150], 140)
         _declaring(req, documents.declared(req), role=mode)
         tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", req.origin_input_ids)), req=req))
-        assert documents.plan_of(req).role is Role.EXTEND and documents.adopts(req) == (mode is Role.SPLIT)
+        assert documents.plan_of(req).role is Role.EXTEND and documents.plan_of(req).adopts == (mode is Role.SPLIT)
         # its row starts with the root's 30 slots, standing for 100 tokens (SGLang's fields as a match leaves them)
         req.output_ids, req.prefix_len, req.extend_end = [], 30, 30
         req.full_untruncated_fill_ids = req.origin_input_ids[70:]
@@ -715,7 +715,7 @@ def test_an_extension_its_start_covers_is_due_at_its_first_chunk_and_one_read_in
 
     # (a) its start, the root and the turn: 70 slots standing for all 140 tokens of its document
     req = split(prompt[:150])
-    assert documents.hit(req) is turn and documents.adopts(req) and documents.extends(req) is doc_of(root)
+    assert documents.hit(req) is turn and documents.plan_of(req).adopts and documents.plan_of(req).extends is doc_of(root)
     req.output_ids, req.prefix_len, req.extend_end = [], 70, 70
     req.full_untruncated_fill_ids = req.origin_input_ids[70:]
     assert documents.chunk_cap(req) is None  # nothing of its extension left to read
@@ -838,7 +838,7 @@ def test_a_finished_turn_stays_in_the_tree_with_its_own_slots() -> None:
     m, req = match(said + [1, 2] + list(range(300, 320)), len(said) + 2)  # the template's tail, a question
     assert m.last_device_node is turn[0].node and m.device_prefix_len == 84
     assert documents.hit(req) is doc_of(m.last_device_node)  # the plan names the node it matched
-    assert documents.declared(req).parent == key.digest and documents.extends(req) is doc_of(node)
+    assert documents.declared(req).parent == key.digest and documents.plan_of(req).extends is doc_of(node)
     m, _ = match(said[:-2] + [99, 7, 1, 2] + list(range(300, 320)), len(said) + 2)  # another answer
     assert m.last_device_node is node and m.device_prefix_len == 30
     # SGLang's limit on the match (the observation window it recomputes) inside the turn: the turn's

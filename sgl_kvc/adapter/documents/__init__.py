@@ -43,10 +43,9 @@ from sgl_kvc.adapter.documents.matching import (
     compressing, held_back, overdue, stop_waiting, waited_out, waits_in_round,
 )
 from sgl_kvc.adapter.documents.plan import (
-    adopts, adopts_here, chunk_cap, cut, cut_at, cut_inside, cuts, declare, declared,
-    declared_part, ends_here, extends, extension_due, extension_lost, fill_offset, held_for_document, hit,
-    match_limit, matched, may_reply, may_start_from, next_cut, plan_of, publishes, publishes_whole, request_key,
-    settings_digest, splits, started_from, unmatched,
+    adopts_here, chunk_cap, cut, cut_at, cut_inside, cuts, declare, declared, declared_part, ends_here,
+    extension_due, extension_lost, hit, match_limit, matched, may_reply, may_start_from, next_cut, plan_of,
+    publishes, request_key, settings_digest, started_from, unmatched,
 )
 from sgl_kvc.adapter.documents.registry import DocumentRegistry, DocumentStats, registry_of
 from sgl_kvc.adapter.documents.roles import DocumentPlan, Role
@@ -54,10 +53,10 @@ from sgl_kvc.adapter.documents.roles import DocumentPlan, Role
 __all__ = [
     "NAMESPACE", "NODE_ATTR", "Compressed", "Document", "DocumentKey", "DocumentNamespace", "DocumentPlan",
     "DocumentRegistry", "DocumentStats", "Extension", "ExtensionRule", "Kind", "Reply", "Role", "RootDocument",
-    "RowLayout", "Turn", "adopts", "adopts_here", "chunk_cap", "compact_bytes", "compressing", "content_digest",
-    "cut", "cut_at", "cut_inside", "cuts", "declare", "declared", "declared_part", "ends_here", "extends",
-    "extension_due", "extension_lost", "fill_offset", "fill_skip", "held_back", "held_for_document", "hit",
+    "RowLayout", "Turn", "adopts_here", "chunk_cap", "compact_bytes", "compressing", "content_digest",
+    "cut", "cut_at", "cut_inside", "cuts", "declare", "declared", "declared_part", "ends_here",
+    "extension_due", "extension_lost", "fill_skip", "held_back", "hit",
     "match_limit", "matched", "may_reply", "may_start_from", "next_cut", "node_key", "overdue", "packed_units",
-    "plan_of", "prompt_read", "publishes", "publishes_whole", "registry_of", "request_key", "reserved_namespace",
-    "settings_digest", "splits", "started_from", "stop_waiting", "tokens_content", "unmatched", "waited_out", "waits_in_round",
+    "plan_of", "prompt_read", "publishes", "registry_of", "request_key", "reserved_namespace",
+    "settings_digest", "started_from", "stop_waiting", "tokens_content", "unmatched", "waited_out", "waits_in_round",
 ]

@@ -16,7 +16,7 @@ publication, voted before anything is evicted or inserted (`document_pass.copy_a
 
 **Its question.** Where documents are compressed between chunks, a request reads its question
 after its document is compressed, never beside it exact (`plan.py`, `SPLIT`). So does an
-extension's request (`plan.adopts`): one of its chunks ends at its extension's end, and once the
+extension's request (`DocumentPlan.adopts`): one of its chunks ends at its extension's end, and once the
 extension is published it goes on as a request that started from it (`adopt`): its row becomes
 the chain's slots, its own exact entries of the extension are freed, and it answers from what the
 conversation keeps, as every later request with that document does. Its answer is then what the
@@ -42,7 +42,7 @@ from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter.documents.document_pass import Chosen, Host, Ready, copy_and_publish, trace_document
 from sgl_kvc.adapter.documents.keys import DocumentKey, Kind
 from sgl_kvc.adapter.documents.links import Compressed, Document, compact_bytes
-from sgl_kvc.adapter.documents.plan import declared, extends, extension_due, extension_lost, plan_of, started_from
+from sgl_kvc.adapter.documents.plan import declared, extension_due, extension_lost, plan_of, started_from
 from sgl_kvc.adapter.documents.registry import insert_child, insert_document, node_path, registry_of
 from sgl_kvc.adapter.safety import failpoints
 from sgl_kvc.adapter.safety.failures import failure
@@ -64,7 +64,7 @@ def due(compressor: Host, batch: ScheduleBatch) -> list[tuple[int, DocumentKey]]
         return []
     out, seen = [], set()
     for i, req in enumerate(batch.reqs):
-        if req.finished() or extends(req) is None:
+        if req.finished() or plan_of(req).extends is None:
             continue
         key = declared(req)
         if extension_due(req, int(batch.seq_lens_cpu[i])) is None:
@@ -150,7 +150,7 @@ def _adopt(compressor: Host, batch: ScheduleBatch, i: int, doc: Document) -> Non
 
 
 def _parent(batch: ScheduleBatch, i: int) -> Document:
-    parent = extends(batch.reqs[i])
+    parent = plan_of(batch.reqs[i]).extends
     if parent is None:
         raise RuntimeError("it extends no resident document")
     return parent

@@ -88,53 +88,10 @@ def hit(req: Any) -> "Document | None":
     return plan_of(req).start
 
 
-def splits(req: Any) -> bool:
-    """Whether `req` compresses its document itself, at a chunk that ends at the document's end."""
-    return plan_of(req).role is Role.SPLIT
-
-
-def adopts(req: Any) -> bool:
-    """Whether `req` extends (or compresses again) a resident document on a server that compresses
-    documents between chunks: as a `SPLIT` request reads its question from the row its
-    document's cut left, it reads its question from the chain its extension ends, once that is
-    published (`extensions.adopt`), so one of its chunks ends at its document's end."""
-    plan = plan_of(req)
-    return plan.role in (Role.EXTEND, Role.REBUILD) and plan.mode is Role.SPLIT
-
-
-def publishes_whole(req: Any) -> bool:
-    """Whether `req` publishes its document read whole (`document_pass.publish_copies`)."""
-    return plan_of(req).role is Role.WHOLE
-
-
-def extends(req: Any) -> "Document | None":
-    """The resident document `req` starts from and extends (or compresses again) by a document of
-    its own, which it publishes (`extensions.py`), or None."""
-    plan = plan_of(req)
-    return plan.parent if plan.role in (Role.EXTEND, Role.REBUILD) else None
-
-
 def publishes(req: Any) -> bool:
     """Whether admitted `req` compresses and publishes its document (unless another in flight
     already is, `waiting.compressing`): not one that has answered (a retracted request re-read)."""
     return plan_of(req).role in PUBLISHES and not req.output_ids
-
-
-def held_for_document(req: Any) -> int:
-    """Entries of a request's row that are its document's: the chain's after a hit or an extension's
-    start, k for a request that compresses it between chunks, D for one that reads it whole (0
-    without a document). Its own budget applies beyond them."""
-    plan = plan_of(req)
-    if plan.start is not None:
-        return plan.start.key.entries
-    if plan.key is None:
-        return 0
-    return plan.key.entries if plan.role is Role.SPLIT else plan.key.tokens
-
-
-def fill_offset(req: Any) -> int:
-    """Prompt tokens a request read beyond the slots of its matched prefix (0 without a start)."""
-    return plan_of(req).layout.offset
 
 
 def may_reply(req: Any) -> bool:
@@ -156,21 +113,21 @@ def may_start_from(req: Any) -> bool:
 
 
 def extension_due(req: Any, n: int) -> "Document | None":
-    """The document `req` extends (`extends`) where its row of `n` entries holds its extension
-    exact after what it started from (nothing of it compacted since: its fill ids are shifted by
-    the start's offset alone) up to its own document's end, else None. One that adopts its
-    extension (`adopts`) publishes it at the chunk that ends there or not at all: after its
-    question, it would repeat a failed pass. Where its start already covers its whole document
+    """The document `req` extends (`DocumentPlan.extends`) where its row of `n` entries holds its
+    extension exact after what it started from (nothing of it compacted since: its fill ids are
+    shifted by the start's offset alone) up to its own document's end, else None. One that adopts
+    its extension (`DocumentPlan.adopts`) publishes it at the chunk that ends there or not at all:
+    after its question, it would repeat a failed pass. Where its start already covers its whole document
     (a finished turn that ends there), no chunk of it can end there: it publishes at its first
     chunk, the one that began there, and there alone. From SGLang's fields, alike on every
     tensor-parallel rank."""
     plan = plan_of(req)
-    if extends(req) is None or fill_skip(req) != plan.layout.offset or n < plan.layout.held:
+    if plan.extends is None or fill_skip(req) != plan.layout.offset or n < plan.layout.held:
         return None
     read = plan.layout.tokens(n)
     if read < plan.key.tokens:
         return None
-    if read > plan.key.tokens and adopts(req) and not _began_at_its_end(req):
+    if read > plan.key.tokens and plan.adopts and not _began_at_its_end(req):
         return None
     return plan.parent
 
@@ -184,7 +141,8 @@ def _began_at_its_end(req: Any) -> bool:
 def extension_lost(req: Any) -> bool:
     """Whether `req`, which extends a resident document, compacted its row since it started from
     it: it will not publish its extension."""
-    return extends(req) is not None and fill_skip(req) != plan_of(req).layout.offset
+    plan = plan_of(req)
+    return plan.extends is not None and fill_skip(req) != plan.layout.offset
 
 
 def declare(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False, chunk: int | None = None) -> None:
@@ -224,8 +182,8 @@ def declare(req: Any, config: KvcConfig, tree_cache: Any, split: bool = False, c
 
 
 def declared_part(req: Any, config: KvcConfig, split: bool) -> int:
-    """`held_for_document` of a request not yet in the queue (its document's settings unchecked:
-    0 if it declares none or an invalid one, which `admit` refuses)."""
+    """`DocumentPlan.held_for_document` of a request not yet in the queue (its document's
+    settings unchecked: 0 if it declares none or an invalid one, which `admit` refuses)."""
     spec = of_request(req).document
     if spec is None or spec.tokens is None:
         return 0
@@ -274,10 +232,11 @@ def started_from(req: Any, doc: "Document") -> None:
 def chunk_cap(req: Any) -> int | None:
     """The most tokens `req`'s next chunk may read so that one chunk ends at its document's end
     (and, a document longer than a chunk, one at each of its cuts, `cut_at`), or None: it
-    compresses its document between chunks (or adopts its extension, `adopts`) and has not read all
-    of it."""
-    split = splits(req)
-    if not split and not adopts(req):
+    compresses its document between chunks (or adopts its extension, `DocumentPlan.adopts`) and
+    has not read all of it."""
+    plan = plan_of(req)
+    split = plan.splits
+    if not split and not plan.adopts:
         return None
     key, read = declared(req), prompt_read(req)
     left = key.tokens - read
@@ -290,12 +249,13 @@ def cut_at(req: Any, end: int) -> int | None:
     """The entries the row of `req` is cut to where a chunk of it ends at prompt position `end`,
     as its document's key says: k at the document's end, `between` at a multiple of `every` before
     it, 0 elsewhere before it (not cut); None where the document decides nothing (the request
-    does not compress one between chunks, or `end` is past it). An extension (`adopts`) is read
-    whole before it is published, in however many chunks SGLang's rounds read it: 0 before its
-    end (a cut there would lose it), None at its end, where its request adopts it."""
-    if adopts(req):
+    does not compress one between chunks, or `end` is past it). An extension
+    (`DocumentPlan.adopts`) is read whole before it is published, in however many chunks SGLang's
+    rounds read it: 0 before its end (a cut there would lose it), None at its end, where its
+    request adopts it."""
+    if plan_of(req).adopts:
         return 0 if end < declared(req).tokens else None
-    if not splits(req):
+    if not plan_of(req).splits:
         return None
     key = declared(req)
     if end > key.tokens:
@@ -308,7 +268,8 @@ def cut_at(req: Any, end: int) -> int | None:
 def cut_inside(req: Any) -> int | None:
     """`cut_at` where the chunk of `req` that just ran ended, before its document's end (which
     `ends_here` and `adopts_here` find), else None."""
-    if not splits(req) and not adopts(req):
+    plan = plan_of(req)
+    if not plan.splits and not plan.adopts:
         return None
     end = fill_skip(req) + int(req.extend_end)
     return cut_at(req, end) if end < declared(req).tokens else None
@@ -334,13 +295,13 @@ def cuts(req: Any) -> int:
 
 def ends_here(req: Any) -> DocumentKey | None:
     """The document whose end the chunk of `req` that just ran ended at, or None."""
-    return _ended_at_its_end(req) if splits(req) else None
+    return _ended_at_its_end(req) if plan_of(req).splits else None
 
 
 def adopts_here(req: Any) -> DocumentKey | None:
     """The extension whose end the chunk of `req` that just ran ended at, where it adopts it
-    (`adopts`), or None."""
-    return _ended_at_its_end(req) if adopts(req) else None
+    (`DocumentPlan.adopts`), or None."""
+    return _ended_at_its_end(req) if plan_of(req).adopts else None
 
 
 def _ended_at_its_end(req: Any) -> DocumentKey | None:
@@ -352,7 +313,7 @@ def match_limit(req: Any) -> int | None:
     """The most prompt tokens `req` may match in the tree, or None (no limit): one that compresses
     its document between chunks matches fewer than D, so that a chunk of it ends at D, and fewer
     than its first cut (`every`), so that its row is cut there as its key says."""
-    if not splits(req):
+    if not plan_of(req).splits:
         return None
     key = declared(req)
     return min(key.tokens, key.every or key.tokens) - 1

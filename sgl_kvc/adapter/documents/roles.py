@@ -63,6 +63,46 @@ class DocumentPlan:
     def layout(self) -> RowLayout:
         return self.start.layout if self.start is not None else RowLayout()
 
+    @property
+    def splits(self) -> bool:
+        """It compresses its document itself, at a chunk that ends at the document's end."""
+        return self.role is Role.SPLIT
+
+    @property
+    def adopts(self) -> bool:
+        """It extends (or compresses again) a resident document on a server that compresses
+        documents between chunks: as a `SPLIT` request reads its question from the row its
+        document's cut left, it reads its question from the chain its extension ends, once that is
+        published (`extensions.adopt`), so one of its chunks ends at its document's end."""
+        return self.role in (Role.EXTEND, Role.REBUILD) and self.mode is Role.SPLIT
+
+    @property
+    def publishes_whole(self) -> bool:
+        """It publishes its document read whole (`document_pass.publish_copies`)."""
+        return self.role is Role.WHOLE
+
+    @property
+    def extends(self) -> "Document | None":
+        """The resident document it starts from and extends (or compresses again) by a document
+        of its own, which it publishes (`extensions.py`), or None."""
+        return self.parent if self.role in (Role.EXTEND, Role.REBUILD) else None
+
+    @property
+    def held_for_document(self) -> int:
+        """Entries of its row that are its document's: the chain's after a hit or an extension's
+        start, k for a request that compresses it between chunks, D for one that reads it whole (0
+        without a document). Its own budget applies beyond them."""
+        if self.start is not None:
+            return self.start.key.entries
+        if self.key is None:
+            return 0
+        return self.key.entries if self.role is Role.SPLIT else self.key.tokens
+
+    @property
+    def fill_offset(self) -> int:
+        """Prompt tokens its row read beyond the slots of its matched prefix (0 without a start)."""
+        return self.layout.offset
+
     def without_start(self) -> "DocumentPlan":
         """Its own document read by itself, as it declared it (no resident node to start from)."""
         if self.own is None:

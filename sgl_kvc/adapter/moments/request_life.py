@@ -78,7 +78,7 @@ def begin(comp: Host, req: Req, tree_cache: Any = None) -> None:
     # (a hit), or its D tokens (the request that compresses it keeps its own copy whole). A
     # ratio (`--kv-budget-ratio`) is of the tokens after the document: of all of them, a
     # hit's first pass cut the document's entries below what the document keeps.
-    document_part = documents.held_for_document(req)
+    document_part = documents.plan_of(req).held_for_document
     if document_part:
         covers = doc.key.tokens if doc is not None else documents.declared(req).tokens
         state.budget = state.budget.beyond(document_part, covers)

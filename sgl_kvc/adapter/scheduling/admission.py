@@ -112,9 +112,10 @@ def _compacted(req: Req) -> bool:
 
 def _document_adjusted(req: Req, s: Sizes, config: KvcConfig) -> tuple[Sizes, int]:
     """A request with a shared document (`adapter/documents/__init__.py`): its sizes with its budget
-    beyond the document's part of its row (`documents.held_for_document`), and the tokens a hit
+    beyond the document's part of its row (`DocumentPlan.held_for_document`), and the tokens a hit
     reads beyond its row's slots (D - k; 0 otherwise)."""
-    return _with_document(s, documents.held_for_document(req), config), documents.fill_offset(req)
+    plan = documents.plan_of(req)
+    return _with_document(s, plan.held_for_document, config), plan.fill_offset
 
 
 def _with_document(s: Sizes, part: int, config: KvcConfig) -> Sizes:
