@@ -44,11 +44,11 @@ WORKER_FLAGS = (
     "--max-total-tokens", "8192",
 )  # fmt: skip
 TIMEOUT_S = 60.0  # no client call may take longer: a hang fails the test instead of stalling it
-# Distinct long system prompts ("applications"), odd: with an even number, requests arriving in
-# the same order every round would give round_robin the same worker for a prefix every time.
 # A stream the victim holds must outlast the wait before the kill: 600 tokens took 2.6 s on a
 # fast CPU, 1,500 are several seconds on any, and well inside TIMEOUT_S on a loaded one.
 STREAM_TOKENS = 1500
+# Distinct long system prompts ("applications"), odd: with an even number, requests arriving in
+# the same order every round would give round_robin the same worker for a prefix every time.
 PREFIXES = 7
 ROUNDS = 4  # each round: one request per system prompt, one after another
 

@@ -16,10 +16,10 @@ publication, voted before anything is evicted or inserted (`document_pass.copy_a
 
 **Its question.** Where documents are compressed between chunks, a request reads its question
 after its document is compressed, never beside it exact (`plan.py`, `SPLIT`). So does an
-extension's request (`DocumentPlan.adopts`): one of its chunks ends at its extension's end, and once the
-extension is published it goes on as a request that started from it (`adopt`): its row becomes
-the chain's slots, its own exact entries of the extension are freed, and it answers from what the
-conversation keeps, as every later request with that document does. Its answer is then what the
+extension's request (`DocumentPlan.adopts`): one of its chunks ends at its extension's end, and
+once the extension is published it goes on as a request that started from it (`adopt`): its row
+becomes the chain's slots, its own exact entries of the extension are freed, and it answers from
+what the conversation keeps, as every later request with that document does. Its answer is then what the
 next turn's request reads as the last turn (`turns.py`): had it read its question beside the last
 question and answer exact, each turn would answer from one more turn held exact than the
 conversation keeps, and a conversation drifted from turn to turn (an answer one less than the
