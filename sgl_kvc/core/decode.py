@@ -315,7 +315,7 @@ class DecodeStep:
 
 def _packed(state: "ReqKvState | None") -> bool:
     """A request whose kept entries are packed in the unit pool (`ReqKvState.units`)."""
-    return state is not None and state.units is not None
+    return state is not None and state.packed_entries is not None
 
 
 def _intact(state: "ReqKvState | None") -> bool:

@@ -66,7 +66,7 @@ class GraphSteps:
     steps: int = 0
     replays: int = 0
     eager: dict[str, int] = field(default_factory=dict)
-    _installed: dict[int, tuple[Any, Any, int]] = field(default_factory=dict)  # row -> (units, unit_lens, packed)
+    _installed: dict[int, tuple[Any, int]] = field(default_factory=dict)  # row -> (packed entries, packed slots)
     _logged: set[str] = field(default_factory=set)
 
     def plan(self, rows: list[int], lens: list[int], states: Mapping[int, "ReqKvState"], attends: bool) -> GraphStep | None:
@@ -96,9 +96,9 @@ class GraphSteps:
         from a shared document): between steps, never inside one."""
         for row in rows:
             state = states.get(row)
-            now = (None, None, 0) if state is None else (state.units, state.unit_lens, state.packed)
+            now = (None, 0) if state is None else (state.packed_entries, state.packed)
             was = self._installed.get(row)
-            if was is not None and was[0] is now[0] and was[1] is now[1] and was[2] == now[2]:
+            if was is not None and was[0] is now[0] and was[1] == now[1]:
                 continue
             self._installed[row] = now
             try:
@@ -126,7 +126,7 @@ def step_width(rows: Sequence[int], lens: Sequence[int], states: Mapping[int, "R
     widths = []
     for row, n in zip(rows, lens):
         state = states.get(row)
-        if packed is not None and state is not None and state.units is not None:
+        if packed is not None and state is not None and state.packed_entries is not None:
             widths.append(packed.width(row) + n - int(state.packed))
         else:
             widths.append(n)

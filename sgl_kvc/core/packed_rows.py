@@ -63,13 +63,13 @@ class PackedRows:
         packed table does not fit the arena (the row then decodes eagerly). Runs between steps
         (it reads the table's size back to the host once, as the compaction that made it did)."""
         self.clear(row)
-        if state is None or state.units is None:
+        if state is None or state.packed_entries is None:
             return True
-        lens = state.unit_lens.to(device=self.lens.device, dtype=torch.int64)
-        width = int(state.units.shape[-1])
-        valid = torch.arange(width, device=lens.device) < lens[..., None]
-        units = state.units.to(device=self.table.device)[valid]  # (layer, head, column) order
-        total = int(units.numel())
+        entries = state.packed_entries
+        lens = entries.lens.to(device=self.lens.device, dtype=torch.int64)
+        width = entries.width
+        units = entries.units.to(device=self.table.device)  # (layer, head, column) order
+        total = entries.entries
         start = self._take(row, total)
         if start is None:
             self._refused.add(row)

@@ -264,7 +264,7 @@ def packs(store: KvcStore, mode: str, policy: Policy | type[Policy], state: ReqK
     a chain of one document's turns is packed throughout or nowhere."""
     if store.unit_layout is None:
         return False
-    return mode != "policy" or policy.global_sort or state.units is not None
+    return mode != "policy" or policy.global_sort or state.packed_entries is not None
 
 
 def pass_tables(store: KvcStore, mode: str, policy: Policy | type[Policy], state: ReqKvState,

@@ -84,13 +84,72 @@ class RequestTables:
         return self.lens.tolist()
 
 
+
+@dataclass(frozen=True, eq=False)
+class PackedEntries:
+    """A packed request's kept entries, head by head and without padding: entry e of the (layer,
+    KV head, column) order is unit `units[e]` and holds the token at `positions[e]`; head (l, h)
+    holds `lens[l, h]` of them. Flat as a shared document's metadata and the graph steps' arena
+    are: one sort over every head (KVzip's) leaves its widest head many times the mean (a median
+    16x at a budget of 64: docs/benchmarks.md, "How wide a packed request's heads grow"), and tensors
+    [L, H_kv, K] as wide as it would hold more than the KV they describe. `widths` (each layer's
+    widest head) and `entries` are on the host, read once when the entries are packed."""
+
+    units: Tensor  # [E] int64
+    positions: Tensor  # [E] int64
+    lens: Tensor  # [L, H_kv] int64
+    widths: tuple[int, ...]
+    entries: int
+
+    @classmethod
+    def of(cls, units: Tensor, lens: Tensor, positions: Tensor) -> "PackedEntries":
+        """From tables [L, H_kv, K] (any width; what lies past each head's length is ignored)."""
+        lens = lens.to(device=units.device, dtype=torch.int64)
+        valid = torch.arange(units.shape[-1], device=units.device) < lens[..., None]
+        flat_units = units[valid].to(torch.int64)  # (layer, head, column) order
+        flat_positions = positions.to(units.device)[..., : units.shape[-1]][valid].to(torch.int64)
+        widths = tuple(int(w) for w in lens.amax(dim=-1).tolist()) if lens.numel() else ()
+        return cls(flat_units, flat_positions, lens, widths, int(flat_units.numel()))
+
+    @property
+    def width(self) -> int:
+        """Its widest head's entries."""
+        return max(self.widths, default=0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.units, self.positions, self.lens))
+
+    def columns(self) -> Tensor:
+        """Each entry's column in its head's table ([E] int64)."""
+        flat = self.lens.reshape(-1)
+        head = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), flat,
+                                       output_size=self.entries)
+        return torch.arange(self.entries, device=flat.device) - (torch.cumsum(flat, 0) - flat)[head]
+
+    def heads(self) -> Tensor:
+        """Each entry's (layer, head) as l x H_kv + h ([E] int64)."""
+        flat = self.lens.reshape(-1)
+        return torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), flat,
+                                       output_size=self.entries)
+
+    def padded(self, values: Tensor, width: int | None = None) -> Tensor:
+        """`values` ([E], `units` or `positions`) as tables [L, H_kv, width], 0 past each head's length."""
+        layers, heads = self.lens.shape
+        width = self.width if width is None else width
+        out = torch.zeros(layers * heads * width, dtype=values.dtype, device=values.device)
+        out[self.heads() * width + self.columns()] = values
+        return out.view(layers, heads, width)
+
+
 def block_tables(
     states: Sequence["ReqKvState | None"], slots: Tensor, row_lens: Sequence[int],
     num_layers: int, num_heads: int, width: int,
 ) -> tuple[Tensor, Tensor]:
-    """The per-head tables of several requests at once (units only): a packed request's
-    table is copied in, then every request's tail (its slots past the packed ones; the whole
-    row of an unpacked one) is placed after each head's own entries, with one scatter.
+    """The per-head tables of several requests at once (units only): every packed request's
+    entries (`PackedEntries`) are written into their heads' columns with one scatter, then every
+    request's tail (its slots past the packed ones; the whole row of an unpacked one) is placed
+    after each head's own entries, with another.
 
     `slots`: [b, >= max(row_lens)] each request's row; `row_lens`: its cached entries; `width`:
     columns to return (>= every request's `table_width`). Returns units [L, b, H_kv, width] and
@@ -98,30 +157,33 @@ def block_tables(
 
     A fixed number of operations whatever the batch (a GPU launches each once), each over the
     tables' entries at most once, with at most two temporaries of the tables' size alive at once
-    (`DecodeShape.table_bytes_per_column`): a decode step builds these for every layer, and on a
-    CPU their size (L x b x H_kv x width int64) is what the step pays for them."""
+    (`DecodeShape.table_bytes_per_column`; the packed entries' own, an int64 each, are fewer): a
+    decode step builds these for every layer, and on a CPU their size (L x b x H_kv x width int64)
+    is what the step pays for them."""
     device = slots.device
     b, L, H = len(states), num_layers, num_heads
     units = torch.zeros(L, b, H, width, dtype=torch.int64, device=device)
     head_lens = torch.zeros(L, b, H, dtype=torch.int64, device=device)
-    packed = [0 if state is None or state.units is None else state.packed for state in states]
-    tables = [j for j, state in enumerate(states) if state is not None and state.units is not None]
-    if tables:  # the packed tables side by side, then a zero column for the columns past a table's width
-        own = [states[j] for j in tables]
-        widths = [int(state.units.shape[-1]) for state in own]
-        k_max, total = max(widths), sum(widths)
-        # int64 (a shared document's tables are int32, `Document`)
-        joined = torch.cat([*(state.units.long() for state in own),
-                            torch.zeros(L, H, 1, dtype=torch.int64, device=device)], dim=-1)
-        starts = torch.tensor(list(itertools.accumulate([0] + widths[:-1])), dtype=torch.int64, device="cpu")
-        cols = torch.arange(k_max, dtype=torch.int64, device="cpu")
-        inside = cols[None, :] < torch.tensor(widths, dtype=torch.int64, device="cpu")[:, None]
-        src = torch.where(inside, starts[:, None] + cols, total)
-        picked = joined[:, :, to_device(src.reshape(-1), device)].view(L, H, len(own), k_max)
+    packed = [0 if state is None or state.packed_entries is None else state.packed for state in states]
+    tables = [j for j, state in enumerate(states) if state is not None and state.packed_entries is not None]
+    if tables:  # every packed entry written once into its head's column, with one scatter
+        own = [states[j].packed_entries for j in tables]
+        lens = torch.stack([e.lens.to(device) for e in own])  # [R, L, H]
         at = host_tensor(tables, device)
-        units[:, at, :, :k_max] = picked.transpose(1, 2)
-        head_lens[:, at] = torch.stack([state.unit_lens for state in own], dim=1).long()
-        del joined, picked  # at most the tables' size each, freed before the tails' two
+        head_lens[:, at] = lens.transpose(0, 1)
+        entries = sum(e.entries for e in own)
+        if entries:
+            # entries in (request, layer, head, column) order: entry e of run (r, l, h) goes to
+            # column e - first[r, l, h] of that head's table
+            flat = lens.reshape(-1)
+            first = (torch.cumsum(flat, 0) - flat).view_as(lens)
+            grid = (torch.arange(L, device=device)[None, :, None] * b + at[:, None, None]) * H
+            base = ((grid + torch.arange(H, device=device)[None, None, :]) * width - first).reshape(-1)
+            run = torch.repeat_interleave(torch.arange(flat.numel(), device=device), flat, output_size=entries)
+            dst = base[run]
+            del run
+            dst += torch.arange(entries, device=device)
+            units.view(-1)[dst] = torch.cat([e.units.to(device) for e in own])
     tails = [n - g for n, g in zip(row_lens, packed)]
     items = sum(tails)
     if items:
@@ -156,8 +218,8 @@ class ReqKvState:
     its own token: layer l's KV head h of slot `req_to_token[row, j]` holds it).
 
     After a variable-budget compaction (the unit pool) the request is PACKED: its first `packed`
-    slots hold its kept entries unit by unit, head (l, h) keeping `unit_lens[l, h]` of them in
-    units `units[l, h, :unit_lens[l, h]]` at `kept_positions[l, h, :unit_lens[l, h]]`; entries
+    slots hold its kept entries unit by unit, head (l, h) keeping `unit_lens[l, h]` of them, their
+    units and logical positions in `packed_entries` (and `kept_positions` is None); entries
     appended since sit in their own slots, physical index j >= packed at position j + offset.
 
     Tensors live on `device`, the device of the request's KV.
@@ -176,8 +238,7 @@ class ReqKvState:
     stats_since: int = 0
     passes: int = 0
     pending: Any = None  # the compressor's PendingPass while a staged pass is under way
-    units: Tensor | None = None  # [L, H_kv, K] once packed (0 past unit_lens)
-    unit_lens: Tensor | None = None  # [L, H_kv]
+    packed_entries: PackedEntries | None = None  # once packed
     packed: int = 0  # slots the packed entries fill
     # Compacted between two chunks of its prompt: its token ids are read `offset` further on
     # than its row (the engine's fill ids are shifted by the adapter).
@@ -208,11 +269,34 @@ class ReqKvState:
     def compressed(self) -> bool:
         return self.passes > 0
 
+    def pack(self, units: Tensor, unit_lens: Tensor, packed: int, positions: Tensor) -> None:
+        """Its kept entries, packed into its first `packed` slots: each head (l, h) its first
+        `unit_lens[l, h]` columns of the tables `units` and `positions` [L, H_kv, K]."""
+        self.packed_entries = PackedEntries.of(units, unit_lens, positions)
+        self.packed = packed
+        self.kept_positions = None
+
+    @property
+    def unit_lens(self) -> Tensor | None:
+        """Packed: each head's entries [L, H_kv]."""
+        return None if self.packed_entries is None else self.packed_entries.lens
+
+    @property
+    def units(self) -> Tensor | None:
+        """Packed: its tables [L, H_kv, K] (K its widest head, 0 past each head's length), made
+        anew on every read: what reads them whole (a pass's tables, a turn's check) holds them
+        while it works, not the request."""
+        return None if self.packed_entries is None else self.packed_entries.padded(self.packed_entries.units)
+
+    def packed_positions(self) -> Tensor | None:
+        """Packed: its kept entries' logical positions as tables [L, H_kv, K], as `units`."""
+        return None if self.packed_entries is None else self.packed_entries.padded(self.packed_entries.positions)
+
     @property
     def intact(self) -> bool:
         """Whether its row holds every token it processed, in order, each in every head: what
         plain SGLang's row would hold (nothing evicted, no compressed document it started from)."""
-        return self.kept_positions is None and self.offset == 0 and self.units is None
+        return self.kept_positions is None and self.offset == 0 and self.packed_entries is None
 
     @property
     def per_head(self) -> bool:
@@ -220,9 +304,10 @@ class ReqKvState:
 
     def positions(self, n: int) -> Tensor:
         """Logical positions of the n cached entries: [n], or [L, H_kv, n] once per-head."""
-        if self.kept_positions is None:
+        kept = self.kept_positions if self.packed_entries is None else self.packed_positions()
+        if kept is None:
             return torch.arange(n, dtype=torch.int64, device=self.device) + self.offset
-        kept = self.kept_positions[..., :n].long()  # a shared document's are int32 (`Document`)
+        kept = kept[..., :n].long()  # a shared document's are int32 (`Document`)
         k = kept.shape[-1]
         tail = torch.arange(k, n, dtype=torch.int64, device=kept.device) + self.offset
         if kept.dim() > 1:
@@ -231,23 +316,23 @@ class ReqKvState:
 
     def table_width(self, n: int) -> int:
         """Columns of the request's per-head tables over its n cached entries."""
-        if self.units is None:
+        if self.packed_entries is None:
             return n
-        return int(self.units.shape[-1]) + n - self.packed
+        return self.packed_entries.width + n - self.packed
 
     def tables(self, slots: Tensor, num_layers: int, num_heads: int) -> RequestTables:
         """The request's per-head tables over its n = len(slots) cached entries (its row)."""
         n = int(slots.numel())
         units, lens = block_tables([self], slots[None], [n], num_layers, num_heads, self.table_width(n))
         units, lens = units[:, 0], lens[:, 0]
-        if self.units is None:
+        entries = self.packed_entries
+        if entries is None:
             positions = self.positions(n).to(torch.int64).expand(num_layers, num_heads, n)
             return RequestTables(units=units, lens=lens, positions=positions)
         # Packed: kept positions in each head's own columns, then the tail after them.
-        k, tail = int(self.units.shape[-1]), n - self.packed
-        positions = torch.zeros_like(units)
-        positions[..., :k] = self.kept_positions
-        cols = self.unit_lens[..., None] + torch.arange(tail, device=units.device)
+        tail = n - self.packed
+        positions = entries.padded(entries.positions.to(units.device), int(units.shape[-1]))
+        cols = entries.lens.to(units.device)[..., None] + torch.arange(tail, device=units.device)
         logical = torch.arange(self.packed, n, dtype=torch.int64, device=units.device) + self.offset
         positions.scatter_(-1, cols, logical.expand(num_layers, num_heads, tail))
         return RequestTables(units=units, lens=lens, positions=positions)

@@ -159,7 +159,10 @@ class KvcStore:
             tensors = [t for t in state.stats if t is not None]
             if state.query_moments is not None:
                 tensors += state.query_moments.tensors()
-            tensors += [t for t in (state.kept_positions, state.units, state.unit_lens) if t is not None]
+            if state.kept_positions is not None:
+                tensors.append(state.kept_positions)
+            if state.packed_entries is not None:
+                total += state.packed_entries.nbytes
             if state.pending is not None:
                 tensors += state.pending.tensors()
             for scores in (state.reconstruction, state.reconstructed):  # KVzip's scores, if any
@@ -285,7 +288,7 @@ class KvcStore:
             return
         for row, n in zip(rows, lens):
             state = self.states.get(row)
-            if state is not None and state.units is not None:
+            if state is not None and state.packed_entries is not None:
                 self.extend_tables[row] = state.tables(self.req_to_token[row, :n], *layout)
 
     def attend_extend(self, layer: int, row: int, q: Tensor, positions: Tensor, scale: float) -> Tensor:

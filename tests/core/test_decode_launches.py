@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import sgl_kvc.core.decode as decode_module
-from sgl_kvc.core.request_state import Budget, ReqKvState
+from sgl_kvc.core.request_state import Budget, PackedEntries, ReqKvState
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import PolicyParams, get_policy
 from sync_guard import AllocationCounter, HostSync, KernelCounter, LaunchCounter, SyncGuard
@@ -74,9 +74,12 @@ def _store(batch: int, policies: tuple[str, ...], *, unit_pool: bool, fused: boo
         width = n
         if unit_pool and row % 2:  # packed: 40 columns over 30 slots, then its tail
             kept = 40
-            state.units = torch.zeros(LAYERS, H_KV, kept, dtype=torch.int64, device=DEVICE)
-            state.unit_lens = torch.zeros(LAYERS, H_KV, dtype=torch.int64, device=DEVICE)
-            state.kept_positions = torch.zeros(LAYERS, H_KV, kept, dtype=torch.int64, device=DEVICE)
+            entries = LAYERS * H_KV * kept  # made directly: `PackedEntries.of` reads its lengths
+            state.packed_entries = PackedEntries(
+                units=torch.zeros(entries, dtype=torch.int64, device=DEVICE),
+                positions=torch.zeros(entries, dtype=torch.int64, device=DEVICE),
+                lens=torch.full((LAYERS, H_KV), kept, dtype=torch.int64, device=DEVICE),
+                widths=(kept,) * LAYERS, entries=entries)
             state.packed = 30
             n = state.packed + rng.randint(1, 100)
             width = state.table_width(n)

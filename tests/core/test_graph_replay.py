@@ -117,8 +117,7 @@ def _compact(s: _Server, row: int, keep: int) -> None:
     cols = torch.arange(width, device=s.device)
     e = starts[..., None] + cols
     units = (slots[(e // per_slot).clamp(max=g - 1)] * per_slot + e % per_slot) * (cols < lens[..., None])
-    state.units, state.unit_lens, state.packed = units, lens, g
-    state.kept_positions = torch.zeros(LAYERS, H_KV, width, dtype=torch.int64, device=s.device)
+    state.pack(units, lens, g, torch.zeros(LAYERS, H_KV, width, dtype=torch.int64, device=s.device))
     s.store.req_to_token[row, g:] = 0
     s.live[row] = g
 
@@ -140,10 +139,8 @@ def _from_document(s: _Server, row: int, tail: int, policy: str) -> None:
     units = torch.randperm(10 * per_slot, generator=s.g)[: LAYERS * H_KV * 9].view(LAYERS, H_KV, 9)
     table = torch.tensor(doc)[units // per_slot] * per_slot + units % per_slot
     lens = torch.randint(3, 10, (LAYERS, H_KV), generator=s.g)
-    state.units = (table * (torch.arange(9) < lens[..., None])).to(s.device)
-    state.unit_lens = lens.to(s.device)
-    state.packed = 10
-    state.kept_positions = torch.zeros(LAYERS, H_KV, 9, dtype=torch.int64, device=s.device)
+    state.pack((table * (torch.arange(9) < lens[..., None])).to(s.device), lens.to(s.device), 10,
+               torch.zeros(LAYERS, H_KV, 9, dtype=torch.int64, device=s.device))
     s.store.set_offset(row, 100)
 
 

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sgl_kvc.core.packed_rows import PackedRows, graph_width
+from sgl_kvc.core.request_state import PackedEntries
 
 LAYERS, HEADS, ROWS, CAPACITY = 2, 3, 6, 64
 
@@ -20,7 +21,8 @@ def _state(lens: list[int], width: int, packed: int = 2):
     unit_lens = torch.tensor(lens, dtype=torch.int64).view(LAYERS, HEADS)
     units = torch.arange(LAYERS * HEADS * width, dtype=torch.int64).view(LAYERS, HEADS, width) + 1000
     units = units * (torch.arange(width) < unit_lens[..., None])
-    return SimpleNamespace(units=units, unit_lens=unit_lens, packed=packed)
+    return SimpleNamespace(units=units, unit_lens=unit_lens, packed=packed,
+                           packed_entries=PackedEntries.of(units, unit_lens, torch.zeros_like(units)))
 
 
 def test_an_installed_row_lists_each_heads_own_entries() -> None:

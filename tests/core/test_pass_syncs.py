@@ -112,8 +112,8 @@ def test_a_packed_extend_never_waits_for_the_device() -> None:
         due = advance_variable(store, 0, state, N, StepWork.unlimited(), "variable")
     # Pack it as a compaction would (kept entries, then 5 new slots; the chosen columns stand in
     # for its units: only where they lead matters here), then extend by 5 tokens.
-    state.units, state.unit_lens = due.selection.indices.clamp(min=0), due.selection.lengths
-    state.kept_positions, state.packed, state.stats = due.kept_positions, BUDGET, list(due.stats)
+    state.pack(due.selection.indices.clamp(min=0), due.selection.lengths, BUDGET, due.kept_positions)
+    state.stats = list(due.stats)
     new = torch.arange(150, 155, dtype=torch.int32)
     store.req_to_token[0, BUDGET : BUDGET + 5] = new
     store.begin_extend([0], [BUDGET + 5])

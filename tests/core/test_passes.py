@@ -256,8 +256,7 @@ def test_a_packed_pass_holds_each_heads_packed_entries(device: torch.device, mod
         for h in range(H_KV):
             rel = starts[layer, h] + torch.arange(int(lens[layer, h]), device=device)
             units[layer, h, : int(lens[layer, h])] = slots[rel // per_slot].long() * per_slot + rel % per_slot
-    state.units, state.unit_lens, state.packed = units, lens, packed
-    state.kept_positions = torch.arange(int(lens.max()), device=device).expand(LAYERS, H_KV, -1) * 2
+    state.pack(units, lens, packed, torch.arange(int(lens.max()), device=device).expand(LAYERS, H_KV, -1) * 2)
     state.offset = 40
     tables = state.tables(store.req_to_token[0, :n], LAYERS, H_KV)
     state.pending = start_pass(store, 0, state, state.policy, n, own, "prefill", tables, held=packed)
@@ -290,8 +289,7 @@ def test_a_pass_on_a_row_packed_by_one_sort_keeps_the_requests_budget(device: to
         for h in range(H_KV):
             rel = starts[layer, h] + torch.arange(int(lens[layer, h]), device=device)
             units[layer, h, : int(lens[layer, h])] = slots[rel // per_slot].long() * per_slot + rel % per_slot
-    state.units, state.unit_lens, state.packed = units, lens, packed
-    state.kept_positions = torch.arange(int(lens.max()), device=device).expand(LAYERS, H_KV, -1) * 2
+    state.pack(units, lens, packed, torch.arange(int(lens.max()), device=device).expand(LAYERS, H_KV, -1) * 2)
     state.offset = 40
     assert passes.allocation(state.policy, "policy") == "layer"
     due = _run(store, state, n, target, allowance=1 << 40, mode="policy")

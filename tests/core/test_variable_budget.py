@@ -16,7 +16,7 @@ from fakes import FakeAllocator
 
 from sgl_kvc.adapter.moments.compaction import compact_requests_units
 from sgl_kvc.core.decode import DecodeStep
-from sgl_kvc.core.request_state import Budget, ReqKvState, unit_index
+from sgl_kvc.core.request_state import Budget, PackedEntries, ReqKvState, unit_index
 from sgl_kvc.core.store import KvcStore
 from sgl_kvc.policies import get_policy, select_from_scores
 
@@ -78,9 +78,9 @@ def _compact(batch, pool: UnitPool, state: ReqKvState, budget: int, seed: int):
     assert outcome.kept == g and batch.seq_lens_cpu.tolist() == [g] and outcome.units.device == device
     assert batch.token_to_kv_pool_allocator.available_size() == free_before + n - g  # really freed
     logical = n + state.offset
-    state.units, state.unit_lens, state.packed = outcome.units, selection.lengths, g
     valid = selection.valid()
-    state.kept_positions = tables.positions.gather(-1, torch.where(valid, selection.indices, 0)) * valid
+    state.pack(outcome.units, selection.lengths, g,
+               tables.positions.gather(-1, torch.where(valid, selection.indices, 0)) * valid)
     state.offset = logical - g
     return selection, want
 
@@ -149,9 +149,8 @@ def test_decode_step_tables_are_each_requests_own(device, rows, layers, heads, t
             unit_lens.view(-1)[0] = k  # the widest head fills the packed table
             units = torch.randint(0, 9999, (layers, heads, k), generator=g)
             units *= torch.arange(k) < unit_lens[..., None]
-            state.unit_lens, state.units = unit_lens.to(device), units.to(device)
-            state.kept_positions = torch.zeros(layers, heads, k, dtype=torch.int64, device=device)
-            state.packed = math.ceil(int(state.unit_lens.sum()) / (layers * heads))
+            state.pack(units.to(device), unit_lens.to(device), math.ceil(int(unit_lens.sum()) / (layers * heads)),
+                       torch.zeros(layers, heads, k, dtype=torch.int64, device=device))
             lens.append(state.packed + tail)
         elif kind == 3:  # compressed into its row, every head keeping k (a uniform pass)
             state.kept_positions = torch.arange(k, device=device).expand(layers, heads, k) * 2
@@ -340,13 +339,14 @@ def test_block_tables_against_one_head_at_a_time(device, rows, layers, heads, sp
             states.append(None)
             lens.append(k + tail)
             continue
-        state = SimpleNamespace(units=None, unit_lens=None, packed=0)
+        state = SimpleNamespace(units=None, unit_lens=None, packed=0, packed_entries=None)
         if kind >= 2:
             unit_lens = torch.randint(0, k + 1, (layers, heads), generator=g)
             units = torch.randint(0, 9999, (layers, heads, k), generator=g) * (torch.arange(k) < unit_lens[..., None])
             state.units = (units.int() if kind == 3 else units).to(device)
             state.unit_lens = unit_lens.to(device)
             state.packed = math.ceil(int(unit_lens.sum()) / (layers * heads))
+            state.packed_entries = PackedEntries.of(state.units, state.unit_lens, torch.zeros_like(state.units))
         states.append(state)
         lens.append(state.packed + tail if kind >= 2 else k + tail)
     slots = torch.randint(0, 500, (len(rows), max(lens) + 1), generator=g)

@@ -205,12 +205,18 @@ def test_a_deep_chain_is_flat_and_its_tables_are_every_links_in_order(depth: int
     assert torch.equal(kept.long(), ref_kept) and kept.dtype == torch.int32
     assert carried.end == deep.key.tokens
     assert all(torch.equal(carried.layers[layer], ref_scores[layer]) for layer in range(LAYERS))
-    assert torch.equal(state.kept_positions, kept) and state.offset == deep.key.tokens - deep.chain_slots
+    if packed:  # its entries flat (`PackedEntries`), as wide as its widest head
+        width = int(lens.max())
+        assert state.kept_positions is None and torch.equal(state.packed_positions(), kept[..., :width].long())
+        assert not bool(kept[..., width:].any())
+    else:
+        assert torch.equal(state.kept_positions, kept)
+    assert state.offset == deep.key.tokens - deep.chain_slots
     assert state.reconstructed.end == carried.end
     if packed:
         assert torch.equal(units.long(), ref_units) and torch.equal(lens.long(), ref_lens)
         assert all(torch.equal(carried.lengths[layer], ref_lens[layer]) for layer in range(LAYERS))
-        assert torch.equal(state.units, units) and state.packed == deep.chain_slots
+        assert torch.equal(state.units, units[..., : int(lens.max())].long()) and state.packed == deep.chain_slots
     else:
         assert units is None and lens is None and carried.lengths is None and state.units is None
 

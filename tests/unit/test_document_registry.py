@@ -892,7 +892,7 @@ def test_a_compacted_reply_stays_in_the_tree_as_a_reply_and_a_turn() -> None:
         state.kept_positions = torch.sort(torch.randperm(155)[: 2 * (units.shape[-1] if units is not None else k)]
                                           .reshape(2, 1, -1)).values
         if units is not None:
-            state.units, state.unit_lens, state.packed = units, lens, k
+            state.pack(units, lens, k, state.kept_positions)
         kvc_req.of(req).state = state
         return req
 

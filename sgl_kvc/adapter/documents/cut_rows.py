@@ -85,20 +85,21 @@ def _row_ready(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey,
         return None
     failpoints.check("document_raise", req)
     kept = int(req.kv.kv_committed_len)
-    expected = state.packed if state.units is not None else key.entries
+    expected = state.packed if state.packed_entries is not None else key.entries
     if kept != expected or state.logical_len(kept) != key.tokens or int(req.kv.cache_protected_len):
         raise RuntimeError(f"its row holds {kept} slots (cut to {expected} expected) covering "
                            f"{state.logical_len(kept)} tokens, {int(req.kv.cache_protected_len)} of them the tree's")
     if passes_before != cuts(req):  # never: only the key's cuts (`chunks.cut_at`) cut a document
         raise RuntimeError(f"its row was cut {passes_before} times before the document's end, "
                            f"{cuts(req)} of them where its key says")
-    packed = state.units is not None
-    entries = int(state.unit_lens.sum()) if packed else int(state.kept_positions.numel())
+    packed = state.packed_entries is not None
+    entries = state.packed_entries.entries if packed else int(state.kept_positions.numel())
     heads = int(state.unit_lens.numel()) if packed else 0
     scored = state.reconstructed is not None  # KVzip: the scores its cut carried
     slots = compressor.store.req_to_token[req.kv.req_pool_idx, :kept].to(torch.int64, copy=True)
     failpoints.check("node_raise", req)
-    doc = Compressed.compact(key, None, state.kept_positions, kept, state.unit_lens, state.reconstructed)
+    positions = state.packed_positions() if packed else state.kept_positions
+    doc = Compressed.compact(key, None, positions, kept, state.unit_lens, state.reconstructed)
     return slots, compact_bytes(entries, heads, packed, scored), doc
 
 

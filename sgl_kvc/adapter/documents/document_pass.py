@@ -315,7 +315,9 @@ def trace_document(compressor: Host, req: Any, doc: Any) -> None:
         key = doc.key
         kept, units, lens = doc.tables()
         trace_state = ReqKvState(policy=compressor.policy(key.policy, key.entries), budget=Budget(key.entries),
-                                 kept_positions=kept, units=units, unit_lens=lens)
+                                 kept_positions=kept)
+        if units is not None:
+            trace_state.pack(units, lens, int(doc.slots), kept)
         compressor.trace.write(req.rid, "document", key.policy, key.tokens, key.tokens, trace_state, doc.slots,
                                key.tokens)
     except Exception:  # noqa: BLE001

@@ -132,7 +132,7 @@ class Document:
         kept, units, lens = self.tables()
         state.kept_positions = kept
         if units is not None:  # packed, as a request compacted on the unit pool is
-            state.units, state.unit_lens, state.packed = units, lens, anchor.chain_slots
+            state.pack(units, lens, anchor.chain_slots, kept)
         state.offset = self.offset
         state.reconstructed = self.carried(device)
 

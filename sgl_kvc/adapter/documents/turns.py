@@ -49,6 +49,7 @@ from sgl_kvc.adapter.documents.links import Compressed, Document, Turn, compact_
 from sgl_kvc.adapter.documents.plan import may_reply, plan_of
 from sgl_kvc.adapter.documents.registry import DocumentRegistry, insert_child, insert_document
 from sgl_kvc.core.reconstruction import CarriedScores
+from sgl_kvc.core.request_state import PackedEntries
 
 logger = logging.getLogger(__name__)
 
@@ -200,9 +201,9 @@ def reply_candidate(tree: Any, registry: DocumentRegistry, req: Any) -> ReplyCan
         return None  # a row its compaction never rewrote (it holds the tree's slots)
     n = int(req.kv.kv_committed_len)
     end = len(req.origin_input_ids) + len(req.output_ids) - 1  # the last output token is never read
-    if state.logical_len(n) != end or state.kept_positions is None or state.kept_positions.dim() != 3:
+    packed = state.packed_entries is not None
+    if state.logical_len(n) != end or not packed and (state.kept_positions is None or state.kept_positions.dim() != 3):
         return None  # not all it read, or one shared set of positions
-    packed = state.units is not None
     k = state.packed if packed else int(state.kept_positions.shape[-1])
     if not 0 < k <= n or k + state.offset <= len(req.origin_input_ids):
         # not compacted since it decoded: a turn's (`turns.py`), or a prompt its prefill pass cut
@@ -214,10 +215,10 @@ def reply_candidate(tree: Any, registry: DocumentRegistry, req: Any) -> ReplyCan
         layers, heads = unit_lens.shape
         if int(unit_lens.sum()) > k * layers * heads:
             return None
-        if not _canonical(state.units, unit_lens, tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :k]):
+        if not _canonical(state.packed_entries, tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :k]):
             return None
         entries = math.ceil(int(unit_lens.sum()) / (layers * heads))
-        positions = positions * (torch.arange(positions.shape[-1], device=positions.device) < unit_lens[..., None])
+        positions = state.packed_positions()  # 0 past each head's length
     sequence = [*req.origin_input_ids, *req.output_ids][:end]
     start = plan.start.key.digest if plan.start is not None else ""
     key = reply_key(declared, sequence[: k + state.offset], entries, fields.rule.settings, start)
@@ -230,7 +231,7 @@ def reply_candidate(tree: Any, registry: DocumentRegistry, req: Any) -> ReplyCan
     return ReplyCandidate(req, key, positions, unit_lens, k, sequence, carried, doc)
 
 
-def _canonical(units: Tensor, unit_lens: Tensor, slots: Tensor) -> bool:
-    """Whether the packed `units` are where a document of `slots` with these lengths has them."""
-    rel, expected = packed_units(slots, unit_lens, int(units.shape[-1]))
-    return bool(torch.equal(expected, units.to(expected.device).long() * (rel >= 0)))
+def _canonical(entries: PackedEntries, slots: Tensor) -> bool:
+    """Whether the packed entries' units are where a document of `slots` with their lengths has them."""
+    rel, expected = packed_units(slots, entries.lens, entries.width)
+    return bool(torch.equal(expected[rel >= 0], entries.units.to(expected.device)))

@@ -112,7 +112,7 @@ def plan_pass(rec: Planner, scheduler: Scheduler, batch: ScheduleBatch, i: int, 
     ids = req.origin_input_ids
     sink = rec.config.sink_tokens
     start, end = context_range(ids, length, prompt, sink, prompt_read=moment == "prefill")
-    compacted = state.packed if state.units is not None else (
+    compacted = state.packed if state.packed_entries is not None else (
         0 if state.kept_positions is None else int(state.kept_positions.shape[-1]))
     if end - state.offset < compacted:  # the context ends among compacted entries: all of it
         end = length

@@ -149,7 +149,7 @@ def commit(comp: Host, batch: ScheduleBatch, d: DueCompaction, outcome: Compacti
     elif state.reconstructed is not None:
         state.reconstructed = carry_through(state.reconstructed, d.selection)
     if outcome.units is not None:  # packed into the unit pool
-        state.units, state.unit_lens, state.packed = outcome.units, d.selection.lengths, outcome.kept
+        state.pack(outcome.units, d.selection.lengths, outcome.kept, d.kept_positions)
     if comp.trace:
         comp.trace.write(req.rid, d.moment, d.policy.name, n, logical_len, state, outcome.kept, d.began_at)
     state.offset = logical_len - outcome.kept

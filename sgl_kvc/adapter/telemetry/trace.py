@@ -34,10 +34,11 @@ class CompactionTrace:
         `n`: entries before the compaction; `began_at`: entries when the pass began;
         `physical_kept`: slots kept."""
         kept = state.kept_positions
-        positions = kept.tolist()
-        if state.units is not None:
-            lens = state.unit_lens.tolist()
-            positions = [[p[:m] for p, m in zip(ps, ms)] for ps, ms in zip(positions, lens)]
+        if state.packed_entries is not None:
+            kept, lens = state.packed_positions(), state.unit_lens.tolist()
+            positions = [[p[:m] for p, m in zip(ps, ms)] for ps, ms in zip(kept.tolist(), lens)]
+        else:
+            positions = kept.tolist()
         event = {
             "rid": rid,
             "tp_rank": self.tp_rank,
