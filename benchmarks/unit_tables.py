@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from benchmarks.common import REPO, metadata_markdown, run_metadata
-from sgl_kvc.core.request_state import block_tables
+from sgl_kvc.core.request_state import PackedEntries, block_tables
 
 SHAPES = {"demo (2 layers, 2 KV heads)": (2, 2), "SmolLM2-135M (30, 3)": (30, 3), "Llama-3.1-8B (32, 8)": (32, 8)}
 
@@ -72,13 +72,22 @@ def case(layers: int, heads: int, batch: int, budget: int, buffer: int, reps: in
         lens = torch.randint(budget // 2, budget + 1, (layers, heads), generator=gen)
         packed = -(-int(lens.sum()) // (layers * heads))  # slots its packed units fill
         units = torch.randint(0, 1 << 20, (layers, heads, int(lens.max())), generator=gen)
-        states.append(SimpleNamespace(units=units, unit_lens=lens, packed=packed))
+        units *= torch.arange(units.shape[-1]) < lens[..., None]
+        # the packed entries (`PackedEntries`), and the tables a commit before them held
+        states.append(SimpleNamespace(units=units, unit_lens=lens, packed=packed,
+                                      packed_entries=PackedEntries.of(units, lens, torch.zeros_like(units))))
         row_lens.append(packed + rng.randrange(0, buffer + 1))
     req_to_token = torch.randint(0, 1 << 16, (batch, max(row_lens)), dtype=torch.int32, generator=gen)
     width = max(int(s.units.shape[-1]) + n - s.packed for s, n in zip(states, row_lens))
     rows = torch.arange(batch)
 
-    def per_head(build: Callable = block_tables) -> object:
+    widths = [max(s.packed_entries.widths[layer] + n - s.packed for s, n in zip(states, row_lens))
+              for layer in range(layers)]
+
+    def per_head(build: Callable = block_tables) -> object:  # each layer as wide as its widest head
+        return build(states, req_to_token[rows, : max(row_lens)], row_lens, layers, heads, widths)
+
+    def per_head_before(build: Callable) -> object:  # a commit's, every layer as wide as the widest
         return build(states, req_to_token[rows, : max(row_lens)], row_lens, layers, heads, width)
 
     # a uniform row of as many entries per head (budget, then its tail): what `DecodeStep.build` makes
@@ -93,9 +102,9 @@ def case(layers: int, heads: int, batch: int, budget: int, buffer: int, reps: in
         return torch.where(pad, slots[:, :1], slots), pad
 
     names = ["per_head_ms", *(f"per_head_ms@{name}" for name in baselines or {}), "uniform_ms"]
-    fns = [per_head, *(lambda build=build: per_head(build) for build in (baselines or {}).values()), uniform]
+    fns = [per_head, *(lambda build=build: per_head_before(build) for build in (baselines or {}).values()), uniform]
     out = {"batch": batch, **{n: round(ms, 3) for n, ms in zip(names, _median_ms(fns, reps))}}
-    return {**out, "table_mib": round(layers * batch * heads * width * 8 / 2**20, 2)}
+    return {**out, "table_mib": round(batch * heads * sum(widths) * 8 / 2**20, 2)}
 
 
 def main(argv: list[str] | None = None) -> None:

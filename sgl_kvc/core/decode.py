@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from sgl_kvc.core.host import host_tensor, to_device
-from sgl_kvc.core.request_state import block_tables
+from sgl_kvc.core.request_state import TABLE_ENTRY_BYTES, block_tables
 from sgl_kvc.core.stat_group import StatGroup
 from sgl_kvc.core.stat_slab import StepSlab, add_attention, plan_group, plan_slab
 from sgl_kvc.kernels.decode_attention import decode_attention, decode_probs, plain_decode, rounds_like_sdpa
@@ -64,7 +64,7 @@ class DecodeShape:
         """Table bytes per request and column: none for a slot cache; on the unit pool one
         int64 per layer and head, three times (`block_tables` holds at most two temporaries of the
         tables' size while it builds them)."""
-        return 3 * 8 * self.table_layers * self.kv_heads
+        return 3 * TABLE_ENTRY_BYTES * self.table_layers * self.kv_heads
 
 
 def fused_block_bytes(lens: list[int], keeping: list[int], shape: DecodeShape) -> int:
@@ -102,11 +102,10 @@ class DecodeBlock:
     groups: tuple[StatGroup, ...]
     # On the unit pool (variable budgets) the block is read through per-head tables instead
     # (and `slots` / `pad` are None):
-    units: Tensor | None = None  # [L, b, H_kv, N] int64, unit of entry j of each (layer, head)
+    # Per layer [b, H_kv, N_l] int64, unit of entry j of each head, N_l the layer's widest head
+    # in the block (budgets differ between layers: `block_tables`)
+    units: tuple[Tensor, ...] | None = None
     lens: Tensor | None = None  # [L, b, H_kv] entries of each (layer, head)
-    # Per layer, its widest head in the block (CPU only: read without a device sync). Budgets
-    # differ between layers, so the padded torch kernel reads each layer only that wide.
-    widths: tuple[int, ...] | None = None
     # A fused step over a slot cache: the requests' rows of `req_to_token`, read in place as
     # slot tables over `flat_heads(cache)`.
     row_tables: HeadTables | None = None
@@ -210,16 +209,16 @@ class DecodeStep:
                                        width=max(lens[members[j]] for j in keeping))
             if members[0] in tabled:  # read through per-head tables: no slot rows to gather
                 m_rows = [row_lens[i] for i in members]
+                block_states = [states.get(rows[i]) for i in members]
+                # each layer as wide as its widest head in the block (budgets differ between layers)
+                widths = [max(1, max(w)) for w in zip(*(
+                    (n,) * units[0] if s is None else s.layer_widths(n, units[0]) for s, n in zip(block_states, m_rows)))]
                 block_units, block_lens = block_tables(
-                    [states.get(rows[i]) for i in members], req_to_token[b_rows, : max(1, max(m_rows))],
-                    m_rows, *units, n_max,
+                    block_states, req_to_token[b_rows, : max(1, max(m_rows))], m_rows, *units, widths,
                 )
-                widths = None
-                if not fused and block_lens.device.type == "cpu":  # else the kernel walks each head's length
-                    widths = tuple(max(1, w) for w in block_lens.amax(dim=(1, 2)).tolist())
                 blocks.append(DecodeBlock(index=index, slots=None, pad=None, groups=groups, units=block_units,
-                                          lens=block_lens, widths=widths, probs_rows=probs_rows,
-                                          logit_rows=logit_rows, splits=splits))
+                                          lens=block_lens, probs_rows=probs_rows, logit_rows=logit_rows,
+                                          splits=splits))
                 continue
             b_lens = torch.tensor([lens[i] for i in members], dtype=torch.int64, device="cpu")
             if fused:  # the requests' rows, read in place; the lengths mask past each one's
@@ -299,8 +298,6 @@ class DecodeStep:
             return block.row_tables, flat_heads(k_cache), flat_heads(v_cache)
         local = layer - self.first_layer
         units = block.units[local]
-        if block.widths is not None:
-            units = units[..., : block.widths[local]]
         k_units, v_units = unit_pools
         if keys_only:
             v_units = k_units

@@ -84,6 +84,16 @@ class RequestTables:
         return self.lens.tolist()
 
 
+TABLE_ENTRY_BYTES = 8  # an int64 column of a decode step's tables
+PACKED_BYTES = 4  # an int32: a packed entry's unit or position (`PackedEntries`)
+# What the server reserves per entry a packed request holds (`adapter/memory/kv_memory.Reservation`):
+# its unit and position (`PackedEntries`, exact) and two columns of a decode step's tables
+# (`block_tables`: each layer as wide as its widest head held 1.85x a request's entries at the median,
+# at most 2.05x, in every style and at every budget measured: docs/benchmarks.md, "How wide a packed
+# request's heads grow"). Not reserved: a layer whose entries are all in one of its heads would take
+# H_kv columns an entry.
+PACKED_ENTRY_BYTES = 2 * PACKED_BYTES + 2 * TABLE_ENTRY_BYTES
+
 
 @dataclass(frozen=True, eq=False)
 class PackedEntries:
@@ -93,10 +103,12 @@ class PackedEntries:
     are: one sort over every head (KVzip's) leaves its widest head many times the mean (a median
     16x at a budget of 64: docs/benchmarks.md, "How wide a packed request's heads grow"), and tensors
     [L, H_kv, K] as wide as it would hold more than the KV they describe. `widths` (each layer's
-    widest head) and `entries` are on the host, read once when the entries are packed."""
+    widest head) and `entries` are on the host, read once when the entries are packed. int32, as
+    a shared document's are (`adapter/documents/links.py`): a unit pool of 2^31 units would hold
+    512 GB of K and V at head_dim 64, and a position is below the context."""
 
-    units: Tensor  # [E] int64
-    positions: Tensor  # [E] int64
+    units: Tensor  # [E] int32
+    positions: Tensor  # [E] int32
     lens: Tensor  # [L, H_kv] int64
     widths: tuple[int, ...]
     entries: int
@@ -106,8 +118,8 @@ class PackedEntries:
         """From tables [L, H_kv, K] (any width; what lies past each head's length is ignored)."""
         lens = lens.to(device=units.device, dtype=torch.int64)
         valid = torch.arange(units.shape[-1], device=units.device) < lens[..., None]
-        flat_units = units[valid].to(torch.int64)  # (layer, head, column) order
-        flat_positions = positions.to(units.device)[..., : units.shape[-1]][valid].to(torch.int64)
+        flat_units = units[valid].to(torch.int32)  # (layer, head, column) order
+        flat_positions = positions.to(units.device)[..., : units.shape[-1]][valid].to(torch.int32)
         widths = tuple(int(w) for w in lens.amax(dim=-1).tolist()) if lens.numel() else ()
         return cls(flat_units, flat_positions, lens, widths, int(flat_units.numel()))
 
@@ -134,35 +146,46 @@ class PackedEntries:
                                        output_size=self.entries)
 
     def padded(self, values: Tensor, width: int | None = None) -> Tensor:
-        """`values` ([E], `units` or `positions`) as tables [L, H_kv, width], 0 past each head's length."""
+        """`values` ([E], `units` or `positions`) as int64 tables [L, H_kv, width], 0 past each
+        head's length."""
         layers, heads = self.lens.shape
         width = self.width if width is None else width
-        out = torch.zeros(layers * heads * width, dtype=values.dtype, device=values.device)
-        out[self.heads() * width + self.columns()] = values
+        out = torch.zeros(layers * heads * width, dtype=torch.int64, device=values.device)
+        out[self.heads() * width + self.columns()] = values.long()
         return out.view(layers, heads, width)
 
 
 def block_tables(
     states: Sequence["ReqKvState | None"], slots: Tensor, row_lens: Sequence[int],
-    num_layers: int, num_heads: int, width: int,
-) -> tuple[Tensor, Tensor]:
-    """The per-head tables of several requests at once (units only): every packed request's
-    entries (`PackedEntries`) are written into their heads' columns with one scatter, then every
-    request's tail (its slots past the packed ones; the whole row of an unpacked one) is placed
-    after each head's own entries, with another.
+    num_layers: int, num_heads: int, widths: Sequence[int],
+) -> tuple[tuple[Tensor, ...], Tensor]:
+    """The per-head tables of several requests at once (units only), layer by layer: every packed
+    request's entries (`PackedEntries`) are written into their heads' columns with one scatter, then
+    every request's tail (its slots past the packed ones; the whole row of an unpacked one) is
+    placed after each head's own entries, with another.
 
-    `slots`: [b, >= max(row_lens)] each request's row; `row_lens`: its cached entries; `width`:
-    columns to return (>= every request's `table_width`). Returns units [L, b, H_kv, width] and
-    lens [L, b, H_kv], on the slots' device, 0 past each head's length.
+    `slots`: [b, >= max(row_lens)] each request's row; `row_lens`: its cached entries; `widths`:
+    each layer's columns (>= every request's `layer_widths` there). Returns each layer's units
+    [b, H_kv, widths[l]] (views of one buffer) and lens [L, b, H_kv], on the slots' device, 0 past
+    each head's length. A layer is as wide as its own widest head: one sort over every head
+    (KVzip's) leaves layers of very different widths, and tables as wide as the widest layer in
+    every layer were 16x the entries (docs/benchmarks.md, "How wide a packed request's heads grow").
 
     A fixed number of operations whatever the batch (a GPU launches each once), each over the
     tables' entries at most once, with at most two temporaries of the tables' size alive at once
     (`DecodeShape.table_bytes_per_column`; the packed entries' own, an int64 each, are fewer): a
-    decode step builds these for every layer, and on a CPU their size (L x b x H_kv x width int64)
-    is what the step pays for them."""
+    decode step builds these for every layer, and on a CPU their size (b x H_kv x sum(widths)
+    int64) is what the step pays for them."""
     device = slots.device
     b, L, H = len(states), num_layers, num_heads
-    units = torch.zeros(L, b, H, width, dtype=torch.int64, device=device)
+    widths = [int(w) for w in widths]
+    if len(widths) != L:
+        raise ValueError(f"{len(widths)} widths for {L} layers")
+    starts = list(itertools.accumulate([0] + [b * H * w for w in widths[:-1]]))
+    buffer = torch.zeros(sum(b * H * w for w in widths), dtype=torch.int64, device=device)
+    layer_tables = tuple(buffer[at : at + b * H * w].view(b, H, w) for at, w in zip(starts, widths))
+    first_of = host_tensor(starts, device)  # [L]: each layer's first element
+    width_of = host_tensor(widths, device)  # [L]
     head_lens = torch.zeros(L, b, H, dtype=torch.int64, device=device)
     packed = [0 if state is None or state.packed_entries is None else state.packed for state in states]
     tables = [j for j, state in enumerate(states) if state is not None and state.packed_entries is not None]
@@ -177,13 +200,13 @@ def block_tables(
             # column e - first[r, l, h] of that head's table
             flat = lens.reshape(-1)
             first = (torch.cumsum(flat, 0) - flat).view_as(lens)
-            grid = (torch.arange(L, device=device)[None, :, None] * b + at[:, None, None]) * H
-            base = ((grid + torch.arange(H, device=device)[None, None, :]) * width - first).reshape(-1)
+            heads = at[:, None, None] * H + torch.arange(H, device=device)[None, None, :]  # [R, 1, H]
+            base = (first_of[None, :, None] + heads * width_of[None, :, None] - first).reshape(-1)
             run = torch.repeat_interleave(torch.arange(flat.numel(), device=device), flat, output_size=entries)
             dst = base[run]
             del run
             dst += torch.arange(entries, device=device)
-            units.view(-1)[dst] = torch.cat([e.units.to(device) for e in own])
+            buffer[dst] = torch.cat([e.units.to(device) for e in own]).long()
     tails = [n - g for n, g in zip(row_lens, packed)]
     items = sum(tails)
     if items:
@@ -191,19 +214,19 @@ def block_tables(
         # column head_lens[l, req, h] + its index in the tail (shapes from the host's lists: no sync)
         counts = torch.tensor(tails, dtype=torch.int64, device="cpu")
         req = torch.repeat_interleave(torch.arange(b, device="cpu"), counts, output_size=items)
-        starts = torch.tensor(list(itertools.accumulate([0] + tails[:-1])), dtype=torch.int64, device="cpu")
-        col = torch.arange(items, device="cpu") - torch.repeat_interleave(starts, counts, output_size=items)
+        tail_starts = torch.tensor(list(itertools.accumulate([0] + tails[:-1])), dtype=torch.int64, device="cpu")
+        col = torch.arange(items, device="cpu") - torch.repeat_interleave(tail_starts, counts, output_size=items)
         req, col = to_device(req, device), to_device(col, device)
         first = host_tensor(packed, device)
         tail_slots = slots[req, first[req] + col].to(torch.int64)
         values = unit_index(tail_slots, L, H)  # [L, H, items]
-        dst = head_lens.permute(0, 2, 1)[:, :, req]  # [L, H, items]: the flat index in `units`
-        dst += ((torch.arange(L, device=device)[:, None] * (b * H) + torch.arange(H, device=device)[None, :])
-                * width)[..., None]
-        dst += (req * (H * width) + col)[None, None, :]
-        units.view(-1).scatter_(0, dst.view(-1), values.view(-1))
+        dst = head_lens.permute(0, 2, 1)[:, :, req]  # [L, H, items]: the flat index in `buffer`
+        dst += ((req[None, None, :] * H + torch.arange(H, device=device)[None, :, None]) * width_of[:, None, None]
+                + first_of[:, None, None])
+        dst += col[None, None, :]
+        buffer.scatter_(0, dst.view(-1), values.view(-1))
         head_lens += to_device(counts, device)[None, :, None]
-    return units, head_lens
+    return layer_tables, head_lens
 
 
 @dataclass
@@ -315,16 +338,23 @@ class ReqKvState:
         return torch.cat([kept, tail], dim=-1)
 
     def table_width(self, n: int) -> int:
-        """Columns of the request's per-head tables over its n cached entries."""
+        """Columns of the request's per-head tables over its n cached entries (its widest layer's)."""
         if self.packed_entries is None:
             return n
         return self.packed_entries.width + n - self.packed
 
+    def layer_widths(self, n: int, num_layers: int) -> tuple[int, ...]:
+        """Each layer's columns of its per-head tables over its n cached entries."""
+        if self.packed_entries is None:
+            return (n,) * num_layers
+        return tuple(w + n - self.packed for w in self.packed_entries.widths)
+
     def tables(self, slots: Tensor, num_layers: int, num_heads: int) -> RequestTables:
         """The request's per-head tables over its n = len(slots) cached entries (its row)."""
         n = int(slots.numel())
-        units, lens = block_tables([self], slots[None], [n], num_layers, num_heads, self.table_width(n))
-        units, lens = units[:, 0], lens[:, 0]
+        width = self.table_width(n)
+        layers, lens = block_tables([self], slots[None], [n], num_layers, num_heads, (width,) * num_layers)
+        units, lens = torch.stack([layer[0] for layer in layers]), lens[:, 0]
         entries = self.packed_entries
         if entries is None:
             positions = self.positions(n).to(torch.int64).expand(num_layers, num_heads, n)

@@ -182,11 +182,13 @@ def test_decode_step_tables_are_each_requests_own(device, rows, layers, heads, t
             alone = states[i] if i in states else ReqKvState(policy=get_policy("snapkv"), budget=Budget(1), device=device)
             want = alone.tables(slots, layers, heads)
             got_lens = block.lens[:, j]
-            assert block.units.device == device and torch.equal(got_lens, want.lens)
-            w = want.width
-            assert w <= block.units.shape[-1]
-            cols = torch.arange(w, device=device) < got_lens[..., None]
-            assert torch.equal(block.units[:, j, :, :w] * cols, want.units * cols)
+            assert torch.equal(got_lens, want.lens)
+            for layer, table in enumerate(block.units):  # each layer as wide as its widest head in the block
+                assert table.device == device and table.shape[-1] == max(1, int(block.lens[layer].max()))
+                w = min(want.width, table.shape[-1])
+                cols = torch.arange(w, device=device) < got_lens[layer, :, None]
+                assert torch.equal(table[j, :, :w] * cols, want.units[layer, :, :w] * cols)
+                assert int(got_lens[layer].max()) <= w
     assert sorted(seen) == list(range(len(rows)))
 
 
@@ -198,6 +200,33 @@ def test_unit_index_is_the_flat_view_of_the_per_layer_buffers(device: torch.devi
     assert units.device == device
     for l in range(3):
         assert torch.equal(k_units[units[l]], pool.get_key_buffer(l)[slots].transpose(0, 1))
+
+
+def test_a_packed_requests_metadata_follows_its_entries_not_its_widest_head(device: torch.device) -> None:
+    """One sort over every head (KVzip's) can leave one head holding every token and the others
+    one each. What the request holds is then its entries (an int32 unit and position each), not
+    [L, H_kv, K] tables as wide as that head; a decode step's tables are each layer only as wide as
+    its own widest head. With tables as wide as the widest head this request held 16 x 3 x 2 x 40
+    bytes for 45 entries."""
+    layers, heads, wide = 3, 2, 40
+    pool = UnitPool(64, layers, heads, 0, device)
+    r2t = torch.zeros(2, 128, dtype=torch.int32, device=device)
+    r2t[0, :wide + 2] = torch.arange(wide + 2, dtype=torch.int32, device=device)
+    lens = torch.ones(layers, heads, dtype=torch.int64)
+    lens[0, 0] = wide
+    state = ReqKvState(policy=get_policy("snapkv"), budget=Budget(4), device=device)
+    units = torch.arange(layers * heads * wide, dtype=torch.int64).view(layers, heads, wide)
+    state.pack(units.to(device), lens.to(device), 8, torch.zeros(layers, heads, wide, dtype=torch.int64, device=device))
+    store = KvcStore(layers, 4, r2t, pool)
+    store.begin(0, state)
+    entries = int(lens.sum())
+    assert state.packed_entries.entries == entries
+    assert store.state_bytes == 8 * entries + 8 * layers * heads  # int32 units, positions; each head's length
+    assert torch.equal(state.units, units.to(device) * (torch.arange(wide, device=device) < lens.to(device)[..., None]))
+    store.attends = True
+    store.begin_decode([0], [8 + 2])  # its 8 packed slots and two tokens decoded since
+    [block] = store.decode_step.blocks
+    assert [table.shape[-1] for table in block.units] == [wide + 2, 3, 3]
 
 
 def test_decode_reads_packed_requests_through_their_tables(device: torch.device) -> None:
@@ -230,9 +259,8 @@ def test_decode_reads_packed_requests_through_their_tables(device: torch.device)
     # reads it, each in a block of its own; a fused plan reads all three through tables.
     block = next(b for b in store.decode_step.blocks if b.units is not None)
     assert len(store.decode_step.blocks) == (3 if device.type == "cpu" else 1)
-    # Layers differ in width: the torch kernel reads each only as wide as its widest head (on
-    # CUDA the plan leaves them unread: the Triton kernel walks each head's own length).
-    assert block.widths == ((8, 7) if device.type == "cpu" else None) and block.units.shape[-1] == 8
+    # Layers differ in width: each layer's tables are only as wide as its widest head in the block.
+    assert [table.shape[-1] for table in block.units] == [8, 7]
     q = torch.randn(3, heads * group, D, generator=torch.Generator().manual_seed(9)).to(device)
     k_units, v_units = pool.unit_buffers()
     for layer in range(layers):
@@ -352,7 +380,8 @@ def test_block_tables_against_one_head_at_a_time(device, rows, layers, heads, sp
     slots = torch.randint(0, 500, (len(rows), max(lens) + 1), generator=g)
     width = spare + max((int(s.units.shape[-1]) + n - s.packed) if s is not None and s.units is not None else n
                         for s, n in zip(states, lens))
-    units, head_lens = block_tables(states, slots.to(device), lens, layers, heads, width)
+    layer_tables, head_lens = block_tables(states, slots.to(device), lens, layers, heads, (width,) * layers)
+    units = torch.stack(layer_tables)
     want_units, want_lens = _reference_tables(states, slots, lens, layers, heads, width)
     assert units.device.type == torch.device(device).type
     assert torch.equal(units.cpu(), want_units) and torch.equal(head_lens.cpu(), want_lens)

@@ -234,4 +234,4 @@ def reply_candidate(tree: Any, registry: DocumentRegistry, req: Any) -> ReplyCan
 def _canonical(entries: PackedEntries, slots: Tensor) -> bool:
     """Whether the packed entries' units are where a document of `slots` with their lengths has them."""
     rel, expected = packed_units(slots, entries.lens, entries.width)
-    return bool(torch.equal(expected[rel >= 0], entries.units.to(expected.device)))
+    return bool(torch.equal(expected[rel >= 0], entries.units.to(expected.device).long()))

@@ -7,8 +7,9 @@ A compressing server keeps, besides SGLang's KV pool:
 * attention statistics (H2O, Batch-Max, KV-Compress): one float32 per layer and KV head per
   cached token, at most one per pool token, twice while a decode step moves them from the
   previous step's slab to its own (`core/stat_slab.py`);
-* on the unit pool (variable and layer budgets), a decode step's per-head tables: an int64 per
-  layer, KV head and entry, twice (`core/decode.py`, `DecodeShape`);
+* on the unit pool (variable and layer budgets), what a packed request holds per entry (its unit
+  and logical position, an int64 each) and its decode steps' per-head tables, each layer as wide as
+  its widest head: `PACKED_ENTRY_BYTES` per pool token, layer and KV head (`core/request_state.py`);
 * with decode steps from CUDA graphs on the unit pool (`--kv-decode-graphs on`), the packed rows'
   layout those steps read (`core/packed_rows.py`): an int32 arena of one unit per pool token, layer
   and KV head (a packed request's table, each head's own entries only), and per request row each
@@ -73,6 +74,7 @@ from typing import Any, Callable
 from sgl_kvc.adapter.sglang_api import Hook
 from sgl_kvc.config import KvcConfig
 from sgl_kvc.core.decode import FUSED_BLOCK_BYTES
+from sgl_kvc.core.request_state import PACKED_ENTRY_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +109,9 @@ class Reservation:
         unit_tables: bool = False, decode_bytes: int = 0, row_room: int = 0, forward_entries: int = 0,
         documents: bool = False, graph_layout: bool = False,
     ) -> "Reservation":
-        # a statistic twice (two steps' slabs); on the unit pool a step's tables, twice; the
-        # graph steps' packed rows' arena, a unit each
-        per_token = num_layers * kv_heads * (2 * STATS_BYTES + (2 * 8 if unit_tables else 0)
+        # a statistic twice (two steps' slabs); on the unit pool a packed entry's unit and position and
+        # its columns of a step's tables; the graph steps' packed rows' arena, a unit each
+        per_token = num_layers * kv_heads * (2 * STATS_BYTES + (PACKED_ENTRY_BYTES if unit_tables else 0)
                                              + (LAYOUT_BYTES if graph_layout else 0))
         # a graph step's layout of the request's row: each head's first entry and count, its packed slots
         per_row = (2 * num_layers * kv_heads + 1) * LAYOUT_BYTES if graph_layout else 0
