@@ -206,7 +206,7 @@ def block_tables(
             dst = base[run]
             del run
             dst += torch.arange(entries, device=device)
-            buffer[dst] = torch.cat([e.units.to(device) for e in own]).long()
+            buffer.scatter_(0, dst, torch.cat([e.units.to(device) for e in own]).long())
     tails = [n - g for n, g in zip(row_lens, packed)]
     items = sum(tails)
     if items:
@@ -306,9 +306,8 @@ class ReqKvState:
 
     @property
     def units(self) -> Tensor | None:
-        """Packed: its tables [L, H_kv, K] (K its widest head, 0 past each head's length), made
-        anew on every read: what reads them whole (a pass's tables, a turn's check) holds them
-        while it works, not the request."""
+        """Packed: its units as tables [L, H_kv, K] (K its widest head, 0 past each head's
+        length), made anew on every read: the request holds them flat (`packed_entries`)."""
         return None if self.packed_entries is None else self.packed_entries.padded(self.packed_entries.units)
 
     def packed_positions(self) -> Tensor | None:
