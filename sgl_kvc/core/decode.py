@@ -210,9 +210,13 @@ class DecodeStep:
             if members[0] in tabled:  # read through per-head tables: no slot rows to gather
                 m_rows = [row_lens[i] for i in members]
                 block_states = [states.get(rows[i]) for i in members]
-                # each layer as wide as its widest head in the block (budgets differ between layers)
-                widths = [max(1, max(w)) for w in zip(*(
-                    (n,) * units[0] if s is None else s.layer_widths(n, units[0]) for s, n in zip(block_states, m_rows)))]
+                # each layer as wide as its widest head in the block (budgets differ between layers);
+                # a row not packed is as wide as itself in every layer
+                packed_widths = [s.layer_widths(n, units[0]) for s, n in zip(block_states, m_rows)
+                                 if s is not None and s.packed_entries is not None]
+                whole = max((n for s, n in zip(block_states, m_rows) if s is None or s.packed_entries is None),
+                            default=1)
+                widths = [max(whole, *column) for column in zip(*packed_widths)] if packed_widths else [whole] * units[0]
                 block_units, block_lens = block_tables(
                     block_states, req_to_token[b_rows, : max(1, max(m_rows))], m_rows, *units, widths,
                 )
@@ -311,7 +315,7 @@ class DecodeStep:
 
 
 def _packed(state: "ReqKvState | None") -> bool:
-    """A request whose kept entries are packed in the unit pool (`ReqKvState.units`)."""
+    """A request whose kept entries are packed in the unit pool (`ReqKvState.packed_entries`)."""
     return state is not None and state.packed_entries is not None
 
 

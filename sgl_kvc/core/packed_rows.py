@@ -8,7 +8,7 @@ given back), never from one step to the next, so it lives here, per `req_to_toke
 between steps by `install` and read on the device by the step (`kernels/row_decode.py`):
 
 * head (l, h) of row r holds first its packed entries, `lens[r, l, h]` of them, whose units are
-  `table[start[r, l, h] :][: lens[r, l, h]]` (the request's `ReqKvState.units`, each head's own
+  `table[start[r, l, h] :][: lens[r, l, h]]` (the request's `ReqKvState.packed_entries`, each head's own
   entries only, side by side in one int32 arena);
 * then its tail: row positions `packed[r]` to the row's length, one slot each, in every head
   (the tokens decoded since the compaction, or the whole row of a request never packed).

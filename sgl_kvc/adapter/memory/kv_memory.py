@@ -8,8 +8,9 @@ A compressing server keeps, besides SGLang's KV pool:
   cached token, at most one per pool token, twice while a decode step moves them from the
   previous step's slab to its own (`core/stat_slab.py`);
 * on the unit pool (variable and layer budgets), what a packed request holds per entry (its unit
-  and logical position, an int64 each) and its decode steps' per-head tables, each layer as wide as
-  its widest head: `PACKED_ENTRY_BYTES` per pool token, layer and KV head (`core/request_state.py`);
+  and logical position, an int32 each) and two int64 columns of its decode steps' per-head tables,
+  each layer as wide as its widest head: `PACKED_ENTRY_BYTES` per pool token, layer and KV head
+  (`core/request_state.py`);
 * with decode steps from CUDA graphs on the unit pool (`--kv-decode-graphs on`), the packed rows'
   layout those steps read (`core/packed_rows.py`): an int32 arena of one unit per pool token, layer
   and KV head (a packed request's table, each head's own entries only), and per request row each
