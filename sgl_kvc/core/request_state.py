@@ -132,26 +132,16 @@ class PackedEntries:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.units, self.positions, self.lens))
 
-    def columns(self) -> Tensor:
-        """Each entry's column in its head's table ([E] int64)."""
-        flat = self.lens.reshape(-1)
-        head = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), flat,
-                                       output_size=self.entries)
-        return torch.arange(self.entries, device=flat.device) - (torch.cumsum(flat, 0) - flat)[head]
-
-    def heads(self) -> Tensor:
-        """Each entry's (layer, head) as l x H_kv + h ([E] int64)."""
-        flat = self.lens.reshape(-1)
-        return torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), flat,
-                                       output_size=self.entries)
-
     def padded(self, values: Tensor, width: int | None = None) -> Tensor:
         """`values` ([E], `units` or `positions`) as int64 tables [L, H_kv, width], 0 past each
-        head's length."""
+        head's length: entry e of head (l, h), the e - first[l, h]-th of its run, goes to that column."""
         layers, heads = self.lens.shape
         width = self.width if width is None else width
+        flat = self.lens.reshape(-1).to(values.device)
+        head = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), flat, output_size=self.entries)
+        base = torch.arange(flat.numel(), device=flat.device) * width - (torch.cumsum(flat, 0) - flat)
         out = torch.zeros(layers * heads * width, dtype=torch.int64, device=values.device)
-        out[self.heads() * width + self.columns()] = values.long()
+        out[base[head] + torch.arange(self.entries, device=flat.device)] = values.long()
         return out.view(layers, heads, width)
 
 
