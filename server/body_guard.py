@@ -7,8 +7,7 @@ An ASGI middleware on `POST /v1/chat/completions`, `POST /v1/completions` and SG
   object (SGLang's own model validators call `.get` on the body: a 500 for an array or null);
 - on the OpenAI routes, not a valid request for SGLang's own pydantic model (the same model
   FastAPI validates with next; the message names the field, without pydantic internals), or
-  outside OpenAI's documented ranges, which SGLang does not check (`n: 0` failed deep inside
-  with "range() arg 3 must not be zero"; `n: -1`, `logprobs: 1000`, `best_of: 0` were accepted);
+  outside OpenAI's documented ranges, which SGLang does not check (`server/openai_ranges.py`);
 - carrying invalid per-request compression settings (`kv_compression`, `custom_params.sgl_kvc`;
   `sgl_kvc.server.settings`), or an `extra_key` / `cache_salt` in the namespace of sgl-kvc's
   shared documents;
@@ -27,7 +26,6 @@ quality silently. Out-of-vocabulary token ids are checked later, where every ent
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -35,9 +33,12 @@ from typing import Any, Callable
 import orjson
 
 from sgl_kvc.config import KvcConfig
-from sgl_kvc.request_settings import WARNING_HEADER, RequestSettingError, json_type_name
+from sgl_kvc.request_settings import (
+    REQUEST_SETTINGS, SETTINGS_SCOPE_KEY, WARNING_HEADER, BodySettings, RequestSettingError, json_type_name,
+)
 from sgl_kvc.server.errors import FIELDS_SCOPE_KEY, describe_validation_errors, openai_error
-from sgl_kvc.server.settings import apply_openai_settings, body_warning, check_generate_body
+from sgl_kvc.server.openai_ranges import CHAT_RANGES, COMPLETION_RANGES, check_ranges, shown
+from sgl_kvc.server.settings import body_warning, generate_settings, openai_settings
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -57,123 +58,6 @@ class BodyError(Exception):
         self.status = status
         self.message = message
         self.param = param
-
-
-# ------------------------------------------------------------------------ OpenAI's ranges
-
-
-@dataclass(frozen=True)
-class Range:
-    """A numeric field's allowed range (OpenAI's API reference; SGLang's where it is stricter
-    or the field is SGLang's own). `None` values are always allowed (the field's default)."""
-
-    field: str
-    lo: float | None = None
-    hi: float | None = None
-    integer: bool = False
-    lo_open: bool = False  # lo itself is excluded
-    also: tuple[float, ...] = ()  # extra allowed values (top_k: -1 means "off")
-
-    def check(self, value: Any) -> str | None:
-        if value is None or value in self.also:
-            return None
-        ok = not (isinstance(value, float) and math.isnan(value))
-        if ok and self.lo is not None:
-            ok = value > self.lo if self.lo_open else value >= self.lo
-        if ok and self.hi is not None:
-            ok = value <= self.hi
-        return None if ok else self.describe()
-
-    def describe(self) -> str:
-        kind = "an integer" if self.integer else "a number"
-        fmt = (lambda x: str(int(x))) if self.integer else (lambda x: f"{x:g}")
-        if self.lo is not None and self.hi is not None:
-            if self.lo_open:
-                text = f"{kind} greater than {fmt(self.lo)} and at most {fmt(self.hi)}"
-            else:
-                text = f"{kind} between {fmt(self.lo)} and {fmt(self.hi)}"
-        elif self.lo is not None:
-            text = f"{kind} {'greater than' if self.lo_open else 'of at least'} {fmt(self.lo)}"
-        else:
-            text = f"{kind} of at most {fmt(self.hi)}"
-        if self.also:
-            text += " (or " + ", ".join(fmt(a) for a in self.also) + ")"
-        return text
-
-
-_SAMPLING = (
-    Range("n", 1, 128, integer=True),
-    Range("temperature", 0, 2),
-    # OpenAI allows 0; SGLang's sampler refuses it (later, without naming the field).
-    Range("top_p", 0, 1, lo_open=True),
-    Range("presence_penalty", -2, 2),
-    Range("frequency_penalty", -2, 2),
-    # SGLang's own sampling extensions, with the ranges its SamplingParams.verify enforces.
-    Range("top_k", 1, None, integer=True, also=(-1,)),
-    Range("min_p", 0, 1),
-    Range("repetition_penalty", 0, 2, lo_open=True),
-    Range("min_tokens", 0, None, integer=True),
-)
-CHAT_RANGES = _SAMPLING + (
-    Range("top_logprobs", 0, 20, integer=True),
-    Range("max_tokens", 1, None, integer=True),
-    Range("max_completion_tokens", 1, None, integer=True),
-)
-COMPLETION_RANGES = _SAMPLING + (
-    Range("logprobs", 0, 5, integer=True),
-    Range("best_of", 1, 20, integer=True),
-    Range("max_tokens", 1, None, integer=True),
-)
-LOGIT_BIAS_RANGE = Range("logit_bias", -100, 100)
-
-
-def _shown(value: Any) -> str:
-    try:
-        return orjson.dumps(value).decode()[:100]
-    except TypeError:
-        return json_type_name(value)
-
-
-def check_ranges(fields: dict[str, Any], ranges: tuple[Range, ...], route: str) -> None:
-    """Raise `BodyError` for the first field outside its range; `fields` are the values
-    after SGLang's pydantic model parsed them (so "2" already is 2)."""
-    for r in ranges:
-        value = fields.get(r.field)
-        problem = r.check(value)
-        if problem:
-            raise BodyError(
-                400,
-                f"Invalid '{r.field}': expected {problem}, but got {_shown(value)} instead.",
-                r.field,
-            )
-    bias = fields.get("logit_bias")
-    if isinstance(bias, dict):
-        for key, value in bias.items():
-            param = f"logit_bias.{key}"
-            try:
-                int(key)
-            except ValueError:
-                # SGLang would fail with Python's "invalid literal for int() with base 10".
-                raise BodyError(
-                    400,
-                    f"Invalid 'logit_bias': its keys must be token ids (integers as strings), "
-                    f"got {_shown(key)}.",
-                    param,
-                ) from None
-            problem = LOGIT_BIAS_RANGE.check(value)
-            if problem:
-                raise BodyError(
-                    400, f"Invalid '{param}': expected {problem}, but got {_shown(value)} instead.",
-                    param,
-                )
-    if route == COMPLETIONS:
-        best_of, n = fields.get("best_of"), fields.get("n") or 1
-        if best_of is not None and best_of < n:
-            raise BodyError(
-                400,
-                f"Invalid 'best_of': it must be at least 'n' ({n}), got {best_of}.",
-                "best_of",
-            )
 
 
 # -------------------------------------------------------------------------- body inspection
@@ -223,15 +107,26 @@ def _validate_openai(route: str, data: dict, body: bytes) -> None:
             "type or shape (check the types against the API reference).",
         ) from None
     # __dict__, not attributes: reading the deprecated `max_tokens` attribute warns.
-    ranges = CHAT_RANGES if route == CHAT else COMPLETION_RANGES
-    check_ranges(vars(parsed), ranges, route)
+    problem = check_ranges(vars(parsed), CHAT_RANGES if route == CHAT else COMPLETION_RANGES, best_of=route == COMPLETIONS)
+    if problem is not None:
+        raise BodyError(400, *problem)
 
 
-def inspect_body(route: str, body: bytes, config: KvcConfig | None, fields: dict | None = None,
-                 warnings: list[str] | None = None) -> bytes:
-    """The body to forward (possibly rewritten), or `BodyError` for the client. `fields`, when
-    given, gets the names the client gave the prompt and its output length (`client_fields`);
-    `warnings`, what the response is to say of how the request is served (`body_warning`)."""
+@dataclass(frozen=True)
+class CheckedBody:
+    """A body that passed the checks: what to forward (the client's bytes, or rewritten), what the
+    client named its prompt and output length (`client_fields`), the request's compression
+    settings as parsed here, once (the later hooks of the request read them), and what the
+    response is to say of how the request is served (`body_warning`), or None."""
+
+    body: bytes
+    fields: dict[str, str]
+    settings: BodySettings
+    warning: str | None = None
+
+
+def inspect_body(route: str, body: bytes, config: KvcConfig | None) -> CheckedBody:
+    """The checked body, or `BodyError` for the client."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as e:
@@ -248,22 +143,19 @@ def inspect_body(route: str, body: bytes, config: KvcConfig | None, fields: dict
         )
     _check_namespaces(data)
     _check_lora(route, data)
-    if fields is not None:
-        fields.update(client_fields(route, data))
+    fields = client_fields(route, data)
     try:
         if route == GENERATE:
-            check_generate_body(data, config, multimodal=_multimodal())
+            settings = generate_settings(data, config, multimodal=_multimodal())
             _check_generate_token_ids(data.get("input_ids"))
             _check_logprob_start(data)
             changed = False
         else:
             _validate_openai(route, data, body)
-            changed = apply_openai_settings(data, config, chat=route == CHAT, multimodal=_multimodal())
-        if warnings is not None and (warning := body_warning(data, config, generate=route == GENERATE)):
-            warnings.append(warning)
+            settings, changed = openai_settings(data, config, chat=route == CHAT, multimodal=_multimodal())
     except RequestSettingError as e:
         raise BodyError(400, _sentence(f"Invalid '{e.param}': {e}"), e.param) from None
-    return orjson.dumps(data) if changed else body
+    return CheckedBody(orjson.dumps(data) if changed else body, fields, settings, body_warning(settings, config))
 
 
 def _check_namespaces(data: dict) -> None:
@@ -329,7 +221,7 @@ def _check_lora(route: str, data: dict) -> None:
         adapter = None if model == served else (model[len(served) + 1:] if model.startswith(served + ":")
                                                 else model.split(":", 1)[1]).strip() or None
         if adapter is not None:
-            raise BodyError(400, f"Invalid 'model': it names the LoRA adapter {_shown(adapter)}, but this "
+            raise BodyError(400, f"Invalid 'model': it names the LoRA adapter {shown(adapter)}, but this "
                                  "server serves no LoRA adapters (it was started without --enable-lora).", "model")
     paths = data.get("lora_path")
     values = paths if isinstance(paths, list) else [paths]
@@ -337,7 +229,7 @@ def _check_lora(route: str, data: dict) -> None:
         if isinstance(path, str) and path:
             param = f"lora_path[{i}]" if values is paths else "lora_path"
             raise BodyError(400, f"Invalid '{param}': this server serves no LoRA adapters (it was started "
-                                 f"without --enable-lora), got {_shown(path)}.", param)
+                                 f"without --enable-lora), got {shown(path)}.", param)
 
 
 def _tokenizer_manager() -> Any:
@@ -430,21 +322,25 @@ class RequestBodyGuard:
                 break
         body = b"".join(chunks)
         del chunks
-        fields: dict[str, str] = {}
-        warnings: list[str] = []
         try:
-            new_body = inspect_body(route, body, self.config, fields, warnings)
+            checked = inspect_body(route, body, self.config)
         except BodyError as e:
             await _reject(scope, receive, send, e)
             return
-        if warnings:
-            send = _with_header(send, WARNING_HEADER, warnings[0])
-        scope = {**scope, FIELDS_SCOPE_KEY: fields}
-        if new_body is not body:
+        if checked.warning is not None:
+            send = _with_header(send, WARNING_HEADER, checked.warning)
+        scope = {**scope, FIELDS_SCOPE_KEY: checked.fields, SETTINGS_SCOPE_KEY: checked.settings}
+        if checked.body is not body:
             headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-            headers.append((b"content-length", str(len(new_body)).encode()))
+            headers.append((b"content-length", str(len(checked.body)).encode()))
             scope = {**scope, "headers": headers}
-        await self.app(scope, _replay(new_body, receive), send)
+        # The request's task (and the tasks it starts) sees its settings; the chat conversion,
+        # which SGLang runs in a thread, reads them from the scope.
+        token = REQUEST_SETTINGS.set(checked.settings)
+        try:
+            await self.app(scope, _replay(checked.body, receive), send)
+        finally:
+            REQUEST_SETTINGS.reset(token)
 
 
 def _with_header(send: Callable, name: str, value: str) -> Callable:

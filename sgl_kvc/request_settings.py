@@ -9,16 +9,18 @@ settings back from its `Req` in `adapter/kvc_req.py`).
 `policy` compresses the generated tokens, `prompt_policy` the prompt (default: the one `policy`
 names, see `--prompt-policy`).
 
-The HTTP layer (`server/settings.py` walks the request bodies) validates it (a bad value is an
-OpenAI-style 400 naming the field) and forwards it to the scheduler inside SGLang's
-`custom_params`, under `CUSTOM_PARAMS_KEY`, where it is checked again when the request enters the
-queue (`adapter/kvc_req.admit`).
+The HTTP layer (`server/settings.py` walks the request bodies) parses it once per request
+(`BodySettings`; a bad value is an OpenAI-style 400 naming the field), the HTTP process's later
+hooks of that request read what it parsed, and it goes on to the scheduler inside SGLang's
+`custom_params`, under `CUSTOM_PARAMS_KEY`, where it is parsed once more when the request enters
+the queue (`adapter/kvc_req.admit`): a client can reach the scheduler past the HTTP layer.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from sgl_kvc.core.request_state import Budget
@@ -324,6 +326,63 @@ def from_custom_params(custom_params: Any) -> RequestCompression:
     return parse_kv_compression(
         custom_params[CUSTOM_PARAMS_KEY], field=f"custom_params.{CUSTOM_PARAMS_KEY}"
     )
+
+
+@dataclass(frozen=True)
+class PromptSettings:
+    """One prompt's settings as the HTTP process parsed them from its request's body, once
+    (`server/settings.py`). The request's later hooks in that process read them here, not from its
+    `custom_params` again: the chat conversion counts a document's tokens into them
+    (`adapter/documents/chat_documents.py`), the tokenizer's check tests the document against the
+    prompt (`adapter/scheduling/request_guard.py`)."""
+
+    settings: RequestCompression
+    field: str  # the name the client knows them by, which a refusal of them names
+    carried: Any  # the `sgl_kvc` object SGLang's request carries to the scheduler (None: none)
+    messages: int | None = None  # chat: the messages that named the document, once its tokens are counted
+
+    def counted(self, tokens: int) -> "PromptSettings":
+        """These settings with their chat document's tokens counted (in place of its messages)."""
+        document = self.settings.document
+        settings = replace(self.settings, document=replace(document, tokens=tokens, messages=None))
+        return PromptSettings(settings, self.field, settings.to_custom_params(), document.messages)
+
+    def without_document(self) -> "PromptSettings":
+        settings = replace(self.settings, document=None)
+        return PromptSettings(settings, self.field, settings.to_custom_params())
+
+    def document_conflict(self, prompt_len: int, config: "KvcConfig") -> RequestSettingError | None:
+        """Why the document cannot be compressed at the start of this prompt of `prompt_len` tokens,
+        naming the field the client gave it by (its messages on the chat route), or None; None too
+        for a chat document whose tokens are not counted yet."""
+        document = self.settings.document
+        if document is None or document.tokens is None:
+            return None
+        by_messages = None if self.messages is None else f"{self.field}.document.messages"
+        return document_prompt_conflict(document, prompt_len, config, f"{self.field}.document", by_messages)
+
+
+@dataclass
+class BodySettings:
+    """Every prompt's settings of one HTTP request (one; on `/generate`, one per `sampling_params`
+    of a batch), parsed once by the body guard and kept for the request's later hooks: in its ASGI
+    scope (`SETTINGS_SCOPE_KEY`, read by the chat conversion, which SGLang runs in a thread) and in
+    its context (`REQUEST_SETTINGS`, read by the tokenizer's check in the request's task)."""
+
+    prompts: list[PromptSettings]
+
+    def find(self, carried: Any) -> PromptSettings | None:
+        """The settings of the prompt whose request carries the `sgl_kvc` object `carried`."""
+        return next((p for p in self.prompts if p.carried == carried), None)
+
+    def update(self, old: PromptSettings, new: PromptSettings) -> None:
+        self.prompts = [new if p is old else p for p in self.prompts]
+
+
+SETTINGS_SCOPE_KEY = "sgl_kvc.settings"
+# A context variable, not a global: each request's task sees its own body's settings (None where
+# the request came in another way than through the HTTP routes, the Python engine for instance).
+REQUEST_SETTINGS: ContextVar[BodySettings | None] = ContextVar("sgl_kvc_request_settings", default=None)
 
 
 def json_type_name(value: Any) -> str:

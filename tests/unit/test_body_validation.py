@@ -20,11 +20,11 @@ from sgl_kvc.server.body_guard import (
     GENERATE,
     MAX_DEPTH,
     BodyError,
-    Range,
     RequestBodyGuard,
     inspect_body,
 )
 from sgl_kvc.server.errors import _envelope, describe_validation_errors
+from sgl_kvc.server.openai_ranges import Range
 
 RKV = KvcConfig(policy="rkv")
 NONE = KvcConfig(policy="none")
@@ -113,7 +113,7 @@ def test_bodies_that_are_not_json_objects(route: str, raw: bytes, words: str) ->
 
 def test_depth_limit_is_inclusive() -> None:
     ok = b'{"custom_params": ' + b'{"a": ' * (MAX_DEPTH - 2) + b"1" + b"}" * (MAX_DEPTH - 1)
-    assert inspect_body(GENERATE, ok, RKV) == ok
+    assert inspect_body(GENERATE, ok, RKV).body == ok
 
 
 # ---------------------------------------------------------------------------------- ranges
@@ -149,9 +149,9 @@ def test_out_of_range_fields_name_the_field(route: str, fields: dict, param: str
 def test_edges_of_the_ranges_pass_unchanged() -> None:
     body = _body(chat(n=128, temperature=0, top_p=1, top_logprobs=20, max_tokens=1,
                       logit_bias={"3": 100}))
-    assert inspect_body(CHAT, body, RKV) is body
+    assert inspect_body(CHAT, body, RKV).body is body
     body = _body({"prompt": [1, 2], "n": 2, "best_of": 2, "logprobs": 5})
-    assert inspect_body(COMPLETIONS, body, RKV) is body
+    assert inspect_body(COMPLETIONS, body, RKV).body is body
 
 
 def test_range_messages() -> None:
@@ -228,13 +228,13 @@ def test_compression_needs_a_compressing_server() -> None:
     e = rejected(CHAT, chat(custom_params={"sgl_kvc": {"budget": 8}}), NONE)
     assert e.param == "custom_params.sgl_kvc.budget" and "--policy none" in e.message
     body = _body(chat(custom_params={"sgl_kvc": {"policy": "none"}, "other": [1]}))
-    assert inspect_body(CHAT, body, NONE) is body
+    assert inspect_body(CHAT, body, NONE).body is body
 
 
 def test_kv_compression_moves_into_custom_params() -> None:
     out = inspect_body(CHAT, _body(chat(kv_compression={"policy": "rkv", "budget": 8},
                                          custom_params={"x": 1})), RKV)
-    data = json.loads(out)
+    data = json.loads(out.body)
     assert "kv_compression" not in data
     assert data["custom_params"] == {"x": 1, "sgl_kvc": {"policy": "rkv", "budget": 8}}
 
@@ -253,7 +253,7 @@ def test_the_documents_namespace_is_reserved() -> None:
             assert e.status == 400 and e.param == field and field in e.message and "reserved" in e.message
         assert rejected(GENERATE, {"text": ["a", "b"], field: ["x", planted]}).param == f"{field}[1]"
         body = _body({"text": "hi", field: "tenant-" + planted})
-        assert inspect_body(GENERATE, body, RKV) is body
+        assert inspect_body(GENERATE, body, RKV).body is body
         one = SimpleNamespace(**{"extra_key": None, "cache_salt": None, field: planted})
         with pytest.raises(ValueError, match=field):
             request_guard._before_validate_one_request(SimpleNamespace(), one, None)
@@ -394,3 +394,92 @@ def test_kvzip_on_uniform_head_budgets_is_warned_per_request() -> None:
                  {"text": "a", "sampling_params": []}, {"text": "a", "sampling_params": [{"custom_params": None}]}):
         assert warning in _response_headers(server_kvzip, GENERATE, body)
         assert warning not in _response_headers(RKV, GENERATE, body)
+
+
+class _ChatRequest:
+    """What the chat conversion reads of SGLang's `ChatCompletionRequest`."""
+
+    def __init__(self, messages: list[dict]) -> None:
+        self.messages, self.input_ids, self.continue_final_message = messages, None, False
+
+    def model_copy(self, deep: bool = False) -> "_ChatRequest":
+        return _ChatRequest([dict(m) for m in self.messages])
+
+
+def _converted(serving: Any, request: _ChatRequest, raw_request: Any) -> tuple[Any, None]:
+    """SGLang's conversion of a chat request, as far as the hooks read it: a token per word of
+    each message, one more asking for the answer; the custom params it forwards."""
+    ids = [len(w) for m in request.messages for w in m["content"].split()]
+    if getattr(request, "_format_add_generation_prompt", True) is not False:
+        ids.append(7)
+    custom = json.loads(raw_request.body)["custom_params"]
+    return SimpleNamespace(input_ids=ids, sampling_params={"max_new_tokens": 2, "custom_params": custom}), None
+
+
+@pytest.mark.parametrize("document, refused", [({"ratio": 0.3}, None),
+                                                ({"budget": 100}, "kv_compression.document.budget")])
+def test_a_chat_turns_settings_are_parsed_once_in_the_http_process(monkeypatch, document: dict,
+                                                                   refused: str | None) -> None:
+    """A chat turn over a document named by messages, through the body guard, then SGLang's
+    conversion (in a thread, as SGLang runs it: the document's tokens are counted there) and its
+    tokenizer's check (in the request's task: the document against the prompt). The body guard
+    parses the settings; the conversion counts the tokens into what it parsed and the check reads
+    that, neither parses the request's custom params again (before: three parses a turn, and the
+    prompt checked twice). A document that cannot be compressed is still refused naming its field."""
+    from sgl_kvc import request_settings
+    from sgl_kvc.adapter.documents import chat_documents
+    from sgl_kvc.adapter.scheduling import request_guard
+    from sgl_kvc.config import ENV_VAR
+    from sgl_kvc.server import settings
+
+    parses: list[str] = []
+
+    def counted(obj: Any, field: str = request_settings.FIELD, chat: bool = False):
+        parses.append(field)
+        return real(obj, field, chat)
+
+    real = request_settings.parse_kv_compression
+    monkeypatch.setattr(request_settings, "parse_kv_compression", counted)
+    monkeypatch.setattr(settings, "parse_kv_compression", counted)
+    monkeypatch.setenv(ENV_VAR, json.dumps({"policy": "rkv"}))
+    words = " ".join(f"w{i}" for i in range(60))
+    body = _body(chat(messages=[{"role": "user", "content": words}, {"role": "user", "content": "which one?"}],
+                      kv_compression={"prompt_policy": "kvzip", "document": document}))
+    served: list[Any] = []
+
+    async def sglang(scope: dict, receive, send) -> None:
+        raw_request = SimpleNamespace(scope=scope, body=(await receive())["body"])
+        request = _ChatRequest(json.loads(raw_request.body)["messages"])
+        adapted, _ = await asyncio.get_running_loop().run_in_executor(
+            None, chat_documents._around_convert, _converted, SimpleNamespace(
+                template_manager=SimpleNamespace(chat_template_name=None), tokenizer_manager=SimpleNamespace()),
+            request, raw_request)
+        try:
+            request_guard._check_document(adapted, len(adapted.input_ids))
+        except ValueError as e:
+            served.append(e)
+        else:
+            served.append(adapted)
+
+    guard = RequestBodyGuard(lambda *a: None, config=KvcConfig(policy="rkv"))
+    guard.app = sglang
+    sent: list[dict] = []
+    asyncio.run(guard(_scope(), lambda: _received(body), _collected(sent)))
+    assert parses == ["kv_compression"], (parses, sent)
+    assert served, sent
+    [out] = served
+    if refused is None:
+        assert out.sampling_params["custom_params"]["sgl_kvc"] == {"prompt_policy": "kvzip", "document": {"tokens": 60, "ratio": 0.3}}
+    else:
+        assert isinstance(out, ValueError) and f"Invalid '{refused}'" in str(out), out
+
+
+async def _received(body: bytes) -> dict:
+    return {"type": "http.request", "body": body}
+
+
+def _collected(sent: list[dict]) -> Any:
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    return send

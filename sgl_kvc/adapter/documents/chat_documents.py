@@ -16,7 +16,9 @@ the reasoning settings) except that the conversation stops there and asks for no
 (`add_generation_prompt` false; with a named conversation template, `--chat-template chatml` for
 instance, SGLang's own conversation without the blank assistant turn it appends). Those ids must be
 the start of the request's prompt ids; D is their count, written into the request's `custom_params`
-as `document.tokens`, in place of `messages`, before the request leaves the HTTP process. That holds
+as `document.tokens`, in place of `messages`, before the request leaves the HTTP process: into the
+settings the body guard parsed (`request_settings.PromptSettings`, found in the request's ASGI
+scope), which the tokenizer's check then tests against the prompt. That holds
 for the usual templates as long as the client resends earlier turns as they were. Where it does not
 (a template that rewrites earlier turns, as Qwen3's drops their reasoning; a tokenizer that merges
 tokens across the boundary), the request declares no document: it reads its prompt whole,
@@ -28,7 +30,9 @@ from __future__ import annotations
 from typing import Any
 
 from sgl_kvc.adapter.sglang_api import Hook
-from sgl_kvc.request_settings import CUSTOM_PARAMS_KEY, FIELD, RequestSettingError
+from sgl_kvc.request_settings import (
+    CUSTOM_PARAMS_KEY, FIELD, SETTINGS_SCOPE_KEY, BodySettings, PromptSettings, RequestSettingError,
+)
 
 TARGET = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request"
 PARAM = f"{FIELD}.document.messages"
@@ -41,20 +45,19 @@ def hook_table() -> list[Hook]:
                  "a chat document's tokens, counted from SGLang's own prompt of the request")]
 
 
-def document_messages(request: Any) -> int | None:
-    """The messages a chat request names as its document (`server/documents.py` wrote the count
-    into its `custom_params`), or None."""
-    custom = getattr(request, "custom_params", None)
-    settings = custom.get(CUSTOM_PARAMS_KEY) if isinstance(custom, dict) else None
-    document = settings.get("document") if isinstance(settings, dict) else None
-    m = document.get("messages") if isinstance(document, dict) else None
-    return m if isinstance(m, int) and not isinstance(m, bool) else None
+def _request_settings(raw_request: Any) -> tuple[BodySettings, PromptSettings] | None:
+    """The chat request's settings as the body guard parsed them (its ASGI scope holds them), or
+    None (no body guard ran: the request has no settings of sgl-kvc's to count)."""
+    settings = getattr(raw_request, "scope", {}).get(SETTINGS_SCOPE_KEY) if raw_request is not None else None
+    return None if not isinstance(settings, BodySettings) or not settings.prompts else (settings, settings.prompts[0])
 
 
 def _around_convert(original: Any, serving: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-    m = document_messages(request)
-    if m is None:
+    found = _request_settings(args[0] if args else kwargs.get("raw_request"))
+    document = None if found is None else found[1].settings.document
+    if document is None or document.tokens is not None:
         return original(serving, request, *args, **kwargs)
+    body, settings = found
     # A copy before SGLang's conversion edits the request (its reasoning and template settings),
     # so that the document's messages go through the very same edits.
     prefix = request.model_copy(deep=True)
@@ -63,34 +66,20 @@ def _around_convert(original: Any, serving: Any, request: Any, *args: Any, **kwa
     if request.input_ids is not None or not _token_ids(whole):
         raise RequestSettingError(PARAM, _refusal("its prompt is not the messages rendered into token ids here "
                                                   "(its input_ids are given, or its prompt is multimodal text)"))
-    document = _render_prefix(serving, prefix, m, original, *args, **kwargs)
-    if not 0 < len(document) < len(whole) or list(whole[: len(document)]) != document:
+    ids = _render_prefix(serving, prefix, document.messages, original, *args, **kwargs)
+    if not 0 < len(ids) < len(whole) or list(whole[: len(ids)]) != ids:
         # The template renders the messages otherwise inside the whole conversation (it rewrites
         # earlier turns, as Qwen3's drops their reasoning, or the tokenizer merges tokens across
         # the boundary): no document is the start of this prompt. The request reads it whole,
         # compressed as its own settings say, and the stats count it (`documents.history_rewritten`).
-        _drop_document(adapted)
+        counted = settings.without_document()
         count_rewritten(serving.tokenizer_manager)
-        return adapted, processed
-    _set_tokens(adapted, len(document))
-    _check_prompt(adapted, len(whole))
+    else:
+        # checked against the prompt by the tokenizer's check (`request_guard`), as every request's
+        counted = settings.counted(len(ids))
+    body.update(settings, counted)
+    _carry(adapted, counted)
     return adapted, processed
-
-
-def _check_prompt(adapted: Any, prompt_len: int) -> None:
-    """A document its prompt cannot compress (it keeps every token, or the prompt ends with it) is
-    a 400 naming its messages, here, before a streamed request's stream starts. Found only in the
-    scheduler, it was an error event inside a 200 stream, its field unnamed (`tests/hostile_documents.py`)."""
-    from sgl_kvc.config import KvcConfig
-    from sgl_kvc.request_settings import document_prompt_conflict, from_custom_params
-
-    config = KvcConfig.from_env()
-    spec = from_custom_params(adapted.sampling_params.get("custom_params")).document
-    if config is None or spec is None:
-        return
-    conflict = document_prompt_conflict(spec, prompt_len, config, f"{FIELD}.document", tokens_field=PARAM)
-    if conflict is not None:
-        raise RequestSettingError(conflict.param, f"Invalid '{conflict.param}': {conflict}.")
 
 
 def _render_prefix(serving: Any, prefix: Any, m: int, original: Any, *args: Any, **kwargs: Any) -> list[int]:
@@ -121,25 +110,11 @@ def _token_ids(ids: Any) -> bool:
     return isinstance(ids, list) and bool(ids) and all(isinstance(t, int) for t in ids[:1])
 
 
-def _set_tokens(adapted: Any, tokens: int) -> None:
-    """`document.tokens` in the request's custom params (new dicts: SGLang's request shares the
-    client's), in place of `messages`."""
+def _carry(adapted: Any, settings: PromptSettings) -> None:
+    """The request's custom params carry `settings` to the scheduler (new dicts: SGLang's request
+    shares the client's)."""
     sp = adapted.sampling_params
-    custom = dict(sp.get("custom_params") or {})
-    settings = dict(custom[CUSTOM_PARAMS_KEY])
-    document = {k: v for k, v in settings["document"].items() if k != "messages"}
-    document["tokens"] = tokens
-    settings["document"] = document
-    custom[CUSTOM_PARAMS_KEY] = settings
-    adapted.sampling_params = {**sp, "custom_params": custom}
-
-
-def _drop_document(adapted: Any) -> None:
-    """The request's custom params without its document (new dicts: SGLang's request shares the
-    client's)."""
-    sp = adapted.sampling_params
-    custom = dict(sp.get("custom_params") or {})
-    custom[CUSTOM_PARAMS_KEY] = {k: v for k, v in custom[CUSTOM_PARAMS_KEY].items() if k != "document"}
+    custom = {**(sp.get("custom_params") or {}), CUSTOM_PARAMS_KEY: settings.carried}
     adapted.sampling_params = {**sp, "custom_params": custom}
 
 

@@ -98,23 +98,29 @@ def logprob_start_message(return_logprob: Any, start: Any, param: str = "logprob
 
 def _check_document(obj: Any, prompt_len: int) -> None:
     """A document its prompt cannot compress is a 400 here, where the prompt is first tokenized,
-    before a streamed request's stream starts (`request_settings.document_prompt_conflict`); the
-    scheduler checks it again. Found there only, it was an error event inside a 200 stream, and a
-    400 whose field was not named."""
+    before a streamed request's stream starts (`PromptSettings.document_conflict`); the scheduler
+    checks it again. Found there only, it was an error event inside a 200 stream, and a 400 whose
+    field was not named. The settings are the ones the body guard parsed, where the request came
+    through it (`REQUEST_SETTINGS`; on the chat route with the document's tokens counted), parsed
+    here otherwise (the Python engine)."""
     from sgl_kvc.config import KvcConfig
-    from sgl_kvc.request_settings import RequestSettingError, document_prompt_conflict, from_custom_params
+    from sgl_kvc.request_settings import (
+        CUSTOM_PARAMS_KEY, REQUEST_SETTINGS, PromptSettings, RequestSettingError, from_custom_params,
+    )
 
     sampling = getattr(obj, "sampling_params", None)
     custom = sampling.get("custom_params") if isinstance(sampling, dict) else None
     config = KvcConfig.from_env()
-    if custom is None or config is None or not config.compressing:
+    if not isinstance(custom, dict) or CUSTOM_PARAMS_KEY not in custom or config is None or not config.compressing:
         return
-    try:
-        spec = from_custom_params(custom).document
-    except RequestSettingError:
-        return  # the HTTP layer names it; the scheduler refuses it on every other entry point
-    if spec is None or spec.tokens is None:
-        return
-    conflict = document_prompt_conflict(spec, prompt_len, config)
+    body = REQUEST_SETTINGS.get()
+    settings = None if body is None else body.find(custom[CUSTOM_PARAMS_KEY])
+    if settings is None:
+        try:
+            settings = PromptSettings(from_custom_params(custom), f"custom_params.{CUSTOM_PARAMS_KEY}",
+                                      custom[CUSTOM_PARAMS_KEY])
+        except RequestSettingError:
+            return  # the HTTP layer names it; the scheduler refuses it on every other entry point
+    conflict = settings.document_conflict(prompt_len, config)
     if conflict is not None:
         raise ValueError(f"Invalid '{conflict.param}': {conflict}.")
