@@ -114,6 +114,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--without-sglang"):
         sys.meta_path.insert(0, _NoSGLang())
+    # pytest-xdist's `--dist loadfile` orders the files by their number of tests unless told
+    # not to (`--loadscope-reorder`, on by default), which put the few long SmolLM2 tests last,
+    # undoing `LONGEST_FIRST`: the files go in the order collected (below).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 # The modules that take longest (several servers, or the 30-layer model), started first: with
