@@ -70,6 +70,21 @@ def _masked_attention(logits: Tensor, visible: Tensor, values: Tensor) -> tuple[
     return torch.matmul(probs, values), probs, logits
 
 
+def _attend_in_place(logits: Tensor, invisible: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    """`_masked_attention` with `logits` overwritten by the probabilities, step for step the same
+    arithmetic (the same values, bit for bit) without its temporaries: an extend's logits are
+    [.., q, N] for a block of q query rows, and on a CPU allocating and faulting in each temporary
+    of that size cost more than the arithmetic. ``invisible`` is ``~visible``. Returns (output,
+    probabilities)."""
+    logits.masked_fill_(invisible, -math.inf)
+    row_max = logits.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    weights = logits.sub_(row_max).exp_()  # exp(-inf) = 0 at masked keys
+    denom = weights.sum(dim=-1, keepdim=True)
+    probs = weights.div_(denom.clamp_min(torch.finfo(torch.float32).tiny))
+    return torch.matmul(probs, values), probs
+
+
 def _log_sum_exp(logits: Tensor) -> Tensor:
     """log sum exp over the last axis of masked logits; a row with no finite logit reads 0 (its
     probabilities exp(-inf - 0) are 0, as the kernels' empty heads)."""
@@ -225,14 +240,13 @@ def per_head_extend(
     values = _gather(v_pool, units, valid)
     kv_pos = tables.positions.to(device=device, dtype=torch.int64)
     out = torch.zeros(b, h_kv, group, q_max, values.shape[-1], device=device)
+    hidden = ~valid[:, :, None, :]
     for start in range(0, q_max, q_block):  # blocks of query rows, never a loop over requests
         stop = min(q_max, start + q_block)
-        logits = torch.matmul(qg[:, :, :, start:stop], keys.unsqueeze(2).transpose(-1, -2))
-        causal = kv_pos[:, :, None, :] <= pos[:, None, start:stop, None]  # [B, H_kv, q, N]
-        visible = (valid[:, :, None, :] & causal).unsqueeze(2)  # [B, H_kv, 1, q, N]
-        out[:, :, :, start:stop], probs, _ = _masked_attention(
-            logits * scale, visible, values.unsqueeze(2)
-        )
+        logits = torch.matmul(qg[:, :, :, start:stop], keys.unsqueeze(2).transpose(-1, -2)).mul_(scale)
+        later = kv_pos[:, :, None, :] > pos[:, None, start:stop, None]  # [B, H_kv, q, N]: not causal
+        invisible = later.logical_or_(hidden).unsqueeze(2)  # [B, H_kv, 1, q, N]
+        out[:, :, :, start:stop], probs = _attend_in_place(logits, invisible, values.unsqueeze(2))
         if on_probs is not None:
             on_probs(start, stop, probs)
     out = out.permute(0, 3, 1, 2, 4).reshape(b, q_max, h_q, -1)  # back to [B, Q, H_q, d_v]
