@@ -215,7 +215,7 @@ def _around_max_prefix(config: KvcConfig):
     def hook(original: Callable[..., Any], req: Req, input_len: int, *args: Any, **kwargs: Any):
         limit = original(req, input_len, *args, **kwargs)
         kvc_req.of(req).whole_prompt = False
-        cap = admission.prefix_cap(req)  # a longer prefix would leave it no room in the pool
+        cap = kvc_req.of(req).prefix_cap  # a longer prefix would leave it no room in the pool
         if cap is not None:
             limit = min(limit, cap)
         if "prefill" not in config.compress_on or not resolved(req, config).compressing:

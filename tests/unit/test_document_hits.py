@@ -68,7 +68,7 @@ def test_a_budget_ratio_applies_beyond_the_document(monkeypatch, hit: bool) -> N
     req = _sglang_req(list(range(10, 10 + DOC + SUFFIX)), settings)
     tree = SimpleNamespace(documents=DocumentRegistry(), disable=False)
     documents.declare(req, config, tree)
-    key = documents.declared(req)
+    key = documents.plan_of(req).key
     assert key is not None and (key.tokens, key.entries) == (DOC, ENTRIES) and req.to_finish is None
     if hit:
         documents.started_from(req, _document(key, allocator.alloc(ENTRIES)))
@@ -96,7 +96,7 @@ def test_a_fixed_budget_still_applies_beyond_the_document(monkeypatch) -> None:
     req = _sglang_req(list(range(10, 10 + DOC + SUFFIX)), {"document": {"tokens": DOC, "ratio": 0.3}})
     tree = SimpleNamespace(documents=DocumentRegistry(), disable=False)
     documents.declare(req, config, tree)
-    doc = _document(documents.declared(req), allocator.alloc(ENTRIES))
+    doc = _document(documents.plan_of(req).key, allocator.alloc(ENTRIES))
     documents.started_from(req, doc)
     req.kv.req_pool_idx = 0
     request_life.begin(comp, req, tree)

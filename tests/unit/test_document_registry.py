@@ -124,7 +124,7 @@ def test_a_resident_document_is_matched_locked_and_evicted_like_a_node() -> None
     # request's budget applies beyond it: it starts from it, reading what is left
     for limit in (60, 100):
         assert tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens, limit=limit), req=req)).device_prefix_len == 30
-        assert documents.hit(req) is doc and documents.declared(req) == key
+        assert documents.plan_of(req).start is doc and documents.plan_of(req).key == key
     assert torch.equal(tree.path_device_indices(node), slots)
     # the same tokens without the declaration match nothing (the node's key is its own)
     assert tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens), req=SimpleNamespace())).device_prefix_len == 0
@@ -168,7 +168,7 @@ def test_a_document_on_a_server_without_sgl_kvcs_prefix_cache_is_a_400() -> None
     tree, _ = _tree()
     aborted.clear()
     documents.declare(req, KVZIP, tree_cache=tree)
-    assert not aborted and documents.declared(req).tokens == 100 and req.skip_radix_cache_insert
+    assert not aborted and documents.plan_of(req).key.tokens == 100 and req.skip_radix_cache_insert
 
 
 def test_a_request_compressing_its_document_between_chunks_stops_a_chunk_at_its_end() -> None:
@@ -189,24 +189,24 @@ def test_a_request_compressing_its_document_between_chunks_stops_a_chunk_at_its_
     # a first chunk of 64 compacted to 40 entries: SGLang resumes at 40, its fill ids skip 24
     req.prefix_len = req.extend_end = 40
     req.full_untruncated_fill_ids = prompt[24:]
-    assert documents.chunk_cap(req) == 36 and documents.ends_here(req) is None
+    assert documents.chunk_cap(req) == 36 and documents.plan_of(req).ended_at(documents.chunk_end(req)) is None
     req.extend_end = 76  # its next chunk, cut at the document's end
-    assert documents.ends_here(req) == documents.declared(req)
+    assert documents.plan_of(req).ended_at(documents.chunk_end(req)) == documents.plan_of(req).key
 
     # the tree holds the document's exact tokens (another request read them): matched up to D - 1
     tree.insert(InsertParams(key=RadixKey(array("q", prompt)), value=torch.arange(120)))
     match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=req))
     assert match.device_prefix_len == 99
-    whole = _declaring(SimpleNamespace(), documents.declared(req))  # reads it whole: no limit
+    whole = _declaring(SimpleNamespace(), documents.plan_of(req).key)  # reads it whole: no limit
     assert tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=whole)).device_prefix_len == 120
 
-    key = documents.declared(req)
+    key = documents.plan_of(req).key
     node = tree.insert(InsertParams(key=node_key(key, 30), value=torch.arange(200, 230))).last_device_node
     tree.documents.add(RootDocument(key=key, node=node, kept_positions=torch.zeros(1, 1, 30, dtype=torch.int64), slots=30))
     match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=req))
     assert match.last_device_node is node  # resident: it starts from it
     documents.started_from(req, doc_of(node))
-    assert not documents.plan_of(req).splits and documents.chunk_cap(req) is None and documents.ends_here(req) is None
+    assert not documents.plan_of(req).splits and documents.chunk_cap(req) is None and documents.plan_of(req).ended_at(documents.chunk_end(req)) is None
     assert documents.plan_of(req).held_for_document == 30 and documents.plan_of(req).fill_offset == 70
 
 
@@ -522,24 +522,24 @@ def test_where_a_document_is_cut_is_decided_by_its_key() -> None:
         return r
 
     long = req(600)
-    key = documents.declared(long)
+    key = documents.plan_of(long).key
     assert (key.entries, key.every, key.between) == (60, 256, 90)
-    assert documents.declared(req(600, budget=8)) == key  # the request's own budget is no part of it
+    assert documents.plan_of(req(600, budget=8)).key == key  # the request's own budget is no part of it
     assert request_key(long, config).digest != key.digest  # cut at 256 and 512: not the document read at once
-    assert documents.chunk_cap(long) == 256 and documents.match_limit(long) == 255
+    assert documents.chunk_cap(long) == 256 and documents.plan_of(long).match_limit == 255
     long.prefix_len = 100  # its first 100 tokens were matched in the tree
     assert documents.chunk_cap(long) == 156  # its first chunk still ends at 256
-    assert [documents.cut_at(long, end) for end in (200, 256, 300, 512, 599, 600, 601)] == [0, 90, 0, 90, 0, 60, None]
+    assert [documents.plan_of(long).cut_at(end) for end in (200, 256, 300, 512, 599, 600, 601)] == [0, 90, 0, 90, 0, 60, None]
     long.prefix_len = long.extend_end = 90  # cut at 256 to 90 entries: its fill ids skip 166
     long.full_untruncated_fill_ids = prompt[166:]
-    assert documents.chunk_cap(long) == 256 and documents.cut_inside(long) == 90
+    assert documents.chunk_cap(long) == 256 and documents.plan_of(long).cut_inside(documents.chunk_end(long)) == 90
     tree.insert(InsertParams(key=RadixKey(array("q", prompt)), value=torch.arange(700)))
     fresh = req(600)
     assert tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt)), req=fresh)).device_prefix_len == 255
 
     short = req(200)
-    assert documents.declared(short).every == 0 and documents.match_limit(short) == 199
-    assert [documents.cut_at(short, end) for end in (100, 200)] == [0, 20]
+    assert documents.plan_of(short).key.every == 0 and documents.plan_of(short).match_limit == 199
+    assert [documents.plan_of(short).cut_at(end) for end in (100, 200)] == [0, 20]
     whole = req(200, split=False)  # reads its prompt whole: never registered as compressing it
     assert not documents.plan_of(whole).publishes_whole and not documents.plan_of(short).publishes_whole  # short: between chunks
     documents.compressing([whole], tree.documents)
@@ -612,10 +612,10 @@ def test_a_document_that_extends_a_resident_one_is_matched_through_it_and_evicte
 
     turn = _declaring_own(prompt[:150], 140)
     m = match(turn)
-    key = documents.declared(turn)
+    key = documents.plan_of(turn).key
     assert m.last_device_node is root and m.device_prefix_len == 30  # starts from the resident one
     assert (key.parent, key.tokens, key.entries, key.parent_entries) == (root_key.digest, 140, 30 + 40, 30)  # kept whole: within the window
-    assert key.content == documents.declared(_declaring_own(prompt[:150], 140)).content
+    assert key.content == documents.plan_of(_declaring_own(prompt[:150], 140)).key.content
     # another namespace, or another document's first 100 tokens, never matches it
     assert match(_declaring_own(prompt[:150], 140, extra_key="lora")).device_prefix_len == 0
     assert match(_declaring_own([7] + prompt[1:150], 140)).device_prefix_len == 0
@@ -633,10 +633,10 @@ def test_a_document_that_extends_a_resident_one_is_matched_through_it_and_evicte
     assert doc.tables()[0].shape == (2, 1, 70) and doc.offset == 140 - 70
     again = _declaring_own(prompt[:160], 140)
     m = match(again)
-    assert m.last_device_node is child and m.device_prefix_len == 70 and documents.declared(again) == key
+    assert m.last_device_node is child and m.device_prefix_len == 70 and documents.plan_of(again).key == key
     assert torch.equal(tree.path_device_indices(child), torch.cat([slots, own]))
     longer = _declaring_own(prompt, 180)  # the next turn extends the longest: the child
-    assert match(longer).last_device_node is child and documents.declared(longer).parent == key.digest
+    assert match(longer).last_device_node is child and documents.plan_of(longer).key.parent == key.digest
     assert tree.documents.snapshot()["entries"] == 30 + 40 and tree.documents.snapshot()["tokens"] == 140
 
     lock = tree.lock(child)  # locks the root too
@@ -666,7 +666,7 @@ def test_an_extension_read_between_chunks_ends_a_chunk_and_is_due_there_alone() 
     tree.documents.add(RootDocument(key=root_key, node=root, kept_positions=torch.randint(0, 100, (2, 1, 30)), slots=30))
     for mode in (Role.SPLIT, Role.WHOLE):
         req = _declaring_own(prompt[:150], 140)
-        _declaring(req, documents.declared(req), role=mode)
+        _declaring(req, documents.plan_of(req).key, role=mode)
         tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", req.origin_input_ids)), req=req))
         assert documents.plan_of(req).role is Role.EXTEND and documents.plan_of(req).adopts == (mode is Role.SPLIT)
         # its row starts with the root's 30 slots, standing for 100 tokens (SGLang's fields as a match leaves them)
@@ -677,9 +677,9 @@ def test_an_extension_read_between_chunks_ends_a_chunk_and_is_due_there_alone() 
         assert documents.chunk_cap(req) == (40 if split else None)
         req.extend_end = 70  # its extension read: the row holds 70 slots for 140 tokens
         assert documents.extension_due(req, 70) is not None
-        assert (documents.adopts_here(req) is not None) == split
+        assert (documents.plan_of(req).ended_at(documents.chunk_end(req)) is not None) == split
         req.extend_end = 80  # its question read too
-        assert (documents.extension_due(req, 80) is None) == split and documents.adopts_here(req) is None
+        assert (documents.extension_due(req, 80) is None) == split and documents.plan_of(req).ended_at(documents.chunk_end(req)) is None
 
 
 def test_an_extension_its_start_covers_is_due_at_its_first_chunk_and_one_read_in_two_is_never_cut() -> None:
@@ -708,14 +708,14 @@ def test_an_extension_its_start_covers_is_due_at_its_first_chunk_and_one_read_in
 
     def split(tokens: list[int]) -> SimpleNamespace:
         req = _declaring_own(tokens, 140)
-        _declaring(req, documents.declared(req), role=Role.SPLIT)
+        _declaring(req, documents.plan_of(req).key, role=Role.SPLIT)
         tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", req.origin_input_ids)), req=req))
         req.finished = lambda: False
         return req
 
     # (a) its start, the root and the turn: 70 slots standing for all 140 tokens of its document
     req = split(prompt[:150])
-    assert documents.hit(req) is turn and documents.plan_of(req).adopts and documents.plan_of(req).extends is doc_of(root)
+    assert documents.plan_of(req).start is turn and documents.plan_of(req).adopts and documents.plan_of(req).extends is doc_of(root)
     req.output_ids, req.prefix_len, req.extend_end = [], 70, 70
     req.full_untruncated_fill_ids = req.origin_input_ids[70:]
     assert documents.chunk_cap(req) is None  # nothing of its extension left to read
@@ -726,16 +726,16 @@ def test_an_extension_its_start_covers_is_due_at_its_first_chunk_and_one_read_in
 
     # (b) another extension of the root: 40 tokens to read, of which its round read 20
     other = split(prompt[:100] + list(range(300, 350)))
-    assert documents.hit(other) is doc_of(root)
+    assert documents.plan_of(other).start is doc_of(root)
     other.output_ids, other.prefix_len, other.extend_end = [], 30, 30
     other.full_untruncated_fill_ids = other.origin_input_ids[70:]
     assert documents.chunk_cap(other) == 40
     other.extend_end = 50
-    assert documents.cut_inside(other) == 0  # not cut here (before: cut to its own budget, the extension lost)
+    assert documents.plan_of(other).cut_inside(documents.chunk_end(other)) == 0  # not cut here (before: cut to its own budget, the extension lost)
     other.prefix_len = 50
     assert documents.chunk_cap(other) == 20 and documents.next_cut(other) is None  # it adopts there, not cut
     other.extend_end = 70
-    assert documents.cut_inside(other) is None and documents.adopts_here(other) is not None
+    assert documents.plan_of(other).cut_inside(documents.chunk_end(other)) is None and documents.plan_of(other).ended_at(documents.chunk_end(other)) is not None
 
 
 def test_a_chain_at_its_budget_is_compressed_again_to_it() -> None:
@@ -837,15 +837,15 @@ def test_a_finished_turn_stays_in_the_tree_with_its_own_slots() -> None:
     said = prompt + output
     m, req = match(said + [1, 2] + list(range(300, 320)), len(said) + 2)  # the template's tail, a question
     assert m.last_device_node is turn[0].node and m.device_prefix_len == 84
-    assert documents.hit(req) is doc_of(m.last_device_node)  # the plan names the node it matched
-    assert documents.declared(req).parent == key.digest and documents.plan_of(req).extends is doc_of(node)
+    assert documents.plan_of(req).start is doc_of(m.last_device_node)  # the plan names the node it matched
+    assert documents.plan_of(req).key.parent == key.digest and documents.plan_of(req).extends is doc_of(node)
     m, _ = match(said[:-2] + [99, 7, 1, 2] + list(range(300, 320)), len(said) + 2)  # another answer
     assert m.last_device_node is node and m.device_prefix_len == 30
     # SGLang's limit on the match (the observation window it recomputes) inside the turn: the turn's
     # exact tokens are read again, from its document (a compressed document cannot be read in part)
     tokens = said + [1, 2] + list(range(300, 320))
     m, req = match(tokens, len(said) + 2, limit=len(said) - 5)
-    assert m.last_device_node is node and m.device_prefix_len == 30 and documents.hit(req) is doc_of(node)
+    assert m.last_device_node is node and m.device_prefix_len == 30 and documents.plan_of(req).start is doc_of(node)
     m, _ = match(tokens, len(said) + 2, limit=len(said))  # just past the turn's last token: it
     assert m.last_device_node is turn[0].node  # (the turn covers all but the answer's last token)
 
@@ -918,7 +918,7 @@ def test_a_compacted_reply_stays_in_the_tree_as_a_reply_and_a_turn() -> None:
     follow = _declaring_own(said + [1, 2] + list(range(300, 320)), len(said) + 2)
     m = tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", follow.origin_input_ids)), req=follow))
     assert m.last_device_node is turn.node and m.device_prefix_len == 54
-    key = documents.declared(follow)
+    key = documents.plan_of(follow).key
     assert key.kind is Kind.REBUILD and key.parent == reply[0].key.digest
     assert key.entries == 52  # 0.3 of its 172 tokens (the default ratio), fewer than the 40 + 17 it holds
 

@@ -40,12 +40,11 @@ from sgl_kvc.adapter.documents.links import (
     packed_units, prompt_read,
 )
 from sgl_kvc.adapter.documents.matching import (
-    compressing, held_back, overdue, stop_waiting, waited_out, waits_in_round,
+    compressing, held_back, overdue, stop_waiting, waits_in_round,
 )
 from sgl_kvc.adapter.documents.plan import (
-    adopts_here, chunk_cap, cut, cut_at, cut_inside, cuts, declare, declared, declared_part, ends_here,
-    extension_due, extension_lost, hit, match_limit, matched, may_reply, may_start_from, next_cut, plan_of,
-    publishes, request_key, settings_digest, started_from, unmatched,
+    chunk_cap, chunk_end, declare, declared_part, extension_due, extension_lost, matched, may_reply,
+    may_start_from, next_cut, plan_of, publishes, request_key, settings_digest, started_from, unmatched,
 )
 from sgl_kvc.adapter.documents.registry import DocumentRegistry, DocumentStats, registry_of
 from sgl_kvc.adapter.documents.roles import DocumentPlan, Role
@@ -53,10 +52,8 @@ from sgl_kvc.adapter.documents.roles import DocumentPlan, Role
 __all__ = [
     "NAMESPACE", "NODE_ATTR", "Compressed", "Document", "DocumentKey", "DocumentNamespace", "DocumentPlan",
     "DocumentRegistry", "DocumentStats", "Extension", "ExtensionRule", "Kind", "Reply", "Role", "RootDocument",
-    "RowLayout", "Turn", "adopts_here", "chunk_cap", "compact_bytes", "compressing", "content_digest",
-    "cut", "cut_at", "cut_inside", "cuts", "declare", "declared", "declared_part", "ends_here",
-    "extension_due", "extension_lost", "fill_skip", "held_back", "hit",
-    "match_limit", "matched", "may_reply", "may_start_from", "next_cut", "node_key", "overdue", "packed_units",
+    "RowLayout", "Turn", "chunk_cap", "chunk_end", "compact_bytes", "compressing", "content_digest",
+    "declare", "declared_part", "extension_due", "extension_lost", "fill_skip", "held_back", "matched", "may_reply", "may_start_from", "next_cut", "node_key", "overdue", "packed_units",
     "plan_of", "prompt_read", "publishes", "registry_of", "request_key", "reserved_namespace",
-    "settings_digest", "started_from", "stop_waiting", "tokens_content", "unmatched", "waited_out", "waits_in_round",
+    "settings_digest", "started_from", "stop_waiting", "tokens_content", "unmatched", "waits_in_round",
 ]

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter.documents.document_pass import Host, settle, trace_document, voted
 from sgl_kvc.adapter.documents.keys import DocumentKey
 from sgl_kvc.adapter.documents.links import Compressed, compact_bytes
-from sgl_kvc.adapter.documents.plan import cuts, started_from
+from sgl_kvc.adapter.documents.plan import started_from
 from sgl_kvc.adapter.documents.registry import insert_document, registry_of
 from sgl_kvc.adapter.safety import failpoints, invariants
 from sgl_kvc.adapter.safety.failures import failure
@@ -89,9 +90,10 @@ def _row_ready(compressor: Host, batch: ScheduleBatch, i: int, key: DocumentKey,
     if kept != expected or state.logical_len(kept) != key.tokens or int(req.kv.cache_protected_len):
         raise RuntimeError(f"its row holds {kept} slots (cut to {expected} expected) covering "
                            f"{state.logical_len(kept)} tokens, {int(req.kv.cache_protected_len)} of them the tree's")
-    if passes_before != cuts(req):  # never: only the key's cuts (`chunks.cut_at`) cut a document
+    cuts = kvc_req.of(req).cuts
+    if passes_before != cuts:  # never: only the key's cuts (`DocumentPlan.cut_at`) cut a document
         raise RuntimeError(f"its row was cut {passes_before} times before the document's end, "
-                           f"{cuts(req)} of them where its key says")
+                           f"{cuts} of them where its key says")
     packed = state.packed_entries is not None
     entries = state.packed_entries.entries if packed else int(state.kept_positions.numel())
     heads = int(state.unit_lens.numel()) if packed else 0

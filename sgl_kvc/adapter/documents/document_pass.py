@@ -34,7 +34,7 @@ from torch import Tensor
 
 from sgl_kvc.adapter.documents.keys import DocumentKey
 from sgl_kvc.adapter.documents.links import Compressed, compact_bytes
-from sgl_kvc.adapter.documents.plan import declared, plan_of
+from sgl_kvc.adapter.documents.plan import plan_of
 from sgl_kvc.adapter.documents.registry import insert_document, registry_of
 from sgl_kvc.adapter.safety import failpoints, invariants
 from sgl_kvc.adapter.safety.tp import anywhere
@@ -92,7 +92,7 @@ def to_publish(compressor: Host, batch: ScheduleBatch, read: list[int]) -> list[
     out, seen = [], set()
     for i in read:
         req = batch.reqs[i]
-        key = declared(req)
+        key = plan_of(req).key
         # Only where documents are never cut between chunks (`DocumentPlan.publishes_whole`): there a request
         # that reads its prompt whole would publish other entries than those its key's cuts keep.
         if key is None or req.finished() or not plan_of(req).publishes_whole or key.digest in seen:

@@ -42,7 +42,7 @@ from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter.documents.document_pass import Chosen, Host, Ready, copy_and_publish, trace_document
 from sgl_kvc.adapter.documents.keys import DocumentKey, Kind
 from sgl_kvc.adapter.documents.links import Compressed, Document, compact_bytes
-from sgl_kvc.adapter.documents.plan import declared, extension_due, extension_lost, plan_of, started_from
+from sgl_kvc.adapter.documents.plan import extension_due, extension_lost, plan_of, started_from
 from sgl_kvc.adapter.documents.registry import insert_child, insert_document, node_path, registry_of
 from sgl_kvc.adapter.safety import failpoints
 from sgl_kvc.adapter.safety.failures import failure
@@ -66,7 +66,7 @@ def due(compressor: Host, batch: ScheduleBatch) -> list[tuple[int, DocumentKey]]
     for i, req in enumerate(batch.reqs):
         if req.finished() or plan_of(req).extends is None:
             continue
-        key = declared(req)
+        key = plan_of(req).key
         if extension_due(req, int(batch.seq_lens_cpu[i])) is None:
             if extension_lost(req):
                 registry.settle(key, req)
@@ -92,7 +92,7 @@ def publish(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, Docum
 
 def adopt(compressor: Host, batch: ScheduleBatch, items: list[tuple[int, DocumentKey]]) -> None:
     """After the chunk moment: each request of `items` (indices whose chunk ended at the end of
-    the extension they publish, `plan.adopts_here`) whose extension is resident now (published
+    the extension they publish, `DocumentPlan.ended_at`) whose extension is resident now (published
     from its row right after that chunk, `publish`, or by another request meanwhile) goes on as a
     request that started from it: its row becomes the chain's slots, its own exact entries of the
     extension are freed, and it reads its question from what the conversation keeps, as a

@@ -34,7 +34,7 @@ from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter.documents.keys import DocumentKey, Kind, content_digest, extension_key
 from sgl_kvc.adapter.documents.links import Document
 from sgl_kvc.adapter.documents.roles import DocumentPlan, Role
-from sgl_kvc.adapter.documents.plan import declared, may_start_from, plan_of, publishes
+from sgl_kvc.adapter.documents.plan import may_start_from, plan_of, publishes
 from sgl_kvc.adapter.documents.registry import DocumentRegistry
 
 
@@ -168,8 +168,8 @@ def held_back(waiting: list[Any], registry: DocumentRegistry) -> list[Any]:
     (`may_start_from`)."""
     held = []
     for req in waiting:
-        key = declared(req)
-        if key is None or registry.get(key) is not None or not may_start_from(req) or waited_out(req):
+        key = plan_of(req).key
+        if key is None or registry.get(key) is not None or not may_start_from(req) or kvc_req.of(req).waited_out:
             continue
         by = registry.compressed_by(key)
         if by is not None and by is not req:
@@ -182,12 +182,12 @@ def waits_in_round(req: Any, admitted: list[Any], registry: DocumentRegistry | N
     """Whether `req`, about to be admitted in a prefill round, waits instead: a request this round
     already admitted (`admitted`, SGLang's `can_run_list`) compresses the same document, and will
     be registered as compressing it (`compressing`)."""
-    key = declared(req)
+    key = plan_of(req).key
     if (key is None or registry is None or registry.get(key) is not None or not may_start_from(req)
-            or waited_out(req)):
+            or kvc_req.of(req).waited_out):
         return False
     for other in admitted:
-        k = declared(other)
+        k = plan_of(other).key
         if other is not req and k is not None and k.digest == key.digest and publishes(other):
             _waits(req)
             return True
@@ -204,8 +204,8 @@ def overdue(held: list[Any], bound: float, now: float | None = None) -> list[boo
 def stop_waiting(held: list[Any], late: list[bool], registry: DocumentRegistry) -> list[Any]:
     """The held requests that go on waiting. Those `late` (past `--kv-document-wait`, as every
     rank agreed) wait no more for this document: they read it themselves, whatever the publisher
-    they waited for still reads (its prompt is of its own tenant's choosing), and are counted in
-    `documents.waited_out`."""
+    they waited for still reads (its prompt is of its own tenant's choosing): marked
+    (`KvcReq.waited_out`) and counted (the documents' stats, `waited_out`)."""
     still = []
     for req, done in zip(held, late):
         if done:
@@ -214,10 +214,6 @@ def stop_waiting(held: list[Any], late: list[bool], registry: DocumentRegistry) 
         else:
             still.append(req)
     return still
-
-
-def waited_out(req: Any) -> bool:
-    return kvc_req.of(req).waited_out
 
 
 def _waits(req: Any) -> None:
@@ -231,6 +227,6 @@ def compressing(admitted: list[Any], registry: DocumentRegistry) -> None:
     that later ones wait for it (`held_back`). Those that ended without publishing are forgotten."""
     registry.forget_gone()
     for req in admitted:
-        key = declared(req)
+        key = plan_of(req).key
         if key is not None and publishes(req) and registry.get(key) is None and registry.compressed_by(key) is None:
             registry.publishers[key.digest] = req

@@ -2,7 +2,8 @@
 each `Role` does), made when it enters the queue and again at each match (`matching.plan_match`),
 read by every later step; first the key of the document a request declares (`request_key`) and
 its decode settings' digest (`settings_digest`), the two reads of a request that decide a key.
-Below the plan, where a `SPLIT` request's chunks end and what its row is cut to at each end.
+Last, the positions of a request's chunks that the plan's cuts are asked of (`chunk_end`,
+`chunk_cap`, `next_cut`; where a `SPLIT` request's row is cut is the plan's, `DocumentPlan.cut_at`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from sgl_kvc.adapter import kvc_req
 from sgl_kvc.adapter.documents.keys import (
     NODE_ATTR, DocumentKey, ExtensionRule, content_digest, document_entries, refusal,
 )
-from sgl_kvc.adapter.documents.links import RowLayout, fill_skip, prompt_read
+from sgl_kvc.adapter.documents.links import fill_skip, prompt_read
 from sgl_kvc.adapter.documents.registry import registry_of
 from sgl_kvc.adapter.documents.roles import NO_PLAN, PUBLISHES, DocumentPlan, Role
 from sgl_kvc.adapter.kvc_req import of_request, refused_by_sglang, resolved
@@ -76,16 +77,6 @@ def plan_of(req: Any) -> DocumentPlan:
 
 def set_plan(req: Any, plan: DocumentPlan) -> None:
     kvc_req.of(req).plan = plan
-
-
-def declared(req: Any) -> DocumentKey | None:
-    """The document `req` compresses (its own, or its extension or rebuild), or, a hit, starts from."""
-    return plan_of(req).key
-
-
-def hit(req: Any) -> "Document | None":
-    """The node `req`'s row starts from, or None."""
-    return plan_of(req).start
 
 
 def publishes(req: Any) -> bool:
@@ -222,98 +213,20 @@ def started_from(req: Any, doc: "Document") -> None:
     set_plan(req, replace(plan, role=Role.HIT, key=doc.key, start=doc, parent=None))
 
 
-# Where a `SPLIT` request's document is cut: as its key says, never as the pool's pressure or its
-# publisher's budget would. It reads the document in chunks, one of which ends exactly at D
-# (`chunk_cap`), where its row is cut to the document's k entries before any of its question is
-# read; a document longer than a chunk (C) is also cut at every multiple of C before D, to
-# `DocumentKey.between` entries (`cut_at`). All read from SGLang's fields, alike on every rank.
+def chunk_end(req: Any) -> int:
+    """The prompt position where the chunk of `req` that just ran ended (its fill ids shifted by
+    its start's offset, SGLang's `extend_end` in them): what `DocumentPlan.ended_at` and
+    `cut_inside` are asked of."""
+    return fill_skip(req) + int(req.extend_end)
 
 
 def chunk_cap(req: Any) -> int | None:
-    """The most tokens `req`'s next chunk may read so that one chunk ends at its document's end
-    (and, a document longer than a chunk, one at each of its cuts, `cut_at`), or None: it
-    compresses its document between chunks (or adopts its extension, `DocumentPlan.adopts`) and
-    has not read all of it."""
-    plan = plan_of(req)
-    split = plan.splits
-    if not split and not plan.adopts:
-        return None
-    key, read = declared(req), prompt_read(req)
-    left = key.tokens - read
-    if left > 0 and key.every and split:
-        left = min(left, key.every - read % key.every)
-    return left if left > 0 else None
-
-
-def cut_at(req: Any, end: int) -> int | None:
-    """The entries the row of `req` is cut to where a chunk of it ends at prompt position `end`,
-    as its document's key says: k at the document's end, `between` at a multiple of `every` before
-    it, 0 elsewhere before it (not cut); None where the document decides nothing (the request
-    does not compress one between chunks, or `end` is past it). An extension
-    (`DocumentPlan.adopts`) is read whole before it is published, in however many chunks SGLang's
-    rounds read it: 0 before its end (a cut there would lose it), None at its end, where its
-    request adopts it."""
-    if plan_of(req).adopts:
-        return 0 if end < declared(req).tokens else None
-    if not plan_of(req).splits:
-        return None
-    key = declared(req)
-    if end > key.tokens:
-        return None
-    if end == key.tokens:
-        return key.entries
-    return key.between if key.every and end % key.every == 0 else 0
-
-
-def cut_inside(req: Any) -> int | None:
-    """`cut_at` where the chunk of `req` that just ran ended, before its document's end (which
-    `ends_here` and `adopts_here` find), else None."""
-    plan = plan_of(req)
-    if not plan.splits and not plan.adopts:
-        return None
-    end = fill_skip(req) + int(req.extend_end)
-    return cut_at(req, end) if end < declared(req).tokens else None
+    """`DocumentPlan.chunk_cap` of `req` as far as it has read its prompt."""
+    return plan_of(req).chunk_cap(prompt_read(req))
 
 
 def next_cut(req: Any) -> int | None:
-    """`cut_at` where the next chunk of `req` ends at the latest (`chunk_cap`), or None: what its
-    admission counts that cut's copies and reconstruction forward by."""
+    """`DocumentPlan.cut_at` where the next chunk of `req` ends at the latest (`chunk_cap`), or
+    None: what its admission counts that cut's copies and reconstruction forward by."""
     cap = chunk_cap(req)
-    return None if cap is None else cut_at(req, prompt_read(req) + cap)
-
-
-def cut(req: Any) -> None:
-    """`req`'s row was cut inside its document (`cut_inside`)."""
-    kvc_req.of(req).cuts += 1
-
-
-def cuts(req: Any) -> int:
-    """The cuts of `req`'s row inside its document: its passes before the one at the document's
-    end, if it followed its key's procedure (`cut_rows.publish_cut_rows` checks it)."""
-    return kvc_req.of(req).cuts
-
-
-def ends_here(req: Any) -> DocumentKey | None:
-    """The document whose end the chunk of `req` that just ran ended at, or None."""
-    return _ended_at_its_end(req) if plan_of(req).splits else None
-
-
-def adopts_here(req: Any) -> DocumentKey | None:
-    """The extension whose end the chunk of `req` that just ran ended at, where it adopts it
-    (`DocumentPlan.adopts`), or None."""
-    return _ended_at_its_end(req) if plan_of(req).adopts else None
-
-
-def _ended_at_its_end(req: Any) -> DocumentKey | None:
-    key = declared(req)
-    return key if fill_skip(req) + int(req.extend_end) == key.tokens else None
-
-
-def match_limit(req: Any) -> int | None:
-    """The most prompt tokens `req` may match in the tree, or None (no limit): one that compresses
-    its document between chunks matches fewer than D, so that a chunk of it ends at D, and fewer
-    than its first cut (`every`), so that its row is cut there as its key says."""
-    if not plan_of(req).splits:
-        return None
-    key = declared(req)
-    return min(key.tokens, key.every or key.tokens) - 1
+    return None if cap is None else plan_of(req).cut_at(prompt_read(req) + cap)

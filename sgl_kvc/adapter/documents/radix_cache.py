@@ -32,7 +32,7 @@ from sgl_kvc.adapter.documents import turns
 from sgl_kvc.adapter.documents.keys import NODE_ATTR
 from sgl_kvc.adapter.documents.links import Turn
 from sgl_kvc.adapter.documents.matching import plan_match
-from sgl_kvc.adapter.documents.plan import match_limit, plan_of
+from sgl_kvc.adapter.documents.plan import plan_of
 from sgl_kvc.adapter.documents.registry import DocumentRegistry
 from sgl_kvc.adapter.safety import failpoints
 from sgl_kvc.adapter.safety.tp import everywhere
@@ -89,7 +89,7 @@ class KvcRadixCache(RadixCache):
                 kvc_req.of(req).counted_use = node
             return MatchResult(device_prefix_len=plan.start.chain_slots, last_device_node=node,
                                last_host_node=node, best_match_node=node)
-        limit = None if plan is None else match_limit(req)
+        limit = None if plan is None else plan.match_limit
         fields = kvc_req.peek(req) if req is not None else None
         if fields is not None and fields.whole_prompt:
             limit = 0  # it reads its whole prompt itself (`hooks._around_max_prefix`)

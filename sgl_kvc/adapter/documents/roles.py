@@ -19,6 +19,10 @@
 `DocumentPlan.start` is the node its row starts from (its `layout` the row's arithmetic),
 `parent` the document its key follows, `key` the document it compresses (or, a hit, the one it
 starts from), `own` the one it declared and `mode` how it reads that one without a start.
+What follows from the plan alone is its property or method: where its row is cut as its key says
+(`cut_at`, `chunk_cap`, `ended_at`), how much of its row is its document's (`held_for_document`),
+how far it may match in the tree (`match_limit`); `plan.py` reads the positions from SGLang's
+request that they are asked of.
 
 A leaf of `documents/`: the request object (`adapter/kvc_req.py`) holds a plan, and the modules
 that make and read plans read it through that object.
@@ -102,6 +106,73 @@ class DocumentPlan:
     def fill_offset(self) -> int:
         """Prompt tokens its row read beyond the slots of its matched prefix (0 without a start)."""
         return self.layout.offset
+
+    # Where a `SPLIT` request's document is cut: as its key says, never as the pool's pressure or
+    # its publisher's budget would. It reads the document in chunks, one of which ends exactly at
+    # D (`chunk_cap`), where its row is cut to the document's k entries before any of its question
+    # is read; a document longer than a chunk (C) is also cut at every multiple of C before D, to
+    # `DocumentKey.between` entries (`cut_at`). The positions are SGLang's fields, alike on every
+    # rank (`plan.prompt_read`, `plan.chunk_end`).
+
+    @property
+    def cut_by_key(self) -> bool:
+        """Its chunks end where its key says: it compresses its document between chunks
+        (`splits`) or adopts its extension (`adopts`)."""
+        return self.splits or self.adopts
+
+    def chunk_cap(self, read: int) -> int | None:
+        """The most tokens its next chunk may read, `read` tokens of its prompt read, so that one
+        chunk ends at its document's end (and, a document longer than a chunk, one at each of its
+        cuts, `cut_at`), or None: it compresses its document between chunks (or adopts its
+        extension, `adopts`) and has not read all of it."""
+        if not self.cut_by_key:
+            return None
+        key = self.key
+        left = key.tokens - read
+        if left > 0 and key.every and self.splits:
+            left = min(left, key.every - read % key.every)
+        return left if left > 0 else None
+
+    def cut_at(self, end: int) -> int | None:
+        """The entries its row is cut to where a chunk of it ends at prompt position `end`, as its
+        document's key says: k at the document's end, `between` at a multiple of `every` before it,
+        0 elsewhere before it (not cut); None where the document decides nothing (it does not
+        compress one between chunks, or `end` is past it). An extension (`adopts`) is read whole
+        before it is published, in however many chunks SGLang's rounds read it: 0 before its end
+        (a cut there would lose it), None at its end, where its request adopts it."""
+        if self.adopts:
+            return 0 if end < self.key.tokens else None
+        if not self.splits:
+            return None
+        key = self.key
+        if end > key.tokens:
+            return None
+        if end == key.tokens:
+            return key.entries
+        return key.between if key.every and end % key.every == 0 else 0
+
+    def cut_inside(self, end: int) -> int | None:
+        """`cut_at` where a chunk ended at `end` before its document's end (which `ended_at`
+        finds), else None."""
+        if not self.cut_by_key:
+            return None
+        return self.cut_at(end) if end < self.key.tokens else None
+
+    def ended_at(self, end: int) -> DocumentKey | None:
+        """The document it compresses between chunks (`splits`), or the extension it adopts
+        (`adopts`), whose end a chunk that ended at `end` reached, or None."""
+        if not self.cut_by_key:
+            return None
+        return self.key if end == self.key.tokens else None
+
+    @property
+    def match_limit(self) -> int | None:
+        """The most prompt tokens it may match in the tree, or None (no limit): one that compresses
+        its document between chunks matches fewer than D, so that a chunk of it ends at D, and
+        fewer than its first cut (`every`), so that its row is cut there as its key says."""
+        if not self.splits:
+            return None
+        return min(self.key.tokens, self.key.every or self.key.tokens) - 1
 
     def without_start(self) -> "DocumentPlan":
         """Its own document read by itself, as it declared it (no resident node to start from)."""

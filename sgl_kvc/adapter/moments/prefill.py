@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sgl_kvc.adapter import documents
+from sgl_kvc.adapter import documents, kvc_req
 from sgl_kvc.adapter.documents import cut_rows, document_pass, extensions
 from sgl_kvc.adapter.kvc_req import resolved
 from sgl_kvc.adapter.kvzip.limits import question_slots, unscorable
@@ -71,13 +71,15 @@ def after_prefill(comp: Host, batch: ScheduleBatch) -> None:
     result, `before_prefill_result`). Their passes run together, then the documents whose
     end a chunk reached are published from the rows cut there."""
     # requests whose chunk ended at their document's end: all of them, found alike on every
-    # rank (one whose state failed here is still listed, for the ranks' vote on publishing)
-    due = _PrefillMoments(ends={i: key for i, req in enumerate(batch.reqs)
-                                if is_middle_chunk(batch, req) and (key := documents.ends_here(req)) is not None})
-    # and those whose chunk ended at the end of the extension they published: they go on
-    # from it, not cut here (`extensions.adopt`)
-    adopting = {i: key for i, req in enumerate(batch.reqs)
-                if is_middle_chunk(batch, req) and (key := documents.adopts_here(req)) is not None}
+    # rank (one whose state failed here is still listed, for the ranks' vote on publishing); and
+    # those whose chunk ended at the end of the extension they published: they go on from it,
+    # not cut here (`extensions.adopt`)
+    due, adopting = _PrefillMoments(), {}
+    for i, req in enumerate(batch.reqs):
+        plan = documents.plan_of(req)
+        key = plan.ended_at(documents.chunk_end(req)) if plan.cut_by_key and is_middle_chunk(batch, req) else None
+        if key is not None:
+            (adopting if plan.adopts else due.ends)[i] = key
     for i, req in enumerate(batch.reqs):
         state = comp.state(req)
         if req.finished() or state is None or state.policy.name == "none" or i in adopting:
@@ -116,7 +118,8 @@ def chunk_moment(comp: Host, batch: ScheduleBatch, i: int, req: Req, state: ReqK
             due.chunks.append((i, state, key.entries))
             due.passes_before[i] = state.passes
             return
-    inside = documents.cut_inside(req)
+    plan = documents.plan_of(req)
+    inside = plan.cut_inside(documents.chunk_end(req)) if plan.cut_by_key else None
     if inside is not None:
         # Inside its document the row is cut only where the document's key says (at fixed
         # chunk boundaries, to fixed sizes), whatever the pool's pressure or this request's own
@@ -125,7 +128,7 @@ def chunk_moment(comp: Host, batch: ScheduleBatch, i: int, req: Req, state: ReqK
             req, "compress", chunk_due, comp, batch, req, state, n, inside, True
         ):
             due.chunks.append((i, state, inside))
-            documents.cut(req)
+            kvc_req.of(req).cuts += 1
         return
     keep = comp.config.chunk_target(state.effective_budget(n))
     if n > keep and chunk_compressible(req, comp.config) and comp.failures.guarded(

@@ -63,7 +63,7 @@ def begin(comp: Host, req: Req, tree_cache: Any = None) -> None:
     state = new_state(comp, req)
     query_moments(comp, state)
     comp.store.begin(req.kv.req_pool_idx, state)
-    doc = documents.hit(req)
+    doc = documents.plan_of(req).start
     if doc is not None:
         start_from(state, doc, comp.store.device)
         comp.store.set_offset(req.kv.req_pool_idx, state.offset)
@@ -80,7 +80,7 @@ def begin(comp: Host, req: Req, tree_cache: Any = None) -> None:
     # hit's first pass cut the document's entries below what the document keeps.
     document_part = documents.plan_of(req).held_for_document
     if document_part:
-        covers = doc.key.tokens if doc is not None else documents.declared(req).tokens
+        covers = doc.key.tokens if doc is not None else documents.plan_of(req).key.tokens
         state.budget = state.budget.beyond(document_part, covers)
     kvc_req.of(req).state = state
 

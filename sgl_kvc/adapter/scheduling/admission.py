@@ -163,7 +163,7 @@ def _fit_prefix(req: Req, adder: Any, config: KvcConfig) -> None:
     it again, no longer than what fits (`fitting_prefix`, through `hooks._around_max_prefix`):
     SGLang would otherwise try to admit it in every round, and never could, while every request
     behind it waits."""
-    if not int(req.prefix_len) or documents.declared(req) is not None:
+    if not int(req.prefix_len) or documents.plan_of(req).key is not None:
         return
     total = int(adder.token_to_kv_pool_allocator.size)
     demand = admission_demand(req, config)
@@ -174,12 +174,6 @@ def _fit_prefix(req: Req, adder: Any, config: KvcConfig) -> None:
         return
     kvc_req.of(req).prefix_cap = cap
     req.init_next_round_input(adder.tree_cache)
-
-
-def prefix_cap(req: Req) -> int | None:
-    """The longest cached prefix `req` may start from, or None (any)."""
-    fields = kvc_req.peek(req)
-    return None if fields is None else fields.prefix_cap
 
 
 def running_need(req: Req, config: KvcConfig) -> tuple[int, int] | None:
@@ -422,7 +416,7 @@ def _chunk_copies(req: Req, config: KvcConfig) -> int:
     if s is None or s.chunk is None:
         return 0
     after = int(req.extend_end)  # the first chunk's end
-    keep = documents.cut_at(req, after) or s.keep  # a cut of its document's key there keeps that many
+    keep = documents.plan_of(req).cut_at(after) or s.keep  # a cut of its document's key there keeps that many
     if after >= len(req.origin_input_ids) + len(req.output_ids) or after <= keep:
         return 0  # its last chunk (the pass after prefill is in its footprint), or no pass yet
     # its reconstruction forward (KVzip), or its question's, is freed before the pass copies
