@@ -38,6 +38,7 @@ import math
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from sgl_kvc.kernels.per_head_tables import SPLIT_COLUMNS, DecodeLogits, HeadTables, LogitRows, SplitPlan
@@ -241,13 +242,26 @@ def per_head_extend(
     kv_pos = tables.positions.to(device=device, dtype=torch.int64)
     out = torch.zeros(b, h_kv, group, q_max, values.shape[-1], device=device)
     hidden = ~valid[:, :, None, :]
+    n = keys.shape[2]
     for start in range(0, q_max, q_block):  # blocks of query rows, never a loop over requests
         stop = min(q_max, start + q_block)
-        logits = torch.matmul(qg[:, :, :, start:stop], keys.unsqueeze(2).transpose(-1, -2)).mul_(scale)
         later = kv_pos[:, :, None, :] > pos[:, None, start:stop, None]  # [B, H_kv, q, N]: not causal
         invisible = later.logical_or_(hidden).unsqueeze(2)  # [B, H_kv, 1, q, N]
+        if on_probs is None:
+            # No probabilities wanted: PyTorch's fused attention, in one pass over the keys and
+            # without the [.., q, N] logits (another rounding of the same softmax; a query that
+            # sees no key reads zeros, as below).
+            rows = b * h_kv
+            block = F.scaled_dot_product_attention(
+                qg[:, :, :, start:stop].reshape(rows, group, stop - start, d),
+                keys.reshape(rows, 1, n, d).expand(-1, group, -1, -1),
+                values.reshape(rows, 1, n, -1).expand(-1, group, -1, -1),
+                attn_mask=~invisible.reshape(rows, 1, stop - start, n), scale=scale,
+            ).reshape(b, h_kv, group, stop - start, -1)
+            out[:, :, :, start:stop] = block.masked_fill_(invisible.all(dim=-1, keepdim=True), 0.0)
+            continue
+        logits = torch.matmul(qg[:, :, :, start:stop], keys.unsqueeze(2).transpose(-1, -2)).mul_(scale)
         out[:, :, :, start:stop], probs = _attend_in_place(logits, invisible, values.unsqueeze(2))
-        if on_probs is not None:
-            on_probs(start, stop, probs)
+        on_probs(start, stop, probs)
     out = out.permute(0, 3, 1, 2, 4).reshape(b, q_max, h_q, -1)  # back to [B, Q, H_q, d_v]
     return out[req, col].to(q.dtype)
