@@ -227,6 +227,36 @@ def test_extend_matches_dense_masked_causal_attention(device: torch.device, dtyp
     torch.testing.assert_close(out.double(), ref, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("q_block", [3, 256])
+def test_an_extend_with_and_without_probabilities_is_the_same_attention(device: torch.device, q_block: int) -> None:
+    """The two ways an extend runs: PyTorch's fused attention where nothing reads its
+    probabilities, its own softmax where a prefill statistic does (`on_probs`). Both are the
+    dense reference, the probabilities sum to 1 over the keys each query sees, and a head with no
+    entry reads zeros both ways."""
+    gen = torch.Generator().manual_seed(23)
+    reqs = make_requests(gen, [30, 12], 2, 16, 8, torch.float32, 0.5, must_keep_last=5)
+    k_pool, v_pool, tables = build_tables(gen, reqs, 2)
+    q = torch.randn(10, 6, 16, generator=gen)
+    indptr, q_pos = torch.tensor([0, 5, 10]), torch.cat([r["pos"][-5:] for r in reqs])
+    ref = torch.cat([dense_reference(r, q[5 * i: 5 * i + 5], q_pos[5 * i: 5 * i + 5], 0.25) for i, r in enumerate(reqs)])
+    empty = HeadTables(units=tables.units, lengths=tables.lengths * torch.tensor([[1, 0], [1, 1]]),
+                       positions=tables.positions)
+    for t in (tables, empty):
+        args = (q.to(device), indptr.to(device), q_pos.to(device), k_pool.to(device), v_pool.to(device),
+                on_device(t, device))
+        seen: list[torch.Tensor] = []
+        fused = per_head_extend(*args, q_block=q_block).cpu()
+        softmax = per_head_extend(*args, q_block=q_block, on_probs=lambda start, stop, p: seen.append(p.cpu())).cpu()
+        if t is tables:
+            torch.testing.assert_close(fused.double(), ref, **tolerance(torch.float32))
+            torch.testing.assert_close(softmax.double(), ref, **tolerance(torch.float32))
+            sums = torch.cat([p.sum(dim=-1) for p in seen], dim=-1)  # [B, H_kv, G, q]
+            torch.testing.assert_close(sums, torch.ones_like(sums))
+        else:  # request 0's KV head 1 (query heads 3-5) holds nothing
+            assert torch.equal(fused[:5, 3:], torch.zeros(5, 3, 8)) and torch.equal(softmax[:5, 3:], fused[:5, 3:])
+            torch.testing.assert_close(fused, softmax, **tolerance(torch.float32))
+
+
 def test_extend_causal_mask_uses_logical_positions(device: torch.device) -> None:
     """Permuting a head's table (slots with their positions) changes nothing; a table whose
     positions were replaced by table indices (physical order) gives a different answer."""
