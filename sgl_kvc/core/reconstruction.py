@@ -380,13 +380,14 @@ class ReconstructionRound:
             valid = torch.ones(positions.shape, dtype=torch.bool, device=positions.device)
         else:
             k_units, _ = store.unit_pools
-            keys = k_units[tables.units[local]]  # [H_kv, W', d]
-            own = tables.lens[local] - r  # each head's entries before the chunk's
+            units, lens, kept = tables.layer(local)
+            keys = k_units[units]  # [H_kv, W', d]
+            own = lens - r  # each head's entries before the chunk's
             width = int(own.max())
             cols = torch.arange(keys.shape[1], device=keys.device)
             at = (own[:, None] + torch.arange(r, device=keys.device)).clamp(max=keys.shape[1] - 1)
             repeat_keys = keys.gather(1, at[..., None].expand(-1, -1, keys.shape[-1]))
-            prefix_keys, positions = keys[:, :width], tables.positions[local][:, :width]
+            prefix_keys, positions = keys[:, :width], kept[:, :width]
             valid = (cols[None, :width] < own[:, None])
         self.forward_normalizers += given is not None
         fold_chunk(entry.scores[local], queries, prefix_keys, positions, valid, repeat_keys, entry.chunk,

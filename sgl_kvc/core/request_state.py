@@ -71,10 +71,21 @@ class RequestTables:
     units: Tensor  # [L, H_kv, N] int64
     lens: Tensor  # [L, H_kv] int64
     positions: Tensor  # [L, H_kv, N] int64
+    # each layer's columns that hold entries (its widest head's), on the host; None: all N
+    widths: tuple[int, ...] | None = None
 
     @property
     def width(self) -> int:
         return int(self.units.shape[-1])
+
+    def layer(self, layer: int, own_width: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+        """(units, lens, positions) of one layer, [H_kv, W_l], [H_kv], [H_kv, W_l]: with
+        `own_width`, only as wide as that layer's widest head, so that attention over a packed
+        request's layer reads no more columns than it holds (KVzip's one sort over every head
+        leaves one layer many times wider than the others, `benchmarks/head_widths.py`); else as
+        wide as the tables (the columns a statistic indexes)."""
+        w = self.width if self.widths is None or not own_width else self.widths[layer]
+        return self.units[layer, :, :w], self.lens[layer], self.positions[layer, :, :w]
 
     @cached_property
     def host_lens(self) -> list[list[int]]:
@@ -354,7 +365,7 @@ class ReqKvState:
         cols = entries.lens.to(units.device)[..., None] + torch.arange(tail, device=units.device)
         logical = torch.arange(self.packed, n, dtype=torch.int64, device=units.device) + self.offset
         positions.scatter_(-1, cols, logical.expand(num_layers, num_heads, tail))
-        return RequestTables(units=units, lens=lens, positions=positions)
+        return RequestTables(units=units, lens=lens, positions=positions, widths=self.layer_widths(n, num_layers))
 
     def logical_len(self, n: int) -> int:
         """Tokens the request has processed, for n cached entries (the newest is at n-1+offset,

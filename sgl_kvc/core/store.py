@@ -296,9 +296,6 @@ class KvcStore:
         its per-head tables, causal by logical position; the attention feeds its statistic when
         its policy adds prefill attention (H2O, Batch-Max). Returns [e, H_q, d_v]."""
         tables, state = self.extend_tables[row], self.states[row]
-        local = layer - self.first_layer
-        heads = HeadTables(units=tables.units[local][None], lengths=tables.lens[local][None],
-                           positions=tables.positions[local][None])
         on_probs = None
         if state.policy.uses_stats and state.policy.accumulate_prefill and self.reconstruction is None:
 
@@ -306,6 +303,10 @@ class KvcStore:
                 h_kv = probs.shape[1]
                 grouped = probs[0].reshape(-1, stop - start, probs.shape[-1])  # query head h: KV head h // G
                 state.stats[layer] = state.policy.accumulate(state.stats[layer], grouped, h_kv)
+
+        # its statistic indexes the tables' columns; the attention alone reads the layer's own
+        units, lens, kept = tables.layer(layer - self.first_layer, own_width=on_probs is None)
+        heads = HeadTables(units=units[None], lengths=lens[None], positions=kept[None])
 
         indptr = host_tensor([0, q.shape[0]], q.device)
         k_units, v_units = self.unit_pools

@@ -18,6 +18,8 @@ from sgl_kvc.adapter.moments.compaction import compact_requests_units
 from sgl_kvc.core.decode import DecodeStep
 from sgl_kvc.core.request_state import Budget, PackedEntries, ReqKvState, unit_index
 from sgl_kvc.core.store import KvcStore
+from sgl_kvc.kernels.per_head_attention import per_head_extend
+from sgl_kvc.kernels.per_head_tables import HeadTables
 from sgl_kvc.policies import get_policy, select_from_scores
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -227,6 +229,18 @@ def test_a_packed_requests_metadata_follows_its_entries_not_its_widest_head(devi
     store.begin_decode([0], [8 + 2])  # its 8 packed slots and two tokens decoded since
     [block] = store.decode_step.blocks
     assert [table.shape[-1] for table in block.units] == [wide + 2, 3, 3]
+    # an extend (here of one token) reads each layer only as wide as it holds, and attends as
+    # through the tables' full width; a statistic still indexes the full width
+    store.begin_extend([0], [8 + 2])
+    tables = store.extend_tables[0]
+    assert [tables.layer(l)[0].shape[-1] for l in range(layers)] == [wide + 2, 3, 3]
+    assert [tables.layer(l, own_width=False)[0].shape[-1] for l in range(layers)] == [wide + 2] * layers
+    k_units, v_units = store.unit_pools
+    q = torch.randn(1, 2 * heads, k_units.shape[-1], device=device)
+    at = (q, torch.tensor([0, 1], device=device), torch.tensor([9], device=device), k_units, v_units)
+    for layer in range(layers):
+        full, own = (HeadTables(*(t[None] for t in tables.layer(layer, own_width=w))) for w in (False, True))
+        torch.testing.assert_close(per_head_extend(*at, own), per_head_extend(*at, full))
 
 
 def test_decode_reads_packed_requests_through_their_tables(device: torch.device) -> None:
