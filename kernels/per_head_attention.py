@@ -14,7 +14,9 @@ compares LOGICAL positions (:attr:`HeadTables.positions`), never slot or table i
 This module is the batched torch implementation (CPU, and a CUDA fallback): requests and heads are
 padded to the longest table and masked, with no Python loop over requests (only over blocks of
 query rows of a long extend, to bound memory). Softmax runs in float32; outputs have the queries'
-dtype; a sequence with no visible key yields zeros.
+dtype; a sequence with no visible key yields zeros. An extend whose probabilities nothing reads
+runs PyTorch's fused attention (`scaled_dot_product_attention`, with the same mask) instead of
+this module's softmax.
 
 On CUDA, decode runs the Triton kernel of `triton_per_head.py` (`fast_per_head_decode` picks it;
 same results, one program per (request, KV head, split), FP8 dequantized as it loads). FlashInfer
