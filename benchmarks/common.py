@@ -10,17 +10,21 @@ run writes into the repository, so its own output does not count as a change of 
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import contextlib
+import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Collection, Iterator
+from types import ModuleType
+from typing import Any, Callable, Collection, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 # CPU flags that change how fast a CPU runs this project: AVX2 / AVX-512 for float32 matrix
@@ -196,6 +200,47 @@ def metadata_markdown(meta: dict[str, Any]) -> str:
     if meta.get("notes"):
         lines.append(f"- Notes: {meta['notes']}")
     return "\n".join(lines) + "\n"
+
+
+def median_ms(fns: list[Callable[[], object]], reps: int) -> list[float]:
+    """The median milliseconds of each of `fns`, timed interleaved (one call of each per round,
+    the order turned every round), so that the machine's drift meets them alike."""
+    for _ in range(max(3, reps // 10)):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(reps):
+        order = list(range(len(fns)))
+        for i in order[r % len(fns):] + order[: r % len(fns)]:
+            t = time.perf_counter()
+            fns[i]()
+            times[i].append(time.perf_counter() - t)
+    return [1e3 * statistics.median(ts) for ts in times]
+
+
+def module_at(commit: str, path: str, repo: Path = REPO) -> ModuleType:
+    """The source file `path` as it was at `commit`, run as a module of its own beside this
+    checkout's packages (what a micro-benchmark times against)."""
+    source = subprocess.run(["git", "-C", str(repo), "show", f"{commit}:{path}"],
+                            check=True, capture_output=True, text=True).stdout
+    module = ModuleType(f"{Path(path).stem}_{commit}")
+    sys.modules[module.__name__] = module  # its dataclasses look their module up
+    exec(compile(source, f"{commit}:{path}", "exec"), module.__dict__)
+    return module
+
+
+def write_table(out: Path, name: str, meta: dict[str, Any], setup: dict[str, Any], rows: list[dict],
+                title: str, caption: str) -> str:
+    """`out/NAME.json` (meta, setup, rows) and `out/NAME.md` (the metadata, then the rows as one
+    table under `title`, after the setup and `caption`); the table's markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "setup": setup, "rows": rows}, indent=1) + "\n")
+    head = list(rows[0])
+    body = "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+                      *("| " + " | ".join(str(r[h]) for h in head) + " |" for r in rows)])
+    (out / f"{name}.md").write_text(
+        f"{metadata_markdown(meta)}\n## {title}\n\nSetup: `{json.dumps(setup)}`; {caption}\n\n{body}\n")
+    return body
 
 
 def machine() -> str:

@@ -17,17 +17,12 @@ two outputs. `--baseline COMMIT` runs `kernels/per_head_attention.py` as it was 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Callable
 
 import torch
 
-from benchmarks.common import REPO, metadata_markdown, run_metadata
-from benchmarks.unit_tables import _median_ms
+from benchmarks.common import median_ms, module_at, run_metadata, write_table
 from sgl_kvc.kernels import per_head_attention
 from sgl_kvc.kernels.per_head_tables import HeadTables
 
@@ -37,12 +32,7 @@ SHAPES = {"SmolLM2-135M (3 x 3, 64)": (3, 3, 64), "Llama-3.1-8B (8 x 4, 128)": (
 
 def baseline_extend(commit: str) -> Callable:
     """`per_head_extend` as `kernels/per_head_attention.py` was at `commit`."""
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}:kernels/per_head_attention.py"],
-                            check=True, capture_output=True, text=True).stdout
-    module = ModuleType(f"per_head_attention_{commit}")
-    sys.modules[module.__name__] = module
-    exec(compile(source, f"{commit}:kernels/per_head_attention.py", "exec"), module.__dict__)
-    return module.per_head_extend
+    return module_at(commit, "kernels/per_head_attention.py").per_head_extend
 
 
 def case(shape: tuple[int, int, int], context: int, extend: int, reps: int, baseline: Callable | None,
@@ -67,7 +57,7 @@ def case(shape: tuple[int, int, int], context: int, extend: int, reps: int, base
         return fn(q, indptr, q_pos, k_pool, v_pool, tables, on_probs=on_probs, q_max=extend)
 
     fns = [lambda: run(per_head_attention.per_head_extend), *([lambda: run(baseline)] if baseline else [])]
-    ms = _median_ms(fns, reps)
+    ms = median_ms(fns, reps)
     row = {"context": context, "extend": extend, "probabilities": probs, "ms": round(ms[0], 2)}
     if baseline is not None:
         diff = (run(per_head_attention.per_head_extend) - run(baseline)).abs().max().item()
@@ -88,17 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     meta = run_metadata("benchmarks.extend_attention", argv)
     rows = [{"shape": name, **case(shape, n, args.extend, args.reps, baseline, probs)}
             for name, shape in SHAPES.items() for n in args.contexts for probs in (False, True)]
-    args.out.mkdir(parents=True, exist_ok=True)
     setup = {"extend": args.extend, "reps": args.reps, "threads": 1, "baseline": args.baseline}
-    (args.out / "extend-attention.json").write_text(json.dumps({"meta": meta, "setup": setup, "rows": rows},
-                                                               indent=1) + "\n")
-    head = list(rows[0])
-    body = "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
-                      *("| " + " | ".join(str(r[h]) for h in head) + " |" for r in rows)])
-    (args.out / "extend-attention.md").write_text(
-        f"{metadata_markdown(meta)}\n## A packed request's extend attention, one layer\n\n"
-        f"Setup: `{json.dumps(setup)}`; milliseconds per call (median).\n\n{body}\n")
-    print(body)
+    print(write_table(args.out, "extend-attention", meta, setup, rows, "A packed request's extend attention, one layer",
+                      "milliseconds per call (median)."))
 
 
 if __name__ == "__main__":

@@ -18,49 +18,22 @@ commit's `block_tables` too, in the same run, on the same requests (`per_head_ms
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
 
-from benchmarks.common import REPO, metadata_markdown, run_metadata
+from benchmarks.common import median_ms, module_at, run_metadata, write_table
 from sgl_kvc.core.request_state import PackedEntries, block_tables
 
 SHAPES = {"demo (2 layers, 2 KV heads)": (2, 2), "SmolLM2-135M (30, 3)": (30, 3), "Llama-3.1-8B (32, 8)": (32, 8)}
 
 
-def _median_ms(fns: list[Callable[[], object]], reps: int) -> list[float]:
-    """The median milliseconds of each of `fns`, timed interleaved (one call of each per round,
-    the order turned every round), so that the machine's drift meets them alike."""
-    for _ in range(max(3, reps // 10)):
-        for fn in fns:
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for r in range(reps):
-        order = list(range(len(fns)))
-        for i in order[r % len(fns):] + order[: r % len(fns)]:
-            t = time.perf_counter()
-            fns[i]()
-            times[i].append(time.perf_counter() - t)
-    return [1e3 * statistics.median(ts) for ts in times]
-
-
 def baseline_block_tables(commit: str) -> Callable:
-    """`block_tables` as `core/request_state.py` was at `commit` (its source run as a module of its
-    own, beside this checkout's package)."""
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}:sgl_kvc/core/request_state.py"],
-                            check=True, capture_output=True, text=True).stdout
-    module = ModuleType(f"request_state_{commit}")
-    sys.modules[module.__name__] = module  # its dataclasses look their module up
-    exec(compile(source, f"{commit}:sgl_kvc/core/request_state.py", "exec"), module.__dict__)
-    return module.block_tables
+    """`block_tables` as `core/request_state.py` was at `commit`."""
+    return module_at(commit, "sgl_kvc/core/request_state.py").block_tables
 
 
 def case(layers: int, heads: int, batch: int, budget: int, buffer: int, reps: int, seed: int = 0,
@@ -103,7 +76,7 @@ def case(layers: int, heads: int, batch: int, budget: int, buffer: int, reps: in
 
     names = ["per_head_ms", *(f"per_head_ms@{name}" for name in baselines or {}), "uniform_ms"]
     fns = [per_head, *(lambda build=build: per_head_before(build) for build in (baselines or {}).values()), uniform]
-    out = {"batch": batch, **{n: round(ms, 3) for n, ms in zip(names, _median_ms(fns, reps))}}
+    out = {"batch": batch, **{n: round(ms, 3) for n, ms in zip(names, median_ms(fns, reps))}}
     return {**out, "table_mib": round(batch * heads * sum(widths) * 8 / 2**20, 2)}
 
 
@@ -121,16 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     meta = run_metadata("benchmarks.unit_tables", argv)
     rows = [{"shape": name, **case(layers, heads, b, args.budget, args.buffer, args.reps, baselines=baselines)}
             for name, (layers, heads) in SHAPES.items() for b in args.batches]
-    args.out.mkdir(parents=True, exist_ok=True)
     setup = {"budget": args.budget, "buffer": args.buffer, "reps": args.reps, "threads": 1, "baseline": args.baseline}
-    (args.out / "unit-tables.json").write_text(json.dumps({"meta": meta, "setup": setup, "rows": rows}, indent=1) + "\n")
-    head = list(rows[0])
-    body = "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
-                      *("| " + " | ".join(str(r[h]) for h in head) + " |" for r in rows)])
-    (args.out / "unit-tables.md").write_text(
-        f"{metadata_markdown(meta)}\n## A decode step's tables, per-head (unit pool) against uniform rows\n\n"
-        f"Setup: `{json.dumps(setup)}`; milliseconds per step (median), and the per-head tables' size.\n\n{body}\n")
-    print(body)
+    print(write_table(args.out, "unit-tables", meta, setup, rows,
+                      "A decode step's tables, per-head (unit pool) against uniform rows",
+                      "milliseconds per step (median), and the per-head tables' size."))
 
 
 if __name__ == "__main__":
